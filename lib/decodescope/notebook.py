@@ -1,0 +1,42 @@
+"""What every phase notebook does first: load the params and find (or make) its run directory.
+
+Under papermill the runner injects both; opened in JupyterLab with the default parameters, a notebook
+makes its own run directory (`<stamp>-<name>-interactive`) so it runs alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from decodescope.params import Params, load_params
+
+
+@dataclass
+class PhaseContext:
+    params: Params
+    run_dir: Path
+
+    @property
+    def data_dir(self) -> Path:
+        return self.run_dir / "data"
+
+    def data(self, name: str) -> Path:
+        return self.data_dir / name
+
+    def source(self, name: str) -> str:
+        """'where this number came from' line for captions."""
+        return f"{self.run_dir.name}/data/{name} (params: {self.params.run_name})"
+
+
+def open_phase(params_path: str, run_dir: str = "") -> PhaseContext:
+    params = load_params(params_path)
+    if run_dir:
+        path = Path(run_dir)
+    else:
+        from decodescope.runner import new_run_dir
+
+        params.run.name = f"{params.run_name}-interactive"
+        path = new_run_dir(params)
+    for sub in ("data", "logs", "traces", "notebooks"):
+        (path / sub).mkdir(parents=True, exist_ok=True)
+    return PhaseContext(params=params, run_dir=path.resolve())

@@ -1,0 +1,1 @@
+"""Plotly figure builders and the HTML report."""

@@ -1,0 +1,44 @@
+"""Showing figures and tables from notebooks so they work in JupyterLab and in the offline report.
+
+A figure is displayed as plotly's own mimetype (JupyterLab renders it with its plotly extension) plus an
+HTML div that calls the global `Plotly`; the report embeds plotly.js once and nbconvert keeps the div.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+
+FIGURE_HEIGHT_PX = 460
+
+
+def figure_bundle(fig) -> dict:
+    html = fig.to_html(full_html=False, include_plotlyjs=False, default_height=f"{FIGURE_HEIGHT_PX}px",
+                       default_width="100%", config={"displaylogo": False, "responsive": True})
+    return {"application/vnd.plotly.v1+json": fig.to_plotly_json(), "text/html": html,
+            "text/plain": f"<plotly figure: {fig.layout.title.text or 'untitled'}>"}
+
+
+def show(fig) -> None:
+    from IPython.display import display
+
+    display(figure_bundle(fig), raw=True)
+
+
+def show_table(df: pd.DataFrame, caption: Optional[str] = None, float_format: str = "{:,.3f}",
+               max_rows: int = 60) -> None:
+    """A styled table; the caption says where the numbers came from."""
+    from IPython.display import HTML, display
+
+    shown = df.head(max_rows)
+    styler = shown.style.format(precision=3, thousands=",", na_rep="–").hide(axis="index")
+    if caption:
+        styler = styler.set_caption(caption)
+    more = f"<p><em>{len(df) - max_rows} more rows in the data file.</em></p>" if len(df) > max_rows else ""
+    display(HTML(styler.to_html() + more))
+
+
+def show_note(markdown: str) -> None:
+    from IPython.display import Markdown, display
+
+    display(Markdown(markdown))

@@ -1,0 +1,115 @@
+"""report.html from the executed notebooks: code hidden, one header with the run's phases and their
+status, failed phases shown with their error, plotly.js embedded once, nothing loaded from a network."""
+from __future__ import annotations
+
+import html
+import re
+from pathlib import Path
+
+import nbformat
+
+from decodescope.io import read_json, write_text_atomic
+from decodescope.params import PHASES
+
+PHASE_TITLES = {
+    "00_host": "Host inventory",
+    "01_serving": "Serving sweep",
+    "02_gemm": "GEMM micro-benchmarks",
+    "03_collectives": "Collective micro-benchmarks",
+    "04_profile": "Profile of decode steps",
+    "05_verdict": "Verdict",
+}
+_EXTERNAL = re.compile(r"<script[^>]*\ssrc=\"https?://[^\"]*\"[^>]*>\s*</script>|<link[^>]*\shref=\"https?://[^\"]*\"[^>]*>",
+                       re.I)
+STATUS_COLOURS = {"ok": "#1a7f37", "failed": "#cf222e", "skipped": "#9a6700", "pending": "#57606a",
+                  "running": "#0969da"}
+
+
+def _status_badge(status: str) -> str:
+    colour = STATUS_COLOURS.get(status, "#57606a")
+    return (f'<span class="ds-status ds-status-{html.escape(status)}" style="background:{colour};color:#fff;'
+            f'padding:1px 8px;border-radius:8px;font-size:90%">{html.escape(status)}</span>')
+
+
+def header_html(manifest: dict) -> str:
+    rows = []
+    for phase, info in manifest.get("phases", {}).items():
+        err = info.get("error") or ""
+        dur = info.get("duration_s")
+        rows.append(
+            f"<tr><td><a href='#phase-{phase}'>{phase}</a></td><td>{html.escape(PHASE_TITLES.get(phase, phase))}</td>"
+            f"<td>{_status_badge(info.get('status', 'pending'))}</td>"
+            f"<td>{'' if dur is None else f'{dur:.1f} s'}</td>"
+            f"<td><code>{html.escape(err.splitlines()[0][:300]) if err else ''}</code></td></tr>")
+    server = manifest.get("server") or {}
+    server_line = ""
+    if server:
+        start = server.get("start_s")
+        server_line = (f"<p>Server: {html.escape(str(server.get('status', '')))} "
+                       f"{html.escape(str(server.get('base_url', '')))}"
+                       f"{'' if start is None else f', healthy after {start:.1f} s'}</p>")
+    return f"""
+<div id="ds-header" class="ds-header">
+<h1>decodescope report</h1>
+<p><b>Run</b> <code>{html.escape(manifest.get('run_id', ''))}</code> &middot;
+<b>params</b> <code>{html.escape(manifest.get('params_name', ''))}</code> &middot;
+<b>created</b> {html.escape(manifest.get('created', ''))} &middot;
+<b>commit</b> <code>{html.escape(str(manifest.get('git_commit')))}</code> &middot;
+<b>run status</b> {_status_badge(manifest.get('status', 'unknown'))}</p>
+{server_line}
+<table class="ds-phases"><thead><tr><th>phase</th><th>what</th><th>status</th><th>time</th><th>error</th></tr></thead>
+<tbody>{''.join(rows)}</tbody></table>
+<p style="font-size:90%">Every table and figure below names the data file it came from, inside this run directory.
+The params as run are in <code>params.yaml</code>; the executed notebooks in <code>notebooks/</code>.</p>
+</div>"""
+
+
+def combined_notebook(run_dir: Path, manifest: dict) -> nbformat.NotebookNode:
+    cells = [nbformat.v4.new_markdown_cell(header_html(manifest))]
+    for phase in [p for p in PHASES if p in manifest.get("phases", {})]:
+        info = manifest["phases"][phase]
+        status = info.get("status", "pending")
+        cells.append(nbformat.v4.new_markdown_cell(
+            f"<h2 id='phase-{phase}'>{phase} &middot; {html.escape(PHASE_TITLES.get(phase, phase))} "
+            f"{_status_badge(status)}</h2>"))
+        if status == "failed":
+            cells.append(nbformat.v4.new_markdown_cell(
+                f"<div class='ds-failed' style='border-left:4px solid #cf222e;padding:4px 12px;background:#fff5f5'>"
+                f"<b>This phase failed.</b><pre>{html.escape(info.get('error') or 'no error text')}</pre></div>"))
+        nb_path = run_dir / "notebooks" / f"{phase}.ipynb"
+        if nb_path.is_file() and status in ("ok", "failed"):
+            nb = nbformat.read(nb_path, as_version=4)
+            for cell in nb.cells:
+                if "parameters" in cell.metadata.get("tags", []) or "injected-parameters" in cell.metadata.get("tags", []):
+                    continue
+                cells.append(cell)
+        elif status in ("pending", "skipped"):
+            cells.append(nbformat.v4.new_markdown_cell(f"*Not run ({status}).*"))
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata["title"] = f"decodescope {manifest.get('run_id', '')}"
+    return nb
+
+
+def plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def build_report(run_dir: Path) -> Path:
+    from nbconvert import HTMLExporter
+
+    run_dir = Path(run_dir)
+    manifest = read_json(run_dir / "manifest.json")
+    nb = combined_notebook(run_dir, manifest)
+    exporter = HTMLExporter(template_name="lab", exclude_input=True, exclude_input_prompt=True,
+                            exclude_output_prompt=True)
+    body, _ = exporter.from_notebook_node(nb)
+    body = _EXTERNAL.sub("", body)  # require.js / MathJax from CDNs: the report must work offline
+    # Inline the library once, in <head>, so it is defined before any figure's script runs.
+    script = "<script type=\"text/javascript\">" + plotly_js() + "</script>"
+    body = body.replace("</head>", script + "\n</head>", 1) if "</head>" in body else script + body
+    out = run_dir / "report.html"
+    write_text_atomic(out, body)
+    return out
+
