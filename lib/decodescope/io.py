@@ -10,10 +10,17 @@ from typing import Any
 import pandas as pd
 
 
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _atomic_target(path: Path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, _umask_mode())  # mkstemp makes 0600; results are meant to be shared
     os.close(fd)
     return path, Path(tmp)
 

@@ -1,0 +1,212 @@
+"""Streaming requests against an OpenAI-compatible server, one record per request.
+
+Times are CLOCK_MONOTONIC nanoseconds (`time.monotonic_ns`), comparable across processes on one host.
+A request's record keeps every content chunk's arrival so TTFT, TPOT and ITL can be recomputed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import aiohttp
+
+WORDS = ("time decode step kernel reduce expert token cache batch layer memory bandwidth server stream "
+         "latency graph launch sample logits prefill route shard rank link bridge switch").split()
+
+
+@dataclass
+class RequestRecord:
+    level: int
+    index: int
+    warmup: bool
+    send_ns: int
+    first_chunk_ns: Optional[int] = None
+    end_ns: Optional[int] = None
+    chunk_ns: list[int] = field(default_factory=list)
+    n_out_usage: Optional[int] = None
+    n_out_chunks: int = 0
+    n_in_usage: Optional[int] = None
+    n_in_sent: Optional[int] = None
+    error_class: Optional[str] = None
+    error_text: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_class is None
+
+    def to_row(self) -> dict:
+        row = asdict(self)
+        row["ok"] = self.ok
+        return row
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    endpoint: str                 # "completions" | "chat"
+    model: str
+    prompt_token_ids: list[int]
+    prompt_text: str
+    max_tokens: int
+    timeout_s: float
+
+
+def auth_headers(api_key: Optional[str]) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def tokenize(session: aiohttp.ClientSession, base_url: str, model: str, text: str,
+                   headers: dict) -> list[int]:
+    async with session.post(f"{base_url}/tokenize", json={"model": model, "prompt": text,
+                                                          "add_special_tokens": False}, headers=headers) as r:
+        r.raise_for_status()
+        return (await r.json())["tokens"]
+
+
+async def detokenize(session, base_url, model, tokens, headers) -> str:
+    async with session.post(f"{base_url}/detokenize", json={"model": model, "tokens": tokens},
+                            headers=headers) as r:
+        r.raise_for_status()
+        return (await r.json())["prompt"]
+
+
+async def make_prompts(base_url: str, model: str, n: int, input_tokens: int, seed: int,
+                       api_key: Optional[str] = None) -> list[tuple[list[int], str]]:
+    """n prompts of exactly input_tokens tokens under the server's own tokenizer (its /tokenize),
+    random but seeded. Completions send the token ids, so the length is exact by construction; the
+    text (for chat) is their detokenization."""
+    rng = random.Random(seed)
+    headers = auth_headers(api_key)
+    prompts = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            ids: list[int] = []
+            while len(ids) < input_tokens:
+                text = " ".join(rng.choice(WORDS) for _ in range(max(8, input_tokens)))
+                ids += await tokenize(session, base_url, model, f"{i} {text}", headers)
+            ids = ids[:input_tokens]
+            prompts.append((ids, await detokenize(session, base_url, model, ids, headers)))
+    return prompts
+
+
+def request_body(spec: RequestSpec) -> tuple[str, dict]:
+    common = {"model": spec.model, "max_tokens": spec.max_tokens, "stream": True,
+              "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+    if spec.endpoint == "chat":
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": spec.prompt_text}]}
+    return "/v1/completions", {**common, "prompt": spec.prompt_token_ids}
+
+
+def _content_of(event: dict, endpoint: str) -> Optional[str]:
+    choices = event.get("choices") or []
+    if not choices:
+        return None
+    c = choices[0]
+    text = c.get("text") if endpoint != "chat" else (c.get("delta") or {}).get("content")
+    return text if text else None
+
+
+async def send_streaming(session: aiohttp.ClientSession, base_url: str, spec: RequestSpec, record: RequestRecord,
+                         headers: dict) -> RequestRecord:
+    """Send one request and fill `record`; every failure lands in error_class/error_text."""
+    path, body = request_body(spec)
+    record.n_in_sent = len(spec.prompt_token_ids)
+    record.send_ns = time.monotonic_ns()
+    try:
+        async with asyncio.timeout(spec.timeout_s):
+            async with session.post(base_url + path, json=body, headers=headers) as resp:
+                if resp.status >= 400:
+                    text = (await resp.text())[:500]
+                    record.error_class = f"http_{resp.status // 100}xx"
+                    record.error_text = f"HTTP {resp.status}: {text}"
+                    return record
+                buffer = b""
+                async for raw in resp.content.iter_any():
+                    now = time.monotonic_ns()
+                    buffer += raw
+                    while b"\n\n" in buffer:
+                        event_bytes, buffer = buffer.split(b"\n\n", 1)
+                        for line in event_bytes.split(b"\n"):
+                            line = line.strip()
+                            if not line.startswith(b"data:"):
+                                continue
+                            payload = line[5:].strip()
+                            if payload == b"[DONE]":
+                                continue
+                            event = json.loads(payload)
+                            if "error" in event:
+                                raise _StreamError(str(event["error"])[:500])
+                            if _content_of(event, spec.endpoint) is not None:
+                                if record.first_chunk_ns is None:
+                                    record.first_chunk_ns = now
+                                record.chunk_ns.append(now)
+                                record.n_out_chunks += 1
+                            usage = event.get("usage")
+                            if usage:
+                                record.n_out_usage = usage.get("completion_tokens")
+                                record.n_in_usage = usage.get("prompt_tokens")
+                record.end_ns = time.monotonic_ns()
+                if record.first_chunk_ns is None:
+                    record.error_class, record.error_text = "malformed_stream", "stream ended with no content chunk"
+    except TimeoutError:
+        record.error_class, record.error_text = "timeout", f"no complete response within {spec.timeout_s} s"
+    except _StreamError as e:
+        record.error_class, record.error_text = "stream_error", str(e)
+    except json.JSONDecodeError as e:
+        record.error_class, record.error_text = "malformed_stream", f"undecodable event: {e}"
+    except aiohttp.ClientConnectorError as e:
+        record.error_class, record.error_text = "server_down", str(e)[:500]
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, ConnectionResetError) as e:
+        record.error_class, record.error_text = "connection_reset", f"{type(e).__name__}: {e}"[:500]
+    except aiohttp.ClientError as e:
+        record.error_class, record.error_text = "client_error", f"{type(e).__name__}: {e}"[:500]
+    if record.end_ns is None:
+        record.end_ns = time.monotonic_ns()
+    return record
+
+
+class _StreamError(Exception):
+    pass
+
+
+class LoopHealth:
+    """Event-loop lag (how late a 10 ms sleep wakes) and this process's CPU share during a level: a
+    client that is itself saturated inflates TTFT and ITL."""
+
+    def __init__(self, interval_s: float = 0.01, inflight=None):
+        self.interval_s = interval_s
+        self.lags_ms: list[float] = []
+        # Samples of the in-flight request count, an independent measure for the Little's-law check.
+        self.inflight = inflight
+        self.inflight_samples: list[int] = []
+        self._task: Optional[asyncio.Task] = None
+
+    async def _run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(self.interval_s)
+            self.lags_ms.append((time.perf_counter() - t0 - self.interval_s) * 1e3)
+            if self.inflight is not None:
+                self.inflight_samples.append(self.inflight())
+
+    def __enter__(self):
+        self._wall0, self._cpu0 = time.perf_counter(), time.process_time()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc):
+        if self._task:
+            self._task.cancel()
+        self.wall_s = time.perf_counter() - self._wall0
+        self.cpu_s = time.process_time() - self._cpu0
+
+    def summary(self) -> dict:
+        import numpy as np
+
+        lags = np.array(self.lags_ms) if self.lags_ms else np.array([0.0])
+        return {"loop_lag_p50_ms": float(np.percentile(lags, 50)), "loop_lag_p99_ms": float(np.percentile(lags, 99)),
+                "loop_lag_max_ms": float(lags.max()), "client_cpu_pct": 100.0 * self.cpu_s / max(self.wall_s, 1e-9),
+                "inflight_sampled_mean": float(np.mean(self.inflight_samples)) if self.inflight_samples else float("nan")}

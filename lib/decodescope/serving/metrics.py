@@ -1,0 +1,97 @@
+"""Serving metrics, defined as `vllm bench serve` defines them so the numbers compare.
+
+TTFT = first content chunk - send; E2E = end of stream - send; TPOT = (E2E - TTFT) / (n_out - 1) when
+n_out > 1; ITL = gaps between consecutive content chunks; n_out from the server's usage record.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+PERCENTILES = (50, 90, 99)
+# A level whose client event loop lagged this much (p99) or used this much CPU may have distorted
+# the latencies it measured.
+LOOP_LAG_P99_LIMIT_MS = 5.0
+CLIENT_CPU_LIMIT_PCT = 85.0
+
+
+def per_request(records: pd.DataFrame) -> pd.DataFrame:
+    """Adds ttft_us, e2e_us, tpot_us, itl_us (list), n_out to the raw records."""
+    df = records.copy()
+    df["n_out"] = df["n_out_usage"].fillna(df["n_out_chunks"]).astype("int64")
+    df["ttft_us"] = (df["first_chunk_ns"] - df["send_ns"]) / 1e3
+    df["e2e_us"] = (df["end_ns"] - df["send_ns"]) / 1e3
+    df["tpot_us"] = np.where(df["n_out"] > 1, (df["e2e_us"] - df["ttft_us"]) / (df["n_out"] - 1).clip(lower=1), np.nan)
+    df["itl_us"] = [list(np.diff(np.asarray(c, dtype="int64")) / 1e3) if c is not None and len(c) > 1 else []
+                    for c in df["chunk_ns"]]
+    df.loc[~df["ok"], ["ttft_us", "tpot_us"]] = np.nan
+    return df
+
+
+def _pcts(values, prefix: str) -> dict:
+    arr = np.asarray([v for v in values if v == v], dtype=float)
+    out = {f"{prefix}_mean_us": float(arr.mean()) if arr.size else np.nan}
+    for p in PERCENTILES:
+        out[f"{prefix}_p{p}_us"] = float(np.percentile(arr, p)) if arr.size else np.nan
+    return out
+
+
+def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, health: Optional[dict] = None) -> dict:
+    """One row of serving_levels: counts, throughputs, percentiles, goodput, client health."""
+    measured = req[(req["level"] == level) & (~req["warmup"])]
+    ok = measured[measured["ok"]]
+    t0 = measured["send_ns"].min()
+    t1 = measured["end_ns"].max()
+    duration_s = (t1 - t0) / 1e9 if len(measured) else np.nan
+    n_out = ok["n_out"].sum()
+    n_in = ok["n_in_usage"].fillna(ok["n_in_sent"]).sum()
+    row = {
+        "level": level, "requests": len(measured), "ok": len(ok), "failed": len(measured) - len(ok),
+        "duration_s": duration_s,
+        "request_throughput_rps": len(ok) / duration_s if duration_s else np.nan,
+        "output_throughput_tok_s": n_out / duration_s if duration_s else np.nan,
+        "total_throughput_tok_s": (n_out + n_in) / duration_s if duration_s else np.nan,
+        **_pcts(ok["ttft_us"], "ttft"), **_pcts(ok["tpot_us"], "tpot"),
+        **_pcts([x for l in ok["itl_us"] for x in l], "itl"), **_pcts(ok["e2e_us"], "e2e"),
+        "failure_reasons": "; ".join(f"{k}: {v}" for k, v in
+                                     measured.loc[~measured["ok"], "error_class"].value_counts().items()),
+    }
+    row.update(littles_law(measured))
+    if slo:
+        good = ok
+        for key, col in (("ttft_ms", "ttft_us"), ("tpot_ms", "tpot_us"), ("e2e_ms", "e2e_us")):
+            if slo.get(key) is not None:
+                good = good[good[col].fillna(0) <= slo[key] * 1e3]
+        row["goodput_rps"] = len(good) / duration_s if duration_s else np.nan
+    if health:
+        row.update(health)
+        lw, l_sampled = row.get("littles_lw"), health.get("inflight_sampled_mean")
+        row["littles_error_pct"] = 100.0 * abs(l_sampled - lw) / lw if lw and l_sampled == l_sampled else np.nan
+        row["client_suspect"] = bool(health.get("loop_lag_p99_ms", 0) > LOOP_LAG_P99_LIMIT_MS
+                                     or health.get("client_cpu_pct", 0) > CLIENT_CPU_LIMIT_PCT)
+    return row
+
+
+def littles_law(measured: pd.DataFrame) -> dict:
+    """lambda x W (request throughput x mean E2E) over the level's span, to compare with the mean
+    in-flight count that the client sampled independently (`inflight_sampled_mean`, L)."""
+    if measured.empty:
+        return {"littles_lw": np.nan}
+    span_s = (measured["end_ns"].max() - measured["send_ns"].min()) / 1e9
+    lam = len(measured) / span_s if span_s else np.nan
+    w = ((measured["end_ns"] - measured["send_ns"]) / 1e9).mean()
+    return {"littles_lw": float(lam * w)}
+
+
+def knee(levels: pd.DataFrame, gain: float = 0.10) -> Optional[int]:
+    """The concurrency after which doubling-ish the load adds less than `gain` of throughput: the
+    plateau's start. None if throughput still grows at the last level."""
+    lv = levels.sort_values("level")
+    tput = lv["output_throughput_tok_s"].to_numpy()
+    conc = lv["level"].to_numpy()
+    for i in range(len(lv) - 1):
+        if tput[i] > 0 and (tput[i + 1] - tput[i]) / tput[i] < gain:
+            return int(conc[i])
+    return None

@@ -1,0 +1,160 @@
+"""The concurrency sweep: per level, warm-up requests then N measured ones at fixed concurrency.
+
+Each level is written when it finishes (data/serving/level_<c>.parquet, atomically), and the combined
+serving_requests.parquet / serving_levels.parquet are rewritten after every level, so a crash keeps the
+finished levels and a rerun skips them.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import aiohttp
+import pandas as pd
+
+from decodescope.io import write_json_atomic, write_parquet_atomic
+from decodescope.serving.client import (LoopHealth, RequestRecord, RequestSpec, auth_headers, make_prompts,
+                                        send_streaming)
+from decodescope.serving.metrics import level_summary, per_request
+
+REQUEST_COLUMNS = ["level", "index", "warmup", "ok", "error_class", "error_text", "send_ns", "first_chunk_ns",
+                   "end_ns", "chunk_ns", "n_out_usage", "n_out_chunks", "n_in_usage", "n_in_sent"]
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    base_url: str
+    model: str
+    endpoint: str
+    levels: list[int]
+    input_tokens: int
+    output_tokens: int
+    requests_per_level: int
+    warmup_requests: int
+    timeout_s: float
+    seed: int = 0
+    api_key: Optional[str] = None
+    slo: Optional[dict] = None
+
+    @classmethod
+    def from_params(cls, params, base_url: str, model: Optional[str] = None) -> "SweepConfig":
+        w = params.workload
+        return cls(base_url=base_url, model=model or params.model.name, endpoint=w.endpoint,
+                   levels=list(w.concurrency), input_tokens=w.input_tokens, output_tokens=w.output_tokens,
+                   requests_per_level=w.requests_per_level, warmup_requests=w.warmup_requests,
+                   timeout_s=w.request_timeout_s, seed=w.seed, api_key=params.server.api_key,
+                   slo=w.slo.model_dump())
+
+
+async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int], str]],
+                    n_requests: Optional[int] = None, warmup: Optional[int] = None) -> tuple[list[RequestRecord], dict]:
+    """Warm-up then measured requests, at most `level` in flight. Returns records and client health."""
+    n_requests = cfg.requests_per_level if n_requests is None else n_requests
+    warmup = cfg.warmup_requests if warmup is None else warmup
+    headers = auth_headers(cfg.api_key)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    records: list[RequestRecord] = []
+    prompt_cycle = itertools.cycle(prompts)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async def one(i: int, is_warmup: bool) -> RequestRecord:
+            ids, text = next(prompt_cycle)
+            spec = RequestSpec(cfg.endpoint, cfg.model, ids, text, cfg.output_tokens, cfg.timeout_s)
+            rec = RequestRecord(level=level, index=i, warmup=is_warmup, send_ns=0)
+            return await send_streaming(session, cfg.base_url, spec, rec, headers)
+
+        if warmup:
+            sem = asyncio.Semaphore(level)
+
+            async def gated_warm(i):
+                async with sem:
+                    return await one(i, True)
+            records += await asyncio.gather(*(gated_warm(i) for i in range(warmup)))
+
+        inflight = 0
+        sem = asyncio.Semaphore(level)
+
+        async def gated(i):
+            nonlocal inflight
+            async with sem:
+                inflight += 1
+                try:
+                    return await one(i, False)
+                finally:
+                    inflight -= 1
+        with LoopHealth(inflight=lambda: inflight) as health:
+            records += await asyncio.gather(*(gated(i) for i in range(n_requests)))
+    return records, health.summary()
+
+
+def records_frame(records: list[RequestRecord]) -> pd.DataFrame:
+    return pd.DataFrame([r.to_row() for r in records], columns=REQUEST_COLUMNS)
+
+
+def level_path(data_dir: Path, level: int) -> Path:
+    return data_dir / "serving" / f"level_{level:05d}.parquet"
+
+
+def load_finished_levels(data_dir: Path) -> dict[int, pd.DataFrame]:
+    out = {}
+    for p in sorted((data_dir / "serving").glob("level_*.parquet")):
+        out[int(p.stem.split("_")[1])] = pd.read_parquet(p)
+    return out
+
+
+def combine(data_dir: Path, slo: Optional[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Rebuild serving_requests.parquet and serving_levels.parquet from the finished levels."""
+    finished = load_finished_levels(data_dir)
+    if not finished:
+        return pd.DataFrame(columns=REQUEST_COLUMNS), pd.DataFrame()
+    raw = pd.concat([df for df in finished.values()], ignore_index=True)
+    req = per_request(raw.drop(columns=[c for c in raw.columns if c.startswith("health_")]))
+    rows = []
+    for level, df in sorted(finished.items()):
+        health = {c.removeprefix("health_"): df[c].iloc[0] for c in df.columns if c.startswith("health_")}
+        rows.append(level_summary(req, level, slo, health))
+    levels = pd.DataFrame(rows)
+    write_parquet_atomic(data_dir / "serving_requests.parquet", req)
+    write_parquet_atomic(data_dir / "serving_levels.parquet", levels)
+    return req, levels
+
+
+def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every level not already on disk; levels are independent, so one that fails entirely (server
+    down) is recorded with its failures and the sweep goes on."""
+    from tqdm.auto import tqdm
+
+    data_dir = Path(data_dir)
+    done = set(load_finished_levels(data_dir))
+    todo = [lvl for lvl in cfg.levels if lvl not in done]
+    n_prompts = max(cfg.requests_per_level + cfg.warmup_requests, 1)
+    prompts = asyncio.run(_safe_prompts(cfg, n_prompts))
+    bar = tqdm(todo, desc="serving sweep", unit="level", disable=not progress, file=sys.stderr)
+    for level in bar:
+        bar.set_postfix(concurrency=level)
+        records, health = asyncio.run(run_level(cfg, level, prompts))
+        df = records_frame(records)
+        for k, v in health.items():
+            df[f"health_{k}"] = v
+        write_parquet_atomic(level_path(data_dir, level), df)
+        combine(data_dir, cfg.slo)
+    write_json_atomic(data_dir / "serving_config.json", {**cfg.__dict__, "api_key": None})
+    return combine(data_dir, cfg.slo)
+
+
+async def _safe_prompts(cfg: SweepConfig, n: int) -> list[tuple[list[int], str]]:
+    """Prompts from the server's tokenizer; if the server cannot tokenize (down, or not vLLM), random
+    ids from a small range are sent and the records' usage shows the real input length."""
+    try:
+        return await make_prompts(cfg.base_url, cfg.model, n, cfg.input_tokens, cfg.seed, cfg.api_key)
+    except (aiohttp.ClientError, OSError, KeyError) as e:
+        print(f"warning: could not build prompts with {cfg.base_url}/tokenize ({e}); using random token ids",
+              file=sys.stderr)
+        rng = random.Random(cfg.seed)
+        return [([rng.randrange(100, 900) for _ in range(cfg.input_tokens)], "hello " * cfg.input_tokens)
+                for _ in range(n)]

@@ -1,0 +1,89 @@
+"""Kernel and op names -> categories, by the ordered rules of params/kernel_categories.yaml."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Optional
+
+import pandas as pd
+import yaml
+
+DEFAULT_RULES = Path(__file__).resolve().parents[3] / "params" / "kernel_categories.yaml"
+OTHER = "other"
+COMM_CATEGORIES_GPU = ("allreduce_nccl", "allreduce_custom", "allgather", "reduce_scatter", "all_to_all",
+                       "ep_dispatch_combine", "send_recv")
+COMM_CATEGORIES_CPU = ("allreduce", "allgather", "collective_other")
+ALLREDUCE_CATEGORIES = ("allreduce_nccl", "allreduce_custom", "allreduce")
+
+
+@dataclass(frozen=True)
+class Rule:
+    category: str
+    regex: re.Pattern
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    gpu: tuple[Rule, ...]
+    cpu: tuple[Rule, ...]
+
+    def rules(self, device: str) -> tuple[Rule, ...]:
+        return self.gpu if device == "gpu" else self.cpu
+
+
+def load_rules(path: Optional[Path] = None) -> RuleSet:
+    path = Path(path or DEFAULT_RULES)
+    raw = yaml.safe_load(path.read_text())
+    sets = {}
+    for device in ("gpu", "cpu"):
+        rules = []
+        for i, r in enumerate(raw.get(device) or []):
+            try:
+                rules.append(Rule(r["category"], re.compile(r["pattern"], re.I)))
+            except (KeyError, re.error) as e:
+                raise ValueError(f"{path}: {device}[{i}]: bad rule {r!r} ({e}); each rule needs "
+                                 "category and a valid regex pattern") from None
+        sets[device] = tuple(rules)
+    return RuleSet(**sets)
+
+
+@lru_cache(maxsize=1)
+def default_rules() -> RuleSet:
+    return load_rules(DEFAULT_RULES)
+
+
+def demangle(names: Iterable[str]) -> dict[str, str]:
+    """Itanium-mangled names (_Z...) through c++filt in one batch; others unchanged."""
+    names = list(dict.fromkeys(names))
+    mangled = [n for n in names if n.startswith("_Z")]
+    out = {n: n for n in names}
+    if mangled and shutil.which("c++filt"):
+        res = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True, timeout=60)
+        for src, dst in zip(mangled, res.stdout.splitlines()):
+            out[src] = dst
+    return out
+
+
+def categorize_name(name: str, device: str = "gpu", rules: Optional[RuleSet] = None) -> str:
+    for rule in (rules or default_rules()).rules(device):
+        if rule.regex.search(name):
+            return rule.category
+    return OTHER
+
+
+def categorize_names(names: Iterable[str], device: str, rules: Optional[RuleSet] = None) -> dict[str, str]:
+    plain = demangle(names)
+    return {n: categorize_name(d, device, rules) for n, d in plain.items()}
+
+
+def add_categories(df: pd.DataFrame, device: str, rules: Optional[RuleSet] = None) -> pd.DataFrame:
+    """A `category` column, computed once per unique name."""
+    uniq = [str(n) for n in pd.unique(df["name"].astype(str))]
+    mapping = categorize_names(uniq, device, rules)
+    df = df.copy()
+    df["category"] = df["name"].astype(str).map(mapping).astype("category")
+    return df

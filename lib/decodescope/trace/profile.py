@@ -1,0 +1,113 @@
+"""The whole per-rank analysis of one set of traces, and its files in the run directory."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from decodescope import arch as archmod
+from decodescope.io import write_json_atomic, write_parquet_atomic
+from decodescope.trace import analyze as an
+from decodescope.trace.load import LoadedTraces
+
+KERNEL_COLUMNS = ["rank", "step", "category", "name", "ts_us", "dur_us", "time_us", "lane", "msg_bytes",
+                  "correlation", "coll_name"]
+
+
+@dataclass
+class ProfileResult:
+    device: str
+    ops: pd.DataFrame
+    steps: pd.DataFrame
+    breakdown: pd.DataFrame
+    per_step: pd.DataFrame
+    expected: pd.DataFrame
+    busy: pd.DataFrame
+    gaps: pd.DataFrame
+    skew: pd.DataFrame
+    skew_summary: pd.DataFrame
+    calls: pd.DataFrame
+    top: pd.DataFrame
+    unknown: pd.DataFrame
+    schedule: pd.DataFrame
+    warnings: list[str] = field(default_factory=list)
+    step_kind: str = "decode"
+
+    def summary(self) -> dict:
+        """profile_summary.json: the figures the verdict and the report read."""
+        kind_busy = self.busy[self.busy["kind"] == self.step_kind] if not self.busy.empty else self.busy
+        ar = self.breakdown[self.breakdown["category"].astype(str).isin(an.ALLREDUCE_CATEGORIES)]
+        total = self.breakdown.groupby("rank")["time_us"].sum()
+        ar_share = (ar.groupby("rank")["time_us"].sum() / total).fillna(0.0)
+        decode_ar = self.per_step[self.per_step["category"].astype(str).isin(an.ALLREDUCE_CATEGORIES)]
+        return {
+            "device": self.device,
+            "ranks": sorted(int(r) for r in self.ops["rank"].unique()),
+            "step_kind": self.step_kind,
+            "steps": {str(k): int(v) for k, v in self.steps.groupby("kind").size().items()},
+            "allreduce_share_of_time": {str(int(r)): float(v) for r, v in ar_share.items()},
+            "allreduce_calls_per_step": {str(int(r)): float(v) for r, v in
+                                         decode_ar.groupby("rank")["calls_per_step"].sum().items()},
+            "allreduce_mean_us": {str(int(r)): float(g["time_us"].sum() / max(g["calls"].sum(), 1))
+                                  for r, g in ar.groupby("rank")},
+            "per_step": {
+                "summed_us_median": float(kind_busy["summed_us"].median()) if len(kind_busy) else None,
+                "busy_us_median": float(kind_busy["busy_us"].median()) if len(kind_busy) else None,
+                "wall_us_median": float(kind_busy["wall_us"].median()) if len(kind_busy) else None,
+                "idle_us_median": float(kind_busy["idle_us"].median()) if len(kind_busy) else None,
+            },
+            "expected_vs_observed": self.expected.to_dict("records"),
+            "breakdown": self.breakdown.assign(category=self.breakdown["category"].astype(str)).to_dict("records"),
+            "other_share": float(self.breakdown.loc[self.breakdown["category"].astype(str) == "other", "time_us"].sum()
+                                 / max(self.breakdown["time_us"].sum(), 1e-9)),
+            "top_unknown": self.unknown.assign(category=self.unknown["category"].astype(str)).to_dict("records"),
+            "collective_wait": self.skew_summary.assign(
+                category=self.skew_summary["category"].astype(str)).to_dict("records"),
+            "schedule": self.schedule.to_dict("records"),
+            "warnings": self.warnings,
+        }
+
+
+def analyze_traces(loaded: LoadedTraces, model_config: Optional[dict] = None, tp: Optional[int] = None,
+                   batch: int = 1, rules=None) -> ProfileResult:
+    events = loaded.events
+    ops = an.op_table(events, rules)
+    device = ops.attrs.get("device", "gpu")
+    steps = an.find_steps(events, ops)
+    ops = an.assign_steps(ops, steps, events)
+    ops.attrs["device"] = device
+    kinds = set(steps["kind"]) if not steps.empty else set()
+    step_kind = "decode" if "decode" in kinds else ("unknown" if "unknown" in kinds else next(iter(kinds), "unknown"))
+    per_step = an.calls_per_step(ops, steps, step_kind) if not steps.empty else pd.DataFrame(
+        columns=["rank", "category", "calls_per_step", "time_per_step_us"])
+    schedule = pd.DataFrame()
+    exp_ar = exp_ag = None
+    if model_config is not None:
+        tp = tp or len(loaded.ranks)
+        arch = archmod.normalize_config(model_config)
+        calls = archmod.collective_schedule(arch, tp, batch)
+        schedule = archmod.schedule_frame(calls)
+        exp_ar = sum(c.count for c in calls if c.op == "all_reduce")
+        exp_ag = sum(c.count for c in calls if c.op == "all_gather")
+    expected = an.expected_vs_observed(per_step, exp_ar, exp_ag) if not per_step.empty else pd.DataFrame()
+    skew = an.collective_skew(ops)
+    return ProfileResult(
+        device=device, ops=ops, steps=steps, breakdown=an.category_breakdown(ops), per_step=per_step,
+        expected=expected, busy=an.busy_vs_sum(ops, steps), gaps=an.idle_gaps(ops), skew=skew,
+        skew_summary=an.skew_summary(skew), calls=an.per_call_latency(ops), top=an.top_ops(ops),
+        unknown=an.unknown_ops(ops), schedule=schedule, warnings=list(loaded.warnings), step_kind=step_kind)
+
+
+def write_profile(result: ProfileResult, data_dir: Path) -> dict:
+    data_dir = Path(data_dir)
+    kernels = result.ops[[c for c in KERNEL_COLUMNS if c in result.ops.columns]].copy()
+    for c in ("category", "name", "coll_name"):
+        if c in kernels:
+            kernels[c] = kernels[c].astype(str)
+    write_parquet_atomic(data_dir / "kernels.parquet", kernels)
+    write_parquet_atomic(data_dir / "profile_steps.parquet", result.steps)
+    summary = result.summary()
+    write_json_atomic(data_dir / "profile_summary.json", summary)
+    return summary

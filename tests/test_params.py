@@ -1,0 +1,144 @@
+import textwrap
+
+import pytest
+import yaml
+
+from decodescope.cli import main as cli_main
+from decodescope.params import REDACTED, ParamsError, dump_yaml, load_params
+
+MINIMAL = """
+model:
+  name: tiny
+  config: models/tiny-qwen3-moe.json
+server:
+  tensor_parallel: 2
+run:
+  output_dir: {out}
+"""
+
+
+def test_embedded_default_validates(repo):
+    p = load_params(repo / "params/default.yaml")
+    assert p.server.tensor_parallel == 2
+    assert p.model.tokenizer == "train"
+    assert p.server.engine_args["load-format"] == "dummy"
+
+
+def test_mission_params_validate_with_kimi_architecture(repo):
+    p = load_params(repo / "params/kimi-k2.5-int4-8x-pcie.yaml")
+    assert p.server.tensor_parallel == 8
+    assert p.hardware.interconnect == "pcie" and p.hardware.gpu_count == 8
+    cfg = p.model_config_dict()
+    assert cfg["text_config"]["num_hidden_layers"] == 61 and cfg["text_config"]["hidden_size"] == 7168
+
+
+# Each bad file, the field the error must name, and a fragment of what it must say.
+BAD_FILES = [
+    ("server:\n  port: 70000\n", "server.port", "1..65535"),
+    ("server:\n  port: 0\n", "server.port", "1..65535"),
+    ("server:\n  tensor_parallel: 3\n", "server.tensor_parallel", "does not divide"),
+    ("server:\n  tensor_parallel: 0\n", "server.tensor_parallel", ">= 1"),
+    ("workload:\n  concurrency: [0, 4]\n", "workload.concurrency", ">= 1"),
+    ("workload:\n  concurrency: []\n", "workload.concurrency", "at least one"),
+    ("workload:\n  input_tokens: many\n", "workload.input_tokens", "integer"),
+    ("server:\n  bogus_key: 1\n", "server.bogus_key", "unknown key"),
+    ("surprise_section: {}\n", "surprise_section", "unknown key"),
+    ("server:\n  mode: attach\n", "server.url", "attach mode"),
+    ("server:\n  mode: sideways\n", "server.mode", "launch"),
+    ("server:\n  url: ftp://x\n", "server.url", "http"),
+    ("host: ssh://user@gpu-box\n", "host", "not supported"),
+    ("run:\n  phases: [00_host, 07_magic]\n", "run.phases", "07_magic"),
+    ("model:\n  tokenizer: /no/such/tokenizer\n", "model.tokenizer", "does not exist"),
+    ("profile:\n  requests: 0\n", "profile.requests", ">= 1"),
+    ("microbench:\n  batches: [1, -2]\n", "microbench.batches", ">= 1"),
+]
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+@pytest.mark.parametrize("extra,field,fragment", BAD_FILES, ids=[b[1] + ":" + b[2] for b in BAD_FILES])
+def test_bad_params_give_an_error_naming_file_and_field(write_params, tmp_path, extra, field, fragment):
+    doc = _merge(yaml.safe_load(MINIMAL.format(out=tmp_path / "out")), yaml.safe_load(extra))
+    path = write_params(yaml.safe_dump(doc))
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    msg = str(e.value)
+    assert str(path) in msg
+    assert any(f == field and fragment in m for f, m in e.value.problems), msg
+
+
+def test_missing_model_config_file_is_named(write_params, tmp_path):
+    path = write_params(f"model:\n  name: x\n  config: models/nope.json\nrun:\n  output_dir: {tmp_path}\n")
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    assert any(f == "model.config" and "nope.json" in m for f, m in e.value.problems)
+
+
+def test_unwritable_output_dir_is_reported(write_params, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    path = write_params(MINIMAL.format(out=blocker / "sub"))
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    assert any(f == "run.output_dir" for f, _ in e.value.problems)
+
+
+def test_all_problems_are_listed_in_one_error(write_params, tmp_path):
+    path = write_params(textwrap.dedent(f"""
+        run: {{output_dir: {tmp_path}}}
+        server: {{port: 99999, tensor_parallel: 3, extra: 1}}
+        model: {{name: x, config: models/tiny-qwen3-moe.json}}
+        workload: {{concurrency: [0]}}
+        """))
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    fields = {f for f, _ in e.value.problems}
+    assert {"server.port", "server.tensor_parallel", "server.extra", "workload.concurrency"} <= fields
+
+
+def test_missing_model_section_is_required(write_params):
+    path = write_params("server: {port: 8000}\n")
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    assert ("model", "required field is missing") in e.value.problems
+
+
+def test_not_yaml_mapping_is_rejected(write_params):
+    with pytest.raises(ParamsError, match="mapping"):
+        load_params(write_params("- just\n- a list\n"))
+
+
+def test_show_redacts_api_key(write_params, tmp_path):
+    path = write_params(MINIMAL.format(out=tmp_path) + "  name: x\n".replace("  name: x\n", "") +
+                        "")
+    doc = yaml.safe_load(path.read_text())
+    doc["server"]["api_key"] = "sk-very-secret"
+    doc["server"]["env"] = {"HF_TOKEN": "hf_secret"}
+    path.write_text(yaml.safe_dump(doc))
+    p = load_params(path)
+    text = dump_yaml(p)
+    assert "sk-very-secret" not in text and "hf_secret" not in text
+    assert REDACTED in text
+    assert p.server.api_key == "sk-very-secret"  # the in-memory params keep it for the client
+
+
+def test_cli_validate_and_show(repo, capsys):
+    assert cli_main(["params", "validate", str(repo / "params/default.yaml")]) == 0
+    assert cli_main(["params", "show", str(repo / "params/default.yaml")]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out.split("\n", 1)[1])
+    # defaults are filled in
+    assert shown["workload"]["request_timeout_s"] == 300
+    assert shown["server"]["bind_host"] == "127.0.0.1"
+
+
+def test_cli_validate_bad_file_exits_2(write_params, capsys):
+    path = write_params("server: {port: -1}\nmodel: {name: x, config: models/tiny-qwen3-moe.json}\n")
+    assert cli_main(["params", "validate", str(path)]) == 2
+    assert "server.port" in capsys.readouterr().err
