@@ -22,7 +22,7 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-TOKENIZER_VERSION = 1
+TOKENIZER_VERSION = 2
 
 
 def synthetic_corpus(seed: int = 0, n_lines: int = 4000) -> list[str]:
@@ -43,15 +43,24 @@ def synthetic_corpus(seed: int = 0, n_lines: int = 4000) -> list[str]:
 
 
 def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> Path:
-    """Train and save an HF-loadable byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json)."""
+    """Train and save an HF-loadable byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json)
+    with exactly vocab_size ids.
+
+    Dummy weights sample any id, so every id must decode to text on its own: the alphabet is the
+    corpus's ASCII (no lone bytes of a multi-byte UTF-8 character, which the server would hold back),
+    and the ids past the learned merges are plain added words rather than unused slots."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  show_progress=False)
     tok.train_from_iterator(synthetic_corpus(seed), trainer=trainer)
+    filler = 0
+    while tok.get_vocab_size() < vocab_size:
+        tok.add_tokens([f" w{filler:04d}"])
+        filler += 1
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
@@ -88,7 +97,7 @@ def build_dummy_model_dir(config: dict, cache_root: Path, name: str) -> Path:
         (staging / "config.json").write_text(json.dumps(cfg, indent=2))
         (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 1]}))
         text_cfg = cfg.get("text_config") or cfg
-        train_tokenizer(staging, vocab_size=min(int(text_cfg["vocab_size"]), 1000))
+        train_tokenizer(staging, vocab_size=int(text_cfg["vocab_size"]))
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():
             shutil.rmtree(target)

@@ -370,7 +370,7 @@ def profiler_style_for(params: Params) -> str:
     return "config" if (major, minor) >= (0, 11) else "env"
 
 
-def connect_for_notebook(params: Params, run_dir: Path) -> tuple[VllmServer, bool]:
+def connect_for_notebook(params: Params, run_dir: Path, profiler_dir: Optional[Path] = None) -> tuple[VllmServer, bool]:
     """The run's server if the runner started one and it is healthy, else a new one owned by the
     caller (second value True: the caller must stop it)."""
     info = server_info_path(run_dir)
@@ -379,4 +379,4 @@ def connect_for_notebook(params: Params, run_dir: Path) -> tuple[VllmServer, boo
         server = VllmServer(data["base_url"], api_key=params.server.api_key)
         if server.healthy():
             return server, False
-    return start_for_params(params, run_dir), True
+    return start_for_params(params, run_dir, profiler_dir=profiler_dir), True

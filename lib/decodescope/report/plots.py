@@ -29,3 +29,121 @@ def cpu_matmul_bars(df: pd.DataFrame) -> go.Figure:
     fig.update_layout(title="CPU matmul peak (stand-in roofline on a host with no GPU)",
                       xaxis_title="dtype", yaxis_title="GFLOP/s")
     return fig
+
+
+# ---- serving -----------------------------------------------------------------------------------
+def throughput_vs_concurrency(levels: pd.DataFrame, knee_level=None) -> go.Figure:
+    lv = levels.sort_values("level")
+    fig = go.Figure(go.Scatter(x=lv["level"], y=lv["output_throughput_tok_s"], mode="lines+markers",
+                               name="output tok/s", hovertemplate="concurrency %{x}: %{y:,.0f} tok/s<extra></extra>"))
+    if "client_suspect" in lv and lv["client_suspect"].any():
+        sus = lv[lv["client_suspect"]]
+        fig.add_trace(go.Scatter(x=sus["level"], y=sus["output_throughput_tok_s"], mode="markers",
+                                 marker=dict(symbol="x", size=14, color="#cf222e"), name="client may have distorted"))
+    if knee_level is not None:
+        fig.add_vline(x=knee_level, line_dash="dash", annotation_text=f"knee at {knee_level}")
+    fig.update_layout(title="Output throughput vs concurrency", xaxis_title="concurrency (requests in flight)",
+                      yaxis_title="output tokens/s", xaxis_type="log")
+    return fig
+
+
+def latency_bands(levels: pd.DataFrame, metric: str, label: str) -> go.Figure:
+    lv = levels.sort_values("level")
+    ms = lambda c: lv[f"{metric}_{c}_us"] / 1e3  # noqa: E731
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=lv["level"], y=ms("p99"), mode="lines", line=dict(width=0), showlegend=False,
+                             hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=lv["level"], y=ms("p50"), mode="lines", fill="tonexty", line=dict(width=0),
+                             fillcolor="rgba(99,110,250,0.15)", name="p50-p99"))
+    fig.add_trace(go.Scatter(x=lv["level"], y=ms("p90"), mode="lines", line=dict(dash="dot"), name="p90"))
+    fig.add_trace(go.Scatter(x=lv["level"], y=ms("p50"), mode="lines+markers", name="p50"))
+    fig.update_layout(title=f"{label} vs concurrency", xaxis_title="concurrency", yaxis_title=f"{label} (ms)",
+                      xaxis_type="log")
+    return fig
+
+
+def latency_throughput_frontier(levels: pd.DataFrame) -> go.Figure:
+    lv = levels.sort_values("level")
+    fig = go.Figure(go.Scatter(x=lv["output_throughput_tok_s"], y=lv["tpot_p50_us"] / 1e3, mode="lines+markers+text",
+                               text=[f"c={c}" for c in lv["level"]], textposition="top center"))
+    fig.update_layout(title="Latency-throughput frontier", xaxis_title="output tokens/s",
+                      yaxis_title="TPOT p50 (ms per output token)")
+    return fig
+
+
+def itl_distribution(requests: pd.DataFrame) -> go.Figure:
+    fig = go.Figure()
+    ok = requests[requests["ok"] & ~requests["warmup"]]
+    for level, g in ok.groupby("level"):
+        itl = [x / 1e3 for l in g["itl_us"] for x in l]
+        fig.add_trace(go.Box(y=itl, name=f"c={level}", boxpoints=False))
+    fig.update_layout(title="Inter-token latency per concurrency level", yaxis_title="ITL (ms)", yaxis_type="log")
+    return fig
+
+
+def failures_per_level(levels: pd.DataFrame) -> go.Figure:
+    lv = levels.sort_values("level")
+    fig = go.Figure([go.Bar(x=lv["level"].astype(str), y=lv["ok"], name="ok"),
+                     go.Bar(x=lv["level"].astype(str), y=lv["failed"], name="failed",
+                            text=lv["failure_reasons"], marker_color="#cf222e")])
+    fig.update_layout(barmode="stack", title="Requests per level", xaxis_title="concurrency", yaxis_title="requests")
+    return fig
+
+
+# ---- profile -----------------------------------------------------------------------------------
+def category_stacked_bars(per_step: pd.DataFrame, step_kind: str) -> go.Figure:
+    """Time per step by category, one bar per rank."""
+    df = per_step.assign(category=per_step["category"].astype(str), rank=per_step["rank"].astype(str))
+    order = df.groupby("category")["time_per_step_us"].sum().sort_values(ascending=False).index
+    fig = go.Figure([go.Bar(x=g["rank"], y=g["time_per_step_us"] / 1e3, name=cat,
+                            hovertemplate=f"{cat}<br>rank %{{x}}: %{{y:.3f}} ms/step<extra></extra>")
+                     for cat in order for g in [df[df["category"] == cat]]])
+    fig.update_layout(barmode="stack", title=f"Time per {step_kind} step by category, per rank",
+                      xaxis_title="rank", yaxis_title="ms per step (median)")
+    return fig
+
+
+def step_timeline(ops: pd.DataFrame, steps: pd.DataFrame, step: int) -> go.Figure:
+    """One step on every rank: each op a bar from its start, coloured by category."""
+    sel = ops[ops["step"] == step]
+    fig = go.Figure()
+    for cat, g in sel.groupby(sel["category"].astype(str)):
+        t0 = g["rank"].map(steps[steps["step"] == step].set_index("rank")["start_us"])
+        y = [f"rank {r} / {l}" for r, l in zip(g["rank"], g["lane"])]
+        fig.add_trace(go.Bar(x=g["dur_us"] / 1e3, base=(g["ts_us"] - t0) / 1e3, y=y, orientation="h", name=cat,
+                             customdata=g["name"].astype(str),
+                             hovertemplate="%{customdata}<br>start %{base:.3f} ms, %{x:.4f} ms<extra></extra>"))
+    fig.update_layout(barmode="overlay", title=f"Step {step}: ops per rank and lane", xaxis_title="ms from step start",
+                      height=300 + 30 * sel[["rank", "lane"]].drop_duplicates().shape[0])
+    return fig
+
+
+def collective_latency_histogram(calls: pd.DataFrame) -> go.Figure:
+    fig = go.Figure()
+    c = calls.assign(size=calls["msg_bytes"].map(lambda b: "size not recorded" if b != b or b < 0
+                                                 else f"{b / 1024:,.1f} KiB"))
+    for (cat, size), g in c.groupby([c["category"].astype(str), "size"]):
+        fig.add_trace(go.Histogram(x=g["dur_us"], name=f"{cat}, {size}", opacity=0.7, nbinsx=60))
+    fig.update_layout(barmode="overlay", title="Per-call collective latency by message size",
+                      xaxis_title="duration (us)", yaxis_title="calls", xaxis_type="log")
+    return fig
+
+
+def expected_vs_observed_bars(expected: pd.DataFrame) -> go.Figure:
+    df = expected.assign(label=[f"rank {r} {c}" for r, c in zip(expected["rank"], expected["collective"])])
+    fig = go.Figure([go.Bar(x=df["label"], y=df["expected_per_step"], name="expected (arch)"),
+                     go.Bar(x=df["label"], y=df["observed_per_step"], name="observed (trace)")])
+    fig.update_layout(barmode="group", title="Collectives per decode step: expected vs observed",
+                      yaxis_title="calls per step")
+    return fig
+
+
+def summed_vs_wall(busy: pd.DataFrame, step_kind: str) -> go.Figure:
+    b = busy[busy["kind"] == step_kind] if step_kind in set(busy["kind"]) else busy
+    med = b.groupby("rank")[["summed_us", "busy_us", "wall_us", "idle_us"]].median().reset_index()
+    fig = go.Figure([go.Bar(x=med["rank"].astype(str), y=med[c] / 1e3, name=label)
+                     for c, label in (("summed_us", "summed op time"), ("busy_us", "busy (union over lanes)"),
+                                      ("wall_us", "wall-clock step"), ("idle_us", "idle"))])
+    fig.update_layout(barmode="group", title=f"Summed vs wall time per {step_kind} step (median)",
+                      xaxis_title="rank", yaxis_title="ms")
+    return fig

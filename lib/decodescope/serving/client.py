@@ -210,3 +210,15 @@ class LoopHealth:
         return {"loop_lag_p50_ms": float(np.percentile(lags, 50)), "loop_lag_p99_ms": float(np.percentile(lags, 99)),
                 "loop_lag_max_ms": float(lags.max()), "client_cpu_pct": 100.0 * self.cpu_s / max(self.wall_s, 1e-9),
                 "inflight_sampled_mean": float(np.mean(self.inflight_samples)) if self.inflight_samples else float("nan")}
+
+
+def run_async(coro):
+    """asyncio.run, also from inside a running loop (a Jupyter kernel): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -18,7 +18,7 @@ import aiohttp
 import pandas as pd
 
 from decodescope.io import write_json_atomic, write_parquet_atomic
-from decodescope.serving.client import (LoopHealth, RequestRecord, RequestSpec, auth_headers, make_prompts,
+from decodescope.serving.client import (LoopHealth, RequestRecord, RequestSpec, auth_headers, make_prompts, run_async,
                                         send_streaming)
 from decodescope.serving.metrics import level_summary, per_request
 
@@ -133,11 +133,11 @@ def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True) -> tuple[pd.DataF
     done = set(load_finished_levels(data_dir))
     todo = [lvl for lvl in cfg.levels if lvl not in done]
     n_prompts = max(cfg.requests_per_level + cfg.warmup_requests, 1)
-    prompts = asyncio.run(_safe_prompts(cfg, n_prompts))
+    prompts = run_async(_safe_prompts(cfg, n_prompts))
     bar = tqdm(todo, desc="serving sweep", unit="level", disable=not progress, file=sys.stderr)
     for level in bar:
         bar.set_postfix(concurrency=level)
-        records, health = asyncio.run(run_level(cfg, level, prompts))
+        records, health = run_async(run_level(cfg, level, prompts))
         df = records_frame(records)
         for k, v in health.items():
             df[f"health_{k}"] = v
@@ -158,3 +158,15 @@ async def _safe_prompts(cfg: SweepConfig, n: int) -> list[tuple[list[int], str]]
         rng = random.Random(cfg.seed)
         return [([rng.randrange(100, 900) for _ in range(cfg.input_tokens)], "hello " * cfg.input_tokens)
                 for _ in range(n)]
+
+
+def sweep_for_phase(ctx, progress=True) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The phase's sweep against the run's server (or one started for this notebook alone)."""
+    from decodescope.server import connect_for_notebook
+
+    server, owned = connect_for_notebook(ctx.params, ctx.run_dir)
+    try:
+        return run_sweep(SweepConfig.from_params(ctx.params, server.base_url), ctx.data_dir, progress)
+    finally:
+        if owned:
+            server.stop()

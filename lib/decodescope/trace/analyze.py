@@ -30,9 +30,11 @@ def is_gpu_table(events: pd.DataFrame) -> bool:
 
 
 # ---- ops -----------------------------------------------------------------------------------------
-def self_times(ops: pd.DataFrame) -> np.ndarray:
-    """Exclusive time of nested CPU ops (same rank and thread): duration minus direct children."""
+def self_times(ops: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Exclusive time of nested CPU ops (same rank and thread): duration minus direct children; and
+    each op's parent position (-1 at top level)."""
     out = ops["dur_us"].to_numpy(dtype=float).copy()
+    parent = np.full(len(ops), -1)
     order = np.lexsort((-ops["dur_us"].to_numpy(), ops["ts_us"].to_numpy(), ops["tid"].to_numpy(),
                         ops["rank"].to_numpy()))
     ts = ops["ts_us"].to_numpy()
@@ -49,8 +51,9 @@ def self_times(ops: pd.DataFrame) -> np.ndarray:
             stack.pop()
         if stack:
             out[stack[-1]] -= min(end[i], end[stack[-1]]) - ts[i]
+            parent[i] = stack[-1]
         stack.append(i)
-    return np.maximum(out, 0.0)
+    return np.maximum(out, 0.0), parent
 
 
 def op_table(events: pd.DataFrame, rules=None) -> pd.DataFrame:
@@ -62,11 +65,19 @@ def op_table(events: pd.DataFrame, rules=None) -> pd.DataFrame:
         ops["lane"] = ops["stream"]
         device = "gpu"
     else:
-        ops = events[cat == "cpu_op"].copy()
-        ops["time_us"] = self_times(ops) if len(ops) else []
+        ops = events[cat == "cpu_op"].reset_index(drop=True)
+        self_us, parent = self_times(ops) if len(ops) else (np.array([]), np.array([], dtype=int))
+        ops["time_us"] = self_us
         ops["lane"] = ops["tid"]
         device = "cpu"
     ops = add_categories(ops, device, rules) if len(ops) else ops.assign(category=pd.Series(dtype="category"))
+    # A call counts once: an op inside another op of its own category (c10d::allreduce_ around
+    # gloo:all_reduce) is part of its parent's call.
+    if device == "cpu" and len(ops):
+        cats = ops["category"].astype(str).to_numpy()
+        ops["counted"] = (parent < 0) | (cats[np.clip(parent, 0, None)] != cats)
+    else:
+        ops["counted"] = True
     ops["msg_bytes"] = _msg_bytes(ops)
     ops.attrs["device"] = device
     return ops.sort_values(["rank", "ts_us"]).reset_index(drop=True)
@@ -168,7 +179,7 @@ def assign_steps(ops: pd.DataFrame, steps: pd.DataFrame, events: Optional[pd.Dat
 # ---- breakdowns ------------------------------------------------------------------------------------
 def category_breakdown(ops: pd.DataFrame) -> pd.DataFrame:
     """Per rank and category: total time, share of the rank's time, count, mean per call."""
-    g = ops.groupby(["rank", "category"], observed=True).agg(time_us=("time_us", "sum"), calls=("time_us", "size"))
+    g = ops.groupby(["rank", "category"], observed=True).agg(time_us=("time_us", "sum"), calls=("counted", "sum"))
     g = g.reset_index()
     g["share"] = g["time_us"] / g.groupby("rank")["time_us"].transform("sum")
     g["mean_us"] = g["time_us"] / g["calls"]
@@ -180,7 +191,7 @@ def calls_per_step(ops: pd.DataFrame, steps: pd.DataFrame, kind: str = "decode")
     chosen = steps[steps["kind"] == kind] if kind in set(steps["kind"]) else steps
     keys = set(zip(chosen["rank"], chosen["step"]))
     sel = ops[[k in keys for k in zip(ops["rank"], ops["step"])]]
-    per = sel.groupby(["rank", "step", "category"], observed=True).agg(calls=("time_us", "size"),
+    per = sel.groupby(["rank", "step", "category"], observed=True).agg(calls=("counted", "sum"),
                                                                         time_us=("time_us", "sum")).reset_index()
     # steps with no call of a category count as 0
     full = (pd.MultiIndex.from_frame(chosen[["rank", "step"]]).to_frame(index=False)
@@ -247,7 +258,7 @@ def collective_skew(ops: pd.DataFrame, categories=ALLREDUCE_CATEGORIES) -> pd.Da
     """Each collective instance matched across ranks (the k-th call of a category on every rank is the
     same instance: collectives are issued in program order). Its minimum duration is the transfer;
     the excess on the other ranks is time spent waiting for the slowest rank to arrive."""
-    coll = ops[ops["category"].astype(str).isin(categories)].copy()
+    coll = ops[ops["category"].astype(str).isin(categories) & ops["counted"]].copy()
     if coll.empty or coll["rank"].nunique() < 2:
         return pd.DataFrame(columns=["category", "instance", "rank", "dur_us", "transfer_us", "wait_us"])
     coll = coll.sort_values(["rank", "ts_us"])
@@ -272,7 +283,7 @@ def skew_summary(skew: pd.DataFrame) -> pd.DataFrame:
 
 def per_call_latency(ops: pd.DataFrame, categories=ALLREDUCE_CATEGORIES) -> pd.DataFrame:
     """Collective calls with their duration and message size (bytes when the trace recorded them)."""
-    sel = ops[ops["category"].astype(str).isin(categories)]
+    sel = ops[ops["category"].astype(str).isin(categories) & ops["counted"]]
     return sel[["rank", "step", "category", "name", "dur_us", "msg_bytes"]].reset_index(drop=True)
 
 
@@ -285,7 +296,7 @@ def latency_by_size(calls: pd.DataFrame) -> pd.DataFrame:
 
 
 def top_ops(ops: pd.DataFrame, n: int = 20) -> pd.DataFrame:
-    g = ops.groupby(["name", "category"], observed=True).agg(time_us=("time_us", "sum"), calls=("time_us", "size"),
+    g = ops.groupby(["name", "category"], observed=True).agg(time_us=("time_us", "sum"), calls=("counted", "sum"),
                                                              ranks=("rank", "nunique")).reset_index()
     g["mean_us"] = g["time_us"] / g["calls"]
     g["share"] = g["time_us"] / g["time_us"].sum()

@@ -1,0 +1,39 @@
+"""Tables and sentences for the serving notebook."""
+from __future__ import annotations
+
+import pandas as pd
+
+from decodescope.serving.metrics import CLIENT_CPU_LIMIT_PCT, LOOP_LAG_P99_LIMIT_MS
+
+
+def levels_table(levels: pd.DataFrame) -> pd.DataFrame:
+    cols = {"level": "concurrency", "ok": "ok", "failed": "failed", "output_throughput_tok_s": "out tok/s",
+            "request_throughput_rps": "req/s", "ttft_p50_us": "TTFT p50 ms", "ttft_p99_us": "TTFT p99 ms",
+            "tpot_p50_us": "TPOT p50 ms", "tpot_p99_us": "TPOT p99 ms", "itl_p99_us": "ITL p99 ms",
+            "e2e_p50_us": "E2E p50 ms", "goodput_rps": "goodput req/s", "inflight_sampled_mean": "L (sampled)",
+            "littles_lw": "λW", "loop_lag_p99_ms": "client loop lag p99 ms", "client_cpu_pct": "client CPU %",
+            "client_suspect": "client suspect"}
+    t = levels[[c for c in cols if c in levels]].copy()
+    for c in t.columns:
+        if c.endswith("_us"):
+            t[c] = t[c] / 1e3
+    return t.rename(columns=cols)
+
+
+def client_health_note(levels: pd.DataFrame) -> str:
+    if "client_suspect" not in levels or not levels["client_suspect"].any():
+        return (f"**Client health:** every level's event-loop lag p99 stayed under {LOOP_LAG_P99_LIMIT_MS} ms and "
+                f"the client's CPU under {CLIENT_CPU_LIMIT_PCT}%: the client did not distort these figures.")
+    bad = levels[levels["client_suspect"]]
+    items = ", ".join(f"c={r.level} (loop lag p99 {r.loop_lag_p99_ms:.1f} ms, CPU {r.client_cpu_pct:.0f}%)"
+                      for r in bad.itertuples())
+    return (f"**Client health warning:** at {items} the load generator itself was slow (lag p99 above "
+            f"{LOOP_LAG_P99_LIMIT_MS} ms or CPU above {CLIENT_CPU_LIMIT_PCT}%), so TTFT and ITL there may be "
+            "inflated by the client, not the server. On a small host, the server and the client share cores.")
+
+
+def littles_note(levels: pd.DataFrame) -> str:
+    if "littles_error_pct" not in levels:
+        return ""
+    worst = levels["littles_error_pct"].max()
+    return f"Little's law: sampled L and λW agree within {worst:.1f}% at every level."

@@ -1,0 +1,142 @@
+"""Capture a torch.profiler trace of real decode steps through vLLM's profiler endpoints.
+
+The server must have been started with a profiler directory (`--profiler-config` or, on older vLLM,
+VLLM_TORCH_PROFILER_DIR): the runner does this for launched servers. After warm-up, /start_profile,
+a controlled decode workload, /stop_profile, we wait until every rank's file is complete (its size
+stable and, for .gz, a gzip stream that decompresses to the end).
+"""
+from __future__ import annotations
+
+
+import time
+import urllib.error
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from decodescope.serving.client import run_async
+from decodescope.serving.sweep import SweepConfig, _safe_prompts, records_frame, run_level
+from decodescope.trace.load import find_trace_files
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+@dataclass
+class CaptureResult:
+    trace_dir: Path
+    rank_files: list[Path]
+    frontend_files: list[Path]
+    tables: list[Path]
+    requests_ok: int
+    requests_failed: int
+    start_profile_s: float
+    workload_s: float
+    stop_profile_s: float
+    flush_wait_s: float
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["trace_dir"] = str(self.trace_dir)
+        for k in ("rank_files", "frontend_files", "tables"):
+            d[k] = [str(p) for p in d[k]]
+        return d
+
+
+def gzip_complete(path: Path) -> bool:
+    """True when the file is a whole gzip stream (decompresses to its end with a valid trailer)."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                d.decompress(chunk, 0)
+                if d.eof:
+                    return True
+    except (OSError, zlib.error):
+        return False
+    return d.eof
+
+
+def wait_for_traces(trace_dir: Path, before: set[Path], expected_ranks: int, timeout_s: float,
+                    poll_s: float = 2.0) -> tuple[list[Path], list[Path]]:
+    """New rank traces (at least expected_ranks), each complete; raises CaptureError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    sizes: dict[Path, int] = {}
+    while True:
+        ranks, front = find_trace_files(trace_dir)
+        new = [p for p in ranks if p not in before]
+        new_front = [p for p in front if p not in before]
+        stable = []
+        for p in new:
+            size = p.stat().st_size
+            if size > 0 and sizes.get(p) == size and (p.suffix != ".gz" or gzip_complete(p)):
+                stable.append(p)
+            sizes[p] = size
+        if len(new) >= expected_ranks and len(stable) == len(new):
+            return sorted(new), sorted(new_front)
+        if time.monotonic() > deadline:
+            raise CaptureError(f"after {timeout_s:.0f} s (profile.flush_timeout_s) {trace_dir} holds "
+                               f"{len(stable)} complete of {expected_ranks} expected rank traces "
+                               f"(new files: {[p.name for p in new]})")
+        time.sleep(poll_s)
+
+
+def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[int] = None,
+                    records_path: Optional[Path] = None) -> CaptureResult:
+    """Warm up, profile a decode workload, stop, and wait for the traces."""
+    prof = params.profile
+    trace_dir = Path(trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    expected_ranks = expected_ranks or params.server.tensor_parallel
+    cfg = SweepConfig(base_url=server.base_url, model=params.model.name, endpoint="completions",
+                      levels=[prof.concurrency], input_tokens=prof.input_tokens, output_tokens=prof.output_tokens,
+                      requests_per_level=prof.requests, warmup_requests=prof.warmup_requests,
+                      timeout_s=params.workload.request_timeout_s, seed=params.workload.seed + 1,
+                      api_key=params.server.api_key)
+    prompts = run_async(_safe_prompts(cfg, prof.requests + prof.warmup_requests))
+    if prof.warmup_requests:
+        run_async(run_level(cfg, prof.concurrency, prompts, n_requests=prof.warmup_requests, warmup=0))
+    before = set(p for group in find_trace_files(trace_dir) for p in group)
+    t0 = time.monotonic()
+    try:
+        server.start_profile()
+    except urllib.error.HTTPError as e:
+        raise CaptureError(f"POST {server.base_url}/start_profile answered HTTP {e.code}: the server has no "
+                           "profiler configured. Start it with --profiler-config "
+                           "'{\"profiler\":\"torch\",\"torch_profiler_dir\":\"/abs/dir\"}' (or "
+                           "VLLM_TORCH_PROFILER_DIR on older vLLM)") from None
+    t1 = time.monotonic()
+    records, _ = run_async(run_level(cfg, prof.concurrency, prompts, n_requests=prof.requests, warmup=0))
+    t2 = time.monotonic()
+    server.stop_profile(timeout_s=prof.flush_timeout_s)
+    t3 = time.monotonic()
+    ranks, front = wait_for_traces(trace_dir, before, expected_ranks, prof.flush_timeout_s)
+    t4 = time.monotonic()
+    df = records_frame(records)
+    if records_path is not None:
+        from decodescope.io import write_parquet_atomic
+
+        write_parquet_atomic(records_path, df)
+    tables = sorted(trace_dir.glob("*profiler_out*"))
+    return CaptureResult(trace_dir=trace_dir, rank_files=ranks, frontend_files=front, tables=tables,
+                         requests_ok=int(df["ok"].sum()), requests_failed=int((~df["ok"]).sum()),
+                         start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2, flush_wait_s=t4 - t3)
+
+
+def capture_for_phase(ctx) -> CaptureResult:
+    """Profile through the run's server, launched with traces/ as its profiler directory (or a server
+    started here for this notebook alone, with the same directory)."""
+    from decodescope.io import write_json_atomic
+    from decodescope.server import connect_for_notebook
+
+    trace_dir = ctx.run_dir / "traces"
+    server, owned = connect_for_notebook(ctx.params, ctx.run_dir, profiler_dir=trace_dir)
+    try:
+        result = capture_profile(server, ctx.params, trace_dir, records_path=ctx.data("profile_requests.parquet"))
+    finally:
+        if owned:
+            server.stop()
+    write_json_atomic(ctx.data("profile_capture.json"), result.to_dict())
+    return result

@@ -1,0 +1,51 @@
+"""`decodescope analyze-trace DIR`: the per-rank breakdown of any directory of traces."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from decodescope.trace.load import load_trace_dir
+from decodescope.trace.parse import TraceError
+from decodescope.trace.profile import analyze_traces, write_profile
+
+
+def analyze_trace_command(args) -> int:
+    t0 = time.monotonic()
+    try:
+        loaded = load_trace_dir(Path(args.trace_dir), workers=args.workers)
+    except (TraceError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for w in loaded.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if loaded.events.empty:
+        print("error: no rank trace could be parsed", file=sys.stderr)
+        return 2
+    config = None
+    if args.model_config:
+        try:
+            config = json.loads(Path(args.model_config).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"error: --model-config {args.model_config}: {e}", file=sys.stderr)
+            return 2
+    result = analyze_traces(loaded, config, args.tp)
+    out = Path(args.out) if args.out else Path(args.trace_dir) / "analysis"
+    summary = write_profile(result, out)
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(f"{result.device} traces, ranks {summary['ranks']}, steps {summary['steps']}, "
+              f"parsed and analysed in {time.monotonic() - t0:.1f} s")
+        print("\nTime by category (per rank):")
+        print(result.breakdown.to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
+        if not result.expected.empty:
+            print(f"\nCollectives per {result.step_kind} step, expected vs observed:")
+            print(result.expected.to_string(index=False))
+        ps = summary["per_step"]
+        if ps["summed_us_median"] is not None:
+            print(f"\nMedian {result.step_kind} step: summed {ps['summed_us_median']:,.1f} us, busy (union) "
+                  f"{ps['busy_us_median']:,.1f} us, wall {ps['wall_us_median']:,.1f} us")
+    print(f"\nwrote {out}/kernels.parquet and {out}/profile_summary.json")
+    return 0

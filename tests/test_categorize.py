@@ -1,0 +1,134 @@
+"""Kernel names as they appear in public vLLM / SGLang / PyTorch traces and docs."""
+import pytest
+
+from decodescope.trace.categorize import OTHER, categorize_name, demangle
+
+GPU_NAMES = [
+    # NCCL all-reduce
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "allreduce_nccl"),
+    ("ncclDevKernel_AllReduce_Sum_f32_TREE_LL(ncclDevKernelArgsStorage<4096ul>)", "allreduce_nccl"),
+    ("ncclKernel_AllReduce_RING_LL_Sum_half(ncclWorkElem)", "allreduce_nccl"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_NVLS_SIMPLE(ncclDevKernelArgsStorage<4096ul>)", "allreduce_nccl"),
+    # custom all-reduce
+    ("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 8>(vllm::RankData*, vllm::RankSignals, vllm::Signal*, __nv_bfloat16*, int, int)", "allreduce_custom"),
+    ("void vllm::cross_device_reduce_2stage<__nv_bfloat16, 4>(vllm::RankData*, vllm::RankSignals, vllm::Signal*, __nv_bfloat16*, int, int)", "allreduce_custom"),
+    ("void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 8, 8>(c10::BFloat16**, unsigned long, unsigned long, c10::BFloat16*, unsigned long, unsigned long, unsigned int**, unsigned long, unsigned long)", "allreduce_custom"),
+    ("void c10d::symmetric_memory::two_shot_all_reduce_kernel<c10::BFloat16, 8, 4>(c10::BFloat16**, unsigned long, unsigned long, unsigned long, unsigned int**, unsigned long, unsigned long)", "allreduce_custom"),
+    ("void c10d::symmetric_memory::multimem_all_reduce_kernel<c10::BFloat16, 16, 8>(c10::BFloat16*, unsigned long, unsigned int**, unsigned long, unsigned long)", "allreduce_custom"),
+    ("void tensorrt_llm::kernels::ar_fusion::allreduce_fusion_kernel_oneshot_lamport<__nv_bfloat16, 8, true>(tensorrt_llm::kernels::ar_fusion::AllReduceFusionParams<__nv_bfloat16>)", "allreduce_custom"),
+    ("void flashinfer::trtllm_allreduce_fusion::allreduce_fusion_kernel_twoshot_sync<(flashinfer::trtllm_allreduce_fusion::AllReduceFusionPattern)1, __nv_bfloat16, 8>(...)", "allreduce_custom"),
+    ("void quickreduce::allreduce_prototype_twoshot<quickreduce::CodecFP, true>(...)", "allreduce_custom"),
+    # other collectives
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "allgather"),
+    ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "reduce_scatter"),
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "send_recv"),
+    ("ncclDevKernel_Broadcast_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "send_recv"),
+    ("void deep_ep::intranode::dispatch<8, 768, 8192>(int4*, float*, int*, long*, float*, int*, int*, int4 const*, float const*, long const*, float const*, bool const*, int const*, int, int, int, int, int, int, int, int, void**, int, int, int)", "ep_dispatch_combine"),
+    ("void deep_ep::internode_ll::combine<false>(void*, void*, int*, void*, void const*, long const*, int const*, long const*, int*, int*, int, int, int, int, int, int, int, int, int, int, bool, int)", "ep_dispatch_combine"),
+    ("void deep_ep::intranode::notify_dispatch<8>(int const*, int*, int, int const*, int*, int, int, int, int, bool const*, int*, int*, int, int, void**, int**, int)", "ep_dispatch_combine"),
+    # attention
+    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, cute::tuple<cute::C<128>, cute::C<128>, cute::C<128> >, 128, cutlass::bfloat16_t, float, cutlass::arch::Sm90, true, false, false, false, true, true, false, true, true, false, false, false>, flash::CollectiveEpilogueFwd<cute::tuple<cute::C<128>, cute::C<128>, cute::C<128> >, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, cutlass::bfloat16_t, cutlass::arch::Sm90, 256, true, true, false, false>, flash::VarlenDynamicPersistentTileScheduler<128, 256, 128, false, true, true> > > >(flash::FlashAttnFwdSm90<...>::Params)", "attention"),
+    ("void flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 4, cutlass::bfloat16_t> >, false, false, false, false, true, true, false, false>(flash::Flash_fwd_params)", "attention"),
+    ("void flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 4, cutlass::bfloat16_t> >, 4, 1, true>(flash::Flash_fwd_params)", "attention"),
+    ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, 1u, 8u, 16u, 4u, 1u, 8u, flashinfer::DefaultAttention<false, false, false, false>, ...>(...)", "attention"),
+    ("void flashinfer::BatchPrefillWithPagedKVCacheKernel<flashinfer::KernelTraits<...>>(...)", "attention"),
+    ("void flash::flash_fwd_splitkv_mla_kernel<Flash_fwd_kernel_traits_mla<576, 64, 64, 8, cutlass::bfloat16_t, 512>, true, flash::SharedStorageMLA<Flash_fwd_kernel_traits_mla<576, 64, 64, 8, cutlass::bfloat16_t, 512> > >(Flash_fwd_mla_params)", "attention"),
+    ("kernel_unified_attention_2d", "attention"),
+    ("kernel_unified_attention_3d", "attention"),
+    ("void vllm::paged_attention_v2_kernel<__nv_bfloat16, __nv_bfloat16, 128, 16, 128, (vllm::Fp8KVCacheDataType)0, false, 512>(...)", "attention"),
+    ("void vllm::paged_attention_v2_reduce_kernel<__nv_bfloat16, 128, 128, 512>(...)", "attention"),
+    ("_fwd_grouped_kernel_stage1", "attention"),
+    ("void cutlass::device_kernel<cutlass::fmha::kernel::Sm100FmhaMlaKernelTmaWarpspecialized<...>>(...)", "attention"),
+    ("void merge_attn_states_kernel<__nv_bfloat16, 8>(...)", "attention"),
+    # KV-cache write
+    ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>(__nv_bfloat16 const*, __nv_bfloat16 const*, __nv_bfloat16*, __nv_bfloat16*, long const*, long, long, long, long, int, int, int, float const*, float const*)", "kv_cache_write"),
+    ("void vllm::concat_and_cache_mla_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>(...)", "kv_cache_write"),
+    # dense GEMM
+    ("nvjet_tst_128x64_64x8_2x1_v_bz_TNN", "gemm_dense"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", "gemm_dense"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas", "gemm_dense"),
+    ("sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_stage6_warpsize2x2x1_tensor16x8x16_kernel", "gemm_dense"),
+    ("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x3_tn", "gemm_dense"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8::Params)", "gemm_dense"),
+    ("void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false, false, cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<__nv_bfloat16 const>, cublasGemvTensorStridedBatched<__nv_bfloat16 const>, cublasGemvTensorStridedBatched<__nv_bfloat16>, float> >(...)", "gemm_dense"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, false>(cublasLt::cublasSplitKParams<float>, float const*, __nv_bfloat16 const*, __nv_bfloat16*, float const*, float const*, __nv_bfloat16 const*, float const*, __nv_bfloat16*, void*, long, float*, int*)", "gemm_dense"),
+    # quantized GEMM
+    ("void marlin::Marlin<(vllm::ScalarType::Id)5, (vllm::ScalarType::Id)5, (vllm::ScalarType::Id)9, (vllm::ScalarType::Id)5, 256, 1, 8, 8, true, 4, 8, false>(int4 const*, int4 const*, int4*, int4*, int4 const*, int4 const*, uint16_t const*, int4 const*, int const*, int, int, int, int, int, int, int*, bool, bool, bool, int)", "gemm_quantized"),
+    ("void machete::MacheteKernelTemplate<...>::kernel(...)", "gemm_quantized"),
+    ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int, int>, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::MainloopSm90TmaGmmaWarpSpecializedFP8<...>, cutlass::float_e4m3_t, ...>>>(...)", "gemm_quantized"),
+    ("_w8a8_block_fp8_matmul", "gemm_quantized"),
+    ("void deep_gemm::fp8_gemm_kernel<4096u, 7168u, 128u, 160u, 128u, 1u, 8u, 128u, 4u, 2u, (deep_gemm::GemmType)0>(...)", "gemm_quantized"),
+    # MoE experts
+    ("fused_moe_kernel", "moe_experts"),
+    ("fused_moe_kernel_gptq_awq", "moe_experts"),
+    ("void marlin_moe_wna16::Marlin<(vllm::ScalarType::Id)5, 256, 1, 8, 8, true, 4, 8, false>(...)", "moe_experts"),
+    ("void vllm::moe::moe_sum_kernel<c10::BFloat16, 8>(c10::BFloat16*, c10::BFloat16 const*, int)", "moe_experts"),
+    ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, ...>>(...)", "moe_experts"),
+    # MoE routing
+    ("void vllm::moe::topkGatingSoftmax<8, 128, 4, 16, int>(float const*, bool const*, float*, int, int*, int*, int, int, int)", "moe_routing"),
+    ("void vllm::moe::moe_align_block_size_kernel<int>(int const*, int*, int*, int*, int, int, int, int, unsigned long, int*)", "moe_routing"),
+    ("void vllm::moe::grouped_topk_fused_kernel<__nv_bfloat16>(...)", "moe_routing"),
+    ("void vllm::moe::count_and_sort_expert_tokens_kernel<int>(int const*, int*, int*, unsigned long)", "moe_routing"),
+    # norm, rope, activation
+    ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>(c10::BFloat16*, c10::BFloat16*, c10::BFloat16 const*, float, int, int)", "norm"),
+    ("void vllm::rms_norm_kernel<c10::BFloat16>(c10::BFloat16*, c10::BFloat16 const*, c10::BFloat16 const*, float, int, int)", "norm"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_1", "norm"),
+    ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>(long const*, c10::BFloat16*, c10::BFloat16*, c10::BFloat16 const*, int, long, long, int, int, int)", "rope"),
+    ("void vllm::act_and_mul_kernel<c10::BFloat16, &(c10::BFloat16 vllm::silu_kernel<c10::BFloat16>(c10::BFloat16 const&)), true>(c10::BFloat16*, c10::BFloat16 const*, int)", "activation"),
+    ("triton_poi_fused_mul_silu_0", "activation"),
+    # sampling
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)", "sampling"),
+    ("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<at_cuda_detail::cub::DeviceRadixSortPolicy<float, int, int>::Policy800, true, float, int, int, int, at_cuda_detail::cub::detail::identity_decomposer_t>(...)", "sampling"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4> >(at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4>)", "sampling"),
+    # memcpy / memset
+    ("Memcpy HtoD (Pinned -> Device)", "memcpy_memset"),
+    ("Memcpy DtoD (Device -> Device)", "memcpy_memset"),
+    ("Memset (Device)", "memcpy_memset"),
+    # elementwise
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<int>, at::detail::Array<char*, 1>)", "elementwise_other"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, unsigned int, 2, 128, 1>(...)", "elementwise_other"),
+    ("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<...>>(long, ...)", "elementwise_other"),
+]
+
+CPU_NAMES = [
+    ("_C::shm_allreduce", "allreduce"), ("gloo:all_reduce", "allreduce"), ("c10d::allreduce_", "allreduce"),
+    ("vllm::all_reduce", "allreduce"), ("_C::shm_all_gather", "allgather"), ("gloo:broadcast", "collective_other"),
+    ("_C::onednn_mm", "gemm"), ("aten::mm", "gemm"), ("aten::linear", "gemm"), ("aten::addmm", "gemm"),
+    ("_C::cpu_attention_with_kv_cache", "attention"), ("vllm::unified_attention_with_output", "attention"),
+    ("_C::cpu_attn_reshape_and_cache", "kv_cache_write"), ("vllm::unified_kv_cache_update", "kv_cache_write"),
+    ("_C::cpu_fused_moe", "moe_experts"), ("aten::topk", "moe_routing"), ("_C::fused_gumbel_argmax", "sampling"),
+    ("_C::rms_norm", "norm"), ("_C::fused_add_rms_norm", "norm"), ("_C::rotary_embedding", "rope"),
+    ("_C::silu_and_mul", "activation"), ("aten::copy_", "memcpy"), ("aten::slice", "elementwise_other"),
+    ("Pregraph bytecode", "framework_overhead"), ("## Call CompiledFxGraph None ##", "framework_overhead"),
+]
+
+
+def test_at_least_sixty_real_gpu_names_are_covered():
+    assert len(GPU_NAMES) >= 60
+
+
+@pytest.mark.parametrize("name,category", GPU_NAMES, ids=[n[:60] for n, _ in GPU_NAMES])
+def test_gpu_kernel_category(name, category):
+    assert categorize_name(name, "gpu") == category
+
+
+@pytest.mark.parametrize("name,category", CPU_NAMES, ids=[n for n, _ in CPU_NAMES])
+def test_cpu_op_category(name, category):
+    assert categorize_name(name, "cpu") == category
+
+
+def test_flash_attention_through_cutlass_is_attention_not_gemm():
+    name = "void cutlass::device_kernel<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90<...>>>(...)"
+    assert categorize_name(name, "gpu") == "attention"
+
+
+def test_unknown_names_land_in_other():
+    assert categorize_name("my_totally_new_kernel_xyz", "gpu") == OTHER
+    assert categorize_name("MyCustomOp::forward", "cpu") == OTHER
+
+
+def test_mangled_names_are_demangled_before_matching():
+    mangled = "_ZN4vllm15rms_norm_kernelIN3c108BFloat16EEEvPT_PKS3_S6_fii"
+    plain = demangle([mangled])[mangled]
+    assert "vllm::rms_norm_kernel" in plain

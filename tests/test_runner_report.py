@@ -1,0 +1,97 @@
+"""The runner records each phase, goes on after a failure, resumes, and builds an offline report."""
+import json
+import re
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from decodescope import runner
+from tests.browser import inspect_report
+
+
+def _notebook(path, body):
+    params = new_code_cell('params_path = ""\nrun_dir = ""')
+    params.metadata["tags"] = ["parameters"]
+    nb = new_notebook(cells=[params, new_code_cell(body)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+
+
+FIGURE = """
+import plotly.graph_objects as go
+from decodescope.report.figures import show
+from decodescope.notebook import open_phase
+ctx = open_phase(params_path, run_dir)
+(ctx.data_dir / 'verdict.json').write_text('{}')
+show(go.Figure(go.Bar(x=[1, 2, 3], y=[3, 1, 2])))
+show(go.Figure(go.Scatter(x=[1, 2, 3], y=[1, 4, 9])))
+"""
+
+
+@pytest.fixture
+def phase_notebooks(tmp_path):
+    d = tmp_path / "notebooks"
+    d.mkdir()
+    _notebook(d / "00_host.ipynb", "raise ValueError('host inventory exploded on purpose')")
+    _notebook(d / "05_verdict.ipynb", FIGURE)
+    return d
+
+
+@pytest.fixture
+def params_file(repo, tmp_path):
+    text = (repo / "params/default.yaml").read_text()
+    text = text.replace("output_dir: outputs", f"output_dir: {tmp_path / 'out'}")
+    text = text.replace("config: models/", f"config: {repo / 'params/models'}/")
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_failed_phase_is_recorded_and_the_run_goes_on(params_file, phase_notebooks):
+    run_dir, ok = runner.run(params_file, notebook_dir=phase_notebooks)
+    assert not ok
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["phases"]["00_host"]["status"] == "failed"
+    assert "exploded on purpose" in manifest["phases"]["00_host"]["error"]
+    assert manifest["phases"]["05_verdict"]["status"] == "ok"
+    assert (run_dir / "data/verdict.json").is_file()
+    assert (run_dir / "notebooks/05_verdict.ipynb").is_file()
+    assert manifest["status"] == "failed"
+    for k in ("git_commit", "versions", "host", "params"):
+        assert k in manifest
+
+
+def test_resume_skips_phases_already_ok(params_file, phase_notebooks):
+    run_dir, _ = runner.run(params_file, notebook_dir=phase_notebooks)
+    first_end = json.loads((run_dir / "manifest.json").read_text())["phases"]["05_verdict"]["end"]
+    _notebook(phase_notebooks / "00_host.ipynb", "print('fixed')")
+    run_dir2, ok = runner.run(params_file, notebook_dir=phase_notebooks, resume=run_dir)
+    assert run_dir2 == run_dir and ok
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["phases"]["00_host"]["status"] == "ok"
+    assert manifest["phases"]["05_verdict"]["end"] == first_end  # not re-run
+
+
+def test_report_is_offline_with_every_figure_drawn_and_failures_shown(params_file, phase_notebooks):
+    run_dir, _ = runner.run(params_file, notebook_dir=phase_notebooks)
+    report = run_dir / "report.html"
+    html = report.read_text()
+    assert html.count("Plotly.newPlot") == 2
+    # plotly.js inlined once, no external script or stylesheet
+    assert len(re.findall(r"plotly\.js v\d", html)) == 1
+    assert not re.search(r"<script[^>]+src=\"https?://", html)
+    # code cells are hidden
+    assert "raise ValueError" not in html and "import plotly.graph_objects" not in html
+    seen = inspect_report(report)
+    assert seen["figures"] == [pytest.approx(seen["figures"][0])] * 2 and all(n >= 1 for n in seen["figures"])
+    assert seen["console_errors"] == [] and seen["page_errors"] == []
+    assert seen["network_requests"] == []
+    assert "failed" in seen["statuses"] and "ok" in seen["statuses"]
+    assert "exploded on purpose" in seen["text"]
+    assert run_dir.name in seen["text"]
+
+
+def test_unknown_phase_is_rejected_before_anything_runs(params_file, phase_notebooks):
+    with pytest.raises(runner.RunError, match="07_magic"):
+        runner.run(params_file, phases=["07_magic"], notebook_dir=phase_notebooks)

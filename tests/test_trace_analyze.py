@@ -1,0 +1,120 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from decodescope.trace import analyze as an
+from decodescope.trace.load import load_trace_dir
+from decodescope.trace.profile import analyze_traces, write_profile
+
+
+def test_real_cpu_traces_steps_and_allreduces_per_step(cpu_traces):
+    loaded = load_trace_dir(cpu_traces)
+    result = analyze_traces(loaded)
+    assert result.device == "cpu"
+    assert (result.steps.groupby("rank").size() == 5).all()
+    assert set(result.steps["kind"]) == {"decode"}
+    ar = result.per_step[result.per_step["category"] == "allreduce"]
+    # c10d::allreduce_ wraps gloo:all_reduce: one call each, not two
+    assert ar["calls_per_step"].tolist() == [3.0, 3.0]
+    gemm = result.per_step[result.per_step["category"] == "gemm"]
+    assert (gemm["calls_per_step"] >= 3).all()
+
+
+def test_self_time_subtracts_children():
+    ops = pd.DataFrame({"rank": [0, 0, 0], "tid": [1, 1, 1], "ts_us": [0.0, 10.0, 50.0],
+                        "dur_us": [100.0, 20.0, 30.0]})
+    self_us, parent = an.self_times(ops)
+    assert self_us.tolist() == [50.0, 20.0, 30.0]
+    assert parent.tolist() == [-1, 0, 0]
+
+
+def _gpu_events(rows):
+    df = pd.DataFrame(rows)
+    for c in ("correlation", "in_nelems", "out_nelems", "group_size", "external_id", "pid", "tid"):
+        df[c] = df[c].fillna(-1).astype(int) if c in df else -1
+    if "coll_dtype" not in df:
+        df["coll_dtype"] = None
+    df["coll_name"] = None
+    df["pg_name"] = None
+    return df
+
+
+def _two_stream_trace():
+    """One rank, one annotated step (GPU side), kernels on two streams that overlap."""
+    rows = [
+        {"rank": 0, "cat": "gpu_user_annotation", "name": "execute_context_0(0)_generation_1(1)", "ts_us": 0.0,
+         "dur_us": 120.0, "stream": 7},
+        {"rank": 0, "cat": "kernel", "name": "nvjet_tst_128x64_64x8_2x1_v_bz_TNN", "ts_us": 0.0, "dur_us": 50.0, "stream": 7},
+        {"rank": 0, "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ts_us": 20.0, "dur_us": 60.0,
+         "stream": 9, "in_nelems": 7168, "coll_dtype": "BFloat16"},
+        {"rank": 0, "cat": "kernel", "name": "fused_moe_kernel", "ts_us": 90.0, "dur_us": 20.0, "stream": 7},
+    ]
+    return _gpu_events(rows)
+
+
+def test_summed_kernel_time_exceeds_busy_when_streams_overlap():
+    events = _two_stream_trace()
+    ops = an.op_table(events)
+    steps = an.find_steps(events, ops)
+    ops = an.assign_steps(ops, steps, events)
+    busy = an.busy_vs_sum(ops, steps)
+    row = busy.iloc[0]
+    assert row["summed_us"] == 130.0          # 50 + 60 + 20
+    assert row["busy_us"] == 100.0            # [0, 80] U [90, 110]
+    assert row["wall_us"] == 120.0
+    assert row["idle_us"] == 20.0
+    assert ops["msg_bytes"].dropna().tolist() == [14336.0]
+
+
+def test_collective_skew_takes_min_as_transfer_and_excess_as_wait():
+    rows = []
+    for rank, durs in ((0, [10.0, 50.0]), (1, [40.0, 12.0])):
+        for i, d in enumerate(durs):
+            rows.append({"rank": rank, "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
+                         "ts_us": 100.0 * i, "dur_us": d, "stream": 1})
+    ops = an.op_table(_gpu_events(rows))
+    ops["step"] = 0
+    skew = an.collective_skew(ops)
+    by = skew.set_index(["rank", "instance"])
+    assert by.loc[(0, 0), "wait_us"] == 0.0 and by.loc[(1, 0), "wait_us"] == 30.0
+    assert by.loc[(0, 1), "wait_us"] == 38.0 and by.loc[(1, 1), "transfer_us"] == 12.0
+    summary = an.skew_summary(skew).set_index("rank")
+    assert summary.loc[0, "wait_us"] == 38.0 and summary.loc[1, "wait_us"] == 30.0
+
+
+def test_gpu_kernels_are_placed_by_launch_time_without_gpu_annotations():
+    rows = [
+        {"rank": 0, "cat": "user_annotation", "name": "execute_context_0(0)_generation_2(2)", "ts_us": 0.0,
+         "dur_us": 30.0, "stream": -1},
+        {"rank": 0, "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts_us": 5.0, "dur_us": 2.0, "stream": -1,
+         "correlation": 11},
+        # runs on the GPU after the CPU range has ended
+        {"rank": 0, "cat": "kernel", "name": "fused_moe_kernel", "ts_us": 45.0, "dur_us": 5.0, "stream": 7,
+         "correlation": 11},
+    ]
+    events = _gpu_events(rows)
+    ops = an.op_table(events)
+    steps = an.find_steps(events, ops)
+    ops = an.assign_steps(ops, steps, events)
+    assert ops["step"].tolist() == [0]
+
+
+def test_steps_from_gaps_without_annotations():
+    rows = [{"rank": 0, "cat": "kernel", "name": "k", "ts_us": t, "dur_us": 5.0, "stream": 7}
+            for t in (0, 10, 20, 1000, 1010, 1020, 3000, 3010)]
+    ops = an.op_table(_gpu_events(rows))
+    steps = an.steps_from_gaps(ops)
+    assert len(steps) == 3 and set(steps["source"]) == {"gaps"}
+
+
+def test_write_profile_files(cpu_traces, tmp_path, repo):
+    result = analyze_traces(load_trace_dir(cpu_traces))
+    summary = write_profile(result, tmp_path)
+    assert (tmp_path / "kernels.parquet").is_file()
+    on_disk = json.loads((tmp_path / "profile_summary.json").read_text())
+    assert on_disk["ranks"] == [0, 1] == summary["ranks"]
+    assert on_disk["allreduce_calls_per_step"] == {"0": 3.0, "1": 3.0}
+    kernels = pd.read_parquet(tmp_path / "kernels.parquet")
+    assert set(kernels["rank"]) == {0, 1}
