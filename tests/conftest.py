@@ -9,7 +9,7 @@ PARAMS_DIR = REPO / "params"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
 
