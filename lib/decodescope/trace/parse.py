@@ -12,6 +12,7 @@ import gzip
 import io
 import json
 import re
+from zlib import error as zlib_error
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Iterator, Optional
 import pandas as pd
 
 CHUNK_BYTES = 8 << 20
+EVENT_END = "\n  }"
+EVENT_SEP = "\n  },"
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
 # CPU ops kept on a GPU trace: those that describe communication (their args carry message sizes).
 COMM_CPU_OP = re.compile(r"nccl|gloo|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|"
@@ -74,25 +77,33 @@ class _Columns:
             c = d[s] = len(d)
         return c
 
-    def add(self, ev: dict) -> None:
-        args = ev.get("args") or {}
-        self.num["ts"].append(float(ev.get("ts", 0.0)))
-        self.num["dur"].append(float(ev.get("dur", 0.0)))
+    def extend(self, evs: list[dict]) -> None:
+        if not evs:
+            return
+        args = [ev.get("args") or {} for ev in evs]
+        self.num["ts"].extend([float(ev.get("ts", 0.0)) for ev in evs])
+        self.num["dur"].extend([float(ev.get("dur", 0.0)) for ev in evs])
         ints = self.int
-        ints["pid"].append(_as_int(ev.get("pid")))
-        ints["tid"].append(_as_int(ev.get("tid")))
-        ints["stream"].append(_as_int(args.get("stream", -1)))
-        ints["correlation"].append(_as_int(args.get("correlation", -1)))
-        ints["external_id"].append(_as_int(args.get("External id", -1)))
-        ints["in_nelems"].append(_as_int(args.get("In msg nelems", -1)))
-        ints["out_nelems"].append(_as_int(args.get("Out msg nelems", -1)))
-        ints["group_size"].append(_as_int(args.get("Group size", -1)))
-        codes = self.codes
-        codes["name"].append(self._code("name", ev.get("name")))
-        codes["cat"].append(self._code("cat", ev.get("cat")))
-        codes["coll_name"].append(self._code("coll_name", args.get("Collective name")))
-        codes["coll_dtype"].append(self._code("coll_dtype", args.get("dtype")))
-        codes["pg_name"].append(self._code("pg_name", args.get("Process Group Name")))
+        ints["pid"].extend([_as_int(ev.get("pid")) for ev in evs])
+        ints["tid"].extend([_as_int(ev.get("tid")) for ev in evs])
+        for col, key in (("stream", "stream"), ("correlation", "correlation"), ("external_id", "External id"),
+                         ("in_nelems", "In msg nelems"), ("out_nelems", "Out msg nelems"), ("group_size", "Group size")):
+            ints[col].extend([_as_int(a.get(key, -1)) for a in args])
+        for col, values in (("name", [ev.get("name") for ev in evs]), ("cat", [ev.get("cat") for ev in evs]),
+                            ("coll_name", [a.get("Collective name") for a in args]),
+                            ("coll_dtype", [a.get("dtype") for a in args]),
+                            ("pg_name", [a.get("Process Group Name") for a in args])):
+            d = self.dicts[col]
+            codes = []
+            for v in values:
+                if v is None:
+                    codes.append(-1)
+                    continue
+                c = d.get(v)
+                if c is None:
+                    c = d[v] = len(d)
+                codes.append(c)
+            self.codes[col].extend(codes)
 
     def frame(self) -> pd.DataFrame:
         data = {}
@@ -111,6 +122,8 @@ class _Columns:
 
 
 def _as_int(v) -> int:
+    if type(v) is int:
+        return v
     try:
         return int(v)
     except (TypeError, ValueError):
@@ -128,8 +141,15 @@ def _rank_from_name(path: Path) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def _keep(ev_head: str) -> bool:
-    return '"python_function"' not in ev_head
+def _wanted(ev: dict, is_gpu: bool) -> bool:
+    cat = ev.get("cat", "")
+    if cat in GPU_CATS or cat == "user_annotation":
+        return True
+    if cat == "cpu_op":
+        return not is_gpu or bool(COMM_CPU_OP.search(ev.get("name", "")))
+    if cat in ("cuda_runtime", "cuda_driver"):
+        return bool(LAUNCH_RUNTIME.search(ev.get("name", "")))
+    return False
 
 
 class _Scanner:
@@ -173,8 +193,12 @@ def _read_header(sc: _Scanner, path: Path) -> tuple[dict, int]:
     return header, j + 1
 
 
-def iter_events(path: Path, meta: TraceMeta) -> Iterator[dict]:
-    """Decoded events that pass the cheap python_function filter."""
+def iter_event_batches(path: Path, meta: TraceMeta) -> Iterator[list[dict]]:
+    """Decoded events, a chunk's worth at a time, after the cheap python_function filter.
+
+    Kineto's layout: events separated by "\n  },", each starting "{\n    \"ph\": ..." with "cat" in its
+    first lines. A chunk is cut at its last complete event, split on the separator in C, filtered by
+    each piece's first bytes, and the kept pieces decoded with one json.loads."""
     try:
         f = _open_text(path)
         sc = _Scanner(f)
@@ -182,59 +206,87 @@ def iter_events(path: Path, meta: TraceMeta) -> Iterator[dict]:
     except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     meta.header = header  # type: ignore[attr-defined]
-    decoder = json.JSONDecoder()
     try:
-        while True:
-            # skip separators
-            while True:
-                while pos < len(sc.buf) and sc.buf[pos] in " \t\r\n,":
-                    pos += 1
-                if pos < len(sc.buf) or not sc.more():
-                    break
-            if pos >= len(sc.buf):
-                meta.warnings.append(f"{path}: file ends inside traceEvents (truncated?)")
-                raise TraceError(f"{path}: truncated: the traceEvents array never closes")
-            if sc.buf[pos] == "]":
-                meta.trailer = sc.buf[pos + 1:] + sc.f.read()  # type: ignore[attr-defined]
-                break
-            end = sc.buf.find("\n  }", pos)
-            kineto = sc.buf.startswith("{\n", pos)
-            if kineto:
-                while end < 0:
-                    if not sc.more():
-                        raise TraceError(f"{path}: truncated inside an event")
-                    end = sc.buf.find("\n  }", pos)
-                text = sc.buf[pos:end + 4]
-                pos = end + 4
-                meta.events_seen += 1
-                if not _keep(text[:96]):
-                    meta.python_skipped += 1
-                else:
-                    yield json.loads(text)
-            else:
-                while True:
-                    try:
-                        ev, new_pos = decoder.raw_decode(sc.buf, pos)
-                        break
-                    except json.JSONDecodeError:
-                        if not sc.more():
-                            raise TraceError(f"{path}: truncated or invalid JSON near byte {sc.bytes_read}") from None
-                pos = new_pos
-                meta.events_seen += 1
-                if ev.get("cat") == "python_function":
-                    meta.python_skipped += 1
-                else:
-                    yield ev
-            if pos > CHUNK_BYTES:
-                sc.buf = sc.buf[pos:]
-                pos = 0
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        while len(sc.buf) - pos < 64 and sc.more():
+            pass
+        rest = sc.buf[pos:].lstrip(" \t\r\n")
+        if rest.startswith("]"):
+            meta.trailer = rest[1:] + sc.f.read()  # type: ignore[attr-defined]
+            return
+        if rest.startswith("{\n"):
+            yield from _kineto_batches(sc, pos, path, meta)
+        else:
+            yield from _generic_batches(sc, pos, path, meta)
+    except (OSError, EOFError, gzip.BadGzipFile, zlib_error) as e:
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); the file is damaged or truncated") from None
     except json.JSONDecodeError as e:
         raise TraceError(f"{path}: invalid JSON in an event ({e})") from None
     finally:
         meta.bytes_json = sc.bytes_read
         f.close()
+
+
+def _kineto_batches(sc: "_Scanner", pos: int, path: Path, meta: TraceMeta) -> Iterator[list[dict]]:
+    sc.buf = sc.buf[pos:]
+    while True:
+        more = sc.more()
+        buf = sc.buf
+        cut = buf.rfind(EVENT_END)
+        if not more:
+            tail_start = cut + len(EVENT_END) if cut >= 0 else 0
+            tail = buf[tail_start:].lstrip(" \t\r\n")
+            if not tail.startswith("]"):
+                raise TraceError(f"{path}: truncated: the traceEvents array never closes")
+            meta.trailer = tail[1:]  # type: ignore[attr-defined]
+        if cut < 0:
+            if not more:
+                return
+            continue
+        body, sc.buf = buf[:cut], buf[cut + len(EVENT_END):]
+        pieces = body.split(EVENT_SEP)
+        meta.events_seen += len(pieces)
+        kept = [p for p in pieces if '"python_function"' not in p[:96]]
+        meta.python_skipped += len(pieces) - len(kept)
+        if kept:
+            # each piece lacks its closing brace: the separator puts it back, the suffix closes the last
+            yield json.loads("[" + "\n  },".join(kept).lstrip(" \t\r\n,") + "\n  }]")
+        if not more:
+            return
+
+
+def _generic_batches(sc: "_Scanner", pos: int, path: Path, meta: TraceMeta) -> Iterator[list[dict]]:
+    decoder = json.JSONDecoder()
+    batch: list[dict] = []
+    while True:
+        while True:
+            while pos < len(sc.buf) and sc.buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(sc.buf) or not sc.more():
+                break
+        if pos >= len(sc.buf):
+            raise TraceError(f"{path}: truncated: the traceEvents array never closes")
+        if sc.buf[pos] == "]":
+            meta.trailer = sc.buf[pos + 1:] + sc.f.read()  # type: ignore[attr-defined]
+            break
+        while True:
+            try:
+                ev, new_pos = decoder.raw_decode(sc.buf, pos)
+                break
+            except json.JSONDecodeError:
+                if not sc.more():
+                    raise TraceError(f"{path}: truncated or invalid JSON near byte {sc.bytes_read}") from None
+        pos = new_pos
+        meta.events_seen += 1
+        if ev.get("cat") == "python_function":
+            meta.python_skipped += 1
+        else:
+            batch.append(ev)
+        if pos > CHUNK_BYTES:
+            sc.buf, pos = sc.buf[pos:], 0
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def parse_trace(path: str | Path) -> tuple[pd.DataFrame, TraceMeta]:
@@ -244,25 +296,12 @@ def parse_trace(path: str | Path) -> tuple[pd.DataFrame, TraceMeta]:
                      is_gpu=False, trace_id=None, base_time_ns=None)
     cols = _Columns()
     is_gpu: Optional[bool] = None
-    for ev in iter_events(path, meta):
+    for batch in iter_event_batches(path, meta):
         if is_gpu is None:
-            header = getattr(meta, "header", {})
-            is_gpu = bool(header.get("deviceProperties"))
-        if ev.get("ph") != "X":
-            continue
-        cat = ev.get("cat", "")
-        if cat in GPU_CATS or cat == "user_annotation":
-            pass
-        elif cat == "cpu_op":
-            if is_gpu and not COMM_CPU_OP.search(ev.get("name", "")):
-                continue
-        elif cat == "cuda_runtime" or cat == "cuda_driver":
-            if not LAUNCH_RUNTIME.search(ev.get("name", "")):
-                continue
-        else:
-            continue
-        cols.add(ev)
-        meta.events_kept += 1
+            is_gpu = bool(getattr(meta, "header", {}).get("deviceProperties"))
+        kept = [ev for ev in batch if ev.get("ph") == "X" and _wanted(ev, is_gpu)]
+        cols.extend(kept)
+        meta.events_kept += len(kept)
     header = getattr(meta, "header", {})
     trailer = _parse_trailer(getattr(meta, "trailer", ""))
     info = header.get("distributedInfo") or trailer.get("distributedInfo") or {}
