@@ -28,7 +28,9 @@ def test_real_traces_parse_with_rank_from_distributed_info(cpu_traces):
         assert meta.rank_source == "distributedInfo"
         assert meta.world_size == 2 and meta.backend == "gloo"
         assert f"rank{meta.rank}" in path.name
-        assert meta.python_skipped > 0  # with_stack traces are mostly python_function events
+        # with_stack traces are mostly python_function events: seen, never kept
+        assert meta.events_seen > 2 * len(df)
+        assert "python_function" not in set(df["cat"].astype(str))
         totals, counts, _ = _independent_totals(path)
         ours = df[df["cat"].astype(str) == "cpu_op"].groupby(df["name"].astype(str))["dur_us"].agg(["sum", "size"])
         assert set(ours.index) == set(totals)

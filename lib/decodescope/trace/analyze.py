@@ -26,7 +26,7 @@ DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "BFloat16": 2, "float16": 2, "Half": 2,
 
 
 def is_gpu_table(events: pd.DataFrame) -> bool:
-    return bool((events["cat"].astype(str) == "kernel").any())
+    return bool((events["cat"] == "kernel").any())
 
 
 # ---- ops -----------------------------------------------------------------------------------------
@@ -58,9 +58,9 @@ def self_times(ops: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 
 def op_table(events: pd.DataFrame, rules=None) -> pd.DataFrame:
     """The timed work with categories and a `time_us` that sums without double counting."""
-    cat = events["cat"].astype(str)
+    cat = events["cat"]
     if is_gpu_table(events):
-        ops = events[cat.isin(GPU_WORK_CATS)].copy()
+        ops = events[cat.isin(GPU_WORK_CATS)]
         ops["time_us"] = ops["dur_us"]
         ops["lane"] = ops["stream"]
         device = "gpu"
@@ -74,7 +74,7 @@ def op_table(events: pd.DataFrame, rules=None) -> pd.DataFrame:
     # A call counts once: an op inside another op of its own category (c10d::allreduce_ around
     # gloo:all_reduce) is part of its parent's call.
     if device == "cpu" and len(ops):
-        cats = ops["category"].astype(str).to_numpy()
+        cats = ops["category"].cat.codes.to_numpy()
         ops["counted"] = (parent < 0) | (cats[np.clip(parent, 0, None)] != cats)
     else:
         ops["counted"] = True
@@ -86,7 +86,7 @@ def op_table(events: pd.DataFrame, rules=None) -> pd.DataFrame:
 def _msg_bytes(ops: pd.DataFrame) -> pd.Series:
     if "in_nelems" not in ops or ops.empty:
         return pd.Series(np.nan, index=ops.index)
-    elt = ops["coll_dtype"].astype(str).map(DTYPE_BYTES)
+    elt = ops["coll_dtype"].map(DTYPE_BYTES).astype(float)
     nelems = ops["in_nelems"].where(ops["in_nelems"] >= 0)
     return nelems * elt
 
@@ -95,11 +95,10 @@ def _msg_bytes(ops: pd.DataFrame) -> pd.Series:
 def steps_from_annotations(events: pd.DataFrame) -> pd.DataFrame:
     """One row per annotated model step per rank. On GPU traces the GPU-side span
     (gpu_user_annotation) is used when the profiler recorded it."""
-    cat = events["cat"].astype(str)
-    name = events["name"].astype(str)
     rows = []
     for source in ("gpu_user_annotation", "user_annotation"):
-        sel = events[(cat == source) & name.str.contains(STEP_ANY)]
+        sel = events[events["cat"] == source]  # few rows: string work only on them
+        sel = sel[sel["name"].astype(str).str.contains(STEP_ANY)]
         if sel.empty:
             continue
         for r in sel.itertuples():
@@ -148,7 +147,7 @@ def find_steps(events: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
 
 def launch_times(events: pd.DataFrame) -> pd.Series:
     """correlation id -> CPU launch timestamp, to place GPU kernels in the CPU step that launched them."""
-    rt = events[events["cat"].astype(str).isin(["cuda_runtime", "cuda_driver"]) & (events["correlation"] >= 0)]
+    rt = events[events["cat"].isin(["cuda_runtime", "cuda_driver"]) & (events["correlation"] >= 0)]
     return rt.groupby(["rank", "correlation"])["ts_us"].first()
 
 
@@ -258,7 +257,7 @@ def collective_skew(ops: pd.DataFrame, categories=ALLREDUCE_CATEGORIES) -> pd.Da
     """Each collective instance matched across ranks (the k-th call of a category on every rank is the
     same instance: collectives are issued in program order). Its minimum duration is the transfer;
     the excess on the other ranks is time spent waiting for the slowest rank to arrive."""
-    coll = ops[ops["category"].astype(str).isin(categories) & ops["counted"]].copy()
+    coll = ops[ops["category"].isin(categories) & ops["counted"]].copy()
     if coll.empty or coll["rank"].nunique() < 2:
         return pd.DataFrame(columns=["category", "instance", "rank", "dur_us", "transfer_us", "wait_us"])
     coll = coll.sort_values(["rank", "ts_us"])
@@ -283,7 +282,7 @@ def skew_summary(skew: pd.DataFrame) -> pd.DataFrame:
 
 def per_call_latency(ops: pd.DataFrame, categories=ALLREDUCE_CATEGORIES) -> pd.DataFrame:
     """Collective calls with their duration and message size (bytes when the trace recorded them)."""
-    sel = ops[ops["category"].astype(str).isin(categories) & ops["counted"]]
+    sel = ops[ops["category"].isin(categories) & ops["counted"]]
     return sel[["rank", "step", "category", "name", "dur_us", "msg_bytes"]].reset_index(drop=True)
 
 
@@ -305,7 +304,7 @@ def top_ops(ops: pd.DataFrame, n: int = 20) -> pd.DataFrame:
 
 def unknown_ops(ops: pd.DataFrame, n: int = 20) -> pd.DataFrame:
     """The largest names left in `other`: candidates for a new rule."""
-    return top_ops(ops[ops["category"].astype(str) == OTHER], n)
+    return top_ops(ops[ops["category"] == OTHER], n)
 
 
 def expected_vs_observed(per_step: pd.DataFrame, expected_allreduce: Optional[int],

@@ -81,9 +81,18 @@ def categorize_names(names: Iterable[str], device: str, rules: Optional[RuleSet]
 
 
 def add_categories(df: pd.DataFrame, device: str, rules: Optional[RuleSet] = None) -> pd.DataFrame:
-    """A `category` column, computed once per unique name."""
-    uniq = [str(n) for n in pd.unique(df["name"].astype(str))]
-    mapping = categorize_names(uniq, device, rules)
-    df = df.copy()
-    df["category"] = df["name"].astype(str).map(mapping).astype("category")
+    """A `category` column, computed once per distinct name (through the name's categorical codes,
+    so long kernel names are never copied per row)."""
+    import numpy as np
+
+    names = df["name"] if isinstance(df["name"].dtype, pd.CategoricalDtype) else df["name"].astype("category")
+    names = names.cat.remove_unused_categories()
+    distinct = [str(n) for n in names.cat.categories]
+    mapping = categorize_names(distinct, device, rules)
+    labels = sorted(set(mapping.values()))
+    index = {c: i for i, c in enumerate(labels)}
+    code_of_name = np.array([index[mapping[n]] for n in distinct] + [-1], dtype=np.int32)
+    codes = code_of_name[names.cat.codes.to_numpy()]  # code -1 (missing name) maps to the -1 sentinel
+    df = df.assign(name=names)
+    df["category"] = pd.Categorical.from_codes(codes, categories=labels) if labels else pd.Categorical([None] * len(df))
     return df

@@ -39,9 +39,9 @@ def find_trace_files(trace_dir: Path) -> tuple[list[Path], list[Path]]:
     return [p for p in files if p not in front], front
 
 
-def _parse_one(path: str):
+def _parse_one(path: str, workers: int = 1):
     try:
-        df, meta = parse_trace(path)
+        df, meta = parse_trace(path, workers=workers)
         return path, df, meta, None
     except TraceError as e:
         return path, None, None, str(e)
@@ -56,13 +56,14 @@ def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTrac
     files, front = find_trace_files(trace_dir)
     if not files:
         raise TraceError(f"{trace_dir}: no *.json or *.json.gz trace files (rank traces) found")
-    workers = workers or min(len(files), os.cpu_count() or 1)
-    results = []
-    if workers > 1 and len(files) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+    workers = workers or (os.cpu_count() or 1)
+    if len(files) > 1 and 2 * len(files) >= workers:
+        # enough files to keep most cores busy: one process per rank file
+        with ProcessPoolExecutor(max_workers=min(workers, len(files))) as pool:
             results = list(pool.map(_parse_one, map(str, files)))
     else:
-        results = [_parse_one(str(f)) for f in files]
+        # fewer files than cores: one file at a time, its chunks decoded by every core
+        results = [_parse_one(str(f), workers) for f in files]
     warnings = [f"{p}: front-end (API server) trace, not a rank: not analysed" for p in front]
     by_rank: dict[int, list[tuple[Path, pd.DataFrame, TraceMeta]]] = {}
     for path, df, meta, err in results:
@@ -91,8 +92,15 @@ def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTrac
     if missing:
         warnings.append(f"{trace_dir}: world size {world} but no usable trace for rank(s) {missing}; "
                         "analysing the ranks present")
-    events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    for col in ("name", "cat", "coll_name", "coll_dtype", "pg_name"):
-        if col in events:
-            events[col] = events[col].astype("category")
+    if len(frames) > 1:
+        # union the string dictionaries so the columns stay categorical (no per-row strings)
+        from pandas.api.types import union_categoricals
+
+        cat_cols = ("name", "cat", "coll_name", "coll_dtype", "pg_name")
+        combined = {c: union_categoricals([f[c] for f in frames]) for c in cat_cols}
+        events = pd.concat([f.drop(columns=list(cat_cols)) for f in frames], ignore_index=True)
+        for c in cat_cols:
+            events[c] = combined[c]
+    else:
+        events = frames[0] if frames else pd.DataFrame()
     return LoadedTraces(events=events, metas=metas, warnings=warnings, skipped=skipped)
