@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from decodescope.arch import (collective_schedule, expected_all_reduces_per_step, layer_all_reduces_per_step,
                               normalize_config)
 
@@ -54,3 +56,69 @@ def test_llama_style_dense_config():
     assert {c.where: c.count for c in calls if c.op == "all_reduce"} == {"embedding": 1, "attention_out": 80,
                                                                          "mlp_out": 80}
     assert {c.msg_bytes for c in calls if c.op == "all_reduce"} == {16384}
+
+
+# ---- GEMM shapes, bytes, FLOPs (issue: micro-benchmarks) -------------------------------------------
+from decodescope.arch import (active_experts, all_to_all_bytes, flops_per_step, gemm_shapes,  # noqa: E402
+                              kv_cache_bytes_per_step, weight_bytes_per_step)
+
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256}
+
+
+def _by_op(shapes):
+    return {s.op: (s.m, s.n, s.k, s.count) for s in shapes}
+
+
+def test_kimi_tp8_gemm_shapes_by_hand(repo):
+    a = normalize_config(_cfg(repo, "kimi-k2.5.json"))
+    ops = _by_op(gemm_shapes(a, tp=8, batch=1))
+    assert ops["fused_qkv_a_proj"] == (1, 1536 + 512 + 64, 7168, 61)   # replicated
+    assert ops["q_b_proj"] == (1, 8 * (128 + 64), 1536, 61)
+    assert ops["o_proj"] == (1, 7168, 8 * 128, 61)
+    assert ops["gate_up_proj"] == (1, 2 * 18432 // 8, 7168, 1)          # first_k_dense_replace = 1
+    assert ops["down_proj"] == (1, 7168, 18432 // 8, 1)
+    assert ops["moe_w13"] == (1, 2 * 2048 // 8, 7168, 8 * 60)           # 8 experts hit at batch 1
+    assert ops["moe_w2"] == (1, 7168, 2048 // 8, 8 * 60)
+    assert ops["shared_gate_up"] == (1, 512, 7168, 60)
+    assert ops["router"] == (1, 384, 7168, 60)
+    assert ops["lm_head"] == (1, 163840 // 8, 7168, 1)
+
+
+def test_kimi_int4_expert_weight_bytes_by_hand(repo):
+    a = normalize_config(_cfg(repo, "kimi-k2.5.json"))
+    wb = weight_bytes_per_step(gemm_shapes(a, 8, 1), "int4", group_size=32)
+    per_expert_elems = 512 * 7168 + 7168 * 256
+    assert wb["int4"] == pytest.approx(per_expert_elems * 480 * (0.5 + 2 / 32))
+
+
+def test_llama70b_tp4_shapes_flops_and_kv_bytes_by_hand():
+    a = normalize_config(LLAMA_70B)
+    shapes = gemm_shapes(a, tp=4, batch=1)
+    ops = _by_op(shapes)
+    assert ops["qkv_proj"] == (1, (16 + 2 * 2) * 128, 8192, 80)
+    assert ops["o_proj"] == (1, 8192, 2048, 80)
+    assert ops["gate_up_proj"] == (1, 14336, 8192, 80)
+    assert ops["down_proj"] == (1, 8192, 7168, 80)
+    assert ops["lm_head"] == (1, 32064, 8192, 1)
+    expected = 2 * 80 * (2560 * 8192 + 8192 * 2048 + 14336 * 8192 + 8192 * 7168) + 2 * 32064 * 8192
+    assert flops_per_step(shapes) == expected
+    assert kv_cache_bytes_per_step(a, tp=4, batch=1, context=1024) == 2 * 2 * 128 * 2 * 80 * 1024
+    assert weight_bytes_per_step(shapes, "bf16")["total"] == expected / 2 * 2  # bf16: 2 bytes per FLOP pair
+
+
+def test_active_experts_and_skew():
+    assert active_experts(1, 8, 384) == pytest.approx(8, rel=0.01)
+    assert active_experts(256, 8, 384) > 370
+    assert active_experts(256, 8, 384, skew=1.0) == 8
+
+
+
+
+def test_all_to_all_volumes():
+    a = normalize_config({"model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 10,
+                          "num_attention_heads": 32, "num_experts": 64, "num_experts_per_tok": 8,
+                          "vocab_size": 1000, "intermediate_size": 1000, "moe_intermediate_size": 512})
+    v = all_to_all_bytes(a, ep=8, tokens_per_gpu=16)
+    assert v["dispatch_bytes"] == 16 * 8 * 4096 * 2 * 7 / 8
+    assert all_to_all_bytes(a, ep=1, tokens_per_gpu=16)["dispatch_bytes"] == 0

@@ -127,3 +127,129 @@ def layer_all_reduces_per_step(arch: ArchConfig, tp: int) -> int:
 
 def expected_all_reduces_per_step(arch: ArchConfig, tp: int) -> int:
     return sum(c.count for c in collective_schedule(arch, tp) if c.op == "all_reduce")
+
+
+# ---- GEMM shapes, bytes and FLOPs of a decode step -------------------------------------------------
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0}
+
+
+def weight_bytes_per_element(dtype: str, group_size: int = 32) -> float:
+    """int4 packs two weights a byte and carries one bf16 scale per group."""
+    if dtype == "int4":
+        return 0.5 + 2.0 / group_size
+    return WEIGHT_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    op: str            # e.g. qkv_proj, o_proj, moe_w13
+    layer_kind: str    # attention | dense_mlp | moe_expert | shared_expert | router | lm_head
+    m: int             # tokens (rows of the activation)
+    n: int             # output features on this rank
+    k: int             # input features on this rank
+    count: int         # calls per decode step on one rank
+    sharding: str      # column | row | replicated | expert
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * self.count
+
+
+def active_experts(batch: int, top_k: int, experts: int, skew: float = 0.0) -> float:
+    """Expected distinct experts hit by batch x top_k uniform picks; `skew` in [0, 1) shrinks the
+    set towards top_k (all tokens choosing the same experts at skew -> 1)."""
+    if not experts:
+        return 0.0
+    picks = batch * top_k
+    uniform = experts * (1.0 - (1.0 - 1.0 / experts) ** picks)
+    return max(float(min(top_k, experts)), uniform * (1.0 - skew) + min(top_k, experts) * skew)
+
+
+def gemm_shapes(arch: ArchConfig, tp: int, batch: int, ep: int = 1, skew: float = 0.0) -> list[GemmShape]:
+    """Every GEMM of one decode step on one rank, after tensor (and expert) parallel sharding."""
+    b, h = batch, arch.hidden_size
+    shapes: list[GemmShape] = []
+    L = arch.num_layers
+    heads = arch.num_attention_heads // tp
+    if arch.uses_mla:
+        nope, rope, v = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
+        kv_lora = arch.kv_lora_rank
+        if arch.q_lora_rank:
+            shapes.append(GemmShape("fused_qkv_a_proj", "attention", b, arch.q_lora_rank + kv_lora + rope, h, L, "replicated"))
+            shapes.append(GemmShape("q_b_proj", "attention", b, heads * (nope + rope), arch.q_lora_rank, L, "column"))
+        else:
+            shapes.append(GemmShape("q_proj", "attention", b, heads * (nope + rope), h, L, "column"))
+            shapes.append(GemmShape("kv_a_proj", "attention", b, kv_lora + rope, h, L, "replicated"))
+        # absorbed MLA decode: per head, q_nope x W_UK and the attention output x W_UV
+        shapes.append(GemmShape("mla_w_uk", "attention", b, kv_lora, nope, L * heads, "column"))
+        shapes.append(GemmShape("mla_w_uv", "attention", b, v, kv_lora, L * heads, "column"))
+        shapes.append(GemmShape("o_proj", "attention", b, h, heads * v, L, "row"))
+    else:
+        kv = max(1, arch.num_key_value_heads // tp)
+        d = arch.head_dim
+        shapes.append(GemmShape("qkv_proj", "attention", b, (heads + 2 * kv) * d, h, L, "column"))
+        shapes.append(GemmShape("o_proj", "attention", b, h, heads * d, L, "row"))
+    dense = L - arch.moe_layers
+    if dense:
+        inter = arch.intermediate_size // tp
+        shapes.append(GemmShape("gate_up_proj", "dense_mlp", b, 2 * inter, h, dense, "column"))
+        shapes.append(GemmShape("down_proj", "dense_mlp", b, h, inter, dense, "row"))
+    if arch.moe_layers:
+        E, k = arch.num_experts, arch.top_k
+        moe_tp = 1 if ep > 1 else tp
+        inter = arch.moe_intermediate_size // moe_tp
+        tokens_on_rank = b if ep == 1 else max(1, -(-b * ep // ep))  # with EP every rank sees all tokens' routes
+        experts_here = E // ep
+        hit = active_experts(tokens_on_rank, k, E, skew) * experts_here / E
+        per_expert = max(1, round(tokens_on_rank * k / max(active_experts(tokens_on_rank, k, E, skew), 1.0)))
+        n_hit = max(1, round(hit))
+        shapes.append(GemmShape("router", "router", b, E, h, arch.moe_layers, "replicated"))
+        shapes.append(GemmShape("moe_w13", "moe_expert", per_expert, 2 * inter, h, n_hit * arch.moe_layers, "expert"))
+        shapes.append(GemmShape("moe_w2", "moe_expert", per_expert, h, inter, n_hit * arch.moe_layers, "expert"))
+        if arch.num_shared_experts:
+            sh = arch.moe_intermediate_size * arch.num_shared_experts // tp
+            shapes.append(GemmShape("shared_gate_up", "shared_expert", b, 2 * sh, h, arch.moe_layers, "column"))
+            shapes.append(GemmShape("shared_down", "shared_expert", b, h, sh, arch.moe_layers, "row"))
+    shapes.append(GemmShape("lm_head", "lm_head", b, -(-arch.vocab_size // tp), h, 1, "column"))
+    return shapes
+
+
+def gemm_frame(shapes: list[GemmShape]) -> pd.DataFrame:
+    df = pd.DataFrame([asdict(s) for s in shapes])
+    df["flops"] = [s.flops for s in shapes]
+    return df
+
+
+def weight_bytes_per_step(shapes: list[GemmShape], weight_dtype: str = "bf16", group_size: int = 32,
+                          quantized_kinds: tuple[str, ...] = ("moe_expert",)) -> dict:
+    """Weight bytes one rank reads per decode step, split by dtype: `weight_dtype` for the layer kinds
+    that are quantized (routed experts by default, as in Kimi-K2.5 INT4), bf16 for the rest."""
+    out: dict[str, float] = {}
+    for s in shapes:
+        dt = weight_dtype if s.layer_kind in quantized_kinds else "bf16"
+        out[dt] = out.get(dt, 0.0) + s.n * s.k * s.count * weight_bytes_per_element(dt, group_size)
+    out["total"] = sum(out.values())
+    return out
+
+
+def kv_cache_bytes_per_step(arch: ArchConfig, tp: int, batch: int, context: int, kv_dtype: str = "bf16") -> float:
+    """KV-cache bytes one rank reads per decode step (every layer reads the whole context)."""
+    elt = WEIGHT_BYTES[kv_dtype]
+    if arch.uses_mla:  # the latent cache is replicated on every rank
+        per_token_layer = (arch.kv_lora_rank + arch.qk_rope_head_dim) * elt
+    else:
+        per_token_layer = 2 * max(1, arch.num_key_value_heads // tp) * arch.head_dim * elt
+    return float(per_token_layer * arch.num_layers * context * batch)
+
+
+def flops_per_step(shapes: list[GemmShape]) -> int:
+    return sum(s.flops for s in shapes)
+
+
+def all_to_all_bytes(arch: ArchConfig, ep: int, tokens_per_gpu: int, dtype: str = "bf16") -> dict:
+    """Expert-parallel dispatch/combine per MoE layer and rank: each token goes to top_k experts, of
+    which (ep-1)/ep live on other ranks on average."""
+    elt = DTYPE_BYTES[dtype]
+    sent = tokens_per_gpu * arch.top_k * arch.hidden_size * elt * (ep - 1) / ep if ep > 1 else 0.0
+    return {"dispatch_bytes": sent, "combine_bytes": sent, "layers": arch.moe_layers,
+            "per_step_bytes": 2 * sent * arch.moe_layers}

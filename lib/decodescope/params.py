@@ -153,6 +153,16 @@ class MicrobenchParams(_Section):
     warmup: int = 5
     world_size: Optional[int] = Field(None, description="ranks for the collective probe; default: TP")
     sweep_max_bytes: int = 1 << 24
+    sweep_min_bytes: int = 1024
+    all_to_all_tokens: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    expert_parallel: int = Field(1, description="EP size for all-to-all volumes (1: TP only)")
+    context_tokens: int = Field(1024, description="context length for KV-cache bytes per step")
+    moe_skew: float = Field(0.0, description="0 uniform routing; towards 1 all tokens pick the same experts")
+    flush_l2: bool = True
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = Field(None, description="host:port of torchrun's rendezvous (multi-node)")
+    probe_timeout_s: float = 1800.0
 
     @field_validator("batches")
     @classmethod

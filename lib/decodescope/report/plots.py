@@ -147,3 +147,81 @@ def summed_vs_wall(busy: pd.DataFrame, step_kind: str) -> go.Figure:
     fig.update_layout(barmode="group", title=f"Summed vs wall time per {step_kind} step (median)",
                       xaxis_title="rank", yaxis_title="ms")
     return fig
+
+
+# ---- micro-benchmarks ----------------------------------------------------------------------------
+def gemm_time_vs_batch(gemm: pd.DataFrame, dtype: str) -> go.Figure:
+    """Per op, measured time vs batch, with the roofline floor max(FLOPs/peak, bytes/bandwidth) dashed."""
+    ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]
+    fig = go.Figure()
+    for op, g in ok.groupby("op"):
+        g = g.sort_values("batch")
+        line = fig.add_trace(go.Scatter(x=g["batch"], y=g["time_us"], mode="lines+markers", name=op,
+                                        legendgroup=op))
+        floor = _roofline_floor_us(g)
+        if floor is not None:
+            fig.add_trace(go.Scatter(x=g["batch"], y=floor, mode="lines", line=dict(dash="dot"), name=f"{op} roofline",
+                                     legendgroup=op, showlegend=False, hoverinfo="skip"))
+    fig.update_layout(title=f"GEMM time per call vs batch ({dtype}); dotted: roofline floor",
+                      xaxis_title="batch (tokens per step)", yaxis_title="time per call (us)", xaxis_type="log",
+                      yaxis_type="log")
+    return fig
+
+
+def _roofline_floor_us(g: pd.DataFrame):
+    peak = g["peak_tflops"].iloc[0] if "peak_tflops" in g and g["peak_tflops"].notna().any() else None
+    if not peak:
+        return None
+    t_compute = 2 * g["m"] * g["n"] * g["k"] / (peak * 1e12) * 1e6
+    if "mem_gbps" in g and g["mem_gbps"].notna().any():
+        t_memory = g["bytes"] / (g["mem_gbps"].iloc[0] * 1e9) * 1e6
+        return pd.concat([t_compute, t_memory], axis=1).max(axis=1)
+    return t_compute
+
+
+def gemm_step_total(per_step: pd.DataFrame) -> go.Figure:
+    fig = go.Figure([go.Scatter(x=g["batch"], y=g["step_gemm_us"] / 1e3, mode="lines+markers", name=dt)
+                     for dt, g in per_step.groupby("dtype")])
+    fig.update_layout(title="All GEMMs of one decode step (per rank) vs batch", xaxis_title="batch",
+                      yaxis_title="ms per step", xaxis_type="log")
+    return fig
+
+
+def collective_latency_vs_size(coll: pd.DataFrame, fit: pd.DataFrame) -> go.Figure:
+    ok = coll[(coll["part"] == "sweep") & (coll["status"] == "ok") & (coll["rank"] == coll["rank"].min())]
+    fig = go.Figure()
+    for (op, inplace), g in ok.groupby(["op", "inplace"]):
+        name = f"{op} ({'in-place' if inplace else 'out-of-place'})"
+        fig.add_trace(go.Scatter(x=g["bytes"], y=g["time_us"], mode="markers+lines", name=name,
+                                 error_y=dict(type="data", symmetric=False, array=g["p90_us"] - g["time_us"],
+                                              arrayminus=g["time_us"] - g["p10_us"])))
+        f = fit[(fit["op"] == op) & (fit["inplace"] == inplace)]
+        if not f.empty:
+            a, b = f["alpha_us"].iloc[0], f["beta_gbps"].iloc[0]
+            xs = g["bytes"].sort_values()
+            fig.add_trace(go.Scatter(x=xs, y=a + xs / (b * 1e9) * 1e6, mode="lines", line=dict(dash="dash"),
+                                     name=f"fit: {a:.1f} us + n / {b:.2f} GB/s"))
+    fig.update_layout(title="Collective latency vs message size", xaxis_title="bytes", yaxis_title="time (us)",
+                      xaxis_type="log", yaxis_type="log")
+    return fig
+
+
+def burst_vs_batch(coll: pd.DataFrame) -> go.Figure:
+    b = coll[(coll["part"] == "burst") & (coll["status"] == "ok")]
+    b = b[b["rank"] == b["rank"].min()]
+    fig = go.Figure([go.Scatter(x=g["batch"], y=g["time_us"] / 1e3, mode="lines+markers", name=mode,
+                                customdata=g["calls"], hovertemplate="batch %{x}: %{y:.3f} ms for %{customdata} calls")
+                     for mode, g in b.groupby("mode")])
+    fig.update_layout(title="All-reduce burst of one decode step vs batch", xaxis_title="batch",
+                      yaxis_title="ms per step", xaxis_type="log")
+    return fig
+
+
+def all_to_all_vs_tokens(coll: pd.DataFrame) -> go.Figure:
+    a = coll[(coll["part"] == "all_to_all") & (coll["status"] == "ok")]
+    a = a[a["rank"] == a["rank"].min()]
+    fig = go.Figure(go.Scatter(x=a["tokens_per_gpu"], y=a["time_us"], mode="lines+markers",
+                               customdata=a["bytes"], hovertemplate="%{x} tokens/GPU (%{customdata} B): %{y:.1f} us"))
+    fig.update_layout(title="All-to-all (expert-parallel dispatch size) vs tokens per GPU",
+                      xaxis_title="tokens per GPU", yaxis_title="time (us)", xaxis_type="log", yaxis_type="log")
+    return fig

@@ -1,0 +1,234 @@
+"""Phase 2 on the analysis side: build the probes' inputs from the architecture, run the probe
+programs (plain python / torchrun child processes), and turn their per-rank files into tables."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from decodescope import arch as archmod
+from decodescope.io import write_json_atomic, write_parquet_atomic
+
+PROBE_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int4")
+
+
+class ProbeError(RuntimeError):
+    pass
+
+
+def gemm_plan(params) -> list[dict]:
+    arch = archmod.normalize_config(params.model_config_dict())
+    tp = params.server.tensor_parallel
+    rows = []
+    for b in params.microbench.batches:
+        for s in archmod.gemm_shapes(arch, tp, b, params.microbench.expert_parallel, params.microbench.moe_skew):
+            for dt in params.microbench.dtypes:
+                rows.append({"op": s.op, "layer_kind": s.layer_kind, "batch": b, "m": s.m, "n": s.n, "k": s.k,
+                             "count": s.count, "dtype": dt})
+    return rows
+
+
+def collectives_plan(params, dtype: str = "bf16") -> dict:
+    arch = archmod.normalize_config(params.model_config_dict())
+    tp = params.server.tensor_parallel
+    mb = params.microbench
+    burst = []
+    for b in mb.batches:
+        calls = [c for c in archmod.collective_schedule(arch, tp, b, dtype) if c.op == "all_reduce"]
+        burst.append({"batch": b, "calls": [{"msg_bytes": c.msg_bytes, "count": c.count, "where": c.where}
+                                            for c in calls]})
+    ep = mb.expert_parallel if mb.expert_parallel > 1 else (mb.world_size or tp)
+    a2a = [{"tokens_per_gpu": t, **archmod.all_to_all_bytes(arch, ep, t, dtype)} for t in mb.all_to_all_tokens]
+    return {"dtype": dtype, "iters": mb.iterations, "warmup": mb.warmup, "burst": burst,
+            "sweep": {"min_bytes": mb.sweep_min_bytes, "max_bytes": mb.sweep_max_bytes,
+                      "ops": ["all_reduce", "all_to_all"]},
+            "all_to_all": [{"tokens_per_gpu": x["tokens_per_gpu"], "dispatch_bytes": x["dispatch_bytes"]} for x in a2a]}
+
+
+def _run(argv: list[str], log_path: Path, timeout_s: float, env: Optional[dict] = None) -> None:
+    """A probe child in its own session, so an interrupt or timeout stops every rank."""
+    from decodescope.server import terminate_tree
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except BaseException:
+            terminate_tree(proc.pid, grace_s=5)
+            raise
+    if rc != 0:
+        from decodescope.server import log_tail
+
+        raise ProbeError(f"{argv[2] if len(argv) > 2 else argv[0]} exited with {rc}; last lines of {log_path}:\n"
+                         f"{log_tail(log_path, 25)}")
+
+
+def run_gemm_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.DataFrame:
+    data = run_dir / "data"
+    plan = gemm_plan(params)
+    shapes_path = data / "gemm_shapes.json"
+    write_json_atomic(shapes_path, plan)
+    out = data / "gemm_raw.json"
+    argv = [sys.executable, "-m", "decodescope.probes.gemm", "--shapes", str(shapes_path), "--out", str(out),
+            "--iters", str(params.microbench.iterations), "--warmup", str(params.microbench.warmup)]
+    if device:
+        argv += ["--device", device]
+    if not params.microbench.flush_l2:
+        argv.append("--warm-l2")
+    _run(argv, run_dir / "logs" / "gemm_probe.log", params.microbench.probe_timeout_s)
+    return gemm_table(json.loads(out.read_text()), peaks_for(run_dir, params))
+
+
+def peaks_for(run_dir: Path, params) -> dict:
+    """Peaks from the host phase's file (GPU datasheet or the measured CPU matmul)."""
+    from decodescope.hardware import resolve_peaks
+
+    host_path = run_dir / "data" / "host.json"
+    host = json.loads(host_path.read_text()) if host_path.is_file() else {}
+    peaks = host.get("peaks") or resolve_peaks(params.hardware.gpu, params.hardware.peaks.model_dump()) or {}
+    if not peaks and host.get("cpu_matmul"):
+        best = {m["dtype"]: m["gflops"] / 1e3 for m in host["cpu_matmul"]}
+        peaks = {"name": "CPU (measured)", "bf16_tflops": best.get("bfloat16"), "fp32_tflops": best.get("float32"),
+                 "mem_gbps": None, "source": "host.json cpu_matmul"}
+    return peaks
+
+
+def gemm_table(rows: list[dict], peaks: dict) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    peak_tflops = {"bf16": peaks.get("bf16_tflops"), "fp16": peaks.get("bf16_tflops"),
+                   "fp32": peaks.get("fp32_tflops") or (peaks.get("bf16_tflops") or 0) / 2 or None,
+                   "fp8": peaks.get("fp8_tflops"), "int4": peaks.get("bf16_tflops")}
+    mem = peaks.get("mem_gbps")
+    df["peak_tflops"] = df["dtype"].map(peak_tflops).astype(float)
+    df["mem_gbps"] = float(mem) if mem else np.nan
+    for col in ("tflops", "gbps", "time_us"):
+        if col not in df:
+            df[col] = np.nan
+    df["pct_of_compute_peak"] = 100 * df["tflops"] / df["peak_tflops"]
+    df["pct_of_mem_peak"] = 100 * df["gbps"] / mem if mem else np.nan
+    df["pct_of_peak"] = df[["pct_of_compute_peak", "pct_of_mem_peak"]].max(axis=1)
+    df["step_time_us"] = df["time_us"] * df["count"]
+    return df
+
+
+def gemm_per_step(df: pd.DataFrame) -> pd.DataFrame:
+    ok = df[df["status"] == "ok"]
+    return ok.groupby(["batch", "dtype"]).agg(step_gemm_us=("step_time_us", "sum"),
+                                              gemms=("count", "sum")).reset_index()
+
+
+def run_collectives_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.DataFrame:
+    data = run_dir / "data"
+    plan_path = data / "collectives_plan.json"
+    write_json_atomic(plan_path, collectives_plan(params))
+    out_dir = data / "collectives_ranks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mb = params.microbench
+    world = mb.world_size or params.server.tensor_parallel
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={mb.nnodes}", f"--nproc-per-node={world}"]
+    if mb.nnodes > 1:
+        argv += [f"--node-rank={mb.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={mb.rdzv_endpoint}"]
+    else:
+        argv += ["--standalone"]
+    argv += ["-m", "decodescope.probes.collectives", "--plan", str(plan_path), "--out-dir", str(out_dir)]
+    if device:
+        argv += ["--device", device]
+    env = {"OMP_NUM_THREADS": "1"}
+    _run(argv, run_dir / "logs" / "collectives_probe.log", mb.probe_timeout_s, env)
+    return collectives_table(out_dir)
+
+
+def collectives_table(out_dir: Path) -> pd.DataFrame:
+    rows, metas = [], []
+    for p in sorted(Path(out_dir).glob("collectives_rank*.json")):
+        doc = json.loads(p.read_text())
+        metas.append(doc["meta"])
+        for r in doc["rows"]:
+            rows.append({**r, "backend": doc["meta"]["backend"], "nccl_version": doc["meta"].get("nccl_version")})
+    df = pd.DataFrame(rows)
+    df.attrs["meta"] = metas
+    return df
+
+
+def latency_fit(sweep: pd.DataFrame) -> pd.DataFrame:
+    """t(n) = alpha + n / beta per operation, least squares over the sweep's medians (rank 0)."""
+    out = []
+    ok = sweep[(sweep["part"] == "sweep") & (sweep["status"] == "ok")]
+    for (op, inplace), g in ok[ok["rank"] == ok["rank"].min()].groupby(["op", "inplace"]):
+        if len(g) < 2:
+            continue
+        slope, alpha = np.polyfit(g["bytes"].to_numpy(float), g["time_us"].to_numpy(float), 1)
+        beta_gbps = (1.0 / slope) * 1e6 / 1e9 if slope > 0 else np.inf
+        out.append({"op": op, "inplace": bool(inplace), "alpha_us": float(alpha), "beta_gbps": float(beta_gbps),
+                    "points": len(g)})
+    return pd.DataFrame(out)
+
+
+def save_gemm(df: pd.DataFrame, data_dir: Path) -> None:
+    write_parquet_atomic(Path(data_dir) / "gemm.parquet", df)
+
+
+def save_collectives(df: pd.DataFrame, fit: pd.DataFrame, data_dir: Path) -> None:
+    write_parquet_atomic(Path(data_dir) / "collectives.parquet", df)
+    write_json_atomic(Path(data_dir) / "collectives_fit.json", fit.to_dict("records"))
+
+
+# ---- display helpers for the notebooks -------------------------------------------------------------
+def measured_dtypes(gemm: pd.DataFrame) -> list[str]:
+    return sorted(gemm.loc[gemm["status"] == "ok", "dtype"].unique())
+
+
+def gemm_method_note(gemm: pd.DataFrame) -> str:
+    ok = gemm[gemm["status"] == "ok"]
+    skipped = gemm[gemm["status"] != "ok"]
+    parts = [f"**Method:** {ok['method'].iloc[0]}." if len(ok) else "**No GEMM could be measured.**"]
+    if len(skipped):
+        reasons = "; ".join(f"{dt}: {r}" for dt, r in skipped.groupby("dtype")["skip_reason"].first().items())
+        parts.append(f"Skipped ({len(skipped)} rows): {reasons}.")
+    if len(ok) and ok["pct_of_peak"].notna().any():
+        best = ok.loc[ok["pct_of_peak"].idxmax()]
+        parts.append(f"Closest to a peak: {best['op']} at batch {best['batch']} ({best['dtype']}), "
+                     f"{best['pct_of_peak']:.0f}% of its roofline.")
+    return " ".join(parts)
+
+
+def gemm_display(gemm: pd.DataFrame) -> pd.DataFrame:
+    cols = ["op", "layer_kind", "batch", "dtype", "m", "n", "k", "count", "status", "time_us", "p10", "p90",
+            "tflops", "gbps", "pct_of_compute_peak", "pct_of_mem_peak", "skip_reason"]
+    g = gemm.rename(columns={"eager_p10_us": "p10", "eager_p90_us": "p90"})
+    return g[[c for c in cols if c in g]]
+
+
+def collectives_method_note(coll: pd.DataFrame) -> str:
+    metas = coll.attrs.get("meta") or []
+    m = metas[0] if metas else {}
+    env = ", ".join(f"{k}={v}" for k, v in (m.get("nccl_env") or {}).items()) or "none"
+    return (f"**Method:** backend {m.get('backend')} on {m.get('device')}, world size {m.get('world_size')}, "
+            f"{m.get('dtype')}; ranks aligned with a barrier before each call, {m.get('warmup')} warm-up and "
+            f"{m.get('iters')} timed calls, median with p10/p90; NCCL {m.get('nccl_version') or 'n/a'}, "
+            f"NCCL_* settings: {env}. busbw = algbw x 2(n-1)/n (all-reduce), x (n-1)/n (all-to-all), as nccl-tests.")
+
+
+def burst_table(coll: pd.DataFrame) -> pd.DataFrame:
+    b = coll[(coll["part"] == "burst") & (coll["status"] == "ok")]
+    return (b.groupby(["batch", "mode"]).agg(calls=("calls", "first"), msg_bytes=("msg_bytes", "first"),
+                                             step_us_median_over_ranks=("time_us", "median"),
+                                             step_us_max_over_ranks=("time_us", "max"),
+                                             per_call_us=("per_call_us", "median")).reset_index())
+
+
+def sweep_table(coll: pd.DataFrame) -> pd.DataFrame:
+    s = coll[(coll["part"] == "sweep") & (coll["status"] == "ok")]
+    s = s[s["rank"] == s["rank"].min()]
+    return s[["op", "inplace", "bytes", "time_us", "p10_us", "p90_us", "algbw_gbps", "busbw_gbps"]]

@@ -1,0 +1,209 @@
+"""GEMM probe: time each (op, batch, dtype) of a decode step at its sharded shape.
+
+A plain program for the GPU host (no notebook dependencies beyond torch):
+
+    python -m decodescope.probes.gemm --shapes shapes.json --out gemm.json [--device cuda] [--warm-l2]
+
+shapes.json is a list of {op, layer_kind, batch, m, n, k, count, dtype}. Method, stated with every
+result: `warmup` untimed calls, then `iters` timed calls, each alone between CUDA events, the L2 cache
+flushed before each call (a 2 x L2 buffer zeroed) unless --warm-l2; eager and CUDA-graph replay both
+recorded; the median is reported with p10/p90. On a CPU the same loop uses perf_counter, no flush.
+W4A16 goes through vLLM's Marlin op when vllm is importable, else the row is recorded as skipped.
+Results are appended to --out after every shape (atomically), so a crash keeps what was measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Optional
+
+import torch
+
+FP8_MIN_DIM = 16
+
+
+def _quantiles(times_us: list[float]) -> dict:
+    s = sorted(times_us)
+    pick = lambda q: s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]  # noqa: E731
+    return {"time_us": statistics.median(s), "p10_us": pick(0.10), "p90_us": pick(0.90), "n": len(s)}
+
+
+class Flusher:
+    """Zeroes a buffer twice the L2 size: the next kernel starts with a cold L2."""
+
+    def __init__(self, device: torch.device):
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+        self.buf = torch.empty(max(2 * l2, 64 << 20), dtype=torch.int8, device=device)
+
+    def __call__(self) -> None:
+        self.buf.zero_()
+
+
+def time_cuda(fn: Callable[[], None], iters: int, warmup: int, flush: Optional[Flusher]) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        if flush:
+            flush()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+
+def time_cuda_graph(fn: Callable[[], None], iters: int, warmup: int, flush: Optional[Flusher]) -> list[float]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(max(warmup, 2)):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_cuda(graph.replay, iters, warmup, flush)
+
+
+def time_cpu(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def make_gemm(m: int, n: int, k: int, dtype: str, device: torch.device) -> tuple[Optional[Callable], str, float]:
+    """(callable, skip reason, bytes moved). The callable computes A[m,k] @ W[n,k]^T."""
+    if dtype in ("bf16", "fp16", "fp32"):
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        a = torch.randn(m, k, device=device, dtype=dt)
+        w = torch.randn(n, k, device=device, dtype=dt)
+        out = torch.empty(m, n, device=device, dtype=dt)
+        elt = a.element_size()
+        return (lambda: torch.mm(a, w.t(), out=out)), "", float((m * k + n * k + m * n) * elt)
+    if dtype == "fp8":
+        if device.type != "cuda" or not hasattr(torch, "float8_e4m3fn"):
+            return None, "fp8 needs a CUDA GPU with float8 (Hopper or newer)", 0.0
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 9:
+            return None, f"fp8 tensor cores need compute capability 9.0+, this GPU is {major}.x", 0.0
+        if n % FP8_MIN_DIM or k % FP8_MIN_DIM:
+            return None, f"torch._scaled_mm needs N and K multiples of {FP8_MIN_DIM} (N={n}, K={k})", 0.0
+        mp = max(m, FP8_MIN_DIM) if m % FP8_MIN_DIM else m  # rows padded as serving kernels pad them
+        a = torch.randn(mp, k, device=device).to(torch.float8_e4m3fn)
+        w = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=device)
+        return (lambda: torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)), "", \
+            float(mp * k + n * k + mp * n * 2)
+    if dtype == "int4":
+        return _marlin_w4a16(m, n, k, device)
+    return None, f"unknown dtype {dtype!r}; valid: bf16, fp16, fp32, fp8, int4", 0.0
+
+
+def _marlin_w4a16(m: int, n: int, k: int, device: torch.device):
+    try:
+        from vllm.model_executor.layers.quantization.utils import marlin_utils_test as mt  # noqa: F401
+        from vllm import _custom_ops as ops  # noqa: F401
+    except Exception as e:  # vllm missing or built without Marlin: recorded, not fatal
+        return None, f"W4A16 needs vLLM's Marlin kernels: vllm not importable here ({type(e).__name__}: {e})", 0.0
+    if device.type != "cuda":
+        return None, "Marlin W4A16 runs on CUDA GPUs only", 0.0
+    try:
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
+        from vllm.scalar_type import scalar_types
+
+        a = torch.randn(m, k, device=device, dtype=torch.float16)
+        w = torch.randn(k, n, device=device, dtype=torch.float16)
+        _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(w, scalar_types.uint4b8, 128, False)
+        ws = torch.zeros(n // 64 * 16, dtype=torch.int, device=device)
+        from vllm import _custom_ops as ops
+
+        fn = lambda: ops.gptq_marlin_gemm(a, None, q_w, None, s, None, None, g_idx, sort_idx, ws,  # noqa: E731
+                                          scalar_types.uint4b8, m, n, k, is_k_full=True)
+        fn()
+        return fn, "", float(m * k * 2 + n * k / 2 + n * k / 128 * 2 + m * n * 2)
+    except Exception as e:
+        return None, f"Marlin W4A16 call failed on this vLLM build: {type(e).__name__}: {e}", 0.0
+
+
+def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: Optional[Flusher],
+            graph: bool) -> dict:
+    m, n, k, dtype = shape["m"], shape["n"], shape["k"], shape["dtype"]
+    row = {**shape, "device": str(device), "iters": iters, "warmup": warmup,
+           "l2": "flushed" if flush else "warm", "status": "ok", "skip_reason": ""}
+    fn, reason, nbytes = make_gemm(m, n, k, dtype, device)
+    if fn is None:
+        row.update(status="skipped", skip_reason=reason)
+        return row
+    flops = 2.0 * m * n * k
+    if device.type == "cuda":
+        eager = _quantiles(time_cuda(fn, iters, warmup, flush))
+        row.update({f"eager_{k2}": v for k2, v in eager.items()})
+        if graph:
+            try:
+                g = _quantiles(time_cuda_graph(fn, iters, warmup, flush))
+                row.update({f"graph_{k2}": v for k2, v in g.items()})
+            except Exception as e:
+                row["graph_error"] = f"{type(e).__name__}: {e}"
+        best = row.get("graph_time_us", eager["time_us"]) if graph else eager["time_us"]
+        row["method"] = (f"CUDA events around each call, {'L2 flushed before each' if flush else 'L2 warm'}, "
+                         f"median of {iters} after {warmup} warm-up; time_us = "
+                         + ("CUDA-graph replay" if graph else "eager"))
+    else:
+        eager = _quantiles(time_cpu(fn, iters, warmup))
+        row.update({f"eager_{k2}": v for k2, v in eager.items()})
+        best = eager["time_us"]
+        row["method"] = f"perf_counter around each call on the CPU ({torch.get_num_threads()} threads), median of {iters}"
+    row["time_us"] = best
+    row["tflops"] = flops / (best * 1e-6) / 1e12
+    row["gbps"] = nbytes / (best * 1e-6) / 1e9
+    row["bytes"] = nbytes
+    return row
+
+
+def write_atomic(path: str, rows: list[dict]) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".gemm.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", required=True, help="JSON list of shapes")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warm-l2", action="store_true", help="do not flush L2 between calls")
+    ap.add_argument("--no-graph", action="store_true")
+    args = ap.parse_args(argv)
+    shapes = json.load(open(args.shapes))
+    device = torch.device(args.device)
+    flush = Flusher(device) if device.type == "cuda" and not args.warm_l2 else None
+    rows: list[dict] = []
+    for i, shape in enumerate(shapes, 1):
+        rows.append(measure(shape, device, args.iters, args.warmup, flush, graph=not args.no_graph))
+        write_atomic(args.out, rows)
+        r = rows[-1]
+        print(f"[{i}/{len(shapes)}] {shape['op']} b={shape.get('batch')} {shape['dtype']} {shape['m']}x{shape['n']}x{shape['k']}: "
+              + (f"{r['time_us']:.2f} us, {r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s" if r["status"] == "ok"
+                 else f"skipped ({r['skip_reason'][:80]})"), file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Both probes for real in the embedded default: torch on the CPU, torchrun with two gloo ranks."""
+import json
+
+import pandas as pd
+import pytest
+
+from decodescope import arch as archmod
+from decodescope import microbench as mb
+from decodescope.params import load_params
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("probes")
+    for sub in ("data", "logs"):
+        (d / sub).mkdir()
+    return d
+
+
+@pytest.fixture(scope="module")
+def params(repo):
+    return load_params(repo / "params/default.yaml")
+
+
+@pytest.fixture(scope="module")
+def coll(params, run_dir):
+    return mb.run_collectives_probe(params, run_dir)
+
+
+def test_burst_replays_the_architectures_schedule(params, coll):
+    arch = archmod.normalize_config(params.model_config_dict())
+    burst = coll[(coll["part"] == "burst") & (coll["status"] == "ok")]
+    assert set(burst["rank"]) == {0, 1} and set(burst["world_size"]) == {2}
+    assert set(burst["backend"]) == {"gloo"}
+    for b in params.microbench.batches:
+        sched = [c for c in archmod.collective_schedule(arch, 2, b) if c.op == "all_reduce"]
+        rows = burst[burst["batch"] == b]
+        assert (rows["calls"] == sum(c.count for c in sched)).all()           # 1 + 2 x 4 = 9
+        assert (rows["msg_bytes"] == sched[0].msg_bytes).all()                # b x 256 x 2 bytes
+        assert (rows["bytes"] == sum(c.count * c.msg_bytes for c in sched)).all()
+        assert (rows["time_us"] > 0).all()
+
+
+def test_sweep_reports_nccl_tests_bandwidths(coll):
+    s = coll[(coll["part"] == "sweep") & (coll["status"] == "ok") & (coll["op"] == "all_reduce")]
+    assert s["bytes"].min() == 1024 and set(s["inplace"]) == {True, False}
+    row = s.iloc[0]
+    assert row["algbw_gbps"] == pytest.approx(row["bytes"] / (row["time_us"] * 1e-6) / 1e9)
+    assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (2 - 1) / 2)
+    fit = mb.latency_fit(coll)
+    assert {"all_reduce"} <= set(fit["op"]) and (fit["alpha_us"] > 0).all()
+
+
+def test_all_to_all_at_dispatch_sizes(params, coll):
+    a = coll[coll["part"] == "all_to_all"]
+    assert sorted(a["tokens_per_gpu"].unique()) == params.microbench.all_to_all_tokens
+    assert (a["status"] == "ok").all(), a["skip_reason"].dropna().tolist()
+
+
+def test_gemm_probe_on_cpu_measures_every_shape_and_skips_fp8_with_a_reason(params, run_dir):
+    params = params.model_copy(deep=True)
+    params.microbench.dtypes = ["bf16", "fp8"]
+    params.microbench.batches = [1, 4]
+    g = mb.run_gemm_probe(params, run_dir)
+    arch = archmod.normalize_config(params.model_config_dict())
+    expected = {(s.op, b) for b in (1, 4) for s in archmod.gemm_shapes(arch, 2, b)}
+    bf16 = g[g["dtype"] == "bf16"]
+    assert set(zip(bf16["op"], bf16["batch"])) == expected
+    assert (bf16["status"] == "ok").all() and (bf16["time_us"] > 0).all()
+    fp8 = g[g["dtype"] == "fp8"]
+    assert (fp8["status"] == "skipped").all() and fp8["skip_reason"].str.contains("CUDA").all()
+    raw = json.loads((run_dir / "data/gemm_raw.json").read_text())
+    assert len(raw) == len(g)
+
+
+@pytest.mark.gpu
+def test_gemm_probe_matches_do_bench_on_gpu(repo):
+    """Run through the device tool: benchmarks/gemm_probe_vs_do_bench.py prints the full table."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(repo / "benchmarks/gemm_probe_vs_do_bench.py"), "--batches", "1,16,256"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "within 5% of do_bench" in out
