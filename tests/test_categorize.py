@@ -132,3 +132,10 @@ def test_mangled_names_are_demangled_before_matching():
     mangled = "_ZN4vllm15rms_norm_kernelIN3c108BFloat16EEEvPT_PKS3_S6_fii"
     plain = demangle([mangled])[mangled]
     assert "vllm::rms_norm_kernel" in plain
+
+
+def test_torch_generic_sort_scan_and_cudnn_sdpa_names_from_an_h200_trace():
+    assert categorize_name("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0") == "attention"
+    assert categorize_name("void at::native::bitonicSortKVInPlace<2, -1, 16, 16, float, long, at::native::GTOp<float, true>, unsigned int>(...)") == "elementwise_other"
+    # 'uint4' in a template argument is not an int4 GEMM
+    assert categorize_name("void at::native::(anonymous namespace)::distribution_elementwise_grid_stride_kernel<unsigned int, 4, ...>(long, at::PhiloxCudaState, uint4)") == "elementwise_other"

@@ -1,0 +1,26 @@
+"""GPU check of the collective probe at world size 1 (one H200): Kimi-K2.5 TP=8 schedule replayed
+on one rank through torchrun + NCCL. Prints the burst per batch and the sweep's latency fit."""
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+from decodescope import microbench as mb  # noqa: E402
+from decodescope.params import load_params  # noqa: E402
+
+params = load_params(Path(__file__).resolve().parents[1] / "params/kimi-k2.5-int4-8x-pcie.yaml")
+params.microbench.world_size = 1
+params.microbench.iterations, params.microbench.warmup = 50, 10
+params.microbench.sweep_max_bytes = 256 << 20
+run = Path(tempfile.mkdtemp())
+(run / "data").mkdir()
+(run / "logs").mkdir()
+coll = mb.run_collectives_probe(params, run, device="cuda")
+print(mb.collectives_method_note(coll))
+print(mb.burst_table(coll).to_string())
+print(mb.latency_fit(coll).to_string())
+print(mb.sweep_table(coll).to_string())
+a = coll[coll["part"] == "all_to_all"]
+print(a[["tokens_per_gpu", "bytes", "status", "time_us"]].to_string())
+if len(sys.argv) > 1:
+    coll.to_json(sys.argv[1], orient="records")
