@@ -34,19 +34,27 @@ def _quantiles(times_us: list[float]) -> dict:
 
 
 class Flusher:
-    """Zeroes a buffer twice the L2 size: the next kernel starts with a cold L2."""
+    """Zeroes a buffer of at least 256 MB (and twice the L2): the next kernel starts with a cold L2.
+    The size is triton.testing.do_bench's, so the two agree on what "cold" means."""
 
     def __init__(self, device: torch.device):
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
-        self.buf = torch.empty(max(2 * l2, 64 << 20), dtype=torch.int8, device=device)
+        self.buf = torch.empty(max(2 * l2, 256 << 20), dtype=torch.int8, device=device)
 
     def __call__(self) -> None:
         self.buf.zero_()
 
 
-def time_cuda(fn: Callable[[], None], iters: int, warmup: int, flush: Optional[Flusher]) -> list[float]:
-    for _ in range(warmup):
+def time_cuda(fn: Callable[[], None], iters: int, warmup: int, flush: Optional[Flusher],
+              warmup_ms: float = 25.0) -> list[float]:
+    """Warm-up runs at least `warmup` calls and `warmup_ms` of GPU time, so clocks have ramped up."""
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 0
+    while n < warmup or (time.perf_counter() - t0) * 1e3 < warmup_ms:
         fn()
+        n += 1
+        if n % 16 == 0:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]

@@ -39,9 +39,18 @@ def find_trace_files(trace_dir: Path) -> tuple[list[Path], list[Path]]:
     return [p for p in files if p not in front], front
 
 
+# A decoding process costs its own baseline memory: one per this much decompressed JSON, no more.
+JSON_BYTES_PER_WORKER = 96 << 20
+
+
+def workers_for(path: Path, workers: int) -> int:
+    size = Path(path).stat().st_size * (8 if str(path).endswith(".gz") else 1)  # gzip ~8x on traces
+    return max(1, min(workers, size // JSON_BYTES_PER_WORKER))
+
+
 def _parse_one(path: str, workers: int = 1):
     try:
-        df, meta = parse_trace(path, workers=workers)
+        df, meta = parse_trace(path, workers=workers_for(Path(path), workers))
         return path, df, meta, None
     except TraceError as e:
         return path, None, None, str(e)
