@@ -19,6 +19,7 @@ import triton.testing  # noqa: E402
 from decodescope.arch import gemm_shapes, normalize_config  # noqa: E402
 from decodescope.probes.gemm import Flusher, make_gemm, measure  # noqa: E402
 
+ROUNDS = 3
 KIMI = Path(__file__).resolve().parents[1] / "params/models/kimi-k2.5.json"
 
 
@@ -37,12 +38,21 @@ def main() -> int:
                 continue
             for dt in ("bf16", "fp8"):
                 shape = {"op": s.op, "batch": b, "m": s.m, "n": s.n, "k": s.k, "count": s.count, "dtype": dt}
-                r = measure(shape, dev, iters=100, warmup=10, flush=flush, graph=False)
+                # Alternate the two methods ROUNDS times and take each one's median of medians, so a
+                # clock or thermal drift between them does not read as a difference of method.
+                ours_runs, ref_runs, r = [], [], None
+                fn, _, _ = make_gemm(s.m, s.n, s.k, dt, dev)
+                for _ in range(ROUNDS):
+                    r = measure(shape, dev, iters=100, warmup=10, flush=flush, graph=False)
+                    if r["status"] != "ok":
+                        break
+                    ours_runs.append(r["eager_time_us"])
+                    ref_runs.append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3)
                 if r["status"] != "ok":
                     rows.append(r)
                     continue
-                fn, _, _ = make_gemm(s.m, s.n, s.k, dt, dev)
-                ref = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+                r["eager_time_us"] = sorted(ours_runs)[ROUNDS // 2]
+                ref = sorted(ref_runs)[ROUNDS // 2]
                 r["do_bench_us"] = ref
                 r["ratio_vs_do_bench"] = r["eager_time_us"] / ref
                 rows.append(r)
@@ -50,12 +60,20 @@ def main() -> int:
                       f"do_bench {ref:8.2f} us  ratio {r['ratio_vs_do_bench']:.3f}", flush=True)
     big = {"op": "large_bf16", "batch": 8192, "m": 8192, "n": 8192, "k": 8192, "count": 1, "dtype": "bf16"}
     r = measure(big, dev, iters=20, warmup=5, flush=flush, graph=False)
+    fn, _, _ = make_gemm(8192, 8192, 8192, "bf16", dev)
+    r["do_bench_us"] = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+    r["ratio_vs_do_bench"] = r["eager_time_us"] / r["do_bench_us"]
     r["tflops_eager"] = 2 * 8192 ** 3 / (r["eager_time_us"] * 1e-6) / 1e12
     r["ratio_vs_790"] = r["tflops_eager"] / 790.0
     rows.append(r)
     ok = [x for x in rows if "ratio_vs_do_bench" in x]
     within = sum(abs(x["ratio_vs_do_bench"] - 1) <= 0.05 for x in ok)
-    print(f"\nlarge bf16 8192^3: {r['tflops_eager']:.0f} TFLOP/s = {r['ratio_vs_790']:.3f} x 790")
+    print(f"\nlarge bf16 8192^3: {r['tflops_eager']:.0f} TFLOP/s = {r['ratio_vs_790']:.3f} x 790 "
+          f"(do_bench on the same GEMM: {2 * 8192 ** 3 / (r['do_bench_us'] * 1e-6) / 1e12:.0f} TFLOP/s)")
+    small = [x for x in ok if x["do_bench_us"] < 10.0]
+    print(f"{sum(abs(x['ratio_vs_do_bench'] - 1) <= 0.05 for x in ok if x['do_bench_us'] >= 10.0)}/"
+          f"{len(ok) - len(small)} shapes of 10 us or more within 5%; {len(small)} shapes under 10 us, where "
+          "CUDA events' ~0.5 us resolution is itself 5%")
     print(f"{within}/{len(ok)} shapes within 5% of do_bench; ratio min {min(x['ratio_vs_do_bench'] for x in ok):.3f} "
           f"median {sorted(x['ratio_vs_do_bench'] for x in ok)[len(ok) // 2]:.3f} max {max(x['ratio_vs_do_bench'] for x in ok):.3f}")
     if args.out:
