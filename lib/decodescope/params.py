@@ -119,7 +119,26 @@ class WorkloadParams(_Section):
     warmup_requests: int = 2
     request_timeout_s: float = 300.0
     seed: int = 0
+    request_rate: Optional[float] = Field(None, description="requests/s (open loop); None: closed loop at "
+                                          "each concurrency level. The level is then the concurrency cap")
+    burstiness: float = Field(1.0, description="gamma shape of inter-arrival times: 1 Poisson, <1 burstier")
+    compare_with: list[str] = Field(default_factory=list, description="`vllm bench serve --save-result` JSON "
+                                    "files to show beside our levels (relative to the params file)")
     slo: SloParams = Field(default_factory=SloParams)
+
+    @field_validator("request_rate")
+    @classmethod
+    def _rate_positive(cls, r: Optional[float]) -> Optional[float]:
+        if r is not None and r <= 0:
+            raise ValueError(f"request_rate must be > 0 requests/s (or omitted), got {r}")
+        return r
+
+    @field_validator("burstiness")
+    @classmethod
+    def _burst_positive(cls, b: float) -> float:
+        if b <= 0:
+            raise ValueError(f"burstiness (gamma shape) must be > 0, got {b}")
+        return b
 
     @field_validator("concurrency")
     @classmethod

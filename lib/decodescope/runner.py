@@ -229,6 +229,12 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
                 if phase not in todo:
                     progress.note(f"[{i}/{len(selected)}] {phase} ... skipped (ok in a previous run)")
                     continue
+                if phase not in SERVER_PHASES and server is not None and server.proc is not None:
+                    # micro-benchmarks need the host to themselves: on a GPU host the server holds
+                    # most of the GPUs' memory and its workers compete for the same cores
+                    progress.note("stopping the inference server while this phase runs ...")
+                    server.stop()
+                    server = None
                 if phase in SERVER_PHASES and server is None and server_error is None:
                     server, server_error = _start_server(params, run_dir, manifest, selected, progress)
                     if server is not None and on_server:
@@ -291,6 +297,9 @@ def _start_server(params, run_dir, manifest, selected, progress):
     manifest.data["server"] = {"status": "up", "base_url": server.base_url, "start_s": time.monotonic() - t0,
                                "pids": server.tree_pids, "profiler_dir": str(profiler_dir) if profiler_dir else None,
                                "launch": server.spec.describe() if server.spec else None}
+    # every server this run started, for the record (and for checking that none outlived it)
+    manifest.data.setdefault("servers", []).append({"started": utc_now(), "start_s": time.monotonic() - t0,
+                                                    "pids": server.tree_pids})
     manifest.save()
     progress.note(f"server healthy at {server.base_url} after {time.monotonic() - t0:.1f} s")
     return server, None

@@ -66,7 +66,10 @@ The params as run are in <code>params.yaml</code>; the executed notebooks in <co
 
 def combined_notebook(run_dir: Path, manifest: dict) -> nbformat.NotebookNode:
     cells = [nbformat.v4.new_markdown_cell(header_html(manifest))]
-    for phase in [p for p in PHASES if p in manifest.get("phases", {})]:
+    # the verdict is the report's front page: right after the header
+    ordered = [p for p in PHASES if p in manifest.get("phases", {})]
+    ordered = sorted(ordered, key=lambda p: p != "05_verdict")
+    for phase in ordered:
         info = manifest["phases"][phase]
         status = info.get("status", "pending")
         cells.append(nbformat.v4.new_markdown_cell(

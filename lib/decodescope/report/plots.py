@@ -225,3 +225,23 @@ def all_to_all_vs_tokens(coll: pd.DataFrame) -> go.Figure:
     fig.update_layout(title="All-to-all (expert-parallel dispatch size) vs tokens per GPU",
                       xaxis_title="tokens per GPU", yaxis_title="time (us)", xaxis_type="log", yaxis_type="log")
     return fig
+
+
+# ---- verdict -------------------------------------------------------------------------------------
+def attribution_bars(attribution: pd.DataFrame) -> go.Figure:
+    df = attribution.assign(rank=attribution["rank"].astype(str))
+    fig = go.Figure([go.Bar(x=g["rank"], y=100 * g["share"], name=cls,
+                            hovertemplate=f"{cls}: %{{y:.1f}}% of the step's op time<extra></extra>")
+                     for cls, g in df.groupby("cls")])
+    fig.update_layout(barmode="stack", title="Where a decode step's time goes, per rank", xaxis_title="rank",
+                      yaxis_title="% of summed op time per step")
+    return fig
+
+
+def what_if_bars(what_if: pd.DataFrame, wall_us: float) -> go.Figure:
+    fig = go.Figure(go.Bar(y=what_if["what_if"], x=what_if["step_us"] / 1e3, orientation="h",
+                           text=[f"{s:.2f}x" for s in what_if["speedup_x"]], textposition="auto"))
+    fig.add_vline(x=wall_us / 1e3, line_dash="dash", annotation_text="measured step")
+    fig.update_layout(title="What would move the decode step (projected, serial upper bound)",
+                      xaxis_title="ms per decode step")
+    return fig

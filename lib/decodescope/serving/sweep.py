@@ -40,6 +40,8 @@ class SweepConfig:
     seed: int = 0
     api_key: Optional[str] = None
     slo: Optional[dict] = None
+    request_rate: Optional[float] = None
+    burstiness: float = 1.0
 
     @classmethod
     def from_params(cls, params, base_url: str, model: Optional[str] = None) -> "SweepConfig":
@@ -48,7 +50,7 @@ class SweepConfig:
                    levels=list(w.concurrency), input_tokens=w.input_tokens, output_tokens=w.output_tokens,
                    requests_per_level=w.requests_per_level, warmup_requests=w.warmup_requests,
                    timeout_s=w.request_timeout_s, seed=w.seed, api_key=params.server.api_key,
-                   slo=w.slo.model_dump())
+                   slo=w.slo.model_dump(), request_rate=w.request_rate, burstiness=w.burstiness)
 
 
 async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int], str]],
@@ -78,9 +80,13 @@ async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int],
 
         inflight = 0
         sem = asyncio.Semaphore(level)
+        arrivals = arrival_offsets_s(n_requests, cfg.request_rate, cfg.burstiness, cfg.seed + level)
+        t_start = asyncio.get_running_loop().time()
 
         async def gated(i):
             nonlocal inflight
+            if arrivals is not None:  # open loop: wait for this request's arrival time
+                await asyncio.sleep(max(0.0, t_start + arrivals[i] - asyncio.get_running_loop().time()))
             async with sem:
                 inflight += 1
                 try:
@@ -90,6 +96,19 @@ async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int],
         with LoopHealth(inflight=lambda: inflight) as health:
             records += await asyncio.gather(*(gated(i) for i in range(n_requests)))
     return records, health.summary()
+
+
+def arrival_offsets_s(n: int, rate: Optional[float], burstiness: float, seed: int) -> Optional[list[float]]:
+    """Open-loop arrival times: gamma inter-arrivals with mean 1/rate and shape `burstiness`
+    (1 = Poisson, as `vllm bench serve --burstiness`); None in closed-loop mode."""
+    if rate is None:
+        return None
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
 
 
 def records_frame(records: list[RequestRecord]) -> pd.DataFrame:

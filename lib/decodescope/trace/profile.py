@@ -59,6 +59,8 @@ class ProfileResult:
                 "idle_us_median": float(kind_busy["idle_us"].median()) if len(kind_busy) else None,
             },
             "expected_vs_observed": self.expected.to_dict("records"),
+            "per_step_categories": self.per_step.assign(
+                category=self.per_step["category"].astype(str)).to_dict("records"),
             "breakdown": self.breakdown.assign(category=self.breakdown["category"].astype(str)).to_dict("records"),
             "other_share": float(self.breakdown.loc[self.breakdown["category"].astype(str) == "other", "time_us"].sum()
                                  / max(self.breakdown["time_us"].sum(), 1e-9)),

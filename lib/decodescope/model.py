@@ -1,0 +1,139 @@
+"""The verdict: where a decode step's time goes, how the pieces reconcile, and what would move it.
+
+Inputs are the phases' files in the run directory; each figure says which file it came from.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+CLASSES = {
+    "communication": ("allreduce_nccl", "allreduce_custom", "allreduce", "allgather", "reduce_scatter",
+                      "all_to_all", "ep_dispatch_combine", "send_recv", "collective_other"),
+    "gemm": ("gemm_dense", "gemm_quantized", "gemm", "moe_experts"),
+    "attention": ("attention", "kv_cache_write"),
+    "framework overhead": ("framework_overhead",),
+    "small ops": ("elementwise_other", "memcpy", "memcpy_memset", "norm", "rope", "activation", "sampling",
+                  "moe_routing"),
+}
+
+
+def class_of(category: str) -> str:
+    for cls, cats in CLASSES.items():
+        if category in cats:
+            return cls
+    return "unclassified"
+
+
+def _read(run_dir: Path, name: str):
+    p = Path(run_dir) / "data" / name
+    if not p.is_file():
+        return None
+    return pd.read_parquet(p) if name.endswith(".parquet") else json.loads(p.read_text())
+
+
+def step_attribution(per_step_categories: pd.DataFrame) -> pd.DataFrame:
+    """Per rank and class: median time per decode step and its share of the summed time."""
+    df = per_step_categories.assign(cls=per_step_categories["category"].astype(str).map(class_of))
+    g = df.groupby(["rank", "cls"])["time_per_step_us"].sum().reset_index()
+    g["share"] = g["time_per_step_us"] / g.groupby("rank")["time_per_step_us"].transform("sum")
+    return g
+
+
+def bottleneck(attribution: pd.DataFrame) -> tuple[str, float]:
+    """The class with the largest share on the median rank, and that share."""
+    mean_share = attribution.groupby("cls")["share"].median()
+    cls = str(mean_share.idxmax())
+    return cls, float(mean_share.max())
+
+
+def nearest(df: pd.DataFrame, col: str, value: float) -> pd.DataFrame:
+    if df is None or df.empty:
+        return pd.DataFrame()
+    target = df.iloc[(df[col] - value).abs().argsort()[:1]][col].iloc[0]
+    return df[df[col] == target]
+
+
+def reconcile(run_dir: Path, profile_batch: int) -> pd.DataFrame:
+    """Micro-benchmarks against the profile, per decode step, at the batch the profile ran."""
+    rows = []
+    summary = _read(run_dir, "profile_summary.json")
+    per_step = pd.DataFrame(summary.get("per_step_categories", [])) if summary else pd.DataFrame()
+    observed_ar = observed_gemm = None
+    if not per_step.empty:
+        att = per_step.assign(cls=per_step["category"].map(class_of))
+        by_rank = att.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
+        observed_ar = float(att[att["category"].isin(("allreduce_nccl", "allreduce_custom", "allreduce"))]
+                            .groupby("rank")["time_per_step_us"].sum().median())
+        observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
+    coll = _read(run_dir, "collectives.parquet")
+    if coll is not None and not coll.empty:
+        burst = coll[(coll["part"] == "burst") & (coll["status"] == "ok") & (coll["mode"] == "eager")]
+        b = nearest(burst, "batch", profile_batch)
+        if not b.empty:
+            rows.append({"piece": "all-reduces per step", "micro_benchmark_us": float(b["time_us"].median()),
+                         "micro_source": f"collectives.parquet burst, batch {int(b['batch'].iloc[0])}, eager",
+                         "profile_us": observed_ar, "profile_source": "profile_summary.json per_step_categories"})
+    gemm = _read(run_dir, "gemm.parquet")
+    if gemm is not None and not gemm.empty:
+        ok = gemm[gemm["status"] == "ok"]
+        dtype = "bf16" if "bf16" in set(ok["dtype"]) else ok["dtype"].iloc[0]
+        per = ok[ok["dtype"] == dtype].groupby("batch")["step_time_us"].sum().reset_index()
+        g = nearest(per, "batch", profile_batch)
+        if not g.empty:
+            rows.append({"piece": "GEMMs per step", "micro_benchmark_us": float(g["step_time_us"].iloc[0]),
+                         "micro_source": f"gemm.parquet, batch {int(g['batch'].iloc[0])}, {dtype}",
+                         "profile_us": observed_gemm, "profile_source": "profile_summary.json per_step_categories"})
+    df = pd.DataFrame(rows)
+    if not df.empty:
+        df["profile_over_micro"] = df["profile_us"] / df["micro_benchmark_us"]
+    return df
+
+
+def what_if(wall_us: float, attribution: pd.DataFrame, comm_speedup: float = 2.0) -> pd.DataFrame:
+    """Projected decode step if a class got faster, assuming the rest stays serial with it (an upper
+    bound on the gain when work overlaps)."""
+    med = attribution.groupby("cls")["time_per_step_us"].median()
+    rows = []
+    for cls, factor, label in (("communication", comm_speedup, f"communication {comm_speedup:g}x faster"),
+                               ("communication", np.inf, "communication removed (e.g. one GPU per replica)"),
+                               ("gemm", 2.0, "GEMMs 2x faster"), ("attention", 2.0, "attention 2x faster")):
+        t = float(med.get(cls, 0.0))
+        saved = t - (0.0 if factor == np.inf else t / factor)
+        new = max(wall_us - saved, 1e-9)
+        rows.append({"what_if": label, "step_us": new, "saved_us": saved, "speedup_x": wall_us / new,
+                     "tok_s_per_sequence": 1e6 / new})
+    return pd.DataFrame(rows)
+
+
+def verdict(run_dir: Path, params) -> dict:
+    run_dir = Path(run_dir)
+    summary = _read(run_dir, "profile_summary.json")
+    levels = _read(run_dir, "serving_levels.parquet")
+    out: dict = {"sources": {}, "verdict": None}
+    if summary and summary.get("per_step_categories"):
+        per_step = pd.DataFrame(summary["per_step_categories"])
+        att = step_attribution(per_step)
+        cls, share = bottleneck(att)
+        wall = summary["per_step"]["wall_us_median"]
+        out["attribution"] = att.to_dict("records")
+        out["bottleneck"] = {"class": cls, "share": share}
+        out["wall_us"] = wall
+        out["what_if"] = what_if(wall, att).to_dict("records")
+        out["sources"]["attribution"] = "profile_summary.json (04_profile)"
+        ar_share = summary.get("allreduce_share_of_time", {})
+        out["verdict"] = (f"{cls} is the largest share of a decode step ({100 * share:.0f}% of op time on the median "
+                          f"rank); all-reduce alone is " + ", ".join(f"rank {r} {100 * v:.0f}%" for r, v in ar_share.items())
+                          + ".")
+    out["reconcile"] = reconcile(run_dir, params.profile.concurrency).to_dict("records")
+    if levels is not None and not levels.empty:
+        lv = levels.sort_values("level")
+        first = lv.iloc[0]
+        out["serving"] = {"lowest_level": int(first["level"]), "tpot_p50_us": float(first["tpot_p50_us"]),
+                          "max_output_tok_s": float(lv["output_throughput_tok_s"].max()),
+                          "source": "serving_levels.parquet (01_serving)"}
+    return out

@@ -1,0 +1,179 @@
+"""The load generator against a real HTTP server on loopback that streams, fails and dies on purpose."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pandas as pd
+import pytest
+from aiohttp import web
+
+from decodescope.serving.client import RequestRecord, RequestSpec, send_streaming
+from decodescope.serving.metrics import knee, level_summary, per_request
+from decodescope.serving.sweep import SweepConfig, load_finished_levels, run_sweep, arrival_offsets_s
+
+TOKENS = 8
+ITL_S = 0.01
+
+
+def _chunk(text, usage=None):
+    d = {"choices": [{"index": 0, "text": text}]}
+    if usage:
+        d = {"choices": [], "usage": usage}
+    return f"data: {json.dumps(d)}\n\n".encode()
+
+
+async def completions(request: web.Request):
+    body = await request.json()
+    mode = str(body.get("prompt", [0])[0]) if isinstance(body.get("prompt"), list) else "ok"
+    behaviour = request.app["behaviour"]
+    if behaviour == "http500":
+        return web.Response(status=500, text="engine dead")
+    if behaviour == "http400":
+        return web.Response(status=400, text="max_tokens too large")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    n = body["max_tokens"]
+    for i in range(n):
+        await asyncio.sleep(ITL_S)
+        if behaviour == "malformed" and i == 2:
+            await resp.write(b"data: {not json\n\n")
+            return resp
+        if behaviour == "reset" and i == 2:
+            request.transport.close()
+            return resp
+        if behaviour == "slow":
+            await asyncio.sleep(5)
+        await resp.write(_chunk(f" t{i}"))
+    await resp.write(_chunk("", usage={"prompt_tokens": len(body["prompt"]), "completion_tokens": n}))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def tokenize(request):
+    body = await request.json()
+    return web.json_response({"tokens": [ord(c) % 200 + 10 for c in body["prompt"]][:64]})
+
+
+async def detokenize(request):
+    body = await request.json()
+    return web.json_response({"prompt": " ".join(map(str, body["tokens"]))})
+
+
+class FakeServer:
+    """A real aiohttp server in a thread; `behaviour` switches how it answers."""
+
+    def __init__(self):
+        self.port = _free_port()
+        self.loop = asyncio.new_event_loop()
+        self.app = web.Application()
+        self.app["behaviour"] = "ok"
+        self.app.router.add_post("/v1/completions", completions)
+        self.app.router.add_post("/tokenize", tokenize)
+        self.app.router.add_post("/detokenize", detokenize)
+        self.runner = web.AppRunner(self.app)
+        ready = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.runner.setup())
+            self.site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+            self.loop.run_until_complete(self.site.start())
+            ready.set()
+            self.loop.run_forever()
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        if not self.thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    yield s
+    s.stop()
+
+
+def _one(url, timeout_s=5.0):
+    async def go():
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            spec = RequestSpec("completions", "m", list(range(16)), "", TOKENS, timeout_s)
+            return await send_streaming(session, url, spec, RequestRecord(level=1, index=0, warmup=False, send_ns=0), {})
+    return asyncio.run(go())
+
+
+def test_ok_stream_records_every_chunk_and_usage(server):
+    r = _one(server.url)
+    assert r.ok and r.n_out_usage == TOKENS and r.n_out_chunks == TOKENS and r.n_in_usage == 16
+    df = per_request(pd.DataFrame([r.to_row()]))
+    row = df.iloc[0]
+    assert row["ttft_us"] >= ITL_S * 1e6 * 0.9
+    assert row["tpot_us"] * (TOKENS - 1) + row["ttft_us"] == pytest.approx(row["e2e_us"])
+    assert len(row["itl_us"]) == TOKENS - 1 and min(row["itl_us"]) > 0.5 * ITL_S * 1e6
+
+
+@pytest.mark.parametrize("behaviour,error_class", [("http500", "http_5xx"), ("http400", "http_4xx"),
+                                                   ("malformed", "malformed_stream"), ("reset", "connection_reset")])
+def test_failures_are_classified(server, behaviour, error_class):
+    server.app["behaviour"] = behaviour
+    r = _one(server.url)
+    assert not r.ok and r.error_class == error_class, (r.error_class, r.error_text)
+    assert r.error_text
+
+
+def test_timeout_is_classified(server):
+    server.app["behaviour"] = "slow"
+    t0 = time.monotonic()
+    r = _one(server.url, timeout_s=0.5)
+    assert r.error_class == "timeout" and time.monotonic() - t0 < 3
+
+
+def test_server_down_is_classified():
+    r = _one(f"http://127.0.0.1:{_free_port()}")
+    assert r.error_class == "server_down"
+
+
+def test_sweep_keeps_finished_levels_when_the_server_dies(server, tmp_path):
+    cfg = SweepConfig(base_url=server.url, model="m", endpoint="completions", levels=[1, 2], input_tokens=16,
+                      output_tokens=TOKENS, requests_per_level=4, warmup_requests=1, timeout_s=5)
+    run_sweep(cfg, tmp_path, progress=False)
+    server.stop()
+    cfg2 = SweepConfig(**{**cfg.__dict__, "levels": [1, 2, 4]})
+    req, levels = run_sweep(cfg2, tmp_path, progress=False)   # 1 and 2 are on disk: only 4 runs
+    assert sorted(load_finished_levels(tmp_path)) == [1, 2, 4]
+    lv = levels.set_index("level")
+    assert lv.loc[1, "failed"] == 0 and lv.loc[2, "failed"] == 0
+    assert lv.loc[4, "ok"] == 0 and lv.loc[4, "failed"] == 4
+    assert "server_down" in lv.loc[4, "failure_reasons"]
+
+
+def test_open_loop_arrivals_have_the_requested_rate():
+    offsets = arrival_offsets_s(2000, rate=50.0, burstiness=1.0, seed=1)
+    assert offsets[0] == 0 and len(offsets) == 2000
+    assert (offsets[-1] / 1999) == pytest.approx(1 / 50.0, rel=0.1)
+    assert arrival_offsets_s(10, None, 1.0, 0) is None
+
+
+def test_knee_is_where_throughput_stops_growing():
+    levels = pd.DataFrame({"level": [1, 2, 4, 8, 16], "output_throughput_tok_s": [100, 190, 370, 390, 395]})
+    assert knee(levels) == 4
+    assert knee(levels.iloc[:3]) is None
