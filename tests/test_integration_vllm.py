@@ -142,7 +142,7 @@ def test_report_draws_every_figure_offline(e2e):
     assert seen["statuses"].count("ok") >= 6
     # the verdict is the front page: it comes right after the header
     text = seen["text"]
-    assert text.index("Verdict") < text.index("Host inventory")
+    assert text.index("05_verdict · Verdict") < text.index("00_host · Host inventory")
 
 
 def test_ctrl_c_leaves_no_vllm_process_and_keeps_what_was_written(repo, tmp_path):
@@ -178,3 +178,29 @@ def test_ctrl_c_leaves_no_vllm_process_and_keeps_what_was_written(repo, tmp_path
     assert m["status"] == "interrupted"
     assert m["phases"]["00_host"]["status"] == "ok"
     assert (manifest_path.parent / "data/host.json").is_file()
+
+
+def test_our_tpot_matches_vllm_bench_serve_on_the_same_server(repo, tmp_path):
+    from decodescope.modeldir import resolve_model_dir
+    from decodescope.serving.compare import load_vllm_bench_result, run_vllm_bench_serve
+    from decodescope.serving.sweep import SweepConfig, run_sweep
+
+    params = load_params(_params(repo, tmp_path, 8794, name="tpot"))
+    server = start_for_params(params, tmp_path / "run")
+    try:
+        concurrency, n = 2, 12
+        cfg = SweepConfig(base_url=server.base_url, model=params.model.name, endpoint="completions",
+                          levels=[concurrency], input_tokens=64, output_tokens=32, requests_per_level=n,
+                          warmup_requests=2, timeout_s=300)
+        _, ours = run_sweep(cfg, tmp_path / "data", progress=False)
+        _, tokenizer = resolve_model_dir(params)
+        result = run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, concurrency, 64, 32, n,
+                                      tmp_path / "vllm", "bench.json")
+        theirs = load_vllm_bench_result(result)
+    finally:
+        server.stop()
+    our_tpot = float(ours["tpot_p50_us"].iloc[0])
+    print(f"TPOT p50 at concurrency {concurrency}: decodescope {our_tpot / 1e3:.3f} ms, "
+          f"vllm bench serve {theirs['tpot_p50_us'] / 1e3:.3f} ms")
+    assert theirs["ok"] == n
+    assert abs(our_tpot - theirs["tpot_p50_us"]) <= 0.10 * theirs["tpot_p50_us"]

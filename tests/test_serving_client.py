@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 from aiohttp import web
 
-from decodescope.serving.client import RequestRecord, RequestSpec, send_streaming
+from decodescope.serving.client import RequestRecord, RequestSpec
+from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import knee, level_summary, per_request
 from decodescope.serving.sweep import SweepConfig, load_finished_levels, run_sweep, arrival_offsets_s
 
@@ -113,11 +114,8 @@ def server():
 
 def _one(url, timeout_s=5.0):
     async def go():
-        import aiohttp
-
-        async with aiohttp.ClientSession() as session:
-            spec = RequestSpec("completions", "m", list(range(16)), "", TOKENS, timeout_s)
-            return await send_streaming(session, url, spec, RequestRecord(level=1, index=0, warmup=False, send_ns=0), {})
+        spec = RequestSpec("completions", "m", list(range(16)), "", TOKENS, timeout_s)
+        return await send_streaming_raw(url, spec, RequestRecord(level=1, index=0, warmup=False, send_ns=0))
     return asyncio.run(go())
 
 

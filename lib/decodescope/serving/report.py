@@ -37,3 +37,16 @@ def littles_note(levels: pd.DataFrame) -> str:
         return ""
     worst = levels["littles_error_pct"].max()
     return f"Little's law: sampled L and λW agree within {worst:.1f}% at every level."
+
+
+def comparison_table(levels: pd.DataFrame, params) -> pd.DataFrame:
+    """Our levels beside any `vllm bench serve --save-result` files the params name (ms)."""
+    from decodescope.serving.compare import load_vllm_bench_result, side_by_side
+
+    rows = [load_vllm_bench_result(params.resolve(p)) for p in params.workload.compare_with]
+    if not rows:
+        return pd.DataFrame()
+    t = side_by_side(levels, rows)
+    for c in [c for c in t.columns if c.endswith("_us")]:
+        t[c.replace("_us", "_ms")] = t.pop(c) / 1e3
+    return t

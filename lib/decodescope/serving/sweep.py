@@ -18,8 +18,8 @@ import aiohttp
 import pandas as pd
 
 from decodescope.io import write_json_atomic, write_parquet_atomic
-from decodescope.serving.client import (LoopHealth, RequestRecord, RequestSpec, auth_headers, make_prompts, run_async,
-                                        send_streaming)
+from decodescope.serving.client import LoopHealth, RequestRecord, RequestSpec, make_prompts, run_async
+from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import level_summary, per_request
 
 REQUEST_COLUMNS = ["level", "index", "warmup", "ok", "error_class", "error_text", "send_ns", "first_chunk_ns",
@@ -58,43 +58,40 @@ async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int],
     """Warm-up then measured requests, at most `level` in flight. Returns records and client health."""
     n_requests = cfg.requests_per_level if n_requests is None else n_requests
     warmup = cfg.warmup_requests if warmup is None else warmup
-    headers = auth_headers(cfg.api_key)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     records: list[RequestRecord] = []
     prompt_cycle = itertools.cycle(prompts)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        async def one(i: int, is_warmup: bool) -> RequestRecord:
-            ids, text = next(prompt_cycle)
-            spec = RequestSpec(cfg.endpoint, cfg.model, ids, text, cfg.output_tokens, cfg.timeout_s)
-            rec = RequestRecord(level=level, index=i, warmup=is_warmup, send_ns=0)
-            return await send_streaming(session, cfg.base_url, spec, rec, headers)
 
-        if warmup:
-            sem = asyncio.Semaphore(level)
+    async def one(i: int, is_warmup: bool) -> RequestRecord:
+        ids, text = next(prompt_cycle)
+        spec = RequestSpec(cfg.endpoint, cfg.model, ids, text, cfg.output_tokens, cfg.timeout_s)
+        rec = RequestRecord(level=level, index=i, warmup=is_warmup, send_ns=0)
+        return await send_streaming_raw(cfg.base_url, spec, rec, cfg.api_key)
 
-            async def gated_warm(i):
-                async with sem:
-                    return await one(i, True)
-            records += await asyncio.gather(*(gated_warm(i) for i in range(warmup)))
-
-        inflight = 0
+    if warmup:
         sem = asyncio.Semaphore(level)
-        arrivals = arrival_offsets_s(n_requests, cfg.request_rate, cfg.burstiness, cfg.seed + level)
-        t_start = asyncio.get_running_loop().time()
 
-        async def gated(i):
-            nonlocal inflight
-            if arrivals is not None:  # open loop: wait for this request's arrival time
-                await asyncio.sleep(max(0.0, t_start + arrivals[i] - asyncio.get_running_loop().time()))
+        async def gated_warm(i):
             async with sem:
-                inflight += 1
-                try:
-                    return await one(i, False)
-                finally:
-                    inflight -= 1
-        with LoopHealth(inflight=lambda: inflight) as health:
-            records += await asyncio.gather(*(gated(i) for i in range(n_requests)))
+                return await one(i, True)
+        records += await asyncio.gather(*(gated_warm(i) for i in range(warmup)))
+
+    inflight = 0
+    sem = asyncio.Semaphore(level)
+    arrivals = arrival_offsets_s(n_requests, cfg.request_rate, cfg.burstiness, cfg.seed + level)
+    t_start = asyncio.get_running_loop().time()
+
+    async def gated(i):
+        nonlocal inflight
+        if arrivals is not None:  # open loop: wait for this request's arrival time
+            await asyncio.sleep(max(0.0, t_start + arrivals[i] - asyncio.get_running_loop().time()))
+        async with sem:
+            inflight += 1
+            try:
+                return await one(i, False)
+            finally:
+                inflight -= 1
+    with LoopHealth(inflight=lambda: inflight) as health:
+        records += await asyncio.gather(*(gated(i) for i in range(n_requests)))
     return records, health.summary()
 
 
