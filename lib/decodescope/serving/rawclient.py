@@ -35,6 +35,10 @@ class _StreamProtocol(asyncio.Protocol):
 
     def connection_made(self, transport):
         self.transport = transport
+        # TTFT counts from the moment the request is written: with hundreds of streams starting at
+        # once, the time a connection waited for this event loop is the client's, not the server's
+        self.record.connect_us = (time.monotonic_ns() - self.record.send_ns) / 1e3
+        self.record.send_ns = time.monotonic_ns()
         transport.write(self.request)
 
     def data_received(self, data: bytes):
@@ -84,40 +88,46 @@ class _StreamProtocol(asyncio.Protocol):
 
     def _cut_events(self, now: int):
         buf = self.events
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            return
+        complete = bytes(buf[:end])
+        del buf[:end + 2]
         rec = self.record
-        while True:
-            end = buf.find(b"\n\n")
-            if end < 0:
-                return
-            event = bytes(buf[:end])
-            del buf[:end + 2]
+        for event in complete.split(b"\n\n"):
             if not event.startswith(b"data:"):
                 continue
             payload = event[5:].strip()
             if payload == b"[DONE]":
                 continue
-            if b'"usage":{' in payload or b'"usage": {' in payload:
-                try:
-                    usage = json.loads(payload).get("usage") or {}
-                except json.JSONDecodeError as e:
-                    self._fail("malformed_stream", f"undecodable usage event: {e}")
-                    return
-                rec.n_out_usage = usage.get("completion_tokens")
-                rec.n_in_usage = usage.get("prompt_tokens")
-            if payload.startswith(b'{"error"') or b'"object":"error"' in payload:
-                self._fail("stream_error", payload[:500].decode(errors="replace"))
-                return
             if not (payload.startswith(b"{") and payload.endswith(b"}")):  # cheap check: no JSON decode
                 self._fail("malformed_stream", f"undecodable event {payload[:80]!r}")
                 return
-            for marker in self.markers:
-                i = payload.find(marker)
-                if i >= 0 and payload[i + len(marker):i + len(marker) + 1] not in (b'"', b""):
-                    if rec.first_chunk_ns is None:
-                        rec.first_chunk_ns = now
-                    rec.chunk_ns.append(now)
-                    rec.n_out_chunks += 1
-                    break
+            if payload.startswith(b'{"error"'):
+                self._fail("stream_error", payload[:500].decode(errors="replace"))
+                return
+            if b'"usage"' in payload:
+                try:
+                    doc = json.loads(payload)
+                except json.JSONDecodeError as e:
+                    self._fail("malformed_stream", f"undecodable usage event: {e}")
+                    return
+                if doc.get("object") == "error":
+                    self._fail("stream_error", payload[:500].decode(errors="replace"))
+                    return
+                usage = doc.get("usage") or {}
+                rec.n_out_usage = usage.get("completion_tokens")
+                rec.n_in_usage = usage.get("prompt_tokens")
+            compact, spaced = self.markers
+            i = payload.find(compact)
+            n = len(compact)
+            if i < 0:
+                i, n = payload.find(spaced), len(spaced)
+            if i >= 0 and payload[i + n:i + n + 1] not in (b'"', b""):
+                if rec.first_chunk_ns is None:
+                    rec.first_chunk_ns = now
+                rec.chunk_ns.append(now)
+                rec.n_out_chunks += 1
 
     def _fail(self, cls: str, text: str):
         if self.record.error_class is None:

@@ -23,7 +23,7 @@ from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import level_summary, per_request
 
 REQUEST_COLUMNS = ["level", "index", "warmup", "ok", "error_class", "error_text", "send_ns", "first_chunk_ns",
-                   "end_ns", "chunk_ns", "n_out_usage", "n_out_chunks", "n_in_usage", "n_in_sent"]
+                   "end_ns", "chunk_ns", "n_out_usage", "n_out_chunks", "n_in_usage", "n_in_sent", "connect_us"]
 
 
 @dataclass(frozen=True)
