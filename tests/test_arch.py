@@ -67,7 +67,7 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80
 
 
 def _by_op(shapes):
-    return {s.op: (s.m, s.n, s.k, s.count) for s in shapes}
+    return {s.op: (s.m, s.n, s.k, s.count * s.groups) for s in shapes}
 
 
 def test_kimi_tp8_gemm_shapes_by_hand(repo):

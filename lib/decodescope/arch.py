@@ -149,10 +149,11 @@ class GemmShape:
     k: int             # input features on this rank
     count: int         # calls per decode step on one rank
     sharding: str      # column | row | replicated | expert
+    groups: int = 1    # experts in one grouped call (fused MoE kernels run all hit experts at once)
 
     @property
     def flops(self) -> int:
-        return 2 * self.m * self.n * self.k * self.count
+        return 2 * self.m * self.n * self.k * self.count * self.groups
 
 
 def active_experts(batch: int, top_k: int, experts: int, skew: float = 0.0) -> float:
@@ -204,8 +205,8 @@ def gemm_shapes(arch: ArchConfig, tp: int, batch: int, ep: int = 1, skew: float 
         per_expert = max(1, round(tokens_on_rank * k / max(active_experts(tokens_on_rank, k, E, skew), 1.0)))
         n_hit = max(1, round(hit))
         shapes.append(GemmShape("router", "router", b, E, h, arch.moe_layers, "replicated"))
-        shapes.append(GemmShape("moe_w13", "moe_expert", per_expert, 2 * inter, h, n_hit * arch.moe_layers, "expert"))
-        shapes.append(GemmShape("moe_w2", "moe_expert", per_expert, h, inter, n_hit * arch.moe_layers, "expert"))
+        shapes.append(GemmShape("moe_w13", "moe_expert", per_expert, 2 * inter, h, arch.moe_layers, "expert", n_hit))
+        shapes.append(GemmShape("moe_w2", "moe_expert", per_expert, h, inter, arch.moe_layers, "expert", n_hit))
         if arch.num_shared_experts:
             sh = arch.moe_intermediate_size * arch.num_shared_experts // tp
             shapes.append(GemmShape("shared_gate_up", "shared_expert", b, 2 * sh, h, arch.moe_layers, "column"))
@@ -227,7 +228,7 @@ def weight_bytes_per_step(shapes: list[GemmShape], weight_dtype: str = "bf16", g
     out: dict[str, float] = {}
     for s in shapes:
         dt = weight_dtype if s.layer_kind in quantized_kinds else "bf16"
-        out[dt] = out.get(dt, 0.0) + s.n * s.k * s.count * weight_bytes_per_element(dt, group_size)
+        out[dt] = out.get(dt, 0.0) + s.n * s.k * s.count * s.groups * weight_bytes_per_element(dt, group_size)
     out["total"] = sum(out.values())
     return out
 

@@ -31,7 +31,7 @@ def gemm_plan(params) -> list[dict]:
         for s in archmod.gemm_shapes(arch, tp, b, params.microbench.expert_parallel, params.microbench.moe_skew):
             for dt in params.microbench.dtypes:
                 rows.append({"op": s.op, "layer_kind": s.layer_kind, "batch": b, "m": s.m, "n": s.n, "k": s.k,
-                             "count": s.count, "dtype": dt})
+                             "count": s.count, "groups": s.groups, "dtype": dt})
     return rows
 
 

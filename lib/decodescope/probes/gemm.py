@@ -92,15 +92,25 @@ def time_cpu(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
     return out
 
 
-def make_gemm(m: int, n: int, k: int, dtype: str, device: torch.device) -> tuple[Optional[Callable], str, float]:
-    """(callable, skip reason, bytes moved). The callable computes A[m,k] @ W[n,k]^T."""
+def make_gemm(m: int, n: int, k: int, dtype: str, device: torch.device,
+              groups: int = 1) -> tuple[Optional[Callable], str, float]:
+    """(callable, skip reason, bytes moved). The callable computes A[m,k] @ W[n,k]^T, or with groups > 1
+    one batched product over that many experts' weights (torch.bmm, one kernel), as fused MoE runs."""
     if dtype in ("bf16", "fp16", "fp32"):
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        elt = torch.tensor([], dtype=dt).element_size()
+        if groups > 1:
+            a = torch.randn(groups, m, k, device=device, dtype=dt)
+            w = torch.randn(groups, n, k, device=device, dtype=dt)
+            out = torch.empty(groups, m, n, device=device, dtype=dt)
+            return (lambda: torch.bmm(a, w.transpose(1, 2), out=out)), "", \
+                float(groups * (m * k + n * k + m * n) * elt)
         a = torch.randn(m, k, device=device, dtype=dt)
         w = torch.randn(n, k, device=device, dtype=dt)
         out = torch.empty(m, n, device=device, dtype=dt)
-        elt = a.element_size()
         return (lambda: torch.mm(a, w.t(), out=out)), "", float((m * k + n * k + m * n) * elt)
+    if groups > 1:
+        return None, f"grouped (MoE) {dtype} GEMMs are not probed: only bf16/fp16/fp32 through torch.bmm", 0.0
     if dtype == "fp8":
         if device.type != "cuda" or not hasattr(torch, "float8_e4m3fn"):
             return None, "fp8 needs a CUDA GPU with float8 (Hopper or newer)", 0.0
@@ -151,11 +161,12 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
     m, n, k, dtype = shape["m"], shape["n"], shape["k"], shape["dtype"]
     row = {**shape, "device": str(device), "iters": iters, "warmup": warmup,
            "l2": "flushed" if flush else "warm", "status": "ok", "skip_reason": ""}
-    fn, reason, nbytes = make_gemm(m, n, k, dtype, device)
+    groups = int(shape.get("groups", 1))
+    fn, reason, nbytes = make_gemm(m, n, k, dtype, device, groups)
     if fn is None:
         row.update(status="skipped", skip_reason=reason)
         return row
-    flops = 2.0 * m * n * k
+    flops = 2.0 * m * n * k * groups
     if device.type == "cuda":
         eager = _quantiles(time_cuda(fn, iters, warmup, flush))
         row.update({f"eager_{k2}": v for k2, v in eager.items()})

@@ -172,7 +172,8 @@ def _roofline_floor_us(g: pd.DataFrame):
     peak = g["peak_tflops"].iloc[0] if "peak_tflops" in g and g["peak_tflops"].notna().any() else None
     if not peak:
         return None
-    t_compute = 2 * g["m"] * g["n"] * g["k"] / (peak * 1e12) * 1e6
+    groups = g["groups"] if "groups" in g else 1
+    t_compute = 2 * g["m"] * g["n"] * g["k"] * groups / (peak * 1e12) * 1e6
     if "mem_gbps" in g and g["mem_gbps"].notna().any():
         t_memory = g["bytes"] / (g["mem_gbps"].iloc[0] * 1e9) * 1e6
         return pd.concat([t_compute, t_memory], axis=1).max(axis=1)
