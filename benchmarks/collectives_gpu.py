@@ -1,5 +1,7 @@
-"""GPU check of the collective probe at world size 1 (one H200): Kimi-K2.5 TP=8 schedule replayed
-on one rank through torchrun + NCCL. Prints the burst per batch and the sweep's latency fit."""
+"""GPU check of the collective probe: the Kimi-K2.5 TP=8 decode schedule replayed through torchrun +
+NCCL on WORLD GPUs of this host. Prints the burst per batch, the sweep with algbw/busbw, the latency fit.
+
+python benchmarks/collectives_gpu.py WORLD [OUT.json]"""
 import sys
 import tempfile
 from pathlib import Path
@@ -9,7 +11,7 @@ from decodescope import microbench as mb  # noqa: E402
 from decodescope.params import load_params  # noqa: E402
 
 params = load_params(Path(__file__).resolve().parents[1] / "params/kimi-k2.5-int4-8x-pcie.yaml")
-params.microbench.world_size = 1
+params.microbench.world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 params.microbench.iterations, params.microbench.warmup = 50, 10
 params.microbench.sweep_max_bytes = 256 << 20
 run = Path(tempfile.mkdtemp())
@@ -22,5 +24,5 @@ print(mb.latency_fit(coll).to_string())
 print(mb.sweep_table(coll).to_string())
 a = coll[coll["part"] == "all_to_all"]
 print(a[["tokens_per_gpu", "bytes", "status", "time_us"]].to_string())
-if len(sys.argv) > 1:
-    coll.to_json(sys.argv[1], orient="records")
+if len(sys.argv) > 2:
+    coll.to_json(sys.argv[2], orient="records")
