@@ -44,3 +44,13 @@ def test_params_peaks_override_known_ones():
     assert peaks["mem_gbps"] == 4000.0 and peaks["bf16_tflops"] == 989.0
     assert "override" in peaks["source"]
     assert resolve_peaks(None, {}) is None
+
+
+def test_real_h200_machines(repo):
+    one = parse_topo_matrix((repo / "tests/fixtures/topo/h200_1gpu_real.txt").read_text())
+    assert len(one) == 1 and one.iloc[0]["link_class"] == "self"
+    assert interconnect_summary(one) == "single"
+    two = parse_topo_matrix((repo / "tests/fixtures/topo/h200x2_nvlink_real.txt").read_text())  # ANSI header
+    pair = two[(two.gpu_a == 0) & (two.gpu_b == 1)].iloc[0]
+    assert pair["link_class"] == "nvlink" and pair["nvlinks"] == 18
+    assert interconnect_summary(two) == "nvlink"

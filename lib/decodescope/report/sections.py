@@ -1,0 +1,60 @@
+"""Notebook sections that choose what to show from what a phase produced, so a notebook cell stays a
+single call (the branching lives here, with the data)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from decodescope.report import plots
+from decodescope.report.figures import show, show_note, show_table
+
+
+def host_interconnect(inv: dict, tables: dict, source: str) -> None:
+    from decodescope.hardware import pairs_frame
+
+    if "gpus" not in tables:
+        show_note("**No NVIDIA GPU on this host** (`nvidia-smi` absent or found none): the embedded default "
+                  "runs on the CPU.")
+        return
+    show_table(tables["gpus"], caption="GPUs from nvidia-smi - " + source)
+    if inv.get("topology_pairs"):
+        show(plots.topology_heatmap(pairs_frame(inv)))
+        show_table(tables["link_classes"], caption="GPU pairs per link class - " + source)
+
+
+def host_peaks(tables: dict, source: str) -> None:
+    if "peaks" in tables:
+        show_table(tables["peaks"], caption="peaks used for rooflines - " + source)
+    if "cpu_matmul" in tables:
+        show(plots.cpu_matmul_bars(tables["cpu_matmul"]))
+        show_table(tables["cpu_matmul"], caption="measured CPU matmul - " + source)
+
+
+def gemm_per_dtype(gemm: pd.DataFrame) -> None:
+    from decodescope.microbench import measured_dtypes
+
+    for dtype in measured_dtypes(gemm):
+        show(plots.gemm_time_vs_batch(gemm, dtype))
+
+
+def verdict_attribution(v: dict) -> None:
+    if v.get("attribution"):
+        show(plots.attribution_bars(pd.DataFrame(v["attribution"])))
+
+
+def verdict_what_if(v: dict) -> None:
+    if not v.get("what_if"):
+        show_note("*No profile in this run: no projection.*")
+        return
+    show(plots.what_if_bars(pd.DataFrame(v["what_if"]), v["wall_us"]))
+    show_table(pd.DataFrame(v["what_if"]), caption="projections from the measured step - verdict.json")
+
+
+def verdict_serving(v: dict) -> None:
+    s = v.get("serving")
+    if s:
+        show_note(f"Serving: TPOT p50 {s['tpot_p50_us'] / 1e3:.2f} ms at concurrency {s['lowest_level']}, "
+                  f"peak {s['max_output_tok_s']:,.0f} output tok/s ({s['source']}).")
+
+
+def verdict_headline(v: dict) -> None:
+    show_note("**Verdict:** " + (v["verdict"] or "no profile in this run: run 04_profile for an attribution."))
