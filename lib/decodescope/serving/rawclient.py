@@ -15,15 +15,18 @@ from urllib.parse import urlsplit
 
 from decodescope.serving.client import RequestRecord, RequestSpec, request_body
 
-# the byte patterns of a content chunk: a non-empty text (completions) or delta content (chat)
-CONTENT_MARKERS = {"completions": (b'"text":"', b'"text": "'), "chat": (b'"content":"', b'"content": "')}
+# A token chunk is an event with a non-empty "choices" list, whatever its text: a token whose text is
+# empty (a special token, or bytes of an incomplete UTF-8 character the server holds back) still
+# arrived. This is how `vllm bench serve` counts, so TTFT/ITL/TPOT compare. The usage record has
+# "choices": [].
+CHOICES_MARKERS = (b'"choices":[{', b'"choices": [{')
 
 
 class _StreamProtocol(asyncio.Protocol):
     def __init__(self, request: bytes, record: RequestRecord, endpoint: str, done: asyncio.Future):
         self.request = request
         self.record = record
-        self.markers = CONTENT_MARKERS["chat" if endpoint == "chat" else "completions"]
+        self.markers = CHOICES_MARKERS
         self.done = done
         self.head = b""
         self.status: Optional[int] = None
@@ -119,11 +122,7 @@ class _StreamProtocol(asyncio.Protocol):
                 rec.n_out_usage = usage.get("completion_tokens")
                 rec.n_in_usage = usage.get("prompt_tokens")
             compact, spaced = self.markers
-            i = payload.find(compact)
-            n = len(compact)
-            if i < 0:
-                i, n = payload.find(spaced), len(spaced)
-            if i >= 0 and payload[i + n:i + n + 1] not in (b'"', b""):
+            if compact in payload or spaced in payload:
                 if rec.first_chunk_ns is None:
                     rec.first_chunk_ns = now
                 rec.chunk_ns.append(now)
