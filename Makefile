@@ -31,7 +31,7 @@ install-dev: $(DEV_STAMP)
 
 # Debian's Chromium for the report's headless-browser test (no browser download at run time).
 chromium:
-	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
 run: $(CORE_STAMP)
 	$(VENV)/bin/decodescope run $(PARAMS)

@@ -27,21 +27,26 @@ def _cmd_run(args) -> int:
     return 0 if ok else 1
 
 
-def _cmd_params_validate(args) -> int:
+def _load_or_report(path: str):
+    """The params, or None after printing every problem (exit status 2 for the caller)."""
     try:
-        p = load_params(args.file)
+        return load_params(path)
     except ParamsError as e:
         print(e, file=sys.stderr)
+        return None
+
+
+def _cmd_params_validate(args) -> int:
+    p = _load_or_report(args.file)
+    if p is None:
         return 2
     print(f"{args.file}: ok (run name {p.run_name!r}, model {p.model.name!r}, TP={p.server.tensor_parallel})")
     return 0
 
 
 def _cmd_params_show(args) -> int:
-    try:
-        p = load_params(args.file)
-    except ParamsError as e:
-        print(e, file=sys.stderr)
+    p = _load_or_report(args.file)
+    if p is None:
         return 2
     sys.stdout.write(dump_yaml(p))
     return 0

@@ -10,10 +10,10 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PHASES = ("00_host", "01_serving", "02_gemm", "03_collectives", "04_profile", "05_verdict")
 SECRET_KEY_PATTERN = re.compile(r"(api[_-]?key|token|secret|password|authorization)", re.I)
@@ -29,6 +29,25 @@ class ParamsError(ValueError):
         lines = [f"{self.path}: {len(problems)} problem(s) in the params file"]
         lines += [f"  - {field or '<top level>'}: {msg}" for field, msg in problems]
         super().__init__("\n".join(lines))
+
+
+def _at_least(lo: float, what: str = "must be"):
+    def check(v):
+        if v < lo:
+            raise ValueError(f"{what} >= {lo}, got {v}")
+        return v
+    return AfterValidator(check)
+
+
+def _positive(v: float) -> float:
+    if v <= 0:
+        raise ValueError(f"must be > 0, got {v}")
+    return v
+
+
+AtLeastOne = Annotated[int, _at_least(1)]
+NonNegative = Annotated[int, _at_least(0)]
+Positive = Annotated[float, AfterValidator(_positive)]
 
 
 class _Section(BaseModel):
@@ -57,11 +76,11 @@ class ServerParams(_Section):
     url: Optional[str] = Field(None, description="base URL of a running server (attach mode)")
     bind_host: str = "127.0.0.1"
     port: int = 8000
-    tensor_parallel: int = 1
+    tensor_parallel: Annotated[int, _at_least(1, "tensor_parallel must be")] = 1
     python: Optional[str] = Field(None, description="interpreter that has vllm; defaults to this one")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM CLI flags, without --")
     env: dict[str, str] = Field(default_factory=dict)
-    startup_timeout_s: float = 900.0
+    startup_timeout_s: Positive = 900.0
     api_key: Optional[str] = None
 
     @field_validator("port")
@@ -70,20 +89,6 @@ class ServerParams(_Section):
         if not 1 <= port <= 65535:
             raise ValueError(f"{port} is not a TCP port; use 1..65535")
         return port
-
-    @field_validator("tensor_parallel")
-    @classmethod
-    def _tp_positive(cls, tp: int) -> int:
-        if tp < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {tp}")
-        return tp
-
-    @field_validator("startup_timeout_s")
-    @classmethod
-    def _timeout_positive(cls, t: float) -> float:
-        if t <= 0:
-            raise ValueError(f"must be > 0 seconds, got {t}")
-        return t
 
     @field_validator("url")
     @classmethod
@@ -113,11 +118,11 @@ class SloParams(_Section):
 class WorkloadParams(_Section):
     endpoint: Literal["completions", "chat"] = "completions"
     concurrency: list[int] = Field(default_factory=lambda: [1, 2, 4])
-    input_tokens: int = 64
-    output_tokens: int = 32
-    requests_per_level: int = 8
-    warmup_requests: int = 2
-    request_timeout_s: float = 300.0
+    input_tokens: AtLeastOne = 64
+    output_tokens: AtLeastOne = 32
+    requests_per_level: AtLeastOne = 8
+    warmup_requests: NonNegative = 2
+    request_timeout_s: Positive = 300.0
     seed: int = 0
     request_rate: Optional[float] = Field(None, description="requests/s (open loop); None: closed loop at "
                                           "each concurrency level. The level is then the concurrency cap")
@@ -150,19 +155,6 @@ class WorkloadParams(_Section):
             raise ValueError(f"concurrency levels must be >= 1, got {bad}")
         return levels
 
-    @field_validator("input_tokens", "output_tokens", "requests_per_level")
-    @classmethod
-    def _at_least_one(cls, n: int) -> int:
-        if n < 1:
-            raise ValueError(f"must be >= 1, got {n}")
-        return n
-
-    @field_validator("warmup_requests")
-    @classmethod
-    def _not_negative(cls, n: int) -> int:
-        if n < 0:
-            raise ValueError(f"must be >= 0, got {n}")
-        return n
 
 
 class MicrobenchParams(_Section):
@@ -192,19 +184,12 @@ class MicrobenchParams(_Section):
 
 
 class ProfileParams(_Section):
-    requests: int = 4
-    concurrency: int = 2
-    input_tokens: int = 32
-    output_tokens: int = 16
-    warmup_requests: int = 2
-    flush_timeout_s: float = 600.0
-
-    @field_validator("requests", "concurrency", "input_tokens", "output_tokens")
-    @classmethod
-    def _at_least_one(cls, n: int) -> int:
-        if n < 1:
-            raise ValueError(f"must be >= 1, got {n}")
-        return n
+    requests: AtLeastOne = 4
+    concurrency: AtLeastOne = 2
+    input_tokens: AtLeastOne = 32
+    output_tokens: AtLeastOne = 16
+    warmup_requests: NonNegative = 2
+    flush_timeout_s: Positive = 600.0
 
 
 class PeakOverrides(_Section):
