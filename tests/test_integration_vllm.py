@@ -180,6 +180,9 @@ def test_ctrl_c_leaves_no_vllm_process_and_keeps_what_was_written(repo, tmp_path
     assert (manifest_path.parent / "data/host.json").is_file()
 
 
+ROUNDS = 3
+
+
 def test_our_tpot_matches_vllm_bench_serve_on_the_same_server(repo, tmp_path):
     from decodescope.modeldir import resolve_model_dir
     from decodescope.serving.compare import load_vllm_bench_result, run_vllm_bench_serve
@@ -192,18 +195,40 @@ def test_our_tpot_matches_vllm_bench_serve_on_the_same_server(repo, tmp_path):
         _, tokenizer = resolve_model_dir(params)
         # one untimed run of each client first: the first run after start-up pays one-time costs
         run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, concurrency, 64, 32, 4,
-                             tmp_path / "vllm", "warmup.json")
-        cfg = SweepConfig(base_url=server.base_url, model=params.model.name, endpoint="completions",
-                          levels=[concurrency], input_tokens=64, output_tokens=32, requests_per_level=n,
-                          warmup_requests=2, timeout_s=300)
-        _, ours = run_sweep(cfg, tmp_path / "data", progress=False)
-        result = run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, concurrency, 64, 32, n,
-                                      tmp_path / "vllm", "bench.json")
-        theirs = load_vllm_bench_result(result)
+                             tmp_path / "vllm", "warmup.json", niceness=19)
+        # Alternate the clients, ours first and last (ours, vllm, ours, vllm, ...): each vllm bench run
+        # is compared with the mean of our runs just before and after it, so a drift of the server's
+        # speed over the test (large on a small shared host) cancels out.
+        ours_tpot, theirs_tpot, theirs_ok = [], [], []
+
+        def ours_once(r):
+            # in a child process at the lowest CPU priority, like vllm bench below: on this 2-core host
+            # both clients share cores with the vLLM workers, and a client's own CPU use slows the server
+            code = ("import os, sys; os.nice(19)\n"
+                    "from decodescope.serving.sweep import SweepConfig, run_sweep\n"
+                    f"cfg = SweepConfig(base_url={server.base_url!r}, model={params.model.name!r}, "
+                    f"endpoint='completions', levels=[{concurrency}], input_tokens=64, output_tokens=32, "
+                    f"requests_per_level={n}, warmup_requests=2, timeout_s=300)\n"
+                    f"_, lv = run_sweep(cfg, {str(tmp_path / f'data{r}')!r}, progress=False)\n"
+                    "print(float(lv['tpot_p50_us'].iloc[0]))\n")
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 timeout=600).stdout
+            ours_tpot.append(float(out.strip().splitlines()[-1]))
+
+        ours_once(0)
+        for r in range(ROUNDS):
+            result = run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, concurrency, 64, 32, n,
+                                          tmp_path / "vllm", f"bench{r}.json", niceness=19)
+            theirs = load_vllm_bench_result(result)
+            theirs_tpot.append(theirs["tpot_p50_us"])
+            theirs_ok.append(theirs["ok"])
+            ours_once(r + 1)
     finally:
         server.stop()
-    our_tpot = float(ours["tpot_p50_us"].iloc[0])
-    print(f"TPOT p50 at concurrency {concurrency}: decodescope {our_tpot / 1e3:.3f} ms, "
-          f"vllm bench serve {theirs['tpot_p50_us'] / 1e3:.3f} ms")
-    assert theirs["ok"] == n
-    assert abs(our_tpot - theirs["tpot_p50_us"]) <= 0.10 * theirs["tpot_p50_us"]
+    print(f"TPOT p50 at concurrency {concurrency}, in run order: decodescope {ours_tpot[0] / 1e3:.3f}, "
+          + ", ".join(f"vllm bench serve {t / 1e3:.3f}, decodescope {o / 1e3:.3f}"
+                      for t, o in zip(theirs_tpot, ours_tpot[1:])) + " ms")
+    rel = sorted((ours_tpot[i] + ours_tpot[i + 1]) / 2 / theirs_tpot[i] - 1 for i in range(ROUNDS))
+    print(f"ours (mean of the neighbouring runs) vs vllm bench serve: {[f'{100 * x:+.1f}%' for x in rel]}")
+    assert theirs_ok == [n] * ROUNDS
+    assert abs(rel[ROUNDS // 2]) <= 0.10  # the median pair

@@ -94,8 +94,11 @@ async def make_prompts(base_url: str, model: str, n: int, input_tokens: int, see
 
 
 def request_body(spec: RequestSpec) -> tuple[str, dict]:
+    # No temperature: the server's default sampling, as `vllm bench serve` sends. Greedy decoding of
+    # random (dummy) weights can repeat one special token whose text is empty, and the server then
+    # sends nothing until the end.
     common = {"model": spec.model, "max_tokens": spec.max_tokens, "stream": True,
-              "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+              "stream_options": {"include_usage": True}, "ignore_eos": True}
     if spec.endpoint == "chat":
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": spec.prompt_text}]}
     return "/v1/completions", {**common, "prompt": spec.prompt_token_ids}

