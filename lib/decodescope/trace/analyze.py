@@ -17,7 +17,6 @@ from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, OTHER, add_catego
 
 GPU_WORK_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
-STEP_NAME_OTHER = re.compile(r"^(execute_model|gpu_model_runner: forward|model_forward|ProfilerStep#\d+)")
 STEP_ANY = re.compile(r"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)|^(?:execute_model|gpu_model_runner: forward|"
                       r"model_forward|ProfilerStep#\d+)")
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "BFloat16": 2, "float16": 2, "Half": 2, "half": 2, "float": 4,

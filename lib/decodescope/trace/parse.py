@@ -27,15 +27,16 @@ except ImportError:  # pragma: no cover
 
 CHUNK_BYTES = 4 << 20
 EVENT_END = "\n  }"
-EVENT_SEP = "\n  },"
 EVENT_START = "\n  {"
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
-# CPU ops kept on a GPU trace: those that describe communication (their args carry message sizes).
-COMM_CPU_OP = re.compile(r"nccl|gloo|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|"
-                         r"all_?to_?all|broadcast|send|recv|barrier", re.I)
-LAUNCH_RUNTIME = re.compile(r"Launch|GraphLaunch|Memcpy|Memset", re.I)
-COLLECTIVE_ARGS = {"Collective name": "coll_name", "In msg nelems": "in_nelems", "Out msg nelems": "out_nelems",
-                   "dtype": "coll_dtype", "Group size": "group_size", "Process Group Name": "pg_name"}
+# CPU ops kept on a GPU trace: those that describe communication (their args carry message sizes);
+# runtime calls kept: those that launch work. Each is written once and used twice: on decoded events
+# (_wanted) and, as a lookahead, on the raw text (_keep_pattern).
+COMM_NAME = (r"nccl|gloo|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
+             r"broadcast|send|recv|barrier")
+LAUNCH_NAME = r"Launch|GraphLaunch|Memcpy|Memset"
+COMM_CPU_OP = re.compile(COMM_NAME, re.I)
+LAUNCH_RUNTIME = re.compile(LAUNCH_NAME, re.I)
 RANK_IN_NAME = re.compile(r"(?:^|[_.\-])rank[_\-]?(\d+)(?=[_.\-])")
 
 
@@ -55,7 +56,6 @@ class TraceMeta:
     base_time_ns: Optional[int]
     events_seen: int = 0
     events_kept: int = 0
-    python_skipped: int = 0
     bytes_json: int = 0
     warnings: list[str] = field(default_factory=list)
 
@@ -275,37 +275,17 @@ def iter_event_batches(path: Path, meta: TraceMeta) -> Iterator["str | list[dict
         f.close()
 
 
-_KEEP_CAT_RE = "kernel|gpu_memcpy|gpu_memset|gpu_user_annotation|user_annotation|cpu_op|cuda_runtime|cuda_driver"
-_LAUNCH_RE = r"cu(?:da)?[A-Za-z]*(?:Launch|Memcpy|Memset)"
-_COMM_RE = (r"(?i:nccl|gloo|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
-            r"broadcast|send|recv|barrier)")
-
-
 def _keep_pattern(is_gpu: bool) -> re.Pattern:
     """The head of every Kineto event parse_trace keeps. The regex engine finds them in C, so Python
     touches only kept events: GPU work and annotations, runtime calls that launch something, and CPU
     ops (on a GPU trace only those that communicate)."""
-    cpu_op = r'|cpu_op",\s*"name": "(?=[^"]*' + _COMM_RE + ")" if is_gpu else '|cpu_op"'
+    comm = r'|cpu_op",\s*"name": "(?=[^"]*(?i:' + COMM_NAME + "))" if is_gpu else '|cpu_op"'
     return re.compile(r'\n  \{\s*"ph": "X",\s*"cat": "(?:kernel"|gpu_memcpy"|gpu_memset"|gpu_user_annotation"'
-                      r'|user_annotation"|cuda_(?:runtime|driver)",\s*"name": "(?=' + _LAUNCH_RE + ")" + cpu_op + ")")
+                      r'|user_annotation"|cuda_(?:runtime|driver)",\s*"name": "(?=[^"]*(?i:' + LAUNCH_NAME + "))"
+                      + comm + ")")
 
 
 _KEEP = {True: _keep_pattern(True), False: _keep_pattern(False)}
-
-
-_NAME_DECISIONS: dict[tuple[str, str], bool] = {}
-
-
-def _name_matches(piece: str, pattern: re.Pattern) -> bool:
-    n = piece.find('"name": "')
-    if n < 0:
-        return True
-    name = piece[n + 9:piece.find('"', n + 9)]
-    key = (pattern.pattern, name)
-    hit = _NAME_DECISIONS.get(key)
-    if hit is None:
-        hit = _NAME_DECISIONS[key] = bool(pattern.search(name))
-    return hit
 
 
 def _kineto_bodies(sc: "_Scanner", pos: int, path: Path, meta: TraceMeta) -> Iterator[str]:
@@ -334,23 +314,19 @@ def _kineto_bodies(sc: "_Scanner", pos: int, path: Path, meta: TraceMeta) -> Ite
 
 
 def decode_body(body: str, is_gpu: bool) -> list[dict]:
-    """The kept events of a Kineto text body, decoded in one call."""
+    """The kept events of a Kineto text body, decoded in one call; the text prefilter already applied
+    the same rules as _wanted, so these need no second filter."""
     find = body.find
     kept = [body[p:find(EVENT_END, p) + 4] for p in (m.start() for m in _KEEP[is_gpu].finditer(body))]
     return _loads("[" + ",".join(kept) + "]") if kept else []
 
 
-def _body_columns(body: str, is_gpu: bool) -> tuple["_Columns", int]:
-    cols = _Columns()
-    kept = [ev for ev in decode_body(body, is_gpu) if ev.get("ph") == "X" and _wanted(ev, is_gpu)]
-    cols.extend(kept)
-    return cols, len(kept)
-
-
 def _body_payload(body: str, is_gpu: bool) -> tuple[dict, int]:
     """What a worker process sends back: typed columns as bytes, string dictionaries as lists."""
-    cols, n = _body_columns(body, is_gpu)
-    return cols.payload(), n
+    cols = _Columns()
+    kept = decode_body(body, is_gpu)
+    cols.extend(kept)
+    return cols.payload(), len(kept)
 
 
 def _generic_batches(sc: "_Scanner", pos: int, path: Path, meta: TraceMeta) -> Iterator[list[dict]]:
@@ -376,9 +352,7 @@ def _generic_batches(sc: "_Scanner", pos: int, path: Path, meta: TraceMeta) -> I
                     raise TraceError(f"{path}: truncated or invalid JSON near byte {sc.bytes_read}") from None
         pos = new_pos
         meta.events_seen += 1
-        if ev.get("cat") == "python_function":
-            meta.python_skipped += 1
-        else:
+        if ev.get("cat") != "python_function":
             batch.append(ev)
         if pos > CHUNK_BYTES:
             sc.buf, pos = sc.buf[pos:], 0
@@ -416,8 +390,9 @@ def parse_trace(path: str | Path, workers: int = 1) -> tuple[pd.DataFrame, Trace
                         cols.merge(payload)
                         meta.events_kept += n
                     continue
-                batch = decode_body(batch, is_gpu)
-            kept = [ev for ev in batch if ev.get("ph") == "X" and _wanted(ev, is_gpu)]
+                kept = decode_body(batch, is_gpu)
+            else:  # decoded by the generic path, unfiltered
+                kept = [ev for ev in batch if ev.get("ph") == "X" and _wanted(ev, is_gpu)]
             cols.extend(kept)
             meta.events_kept += len(kept)
         for fut in pending:
