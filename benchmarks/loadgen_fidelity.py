@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -94,17 +93,11 @@ def run_ours(url: str, c: int, n: int) -> dict:
 
 
 def run_vllm_bench(url: str, c: int, n: int, tokenizer: str) -> dict:
-    from decodescope.serving.compare import VLLM_BENCH_SNIPPET
+    from decodescope.serving.compare import run_vllm_bench_serve
 
-    rdir = Path(tempfile.mkdtemp())
-    argv = ["taskset", "-c", "1", sys.executable, "-c", VLLM_BENCH_SNIPPET, "--backend", "vllm", "--base-url", url,
-            "--endpoint", "/v1/completions", "--model", "m", "--tokenizer", tokenizer, "--dataset-name", "random",
-            "--random-input-len", str(INPUT_TOKENS), "--random-output-len", str(OUTPUT_TOKENS), "--num-prompts", str(n),
-            "--max-concurrency", str(c), "--request-rate", "inf", "--ignore-eos", "--save-result", "--save-detailed",
-            "--result-dir", str(rdir), "--result-filename", "r.json", "--disable-tqdm", "--seed", "0"]
-    subprocess.run(argv, check=True, timeout=900, capture_output=True,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    d = json.loads((rdir / "r.json").read_text())
+    result = run_vllm_bench_serve(url, "m", tokenizer, c, INPUT_TOKENS, OUTPUT_TOKENS, n, Path(tempfile.mkdtemp()),
+                                  "r.json", timeout_s=900, prefix=("taskset", "-c", "1"))
+    d = json.loads(result.read_text())
     ttft = [t * 1e6 for t in d["ttfts"]]
     itl = [x * 1e6 for l in d["itls"] for x in l]
     tpot = [(e - t) / (o - 1) * 1e6 for e, t, o in zip(d.get("e2els", []) or [], d["ttfts"], d["output_lens"]) if o > 1] \

@@ -195,7 +195,7 @@ def test_our_tpot_matches_vllm_bench_serve_on_the_same_server(repo, tmp_path):
         _, tokenizer = resolve_model_dir(params)
         # one untimed run of each client first: the first run after start-up pays one-time costs
         run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, concurrency, 64, 32, 4,
-                             tmp_path / "vllm", "warmup.json", niceness=19)
+                             tmp_path / "vllm", "warmup.json", prefix=("nice", "-n", "19"))
         # Alternate the clients, ours first and last (ours, vllm, ours, vllm, ...): each vllm bench run
         # is compared with the mean of our runs just before and after it, so a drift of the server's
         # speed over the test (large on a small shared host) cancels out.
@@ -218,7 +218,7 @@ def test_our_tpot_matches_vllm_bench_serve_on_the_same_server(repo, tmp_path):
         ours_once(0)
         for r in range(ROUNDS):
             result = run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, concurrency, 64, 32, n,
-                                          tmp_path / "vllm", f"bench{r}.json", niceness=19)
+                                          tmp_path / "vllm", f"bench{r}.json", prefix=("nice", "-n", "19"))
             theirs = load_vllm_bench_result(result)
             theirs_tpot.append(theirs["tpot_p50_us"])
             theirs_ok.append(theirs["ok"])

@@ -67,7 +67,8 @@ def known_peaks(gpu_name: str) -> Optional[Peaks]:
 
 def resolve_peaks(gpu_name: Optional[str], overrides: Optional[dict] = None) -> Optional[dict]:
     """Known peaks for the GPU with params overrides applied; None when nothing is known."""
-    base = known_peaks(gpu_name).to_dict() if gpu_name and known_peaks(gpu_name) else None
+    known = known_peaks(gpu_name) if gpu_name else None
+    base = known.to_dict() if known else None
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if base is None and not overrides:
         return None

@@ -7,8 +7,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 
 def _umask_mode() -> int:
     mask = os.umask(0)
@@ -46,7 +44,8 @@ def write_text_atomic(path: Path, text: str) -> Path:
     return write_bytes_atomic(path, text.encode())
 
 
-def write_parquet_atomic(path: Path, df: pd.DataFrame) -> Path:
+def write_parquet_atomic(path: Path, df) -> Path:
+    """A pandas DataFrame as parquet (pandas is the caller's: the probes import this module without it)."""
     path, tmp = _atomic_target(path)
     try:
         df.to_parquet(tmp, index=False)

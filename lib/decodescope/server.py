@@ -20,9 +20,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import psutil
 
@@ -109,17 +110,27 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     env["TRANSFORMERS_OFFLINE"] = "1"
     extra_keys = list(s.env)
     if profiler_dir is not None:
-        profiler_dir = Path(profiler_dir).resolve()
-        if profiler_style == "config":
-            argv += ["--profiler-config", json.dumps({"profiler": "torch",
-                                                       "torch_profiler_dir": str(profiler_dir)})]
-        else:  # vLLM before --profiler-config
-            env["VLLM_TORCH_PROFILER_DIR"] = str(profiler_dir)
-            extra_keys.append("VLLM_TORCH_PROFILER_DIR")
+        _add_profiler(argv, env, extra_keys, profiler_dir, profiler_style)
     if s.api_key:
         argv += ["--api-key", s.api_key]
     return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
                       extra_env_keys=extra_keys)
+
+
+def _add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path,
+                  style: str) -> None:
+    """Point the server's torch profiler at profiler_dir (absolute), replacing any earlier setting:
+    --profiler-config on vLLM >= 0.11, VLLM_TORCH_PROFILER_DIR before it."""
+    if "--profiler-config" in argv:
+        i = argv.index("--profiler-config")
+        del argv[i:i + 2]
+    profiler_dir = Path(profiler_dir).resolve()
+    if style == "config":
+        argv += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(profiler_dir)})]
+    else:
+        env["VLLM_TORCH_PROFILER_DIR"] = str(profiler_dir)
+        if "VLLM_TORCH_PROFILER_DIR" not in extra_env_keys:
+            extra_env_keys.append("VLLM_TORCH_PROFILER_DIR")
 
 
 def _die_with_parent() -> None:
@@ -289,19 +300,10 @@ class VllmServer:
         self.stop()
         spec = self.spec
         if profiler_dir is not None:
-            argv = list(spec.argv)
-            if "--profiler-config" in argv:
-                i = argv.index("--profiler-config")
-                del argv[i:i + 2]
-            env = dict(spec.env)
-            profiler_dir = Path(profiler_dir).resolve()
-            if profiler_style == "config":
-                argv += ["--profiler-config", json.dumps({"profiler": "torch",
-                                                           "torch_profiler_dir": str(profiler_dir)})]
-            else:
-                env["VLLM_TORCH_PROFILER_DIR"] = str(profiler_dir)
+            argv, env, keys = list(spec.argv), dict(spec.env), list(spec.extra_env_keys)
+            _add_profiler(argv, env, keys, profiler_dir, profiler_style)
             spec = LaunchSpec(argv=argv, env=env, host=spec.host, port=spec.port, api_key=spec.api_key,
-                              extra_env_keys=spec.extra_env_keys)
+                              extra_env_keys=keys)
         return VllmServer.launch(spec, self.log_path, timeout_s)
 
     def __enter__(self) -> "VllmServer":
@@ -370,13 +372,18 @@ def profiler_style_for(params: Params) -> str:
     return "config" if (major, minor) >= (0, 11) else "env"
 
 
-def connect_for_notebook(params: Params, run_dir: Path, profiler_dir: Optional[Path] = None) -> tuple[VllmServer, bool]:
-    """The run's server if the runner started one and it is healthy, else a new one owned by the
-    caller (second value True: the caller must stop it)."""
+@contextmanager
+def phase_server(params: Params, run_dir: Path, profiler_dir: Optional[Path] = None) -> Iterator[VllmServer]:
+    """The run's server if the runner started one and it is healthy; else one started for this phase
+    alone (a notebook run by itself in JupyterLab), stopped when the phase is done."""
     info = server_info_path(run_dir)
     if info.is_file():
-        data = json.loads(info.read_text())
-        server = VllmServer(data["base_url"], api_key=params.server.api_key)
+        server = VllmServer(json.loads(info.read_text())["base_url"], api_key=params.server.api_key)
         if server.healthy():
-            return server, False
-    return start_for_params(params, run_dir, profiler_dir=profiler_dir), True
+            yield server
+            return
+    server = start_for_params(params, run_dir, profiler_dir=profiler_dir)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -18,21 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
+from decodescope.io import write_json_atomic
+from decodescope.probes.timing import median_spread
+
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
-
-
-def _stats(times_us: list[float]) -> dict:
-    s = sorted(times_us)
-    pick = lambda q: s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]  # noqa: E731
-    return {"time_us": statistics.median(s), "p10_us": pick(0.1), "p90_us": pick(0.9), "n": len(s)}
 
 
 class Timer:
@@ -112,7 +107,7 @@ def burst(plan: dict, device, dtype, timer: Timer, world: int, rank: int) -> lis
                 rows.append({"part": "burst", "op": "all_reduce", "batch": step["batch"], "mode": "cuda_graph",
                              "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}", "rank": rank})
         for mode, fn in modes:
-            st = _stats(timer.run(fn, plan["iters"], plan["warmup"]))
+            st = median_spread(timer.run(fn, plan["iters"], plan["warmup"]))
             rows.append({"part": "burst", "op": "all_reduce", "batch": step["batch"], "mode": mode,
                          "calls": len(bufs), "bytes": total_bytes, "msg_bytes": step["calls"][0]["msg_bytes"],
                          "world_size": world, "rank": rank, "status": "ok", **st,
@@ -138,7 +133,7 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int) -> lis
                 row = {"part": "sweep", "op": op, "bytes": real, "inplace": inplace, "world_size": world,
                        "rank": rank, "mode": "eager"}
                 try:
-                    st = _stats(timer.run(make(t, inplace), plan["iters"], plan["warmup"]))
+                    st = median_spread(timer.run(make(t, inplace), plan["iters"], plan["warmup"]))
                 except (RuntimeError, NotImplementedError) as e:
                     rows.append({**row, "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
                     break
@@ -157,19 +152,12 @@ def all_to_all_tokens(plan: dict, device, dtype, timer: Timer, world: int, rank:
         row = {"part": "all_to_all", "op": "all_to_all", "tokens_per_gpu": item["tokens_per_gpu"],
                "bytes": t.numel() * t.element_size(), "world_size": world, "rank": rank, "mode": "eager"}
         try:
-            st = _stats(timer.run(lambda: dist.all_to_all_single(out, t), plan["iters"], plan["warmup"]))
+            st = median_spread(timer.run(lambda: dist.all_to_all_single(out, t), plan["iters"], plan["warmup"]))
         except (RuntimeError, NotImplementedError) as e:
             rows.append({**row, "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
             continue
         rows.append({**row, "status": "ok", **st})
     return rows
-
-
-def _write(path: str, doc: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".coll.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -197,7 +185,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for part in (burst, sweep, all_to_all_tokens):
         rows += part(plan, device, dtype, timer, world, rank)
-        _write(out, {"meta": meta, "rows": rows})
+        write_json_atomic(out, {"meta": meta, "rows": rows})
         if rank == 0:
             print(f"{part.__name__}: {len(rows)} rows", file=sys.stderr, flush=True)
     dist.barrier()

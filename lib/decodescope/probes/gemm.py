@@ -15,22 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Optional
 
 import torch
 
+from decodescope.io import write_json_atomic
+from decodescope.probes.timing import median_spread
+
 FP8_MIN_DIM = 16
-
-
-def _quantiles(times_us: list[float]) -> dict:
-    s = sorted(times_us)
-    pick = lambda q: s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]  # noqa: E731
-    return {"time_us": statistics.median(s), "p10_us": pick(0.10), "p90_us": pick(0.90), "n": len(s)}
 
 
 class Flusher:
@@ -168,11 +162,11 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
         return row
     flops = 2.0 * m * n * k * groups
     if device.type == "cuda":
-        eager = _quantiles(time_cuda(fn, iters, warmup, flush))
+        eager = median_spread(time_cuda(fn, iters, warmup, flush))
         row.update({f"eager_{k2}": v for k2, v in eager.items()})
         if graph:
             try:
-                g = _quantiles(time_cuda_graph(fn, iters, warmup, flush))
+                g = median_spread(time_cuda_graph(fn, iters, warmup, flush))
                 row.update({f"graph_{k2}": v for k2, v in g.items()})
             except Exception as e:
                 row["graph_error"] = f"{type(e).__name__}: {e}"
@@ -181,7 +175,7 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
                          f"median of {iters} after {warmup} warm-up; time_us = "
                          + ("CUDA-graph replay" if graph else "eager"))
     else:
-        eager = _quantiles(time_cpu(fn, iters, warmup))
+        eager = median_spread(time_cpu(fn, iters, warmup))
         row.update({f"eager_{k2}": v for k2, v in eager.items()})
         best = eager["time_us"]
         row["method"] = f"perf_counter around each call on the CPU ({torch.get_num_threads()} threads), median of {iters}"
@@ -190,14 +184,6 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
     row["gbps"] = nbytes / (best * 1e-6) / 1e9
     row["bytes"] = nbytes
     return row
-
-
-def write_atomic(path: str, rows: list[dict]) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".gemm.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(rows, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -216,7 +202,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for i, shape in enumerate(shapes, 1):
         rows.append(measure(shape, device, args.iters, args.warmup, flush, graph=not args.no_graph))
-        write_atomic(args.out, rows)
+        write_json_atomic(args.out, rows)
         r = rows[-1]
         print(f"[{i}/{len(shapes)}] {shape['op']} b={shape.get('batch')} {shape['dtype']} {shape['m']}x{shape['n']}x{shape['k']}: "
               + (f"{r['time_us']:.2f} us, {r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s" if r["status"] == "ok"

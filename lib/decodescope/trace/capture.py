@@ -129,14 +129,10 @@ def capture_for_phase(ctx) -> CaptureResult:
     """Profile through the run's server, launched with traces/ as its profiler directory (or a server
     started here for this notebook alone, with the same directory)."""
     from decodescope.io import write_json_atomic
-    from decodescope.server import connect_for_notebook
+    from decodescope.server import phase_server
 
     trace_dir = ctx.run_dir / "traces"
-    server, owned = connect_for_notebook(ctx.params, ctx.run_dir, profiler_dir=trace_dir)
-    try:
+    with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server:
         result = capture_profile(server, ctx.params, trace_dir, records_path=ctx.data("profile_requests.parquet"))
-    finally:
-        if owned:
-            server.stop()
     write_json_atomic(ctx.data("profile_capture.json"), result.to_dict())
     return result
