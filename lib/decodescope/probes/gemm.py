@@ -5,9 +5,10 @@ A plain program for the GPU host (no notebook dependencies beyond torch):
     python -m decodescope.probes.gemm --shapes shapes.json --out gemm.json [--device cuda] [--warm-l2]
 
 shapes.json is a list of {op, layer_kind, batch, m, n, k, count, dtype}. Method, stated with every
-result: `warmup` untimed calls, then `iters` timed calls, each alone between CUDA events, the L2 cache
-flushed before each call (a 2 x L2 buffer zeroed) unless --warm-l2; eager and CUDA-graph replay both
-recorded; the median is reported with p10/p90. On a CPU the same loop uses perf_counter, no flush.
+result: the L2 cache flushed before each call (a 2 x L2 buffer zeroed) unless --warm-l2; eager: `warmup`
+untimed calls, then `iters` calls each alone between CUDA events; graph: CUDA graphs of 16 calls
+replayed between events, the flushes timed alone and subtracted (events resolve ~0.5 us, too coarse for
+one microsecond GEMM); both recorded, medians with p10/p90, time_us is the graph's. On a CPU the same loop uses perf_counter, no flush.
 W4A16 goes through vLLM's Marlin op when vllm is importable, else the row is recorded as skipped.
 Results are appended to --out after every shape (atomically), so a crash keeps what was measured.
 """
@@ -62,17 +63,51 @@ def time_cuda(fn: Callable[[], None], iters: int, warmup: int, flush: Optional[F
     return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
 
 
-def time_cuda_graph(fn: Callable[[], None], iters: int, warmup: int, flush: Optional[Flusher]) -> list[float]:
+def _capture(body: Callable[[], None]) -> "torch.cuda.CUDAGraph":
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
+def time_cuda_graph(fn: Callable[[], None], iters: int, warmup: int, flush: Optional[Flusher],
+                    calls_per_replay: int = 16) -> list[float]:
+    """Per-call times from CUDA-graph replays of many calls between one pair of events: the events'
+    ~0.5 us resolution is 5-10% of a microsecond decode GEMM. A twin graph, replayed alternately and
+    subtracted, cancels what is not the GEMM: with a flush, the twin is the flushes alone; warm, the
+    twin holds half the calls (so the graph launch and event overheads cancel too)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(max(warmup, 2)):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_cuda(graph.replay, iters, warmup, flush)
+    k = calls_per_replay
+
+    def work():
+        for _ in range(k if flush else 2 * k):
+            if flush:
+                flush()
+            fn()
+
+    def twin():
+        for _ in range(k):
+            flush() if flush else fn()
+
+    g_work, g_twin = _capture(work), _capture(twin)
+    for _ in range(max(2, warmup // k)):
+        g_work.replay()
+        g_twin.replay()
+    torch.cuda.synchronize()
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(max(3, iters // 2))]
+    for e in ev:
+        e[0].record()
+        g_work.replay()
+        e[1].record()
+        g_twin.replay()
+        e[2].record()
+    torch.cuda.synchronize()
+    return [(e[0].elapsed_time(e[1]) - e[1].elapsed_time(e[2])) * 1e3 / k for e in ev]
 
 
 def time_cpu(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
@@ -171,9 +206,10 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
             except Exception as e:
                 row["graph_error"] = f"{type(e).__name__}: {e}"
         best = row.get("graph_time_us", eager["time_us"]) if graph else eager["time_us"]
-        row["method"] = (f"CUDA events around each call, {'L2 flushed before each' if flush else 'L2 warm'}, "
-                         f"median of {iters} after {warmup} warm-up; time_us = "
-                         + ("CUDA-graph replay" if graph else "eager"))
+        row["method"] = (f"{'L2 flushed before each call' if flush else 'L2 warm'}; eager: CUDA events around "
+                         f"each call, median of {iters} after {warmup} warm-up; graph: CUDA events around "
+                         f"replays of {'16 calls minus the flushes alone' if flush else '32 calls minus replays of 16'}, median of "
+                         f"{max(3, iters // 2)}; time_us = " + ("graph" if graph and "graph_time_us" in row else "eager"))
     else:
         eager = median_spread(time_cpu(fn, iters, warmup))
         row.update({f"eager_{k2}": v for k2, v in eager.items()})
