@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from decodescope.cli import main as cli_main
-from decodescope.params import REDACTED, ParamsError, dump_yaml, load_params
+from decodescope.params import REDACTED, ParamsError, dump_yaml, load_params, params_as_dict, redact
 
 MINIMAL = """
 model:
@@ -127,6 +127,20 @@ def test_show_redacts_api_key(write_params, tmp_path):
     assert "sk-very-secret" not in text and "hf_secret" not in text
     assert REDACTED in text
     assert p.server.api_key == "sk-very-secret"  # the in-memory params keep it for the client
+
+
+@pytest.mark.parametrize("key,secret", [("HF_TOKEN", True), ("api_key", True), ("VLLM_API_KEY", True),
+                                        ("auth-token", True), ("token", True), ("db_password", True),
+                                        ("Authorization", True), ("input_tokens", False), ("tokenizer", False),
+                                        ("all_to_all_tokens", False), ("max_num_batched_tokens", False)])
+def test_only_secret_keys_are_redacted(key, secret):
+    assert (redact({key: "v"})[key] == REDACTED) is secret
+
+
+def test_redacted_params_keep_the_workload(repo):
+    shown = params_as_dict(load_params(repo / "params/default.yaml"))
+    assert shown["workload"]["input_tokens"] == 64 and shown["model"]["tokenizer"] == "train"
+    assert shown["microbench"]["all_to_all_tokens"] != REDACTED
 
 
 def test_cli_validate_and_show(repo, capsys):

@@ -98,3 +98,21 @@ def test_gemm_probe_graph_and_eager_timings_agree_on_gpu(m, n, k, dtype):
     assert r["graph_time_us"] < 1.05 * r["eager_time_us"], times
     assert r["eager_time_us"] - r["graph_time_us"] < max(5.0, 0.15 * r["eager_time_us"]), times
     assert r["graph_p10_us"] <= r["graph_time_us"] <= r["graph_p90_us"]
+
+
+def test_gemm_display_and_note_use_the_graph_time_when_measured():
+    import pandas as pd
+
+    from decodescope.microbench import gemm_display, gemm_method_note
+
+    rows = pd.DataFrame([{"op": "o_proj", "batch": 1, "dtype": "bf16", "m": 1, "n": 7168, "k": 1024, "status": "ok",
+                          "method": "m", "time_us": 4.0, "graph_time_us": 4.0, "graph_p10_us": 3.9,
+                          "graph_p90_us": 4.2, "eager_time_us": 7.0, "eager_p10_us": 6.5, "eager_p90_us": 9.0,
+                          "pct_of_peak": 20.0}])
+    shown = gemm_display(rows).iloc[0]
+    assert (shown["time_us"], shown["p10"], shown["p90"], shown["eager_time_us"]) == (4.0, 3.9, 4.2, 7.0)
+    assert "eager minus graph is 3.0 us" in gemm_method_note(rows)
+    cpu = rows.drop(columns=["graph_time_us", "graph_p10_us", "graph_p90_us"]).assign(time_us=7.0)
+    shown = gemm_display(cpu).iloc[0]
+    assert (shown["p10"], shown["p90"]) == (6.5, 9.0) and "eager_time_us" not in shown
+    assert "graph" not in gemm_method_note(cpu)

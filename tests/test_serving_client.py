@@ -11,7 +11,8 @@ from aiohttp import web
 
 from decodescope.serving.client import RequestRecord, RequestSpec
 from decodescope.serving.rawclient import send_streaming_raw
-from decodescope.serving.metrics import knee, level_summary, per_request
+from decodescope.serving.metrics import COALESCED_FRAC_LIMIT, knee, level_summary, per_request
+from decodescope.serving.report import coalesced_note
 from decodescope.serving.sweep import SweepConfig, load_finished_levels, run_sweep, arrival_offsets_s
 
 TOKENS = 8
@@ -36,8 +37,11 @@ async def completions(request: web.Request):
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     n = body["max_tokens"]
+    if behaviour == "held":  # decodes at the usual pace but releases every token at the end
+        await asyncio.sleep(ITL_S * n)
     for i in range(n):
-        await asyncio.sleep(ITL_S)
+        if behaviour != "held":
+            await asyncio.sleep(ITL_S)
         if behaviour == "malformed" and i == 2:
             await resp.write(b"data: {not json\n\n")
             return resp
@@ -162,6 +166,20 @@ def test_sweep_keeps_finished_levels_when_the_server_dies(server, tmp_path):
     assert lv.loc[1, "failed"] == 0 and lv.loc[2, "failed"] == 0
     assert lv.loc[4, "ok"] == 0 and lv.loc[4, "failed"] == 4
     assert "server_down" in lv.loc[4, "failure_reasons"]
+
+
+def test_output_released_in_bursts_is_flagged(server, tmp_path):
+    cfg = SweepConfig(base_url=server.url, model="m", endpoint="completions", levels=[2], input_tokens=16,
+                      output_tokens=TOKENS, requests_per_level=4, warmup_requests=0, timeout_s=5)
+    _, streamed = run_sweep(cfg, tmp_path / "ok", progress=False)
+    server.app["behaviour"] = "held"
+    _, held = run_sweep(cfg, tmp_path / "held", progress=False)
+    assert streamed["itl_coalesced_frac"].iloc[0] < COALESCED_FRAC_LIMIT
+    assert held["itl_coalesced_frac"].iloc[0] > 0.5
+    # what a held stream looks like: the whole decode time in TTFT, almost nothing per token
+    assert held["tpot_p50_us"].iloc[0] < 100 and held["ttft_p50_us"].iloc[0] > 0.9 * TOKENS * ITL_S * 1e6
+    assert "warning" in coalesced_note(held) and "c=2" in coalesced_note(held)
+    assert "warning" not in coalesced_note(streamed)
 
 
 def test_open_loop_arrivals_have_the_requested_rate():

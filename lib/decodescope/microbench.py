@@ -196,6 +196,10 @@ def gemm_method_note(gemm: pd.DataFrame) -> str:
     if len(skipped):
         reasons = "; ".join(f"{dt}: {r}" for dt, r in skipped.groupby("dtype")["skip_reason"].first().items())
         parts.append(f"Skipped ({len(skipped)} rows): {reasons}.")
+    if len(ok) and "graph_time_us" in ok and ok["graph_time_us"].notna().any():
+        gap = (ok["eager_time_us"] - ok["graph_time_us"]).median()
+        parts.append(f"Timed alone between events, a GEMM also carries launch gaps: eager minus graph is {gap:.1f} us "
+                     "(median); time_us is the graph time, as in a decode step that vLLM replays as a CUDA graph.")
     if len(ok) and ok["pct_of_peak"].notna().any():
         best = ok.loc[ok["pct_of_peak"].idxmax()]
         parts.append(f"Closest to a peak: {best['op']} at batch {best['batch']} ({best['dtype']}), "
@@ -205,8 +209,11 @@ def gemm_method_note(gemm: pd.DataFrame) -> str:
 
 def gemm_display(gemm: pd.DataFrame) -> pd.DataFrame:
     cols = ["op", "layer_kind", "batch", "dtype", "m", "n", "k", "count", "status", "time_us", "p10", "p90",
-            "tflops", "gbps", "pct_of_compute_peak", "pct_of_mem_peak", "skip_reason"]
-    g = gemm.rename(columns={"eager_p10_us": "p10", "eager_p90_us": "p90"})
+            "eager_time_us", "tflops", "gbps", "pct_of_compute_peak", "pct_of_mem_peak", "skip_reason"]
+    timed = "graph" if "graph_time_us" in gemm and gemm["graph_time_us"].notna().any() else "eager"
+    g = gemm.rename(columns={f"{timed}_p10_us": "p10", f"{timed}_p90_us": "p90"})  # the spread of time_us
+    if timed == "eager":
+        g = g.drop(columns=["eager_time_us"], errors="ignore")
     return g[[c for c in cols if c in g]]
 
 

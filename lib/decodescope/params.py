@@ -16,7 +16,9 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PHASES = ("00_host", "01_serving", "02_gemm", "03_collectives", "04_profile", "05_verdict")
-SECRET_KEY_PATTERN = re.compile(r"(api[_-]?key|token|secret|password|authorization)", re.I)
+# Secret-looking keys: HF_TOKEN, api_key, AUTH-TOKEN, password... but not input_tokens or tokenizer.
+SECRET_KEY_PATTERN = re.compile(
+    r"(api[_-]?key|access[_-]?key|(^|[_\-.])(token|secret|password|passwd|authorization|credentials?)($|[_\-.]))", re.I)
 REDACTED = "***redacted***"
 
 

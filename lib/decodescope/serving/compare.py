@@ -38,6 +38,21 @@ def load_vllm_bench_result(path: Path) -> dict:
     return row
 
 
+def load_vllm_bench_requests(path: Path) -> pd.DataFrame:
+    """Per-request rows of a `--save-detailed` result, in our names and units: ttft_us, e2e_us, tpot_us
+    (vLLM's definition), itl_us (list), n_out."""
+    path = Path(path)
+    doc = json.loads(path.read_text())
+    missing = [k for k in ("ttfts", "latencies", "itls", "output_lens") if k not in doc]
+    if missing:
+        raise CompareError(f"{path}: no per-request {missing}: save it with `--save-result --save-detailed`")
+    df = pd.DataFrame({"ttft_us": [t * 1e6 for t in doc["ttfts"]], "e2e_us": [t * 1e6 for t in doc["latencies"]],
+                       "itl_us": [[x * 1e6 for x in l] for l in doc["itls"]], "n_out": doc["output_lens"]})
+    df = df[df["n_out"] > 0]  # failed requests have no output
+    df["tpot_us"] = (df["e2e_us"] - df["ttft_us"]) / (df["n_out"] - 1).clip(lower=1)
+    return df.reset_index(drop=True)
+
+
 def side_by_side(levels: pd.DataFrame, vllm_rows: list[dict]) -> pd.DataFrame:
     cols = ["level", "output_throughput_tok_s", "ttft_p50_us", "tpot_p50_us", "itl_p99_us", "e2e_p50_us"]
     ours = levels[[c for c in cols if c in levels]].assign(source="decodescope")

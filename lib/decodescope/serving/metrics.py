@@ -15,6 +15,12 @@ PERCENTILES = (50, 90, 99)
 # the latencies it measured.
 LOOP_LAG_P99_LIMIT_MS = 5.0
 CLIENT_CPU_LIMIT_PCT = 85.0
+# Two chunks of one stream closer than this were produced by different decode steps but delivered
+# together: the server held output back (a starved output thread, a busy API server, Nagle).
+COALESCED_GAP_US = 100.0
+# A level where more than this share of a stream's gaps is coalesced has its TTFT/ITL/TPOT shaped
+# by the server's delivery, not by its decode speed.
+COALESCED_FRAC_LIMIT = 0.10
 
 
 def per_request(records: pd.DataFrame) -> pd.DataFrame:
@@ -55,6 +61,7 @@ def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, hea
         "total_throughput_tok_s": (n_out + n_in) / duration_s if duration_s else np.nan,
         **_pcts(ok["ttft_us"], "ttft"), **_pcts(ok["tpot_us"], "tpot"),
         **_pcts([x for l in ok["itl_us"] for x in l], "itl"), **_pcts(ok["e2e_us"], "e2e"),
+        "itl_coalesced_frac": coalesced_fraction(ok["itl_us"]),
         "failure_reasons": "; ".join(f"{k}: {v}" for k, v in
                                      measured.loc[~measured["ok"], "error_class"].value_counts().items()),
     }
@@ -72,6 +79,20 @@ def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, hea
         row["client_suspect"] = bool(health.get("loop_lag_p99_ms", 0) > LOOP_LAG_P99_LIMIT_MS
                                      or health.get("client_cpu_pct", 0) > CLIENT_CPU_LIMIT_PCT)
     return row
+
+
+def coalesced_fraction(itl_lists) -> float:
+    """Share of inter-chunk gaps under COALESCED_GAP_US. Each chunk carries the tokens of one decode
+    step, so near-zero gaps mean the server released several steps' tokens at once."""
+    gaps = np.asarray([x for l in itl_lists for x in l], dtype=float)
+    return float((gaps < COALESCED_GAP_US).mean()) if gaps.size else np.nan
+
+
+def streamed_requests(req: pd.DataFrame, limit: float = COALESCED_FRAC_LIMIT) -> pd.DataFrame:
+    """The requests whose own stream was not coalesced (at most `limit` of its gaps under
+    COALESCED_GAP_US): where TTFT and TPOT time decode steps rather than the server's delivery."""
+    frac = req["itl_us"].map(lambda l: coalesced_fraction([l]))
+    return req[frac.fillna(0) <= limit]
 
 
 def littles_law(measured: pd.DataFrame) -> dict:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from decodescope.serving.metrics import CLIENT_CPU_LIMIT_PCT, LOOP_LAG_P99_LIMIT_MS
+from decodescope.serving.metrics import (CLIENT_CPU_LIMIT_PCT, COALESCED_FRAC_LIMIT, COALESCED_GAP_US,
+                                         LOOP_LAG_P99_LIMIT_MS)
 
 
 def levels_table(levels: pd.DataFrame) -> pd.DataFrame:
@@ -12,7 +13,7 @@ def levels_table(levels: pd.DataFrame) -> pd.DataFrame:
             "tpot_p50_us": "TPOT p50 ms", "tpot_p99_us": "TPOT p99 ms", "itl_p99_us": "ITL p99 ms",
             "e2e_p50_us": "E2E p50 ms", "goodput_rps": "goodput req/s", "inflight_sampled_mean": "L (sampled)",
             "littles_lw": "λW", "loop_lag_p99_ms": "client loop lag p99 ms", "client_cpu_pct": "client CPU %",
-            "client_suspect": "client suspect"}
+            "client_suspect": "client suspect", "itl_coalesced_frac": "coalesced gaps"}
     t = levels[[c for c in cols if c in levels]].copy()
     for c in t.columns:
         if c.endswith("_us"):
@@ -30,6 +31,21 @@ def client_health_note(levels: pd.DataFrame) -> str:
     return (f"**Client health warning:** at {items} the load generator itself was slow (lag p99 above "
             f"{LOOP_LAG_P99_LIMIT_MS} ms or CPU above {CLIENT_CPU_LIMIT_PCT}%), so TTFT and ITL there may be "
             "inflated by the client, not the server. On a small host, the server and the client share cores.")
+
+
+def coalesced_note(levels: pd.DataFrame) -> str:
+    """Warns when the server delivered several decode steps' tokens in one burst."""
+    if "itl_coalesced_frac" not in levels:
+        return ""
+    bad = levels[levels["itl_coalesced_frac"] > COALESCED_FRAC_LIMIT]
+    if bad.empty:
+        return (f"**Stream delivery:** at every level under {100 * COALESCED_FRAC_LIMIT:.0f}% of inter-token gaps "
+                f"were below {COALESCED_GAP_US:.0f} µs: tokens reached the client one decode step at a time.")
+    items = ", ".join(f"c={r.level} ({100 * r.itl_coalesced_frac:.0f}%)" for r in bad.itertuples())
+    return (f"**Stream delivery warning:** at {items} of inter-token gaps were below {COALESCED_GAP_US:.0f} µs: "
+            "the server released several decode steps' tokens at once, so TTFT is inflated and ITL/TPOT "
+            "understate the decode step there. E2E and throughput are unaffected. Typical causes: a CPU-starved "
+            "API server or engine-core output thread (small hosts), or output batching in the server.")
 
 
 def littles_note(levels: pd.DataFrame) -> str:
