@@ -217,7 +217,10 @@ def test_ctrl_c_leaves_no_vllm_process_and_keeps_what_was_written(repo, tmp_path
     assert (manifest_path.parent / "data/host.json").is_file()
 
 
-ROUNDS = 5
+ROUNDS = 3
+# a round is compared when most tokens reached both clients one step at a time (on this host 10-55% of
+# gaps are coalesced in about half the rounds: a client or the API server was off-CPU for a while)
+SIDE_BY_SIDE_COALESCED_MAX = 0.20
 N_SIDE_BY_SIDE = 16  # ours; vllm bench sends twice as many, so it is still sending when ours ends
 OURS_SIDE = """
 import os, re, sys, time, urllib.request
@@ -249,7 +252,7 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
     is checked on shared records above; accuracy against ground truth is benchmarks/loadgen_fidelity.py.)"""
     from decodescope.modeldir import resolve_model_dir
     from decodescope.serving.compare import load_vllm_bench_requests, run_vllm_bench_serve
-    from decodescope.serving.metrics import COALESCED_FRAC_LIMIT, coalesced_fraction
+    from decodescope.serving.metrics import coalesced_fraction
 
     # The clients are what is compared, so the server is made steady: tensor-parallel 1 on core 0 (at
     # TP=2 on this 2-core host vLLM's engine core spins on its workers, bursts output and starves the
@@ -267,7 +270,7 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
         # one untimed run first: the first run after start-up pays one-time costs
         run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, 1, 64, 32, 4,
                              tmp_path / "vllm", "warmup.json", prefix=("taskset", "-c", "1"))
-        for r in range(3 * ROUNDS):
+        for r in range(6 * ROUNDS):
             if len(ratios["tpot_us"]) == ROUNDS:
                 break
             ours_path = tmp_path / f"ours{r}.parquet"
@@ -295,7 +298,7 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
                 print(f"round {r}: only {len(ours_w)} and {len(theirs_w)} requests side by side, not compared")
                 continue
             coalesced = coalesced_fraction(ours_w["itl_us"]), coalesced_fraction(theirs_w["itl_us"])
-            if max(coalesced) > COALESCED_FRAC_LIMIT:
+            if max(coalesced) > SIDE_BY_SIDE_COALESCED_MAX:
                 # a client (or the server) sat off-CPU while tokens queued, then read them at once: on 2
                 # shared cores that happens now and then to either side; such a round times scheduling
                 print(f"round {r}: coalesced gaps {coalesced[0]:.0%} (ours) and {coalesced[1]:.0%} (vllm bench), "

@@ -156,3 +156,22 @@ def test_cli_validate_bad_file_exits_2(write_params, capsys):
     path = write_params("server: {port: -1}\nmodel: {name: x, config: models/tiny-qwen3-moe.json}\n")
     assert cli_main(["params", "validate", str(path)]) == 2
     assert "server.port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("style", ["config", "env"])
+def test_profiler_launch_flags_leave_python_stacks_out_unless_asked(repo, tmp_path, style):
+    import json as _json
+
+    from decodescope.server import launch_spec
+
+    params = load_params(repo / "params/default.yaml")
+    for with_stack in (False, True):
+        params.profile.with_stack = with_stack
+        spec = launch_spec(params, "m", "t", profiler_dir=tmp_path / "traces", profiler_style=style)
+        if style == "config":
+            cfg = _json.loads(spec.argv[spec.argv.index("--profiler-config") + 1])
+            assert cfg == {"profiler": "torch", "torch_profiler_dir": str((tmp_path / "traces").resolve()),
+                           "torch_profiler_with_stack": with_stack}
+        else:
+            assert spec.env["VLLM_TORCH_PROFILER_WITH_STACK"] == ("1" if with_stack else "0")
+            assert "--profiler-config" not in spec.argv

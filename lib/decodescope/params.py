@@ -192,6 +192,9 @@ class ProfileParams(_Section):
     output_tokens: AtLeastOne = 16
     warmup_requests: NonNegative = 2
     flush_timeout_s: Positive = 600.0
+    # Python stacks in the worker traces: the analysis does not read them, and every spin of a waiting
+    # worker becomes events (a 15 s window reached 40 MB gzipped per rank and an OOM kill on 2 cores).
+    with_stack: bool = False
 
 
 class PeakOverrides(_Section):

@@ -110,7 +110,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     env["TRANSFORMERS_OFFLINE"] = "1"
     extra_keys = list(s.env)
     if profiler_dir is not None:
-        _add_profiler(argv, env, extra_keys, profiler_dir, profiler_style)
+        _add_profiler(argv, env, extra_keys, profiler_dir, profiler_style, params.profile.with_stack)
     if s.api_key:
         argv += ["--api-key", s.api_key]
     return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
@@ -118,19 +118,22 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
 
 
 def _add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path,
-                  style: str) -> None:
+                  style: str, with_stack: bool = False) -> None:
     """Point the server's torch profiler at profiler_dir (absolute), replacing any earlier setting:
-    --profiler-config on vLLM >= 0.11, VLLM_TORCH_PROFILER_DIR before it."""
+    --profiler-config on vLLM >= 0.11, VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) before it."""
     if "--profiler-config" in argv:
         i = argv.index("--profiler-config")
         del argv[i:i + 2]
     profiler_dir = Path(profiler_dir).resolve()
     if style == "config":
-        argv += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(profiler_dir)})]
+        argv += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(profiler_dir),
+                                                  "torch_profiler_with_stack": with_stack})]
     else:
         env["VLLM_TORCH_PROFILER_DIR"] = str(profiler_dir)
-        if "VLLM_TORCH_PROFILER_DIR" not in extra_env_keys:
-            extra_env_keys.append("VLLM_TORCH_PROFILER_DIR")
+        env["VLLM_TORCH_PROFILER_WITH_STACK"] = "1" if with_stack else "0"
+        for key in ("VLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_WITH_STACK"):
+            if key not in extra_env_keys:
+                extra_env_keys.append(key)
 
 
 def _die_with_parent() -> None:
@@ -295,13 +298,14 @@ class VllmServer:
     def restart(self, timeout_s: float, profiler_dir: Optional[Path] = None,
                 params: Optional[Params] = None, profiler_style: str = "config") -> "VllmServer":
         """Stop and start again with the same spec, optionally adding a profiler directory."""
+        with_stack = params.profile.with_stack if params is not None else False
         if self.spec is None:
             raise ServerError("an attached server cannot be restarted from here; restart it yourself")
         self.stop()
         spec = self.spec
         if profiler_dir is not None:
             argv, env, keys = list(spec.argv), dict(spec.env), list(spec.extra_env_keys)
-            _add_profiler(argv, env, keys, profiler_dir, profiler_style)
+            _add_profiler(argv, env, keys, profiler_dir, profiler_style, with_stack)
             spec = LaunchSpec(argv=argv, env=env, host=spec.host, port=spec.port, api_key=spec.api_key,
                               extra_env_keys=keys)
         return VllmServer.launch(spec, self.log_path, timeout_s)
