@@ -118,3 +118,17 @@ def test_write_profile_files(cpu_traces, tmp_path, repo):
     assert on_disk["allreduce_calls_per_step"] == {"0": 3.0, "1": 3.0}
     kernels = pd.read_parquet(tmp_path / "kernels.parquet")
     assert set(kernels["rank"]) == {0, 1}
+
+
+def test_a_failed_stop_profile_quotes_the_server_log(tmp_path):
+    from types import SimpleNamespace
+
+    from decodescope.trace.capture import stop_profile_error
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO ok\nERROR Worker proc VllmWorker-0 died unexpectedly (exit code: -9)\n")
+    err = str(stop_profile_error(SimpleNamespace(base_url="http://h:1", log_path=log), 500, 163.4))
+    assert "/stop_profile answered HTTP 500 after 163 s" in err
+    assert "exit code: -9" in err and str(log) in err and "profile.with_stack" in err
+    err = str(stop_profile_error(SimpleNamespace(base_url="http://h:1", log_path=None), 500, 1.0))
+    assert "see the server's own log" in err

@@ -110,7 +110,10 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     t1 = time.monotonic()
     records, _ = run_async(run_level(cfg, prof.concurrency, prompts, n_requests=prof.requests, warmup=0))
     t2 = time.monotonic()
-    server.stop_profile(timeout_s=prof.flush_timeout_s)
+    try:
+        server.stop_profile(timeout_s=prof.flush_timeout_s)
+    except urllib.error.HTTPError as e:
+        raise stop_profile_error(server, e.code, time.monotonic() - t2) from None
     t3 = time.monotonic()
     ranks, front = wait_for_traces(trace_dir, before, expected_ranks, prof.flush_timeout_s)
     t4 = time.monotonic()
@@ -123,6 +126,18 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     return CaptureResult(trace_dir=trace_dir, rank_files=ranks, frontend_files=front, tables=tables,
                          requests_ok=int(df["ok"].sum()), requests_failed=int((~df["ok"]).sum()),
                          start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2, flush_wait_s=t4 - t3)
+
+
+def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:
+    """/stop_profile failed: the workers died or failed writing their traces; the server log says why."""
+    from decodescope.server import log_tail
+
+    log_path = getattr(server, "log_path", None)
+    where = (f"last lines of {log_path}:\n{log_tail(log_path)}" if log_path and Path(log_path).is_file()
+             else "see the server's own log")
+    return CaptureError(f"POST {server.base_url}/stop_profile answered HTTP {http_code} after {waited_s:.0f} s: "
+                        "the server failed while writing its traces (a worker killed for memory is the usual "
+                        "cause: keep profile.requests small and profile.with_stack false); " + where)
 
 
 def capture_for_phase(ctx) -> CaptureResult:
