@@ -55,6 +55,8 @@ def compare_warm_graph(shape: dict, dev) -> dict:
     ours, ref = [], []
     for _ in range(ROUNDS):
         r = measure(shape, dev, iters=100, warmup=10, flush=None, graph=True)
+        if r["status"] != "ok":
+            return r
         ours.append(r["graph_time_us"])
         ref.append(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3)
     r["graph_time_us"], r["do_bench_cudagraph_us"] = statistics.median(ours), statistics.median(ref)
@@ -90,6 +92,8 @@ def main() -> int:
                 r = compare_warm_graph(shape, dev) if args.warm_graph else compare_shape(shape, dev, flush)
                 if args.warm_graph:
                     rows.append(r)
+                    if r["status"] != "ok":
+                        continue
                     print(f"b={b:4d} {s.op:16s} {dt:4s} {s.m}x{s.n}x{s.k}: ours graph (L2 warm) {r['graph_time_us']:7.2f} us  "
                           f"do_bench_cudagraph {r['do_bench_cudagraph_us']:7.2f} us  ratio {r['ratio_vs_cudagraph']:.3f}", flush=True)
                     continue

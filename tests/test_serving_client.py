@@ -193,3 +193,16 @@ def test_knee_is_where_throughput_stops_growing():
     levels = pd.DataFrame({"level": [1, 2, 4, 8, 16], "output_throughput_tok_s": [100, 190, 370, 390, 395]})
     assert knee(levels) == 4
     assert knee(levels.iloc[:3]) is None
+
+
+def test_vllm_bench_per_request_rows_keep_their_own_start_times(tmp_path):
+    from decodescope.serving.compare import load_vllm_bench_requests
+
+    doc = {"ttfts": [0.01, 0.0, 0.02], "latencies": [0.1, 0.0, 0.3], "itls": [[0.03] * 3, [], [0.09] * 3],
+           "output_lens": [4, 0, 4], "start_times": [5.0, 6.0, 7.0]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(doc))
+    df = load_vllm_bench_requests(path)
+    assert list(df["send_ns"]) == [5e9, 7e9]  # the failed request's start time left with it
+    assert df["end_ns"].tolist() == pytest.approx([5.1e9, 7.3e9])
+    assert df["tpot_us"].tolist() == pytest.approx([30_000.0, 93_333.33], rel=1e-6)

@@ -158,7 +158,6 @@ class WorkloadParams(_Section):
         return levels
 
 
-
 class MicrobenchParams(_Section):
     batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
     dtypes: list[Literal["bf16", "fp16", "fp32", "fp8", "int4"]] = Field(default_factory=lambda: ["bf16"])

@@ -70,8 +70,15 @@ def _capture(body: Callable[[], None]) -> "torch.cuda.CUDAGraph":
     return graph
 
 
+GRAPH_CALLS = 16  # GEMM calls per timed graph replay
+
+
+def graph_replays(iters: int) -> int:
+    return max(3, iters // 2)
+
+
 def time_cuda_graph(fn: Callable[[], None], iters: int, warmup: int, flush: Optional[Flusher],
-                    calls_per_replay: int = 16) -> list[float]:
+                    calls_per_replay: int = GRAPH_CALLS) -> list[float]:
     """Per-call times from CUDA-graph replays of many calls between one pair of events: the events'
     ~0.5 us resolution is 5-10% of a microsecond decode GEMM. A twin graph, replayed alternately and
     subtracted, cancels what is not the GEMM: with a flush, the twin is the flushes alone; warm, the
@@ -99,7 +106,7 @@ def time_cuda_graph(fn: Callable[[], None], iters: int, warmup: int, flush: Opti
         g_work.replay()
         g_twin.replay()
     torch.cuda.synchronize()
-    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(max(3, iters // 2))]
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(graph_replays(iters))]
     for e in ev:
         e[0].record()
         g_work.replay()
@@ -208,8 +215,8 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
         best = row.get("graph_time_us", eager["time_us"]) if graph else eager["time_us"]
         row["method"] = (f"{'L2 flushed before each call' if flush else 'L2 warm'}; eager: CUDA events around "
                          f"each call, median of {iters} after {warmup} warm-up; graph: CUDA events around "
-                         f"replays of {'16 calls minus the flushes alone' if flush else '32 calls minus replays of 16'}, median of "
-                         f"{max(3, iters // 2)}; time_us = " + ("graph" if graph and "graph_time_us" in row else "eager"))
+                         f"replays of {f'{GRAPH_CALLS} calls minus the flushes alone' if flush else f'{2 * GRAPH_CALLS} calls minus replays of {GRAPH_CALLS}'}, "
+                         f"median of {graph_replays(iters)}; time_us = " + ("graph" if graph and "graph_time_us" in row else "eager"))
     else:
         eager = median_spread(time_cpu(fn, iters, warmup))
         row.update({f"eager_{k2}": v for k2, v in eager.items()})

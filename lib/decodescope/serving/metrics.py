@@ -88,13 +88,6 @@ def coalesced_fraction(itl_lists) -> float:
     return float((gaps < COALESCED_GAP_US).mean()) if gaps.size else np.nan
 
 
-def streamed_requests(req: pd.DataFrame, limit: float = COALESCED_FRAC_LIMIT) -> pd.DataFrame:
-    """The requests whose own stream was not coalesced (at most `limit` of its gaps under
-    COALESCED_GAP_US): where TTFT and TPOT time decode steps rather than the server's delivery."""
-    frac = req["itl_us"].map(lambda l: coalesced_fraction([l]))
-    return req[frac.fillna(0) <= limit]
-
-
 def littles_law(measured: pd.DataFrame) -> dict:
     """lambda x W (request throughput x mean E2E) over the level's span, to compare with the mean
     in-flight count that the client sampled independently (`inflight_sampled_mean`, L)."""
