@@ -1,6 +1,9 @@
 """Kernel names as they appear in public vLLM / SGLang / PyTorch traces and docs."""
 import pytest
+import yaml
 
+from decodescope import model
+from decodescope.trace import categorize as cz
 from decodescope.trace.categorize import OTHER, categorize_name, demangle
 
 GPU_NAMES = [
@@ -139,3 +142,182 @@ def test_torch_generic_sort_scan_and_cudnn_sdpa_names_from_an_h200_trace():
     assert categorize_name("void at::native::bitonicSortKVInPlace<2, -1, 16, 16, float, long, at::native::GTOp<float, true>, unsigned int>(...)") == "elementwise_other"
     # 'uint4' in a template argument is not an int4 GEMM
     assert categorize_name("void at::native::(anonymous namespace)::distribution_elementwise_grid_stride_kernel<unsigned int, 4, ...>(long, at::PhiloxCudaState, uint4)") == "elementwise_other"
+
+
+# ---- every communicator vLLM uses for tensor-parallel collectives, waits included -----------------
+# (name, device, category, verdict class, where the name comes from). "real trace (torch 2.13 gloo)"
+# is a two-rank torch.profiler capture of torch.distributed and its functional collectives on CPU.
+_VLLM = "vllm/distributed/device_communicators/"
+_SYMM_OPS = "torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryOps.cu"
+COLLECTIVE_NAMES = [
+    # NCCL >= 2.27 symmetric-memory kernels (pynccl / ProcessGroupNCCL with NCCL_WIN_ENABLE)
+    ("ncclSymkDevKernel_AllReduce_AGxLL_R_sum_f32(ncclSymkDevWorkArgs4K)", "gpu", "allreduce_nccl", "communication",
+     "NCCL src/device/symmetric generated kernels"),
+    ("ncclSymkDevKernel_AllReduce_RSxLDMC_AGxSTMC_sum_f8e4m3(ncclSymkDevWorkArgs4K)", "gpu", "allreduce_nccl",
+     "communication", "NCCL symmetric kernel, demangled from _Z54ncclSymkDevKernel_AllReduce_RSxLDMC_AGxSTMC..."),
+    ("ncclSymkDevKernel_AllReduce_AGxLLMC_R_sum_bf16", "gpu", "allreduce_nccl", "communication",
+     "NCCL symmetric kernel named in vLLM's NCCL symmetric-memory docs"),
+    ("ncclSymkDevKernel_AllGather_ST", "gpu", "allgather", "communication", "NCCL symmetric all-gather kernel"),
+    # vLLM custom all-reduce (custom_all_reduce.py -> csrc/custom_all_reduce.cuh)
+    ("void vllm::cross_device_reduce_1stage<half, 4>(vllm::RankData*, vllm::RankSignals, vllm::Metadata volatile*, half*, int, int)",
+     "gpu", "allreduce_custom", "communication", "csrc/custom_all_reduce.cuh (Metadata signature)"),
+    ("void vllm::cross_device_reduce_half_butterfly<__nv_bfloat16, 4>(vllm::RankData*, vllm::RankSignals, vllm::Metadata volatile*, __nv_bfloat16*, int, int)",
+     "gpu", "allreduce_custom", "communication", "csrc/custom_all_reduce.cuh"),
+    # vLLM custom all-gather / reduce-scatter (csrc/custom_all_gather_reduce_scatter.cuh): not all-reduce
+    ("void vllm::cross_device_all_gather<8>(vllm::RankData*, vllm::RankSignals, vllm::Signal*, vllm::array_t<unsigned long, 2>*, int, int)",
+     "gpu", "allgather", "communication", "csrc/custom_all_gather_reduce_scatter.cuh"),
+    ("void vllm::cross_device_reduce_scatter<__nv_bfloat16, 8>(vllm::RankData*, vllm::RankSignals, vllm::Signal*, __nv_bfloat16*, int, int)",
+     "gpu", "reduce_scatter", "communication", "csrc/custom_all_gather_reduce_scatter.cuh"),
+    ("void vllm::mnnvl_lamport_all_gather<__nv_bfloat16, 4>(vllm::RankData*, __nv_bfloat16 const*, __nv_bfloat16*, __nv_bfloat16*, unsigned int*, int, int, int)",
+     "gpu", "allgather", "communication", "csrc/custom_all_gather_reduce_scatter.cuh (lamport, still all-gather)"),
+    ("void vllm::mnnvl_lamport_reduce_scatter_kernel<__nv_bfloat16, 4>(vllm::RankData*, __nv_bfloat16 const*, __nv_bfloat16*, unsigned int*, int, int, int)",
+     "gpu", "reduce_scatter", "communication", "csrc/custom_all_gather_reduce_scatter.cuh"),
+    # quick all-reduce (quick_all_reduce.py, ROCm -> csrc/quickreduce/quick_reduce_impl.cuh)
+    ("quickreduce::allreduce_prototype_twoshot<AllReduceTwoshot<__half, CodecQ4<__half,4>, true>, __half>", "gpu",
+     "allreduce_custom", "communication", "real trace: public MI355X TP=8 profile report (INT4 codec)"),
+    # torch symmetric memory (symm_mem.py -> torch.ops.symm_mem.*)
+    ("void (anonymous namespace)::one_shot_all_reduce_kernel<c10::BFloat16, 16, 8>(c10::BFloat16**, c10::BFloat16*, c10::BFloat16*, unsigned long, unsigned long, unsigned int**, unsigned long, unsigned long)",
+     "gpu", "allreduce_custom", "communication", _SYMM_OPS),
+    ("void (anonymous namespace)::two_shot_all_reduce_kernel_inplace<c10::BFloat16, 16, 8>(c10::BFloat16**, unsigned long, unsigned long, unsigned int**, unsigned long, unsigned long)",
+     "gpu", "allreduce_custom", "communication", _SYMM_OPS),
+    ("void (anonymous namespace)::multimem_one_shot_all_reduce_kernel<c10::BFloat16, 16>(c10::BFloat16*, c10::BFloat16*, unsigned long, unsigned int**, unsigned long, unsigned long)",
+     "gpu", "allreduce_custom", "communication", _SYMM_OPS),
+    ("void (anonymous namespace)::multimem_all_gather_kernel<16>(char*, char*, unsigned long, unsigned int**, unsigned long, unsigned long)",
+     "gpu", "allgather", "communication", _SYMM_OPS),
+    ("c10d::symmetric_memory::wait_signal_kernel(unsigned int**, int, int, int, int, unsigned long)", "gpu",
+     "collective_wait", "communication", "torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemory.cu"),
+    ("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)", "gpu",
+     "collective_wait", "communication", "torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemory.cu"),
+    # FlashInfer all-reduce (+ fusion) (flashinfer_all_reduce.py, compilation allreduce_rms_fusion.py)
+    ("void flashinfer::trtllm_allreduce_fusion::allreduce_fusion_kernel_oneshot_lamport<(flashinfer::trtllm_allreduce_fusion::AllReduceFusionPattern)1, __nv_bfloat16, 8, true, true>(flashinfer::trtllm_allreduce_fusion::AllReduceFusionParams<__nv_bfloat16>)",
+     "gpu", "allreduce_custom", "communication", "flashinfer include/flashinfer/comm/trtllm_allreduce_fusion.cuh"),
+    ("void tensorrt_llm::kernels::twoShotAllReduceKernel<__nv_bfloat16, 8, true, false>(tensorrt_llm::kernels::AllReduceParams)",
+     "gpu", "allreduce_custom", "communication", "flashinfer include/flashinfer/comm/trtllm/kernels/customAllReduceKernels.cu"),
+    # vLLM's CPU shm communicator (cpu_communicator.py -> csrc/cpu/shm.cpp)
+    ("_C::shm_gather", "cpu", "allgather", "communication", _VLLM + "cpu_communicator.py"),
+    ("_C::shm_send_tensor_list", "cpu", "send_recv", "communication", _VLLM + "cpu_communicator.py"),
+    ("_C::shm_recv_tensor_list", "cpu", "send_recv", "communication", _VLLM + "cpu_communicator.py"),
+    # vLLM's custom ops, as CPU ops in every trace
+    ("vllm::all_gather", "cpu", "allgather", "communication", "vllm/distributed/parallel_state.py"),
+    ("vllm::reduce_scatter", "cpu", "reduce_scatter", "communication", "vllm/distributed/parallel_state.py"),
+    ("vllm::outplace_all_reduce", "cpu", "allreduce", "communication", "vllm/compilation/collective_fusion.py (v0.6)"),
+    ("vllm::inplace_all_reduce", "cpu", "allreduce", "communication", "vllm/compilation/collective_fusion.py (v0.6)"),
+    ("vllm::all_reduce_symmetric_with_copy", "cpu", "allreduce", "communication", _VLLM + "pynccl.py"),
+    ("vllm::flashinfer_trtllm_fused_allreduce_norm", "cpu", "allreduce", "communication",
+     "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"),
+    ("vllm::patched_fused_scaled_matmul_reduce_scatter", "cpu", "reduce_scatter", "communication",
+     "vllm/distributed/parallel_state.py"),
+    ("_C_custom_ar::all_reduce", "cpu", "allreduce", "communication", "vllm/_custom_ops.py"),
+    ("_C_custom_ar::qr_all_reduce", "cpu", "allreduce", "communication", "vllm/_custom_ops.py (quick all-reduce)"),
+    ("_C_custom_ar::custom_all_gather", "cpu", "allgather", "communication", "vllm/_custom_ops.py"),
+    ("_C_custom_ar::custom_reduce_scatter", "cpu", "reduce_scatter", "communication", "vllm/_custom_ops.py"),
+    ("symm_mem::two_shot_all_reduce_", "cpu", "allreduce", "communication", _VLLM + "symm_mem.py"),
+    ("symm_mem::multimem_all_reduce_", "cpu", "allreduce", "communication", _VLLM + "symm_mem.py"),
+    ("symm_mem::one_shot_all_reduce", "cpu", "allreduce", "communication", "torch.ops.symm_mem (libtorch)"),
+    ("symm_mem::fused_all_gather_matmul", "cpu", "allgather", "communication", "torch/distributed/_symmetric_memory"),
+    # torch functional collectives and their wait (the wait must win over any generic c10d rule)
+    ("_c10d_functional::wait_tensor", "cpu", "collective_wait", "communication", "real trace (torch 2.13 gloo)"),
+    ("c10d_functional::wait_tensor", "cpu", "collective_wait", "communication", "libtorch_cpu legacy c10d_functional"),
+    ("_c10d_functional::all_reduce", "cpu", "allreduce", "communication", "real trace (torch 2.13 gloo)"),
+    ("_c10d_functional::all_reduce_", "cpu", "allreduce", "communication", "torch/distributed/_functional_collectives.py"),
+    ("_c10d_functional::all_reduce_coalesced", "cpu", "allreduce", "communication",
+     "torch/distributed/_functional_collectives.py"),
+    ("_c10d_functional::all_gather_into_tensor", "cpu", "allgather", "communication", "real trace (torch 2.13 gloo)"),
+    ("_c10d_functional::all_gather_into_tensor_coalesced", "cpu", "allgather", "communication",
+     "torch/distributed/_functional_collectives.py"),
+    ("_c10d_functional::reduce_scatter_tensor", "cpu", "reduce_scatter", "communication",
+     "real trace (torch 2.13 gloo)"),
+    ("_c10d_functional::all_to_all_single", "cpu", "all_to_all", "communication", "real trace (torch 2.13 gloo)"),
+    ("_c10d_functional::broadcast", "cpu", "collective_other", "communication", "real trace (torch 2.13 gloo)"),
+    # c10d ops (torch.distributed), gloo, record_param_comms
+    ("c10d::_allgather_base_", "cpu", "allgather", "communication", "real trace (torch 2.13 gloo)"),
+    ("c10d::allgather_into_tensor_coalesced_", "cpu", "allgather", "communication", "real trace (torch 2.13 gloo)"),
+    ("c10d::_reduce_scatter_base_", "cpu", "reduce_scatter", "communication", "real trace (torch 2.13 gloo)"),
+    ("c10d::reduce_scatter_tensor_coalesced_", "cpu", "reduce_scatter", "communication", "real trace (torch 2.13 gloo)"),
+    ("c10d::alltoall_base_", "cpu", "all_to_all", "communication", "real trace (torch 2.13 gloo)"),
+    ("c10d::allreduce_coalesced_", "cpu", "allreduce", "communication", "libtorch_cpu c10d op schema"),
+    ("c10d::barrier", "cpu", "collective_other", "communication", "real trace (torch 2.13 gloo)"),
+    ("c10d::send", "cpu", "send_recv", "communication", "real trace (torch 2.13 gloo)"),
+    ("c10d::recv_", "cpu", "send_recv", "communication", "libtorch_cpu c10d op schema"),
+    ("gloo:all_gather", "cpu", "allgather", "communication", "real trace (torch 2.13 gloo)"),
+    ("gloo:all_to_all", "cpu", "all_to_all", "communication", "real trace (torch 2.13 gloo)"),
+    ("gloo:send", "cpu", "send_recv", "communication", "real trace (torch 2.13 gloo)"),
+    ("record_param_comms", "cpu", "collective_other", "communication", "torch/csrc/distributed/c10d/ParamCommsUtils"),
+]
+
+
+def test_at_least_thirty_new_collective_names_each_with_a_source():
+    assert len(COLLECTIVE_NAMES) >= 30
+    assert all(source for *_, source in COLLECTIVE_NAMES)
+
+
+@pytest.mark.parametrize("name,device,category,cls,source", COLLECTIVE_NAMES,
+                         ids=[f"{d}:{n[:60]}" for n, d, *_ in COLLECTIVE_NAMES])
+def test_collective_category_and_class(name, device, category, cls, source):
+    got = categorize_name(name, device)
+    assert got == category, f"{name} ({source})"
+    assert model.class_of(got) == cls
+
+
+@pytest.mark.parametrize("name", ["cudaStreamWaitEvent", "aten::wait", "cudaEventSynchronize"])
+def test_stream_and_future_waits_are_not_collective_waits(name):
+    assert categorize_name(name, "cpu") not in cz.WAIT_CATEGORIES
+
+
+def test_aten_gather_is_indexing_not_all_gather():
+    assert categorize_name("aten::gather", "cpu") == "elementwise_other"
+
+
+# ---- one source: the rules file names each category's class --------------------------------------
+def _raw_rules():
+    return yaml.safe_load(cz.DEFAULT_RULES.read_text())
+
+
+def test_every_category_in_the_rules_file_has_a_verdict_class():
+    for device in ("gpu", "cpu"):
+        for i, rule in enumerate(_raw_rules()[device]):
+            assert rule.get("class") in cz.VERDICT_CLASSES, f"{device}[{i}] {rule.get('category')}: no class"
+            assert model.class_of(rule["category"]) == rule["class"]
+
+
+def test_other_stays_visible_as_its_own_class():
+    assert model.class_of(OTHER) == OTHER
+    assert cz.category_classes()[OTHER] == OTHER
+
+
+def test_collective_sets_derive_from_the_rules_file():
+    assert set(cz.ALLREDUCE_CATEGORIES) == {"allreduce_nccl", "allreduce_custom", "allreduce"}
+    assert cz.WAIT_CATEGORIES == ("collective_wait",)
+    classes = cz.category_classes()
+    for cat in cz.COMM_CATEGORIES_GPU + cz.COMM_CATEGORIES_CPU:
+        assert classes[cat] == "communication"
+
+
+def _write_rules(tmp_path, gpu_rules):
+    p = tmp_path / "rules.yaml"
+    p.write_text(yaml.safe_dump({"gpu": gpu_rules, "cpu": []}))
+    return p
+
+
+def test_a_rule_without_a_valid_class_is_refused_naming_file_rule_and_valid_classes(tmp_path):
+    p = _write_rules(tmp_path, [{"category": "gemm_dense", "class": "gemm", "pattern": "gemm"},
+                                {"category": "mystery", "pattern": "xyz"}])
+    with pytest.raises(ValueError) as e:
+        cz.load_rules(p)
+    msg = str(e.value)
+    assert str(p) in msg and "gpu[1]" in msg and "mystery" in msg
+    assert all(c in msg for c in cz.VERDICT_CLASSES)
+
+
+def test_one_category_with_two_classes_is_refused(tmp_path):
+    p = _write_rules(tmp_path, [{"category": "x", "class": "gemm", "pattern": "a"},
+                                {"category": "x", "class": "small ops", "pattern": "b"}])
+    with pytest.raises(ValueError, match=r"gpu\[1\].*differ from gpu\[0\]"):
+        cz.load_rules(p)
+
+
+def test_an_unknown_collective_is_refused(tmp_path):
+    p = _write_rules(tmp_path, [{"category": "x", "class": "communication", "collective": "allreduce",
+                                 "pattern": "a"}])
+    with pytest.raises(ValueError, match="valid: all_reduce"):
+        cz.load_rules(p)

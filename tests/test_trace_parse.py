@@ -110,3 +110,40 @@ def test_two_runs_mixed_in_one_directory_are_detected(cpu_traces, tmp_path):
 def test_empty_directory_is_an_error(tmp_path):
     with pytest.raises(TraceError, match="no \\*.json"):
         load_trace_dir(tmp_path)
+
+
+def _kineto_text(events) -> str:
+    """Events laid out as torch's Kineto writer lays them out ("  {" ... "  }", ph/cat/name first)."""
+    bodies = [f'  {{\n    "ph": "X", "cat": "{cat}", "name": "{name}", "pid": 7, "tid": 7,\n'
+              f'    "ts": {ts}, "dur": {dur},\n    "args": {{"External id": {i}}}\n  }}'
+              for i, (cat, name, ts, dur) in enumerate(events)]
+    return ('{\n  "schemaVersion": 1,\n  "traceEvents": [\n' + ",\n".join(bodies)
+            + '\n  ],\n  "traceName": "single.json"\n}')
+
+
+SINGLE_RANK_EVENTS = [("user_annotation", "execute_context_0(0)_generation_1(1)", 100, 50),
+                      ("cpu_op", "aten::mm", 110, 20), ("cpu_op", "aten::add", 135, 5),
+                      ("user_annotation", "execute_context_0(0)_generation_1(1)", 300, 50),
+                      ("cpu_op", "aten::mm", 310, 20)]
+
+
+def test_a_lone_trace_without_rank_is_read_as_rank0_with_a_warning(tmp_path):
+    (tmp_path / "trace.json").write_text(_kineto_text(SINGLE_RANK_EVENTS))
+    loaded = load_trace_dir(tmp_path)
+    assert loaded.ranks == [0]
+    assert loaded.metas[0].rank_source == "single trace"
+    assert (loaded.events["cat"].astype(str) == "cpu_op").sum() == 3
+    assert any("trace.json" in w and "rank 0" in w for w in loaded.warnings)
+
+    from decodescope.trace.profile import analyze_traces
+
+    result = analyze_traces(loaded)
+    assert set(result.breakdown["rank"]) == {0} and len(result.steps) == 2
+
+
+def test_two_traces_without_rank_are_not_guessed(tmp_path):
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text(_kineto_text(SINGLE_RANK_EVENTS))
+    loaded = load_trace_dir(tmp_path)
+    assert loaded.ranks == []
+    assert sum("no rank in distributedInfo" in w and "not analysed" in w for w in loaded.warnings) == 2

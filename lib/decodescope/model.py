@@ -11,22 +11,12 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-CLASSES = {
-    "communication": ("allreduce_nccl", "allreduce_custom", "allreduce", "allgather", "reduce_scatter",
-                      "all_to_all", "ep_dispatch_combine", "send_recv", "collective_other"),
-    "gemm": ("gemm_dense", "gemm_quantized", "gemm", "moe_experts"),
-    "attention": ("attention", "kv_cache_write"),
-    "framework overhead": ("framework_overhead",),
-    "small ops": ("elementwise_other", "memcpy", "memcpy_memset", "norm", "rope", "activation", "sampling",
-                  "moe_routing"),
-}
+from decodescope.trace import categorize
 
 
 def class_of(category: str) -> str:
-    for cls, cats in CLASSES.items():
-        if category in cats:
-            return cls
-    return "unclassified"
+    """A category's verdict class, as params/kernel_categories.yaml names it (`other` for unmatched names)."""
+    return categorize.class_of(category)
 
 
 def _read(run_dir: Path, name: str):
@@ -67,7 +57,7 @@ def reconcile(run_dir: Path, profile_batch: int) -> pd.DataFrame:
     if not per_step.empty:
         att = per_step.assign(cls=per_step["category"].map(class_of))
         by_rank = att.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
-        observed_ar = float(att[att["category"].isin(("allreduce_nccl", "allreduce_custom", "allreduce"))]
+        observed_ar = float(att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)]
                             .groupby("rank")["time_per_step_us"].sum().median())
         observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
     coll = _read(run_dir, "collectives.parquet")

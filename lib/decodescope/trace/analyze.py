@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, OTHER, add_categories
+from decodescope.trace.categorize import ALLGATHER_CATEGORIES, ALLREDUCE_CATEGORIES, OTHER, add_categories
 
 GPU_WORK_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
@@ -312,7 +312,7 @@ def expected_vs_observed(per_step: pd.DataFrame, expected_allreduce: Optional[in
     rows = []
     for rank, g in per_step.groupby("rank"):
         ar = g[g["category"].astype(str).isin(ALLREDUCE_CATEGORIES)]
-        ag = g[g["category"].astype(str) == "allgather"]
+        ag = g[g["category"].astype(str).isin(ALLGATHER_CATEGORIES)]
         rows.append({"rank": rank, "collective": "all_reduce", "expected_per_step": expected_allreduce,
                      "observed_per_step": float(ar["calls_per_step"].sum()),
                      "time_per_step_us": float(ar["time_per_step_us"].sum())})

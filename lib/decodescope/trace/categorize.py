@@ -5,7 +5,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -13,17 +13,21 @@ import pandas as pd
 import yaml
 
 DEFAULT_RULES = Path(__file__).resolve().parents[3] / "params" / "kernel_categories.yaml"
-OTHER = "other"
-COMM_CATEGORIES_GPU = ("allreduce_nccl", "allreduce_custom", "allgather", "reduce_scatter", "all_to_all",
-                       "ep_dispatch_combine", "send_recv")
-COMM_CATEGORIES_CPU = ("allreduce", "allgather", "collective_other")
-ALLREDUCE_CATEGORIES = ("allreduce_nccl", "allreduce_custom", "allreduce")
+OTHER = "other"  # the category, and the class, of names no rule matches
+# What the verdict weighs against each other; every rule names one (model.py reads them from here).
+VERDICT_CLASSES = ("communication", "gemm", "attention", "framework overhead", "small ops")
+COMMUNICATION = "communication"
+# What a communication rule's kernels do; `wait` is a rank blocked until its collective completes.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "dispatch_combine",
+               "wait", "other")
 
 
 @dataclass(frozen=True)
 class Rule:
     category: str
     regex: re.Pattern
+    verdict_class: str = OTHER
+    collective: Optional[str] = None  # communication rules only
 
 
 @dataclass(frozen=True)
@@ -34,20 +38,78 @@ class RuleSet:
     def rules(self, device: str) -> tuple[Rule, ...]:
         return self.gpu if device == "gpu" else self.cpu
 
+    @cached_property
+    def _classes(self) -> dict[str, str]:
+        return {**{r.category: r.verdict_class for r in self.gpu + self.cpu}, OTHER: OTHER}
+
+    def category_classes(self) -> dict[str, str]:
+        """category -> verdict class, for every category of the file, plus `other` -> `other`."""
+        return dict(self._classes)
+
+    def class_of(self, category: str) -> str:
+        # a category the file does not name (an old run's) is shown as `other`, not dropped
+        return self._classes.get(str(category), OTHER)
+
+    def categories(self, verdict_class: Optional[str] = None, collective: Optional[str] = None,
+                   device: Optional[str] = None) -> tuple[str, ...]:
+        """The categories with that class and/or collective, in rule order, each once."""
+        rules = self.rules(device) if device else self.gpu + self.cpu
+        picked = (r.category for r in rules
+                  if (verdict_class is None or r.verdict_class == verdict_class)
+                  and (collective is None or r.collective == collective))
+        return tuple(dict.fromkeys(picked))
+
+
+def _rule(path: Path, where: str, raw) -> Rule:
+    """One rule of the file; errors name the file, the rule and what would be valid."""
+    if not isinstance(raw, dict) or "category" not in raw or "pattern" not in raw:
+        raise ValueError(f"{path}: {where}: bad rule {raw!r}; each rule needs category, class and pattern")
+    if raw["category"] == OTHER:
+        raise ValueError(f"{path}: {where}: category {OTHER!r} is reserved for names no rule matches; pick another")
+    cls = raw.get("class")
+    if cls not in VERDICT_CLASSES:
+        raise ValueError(f"{path}: {where} ({raw['category']}): class {cls!r} is not a verdict class; "
+                         f"valid: {', '.join(VERDICT_CLASSES)}")
+    collective = raw.get("collective")
+    if cls == COMMUNICATION:
+        collective = collective or "other"
+        if collective not in COLLECTIVES:
+            raise ValueError(f"{path}: {where} ({raw['category']}): collective {collective!r} is not known; "
+                             f"valid: {', '.join(COLLECTIVES)}")
+    elif collective is not None:
+        raise ValueError(f"{path}: {where} ({raw['category']}): collective is for class {COMMUNICATION} only, "
+                         f"not {cls}")
+    try:
+        regex = re.compile(raw["pattern"], re.I)
+    except re.error as e:
+        raise ValueError(f"{path}: {where} ({raw['category']}): pattern is not a valid regex ({e})") from None
+    return Rule(raw["category"], regex, cls, collective)
+
+
+def _check_one_class_per_category(path: Path, rules: dict[str, Rule]) -> None:
+    """A category's time is added up under one class: every rule of it must agree."""
+    first: dict[str, tuple[str, Rule]] = {}
+    for where, r in rules.items():
+        seen = first.setdefault(r.category, (where, r))
+        if (seen[1].verdict_class, seen[1].collective) != (r.verdict_class, r.collective):
+            raise ValueError(f"{path}: {where} ({r.category}): class {r.verdict_class!r} / collective "
+                             f"{r.collective!r} differ from {seen[0]} (class {seen[1].verdict_class!r} / "
+                             f"collective {seen[1].collective!r}); a category has one class and one collective")
+
 
 def load_rules(path: Optional[Path] = None) -> RuleSet:
     path = Path(path or DEFAULT_RULES)
-    raw = yaml.safe_load(path.read_text())
+    raw = yaml.safe_load(path.read_text()) or {}
+    by_place: dict[str, Rule] = {}
     sets = {}
     for device in ("gpu", "cpu"):
         rules = []
         for i, r in enumerate(raw.get(device) or []):
-            try:
-                rules.append(Rule(r["category"], re.compile(r["pattern"], re.I)))
-            except (KeyError, re.error) as e:
-                raise ValueError(f"{path}: {device}[{i}]: bad rule {r!r} ({e}); each rule needs "
-                                 "category and a valid regex pattern") from None
+            where = f"{device}[{i}]"
+            by_place[where] = _rule(path, where, r)
+            rules.append(by_place[where])
         sets[device] = tuple(rules)
+    _check_one_class_per_category(path, by_place)
     return RuleSet(**sets)
 
 
@@ -96,3 +158,19 @@ def add_categories(df: pd.DataFrame, device: str, rules: Optional[RuleSet] = Non
     df = df.assign(name=names)
     df["category"] = pd.Categorical.from_codes(codes, categories=labels) if labels else pd.Categorical([None] * len(df))
     return df
+
+
+def category_classes() -> dict[str, str]:
+    return default_rules().category_classes()
+
+
+def class_of(category: str) -> str:
+    return default_rules().class_of(category)
+
+
+# Derived from the rules file, so a new communicator's rule lands in these sets by its class/collective.
+ALLREDUCE_CATEGORIES = default_rules().categories(collective="all_reduce")
+ALLGATHER_CATEGORIES = default_rules().categories(collective="all_gather")
+WAIT_CATEGORIES = default_rules().categories(collective="wait")
+COMM_CATEGORIES_GPU = default_rules().categories(COMMUNICATION, device="gpu")
+COMM_CATEGORIES_CPU = default_rules().categories(COMMUNICATION, device="cpu")

@@ -58,6 +58,20 @@ def _parse_one(path: str, workers: int = 1):
         return path, None, None, f"{path}: {type(e).__name__}: {e}"
 
 
+def _lone_trace_as_rank0(results: list, trace_dir: Path) -> Optional[str]:
+    """A directory with one trace and no rank anywhere (a single-GPU run, or a trace saved by hand) is
+    rank 0: there is no other rank it could be. Returns the warning saying so, or None."""
+    if len(results) != 1:
+        return None
+    path, df, meta, err = results[0]
+    if err or meta.rank is not None:
+        return None
+    meta.rank, meta.rank_source = 0, "single trace"
+    df["rank"] = 0
+    return (f"{path}: no rank in distributedInfo or the file name; the only trace in {trace_dir}, "
+            "so it is read as rank 0")
+
+
 def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTraces:
     trace_dir = Path(trace_dir)
     if not trace_dir.is_dir():
@@ -74,6 +88,9 @@ def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTrac
         # fewer files than cores: one file at a time, its chunks decoded by every core
         results = [_parse_one(str(f), workers) for f in files]
     warnings = [f"{p}: front-end (API server) trace, not a rank: not analysed" for p in front]
+    lone = _lone_trace_as_rank0(results, trace_dir)
+    if lone:
+        warnings.append(lone)
     by_rank: dict[int, list[tuple[Path, pd.DataFrame, TraceMeta]]] = {}
     for path, df, meta, err in results:
         if err:
