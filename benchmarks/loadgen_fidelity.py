@@ -32,14 +32,14 @@ ITL_MS = 20.0
 OURS = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from decodescope.serving.sweep import SweepConfig, run_level, _safe_prompts
+from decodescope.serving.sweep import SweepConfig, run_level, build_prompts
 from decodescope.serving.client import run_async
 from decodescope.serving.sweep import records_frame
 from decodescope.serving.metrics import per_request
 c, n = int(sys.argv[3]), int(sys.argv[4])
 cfg = SweepConfig(base_url=sys.argv[2], model="m", endpoint="completions", levels=[c], input_tokens=%d,
                   output_tokens=%d, requests_per_level=n, warmup_requests=0, timeout_s=300)
-prompts = run_async(_safe_prompts(cfg, 16))
+prompts = run_async(build_prompts(cfg, 16))
 recs, health = run_async(run_level(cfg, c, prompts))
 df = per_request(records_frame(recs))
 json.dump({"ttft_us": df["ttft_us"].tolist(), "tpot_us": df["tpot_us"].tolist(),

@@ -56,18 +56,48 @@ def test_server_that_exits_during_startup_fails_fast_with_its_log(repo, tmp_path
     assert port_is_free("127.0.0.1", 8791)
 
 
+# Distinct secrets planted in every input channel of the e2e run: params (server.api_key), server.env
+# (HF_TOKEN and a password-like key), and the environment decodescope runs in.
+SECRETS = {"api_key": "sk-e2e-apikey-1f2e3d4c", "server_env_token": "hf_e2e_serverenv_9a8b7c",
+           "server_env_password": "pw-e2e-serverenv-5d6e", "environment": "sk-e2e-environ-0a1b2c"}
+# markup planted in a params value that reaches the report (the served model name)
+HOSTILE_MODEL = "tiny-moe<img src=x onerror=\"window.__ds_pwned='model';alert(1)\">"
+
+
+def _plant(path: Path) -> None:
+    text = path.read_text()
+    text = text.replace("  startup_timeout_s: 600", f"  startup_timeout_s: 600\n  api_key: {SECRETS['api_key']}")
+    text = text.replace('    VLLM_CPU_KVCACHE_SPACE: "1"', '    VLLM_CPU_KVCACHE_SPACE: "1"\n'
+                        f'    HF_TOKEN: {SECRETS["server_env_token"]}\n'
+                        f'    MY_SERVICE_PASSWORD: {SECRETS["server_env_password"]}')
+    text = text.replace("  name: tiny-qwen3-moe", f"  name: {json.dumps(HOSTILE_MODEL)}")
+    path.write_text(text)
+
+
 @pytest.fixture(scope="module")
 def e2e(repo, tmp_path_factory):
-    """One real `decodescope run` of every phase on the embedded default."""
+    """One real `decodescope run` of every phase on the embedded default, with secrets and markup planted
+    in its inputs; the process list is sampled while it runs."""
     tmp = tmp_path_factory.mktemp("e2e")
     params = _params(repo, tmp, 8792, name="e2e")
+    _plant(params)
+    env = dict(os.environ, OPENAI_API_KEY=SECRETS["environment"])
     t0 = time.monotonic()
-    proc = subprocess.run(DECODESCOPE + ["run", str(params)], capture_output=True, text=True, timeout=1500,
-                          cwd=repo)
+    out, err = tmp / "stdout", tmp / "stderr"
+    argvs: set[str] = set()
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(DECODESCOPE + ["run", str(params)], stdout=o, stderr=e, text=True, cwd=repo,
+                                env=env)
+        while proc.poll() is None and time.monotonic() - t0 < 1500:
+            for p in psutil.process_iter(["cmdline"]):
+                argvs.add(" ".join(p.info["cmdline"] or []))
+            time.sleep(0.5)
+        proc.wait(timeout=60)
     wall = time.monotonic() - t0
-    report = Path(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None
-    return {"proc": proc, "report": report, "run_dir": report.parent if report else None, "wall_s": wall,
-            "params": load_params(params)}
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
+    report = Path(result.stdout.strip().splitlines()[-1]) if result.stdout.strip() else None
+    return {"proc": result, "report": report, "run_dir": report.parent if report else None, "wall_s": wall,
+            "params": load_params(params), "argvs": argvs}
 
 
 def test_run_ends_with_the_report_path_and_every_phase_ok(e2e):
@@ -170,8 +200,27 @@ def test_profile_finds_the_allreduces_the_architecture_expects(e2e):
     assert list((e2e["run_dir"] / "traces").glob("*profiler_out*"))
 
 
+def test_no_planted_secret_reaches_a_file_a_log_or_the_process_list(e2e):
+    import gzip
+
+    assert any("vllm.entrypoints.openai.api_server" in a for a in e2e["argvs"]), "the server was never seen"
+    leaks = []
+    for arg in e2e["argvs"]:
+        leaks += [(k, "process list") for k, v in SECRETS.items() if v in arg]
+    for path in [p for p in e2e["run_dir"].rglob("*") if p.is_file()]:
+        data = path.read_bytes()
+        if path.suffix == ".gz":
+            data = gzip.decompress(data)
+        leaks += [(k, str(path)) for k, v in SECRETS.items() if v.encode() in data]
+    for stream in ("stdout", "stderr"):
+        leaks += [(k, stream) for k, v in SECRETS.items() if v in getattr(e2e["proc"], stream)]
+    assert leaks == []
+
+
 def test_report_draws_every_figure_offline(e2e):
     seen = inspect_report(e2e["report"])
+    assert seen["dialogs"] == [] and seen["pwned"] is None  # the planted model name stayed text
+    assert "onerror=" in seen["text"]
     assert len(seen["figures"]) >= 10
     assert all(n >= 1 for n in seen["figures"]), seen["figures"]
     assert seen["console_errors"] == [] and seen["page_errors"] == []

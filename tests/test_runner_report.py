@@ -20,7 +20,7 @@ def _notebook(path, body):
 
 FIGURE = """
 import plotly.graph_objects as go
-from decodescope.report.figures import show
+from decodescope.report.display import show
 from decodescope.notebook import open_phase
 ctx = open_phase(params_path, run_dir)
 (ctx.data_dir / 'verdict.json').write_text('{}')

@@ -8,23 +8,33 @@ from pathlib import Path
 from decodescope.params import ParamsError, dump_yaml, load_params
 
 
+# Exit statuses of `decodescope run` (README: "Exit status"); the fault tests assert them.
+EXIT_OK, EXIT_PHASE_FAILED, EXIT_BAD_INPUT, EXIT_WRITE_FAILED = 0, 1, 2, 3
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+
+
 def _cmd_run(args) -> int:
-    from decodescope.runner import RunError, run
+    from decodescope.locks import LockHeld
+    from decodescope.runner import ResultsWriteError, RunError, Terminated, run
 
     try:
         run_dir, ok = run(Path(args.params), phases=args.phases, resume=Path(args.resume) if args.resume else None)
-    except (ParamsError, RunError) as e:
+    except ResultsWriteError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: the manifest and the data written so far are kept; the server is stopped",
+        return EXIT_WRITE_FAILED
+    except (ParamsError, RunError, LockHeld) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt as e:
+        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"{what}: the manifest and the data written so far are kept; the server is stopped",
               file=sys.stderr)
-        return 130
+        return EXIT_SIGTERM if isinstance(e, Terminated) else EXIT_SIGINT
     print(f"run directory: {run_dir}", file=sys.stderr)
     if not ok:
         print("some phases failed: see manifest.json and the report", file=sys.stderr)
     print(run_dir / "report.html")
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_PHASE_FAILED
 
 
 def _load_or_report(path: str):

@@ -53,17 +53,19 @@ def collectives_plan(params, dtype: str = "bf16") -> dict:
 
 
 def _run(argv: list[str], log_path: Path, timeout_s: float, env: Optional[dict] = None) -> None:
-    """A probe child in its own session, so an interrupt or timeout stops every rank."""
-    from decodescope.server import terminate_tree
+    """A probe child in its own session and with its own run token, so an interrupt or timeout stops
+    every rank (torchrun's workers included, even re-parented ones)."""
+    from decodescope import procs
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    token = procs.new_run_token()
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {}), procs.RUN_TOKEN_ENV: token})
         try:
             rc = proc.wait(timeout=timeout_s)
         except BaseException:
-            terminate_tree(proc.pid, grace_s=5)
+            procs.terminate(token, [proc.pid], grace_s=5)
             raise
     if rc != 0:
         from decodescope.server import log_tail

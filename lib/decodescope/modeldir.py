@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 import random
 import shutil
@@ -85,7 +86,9 @@ def _cache_key(config: dict) -> str:
 
 def build_dummy_model_dir(config: dict, cache_root: Path, name: str) -> Path:
     """config.json + trained tokenizer in cache_root/models/<name>-<hash>; reused when present."""
-    target = cache_root / "models" / f"{name}-{_cache_key(config)}"
+    # the model name may be an HF id ('org/model') or anything else: never a path of its own
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
+    target = cache_root / "models" / f"{slug}-{_cache_key(config)}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     cache_root.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,18 @@ NonNegative = Annotated[int, _at_least(0)]
 Positive = Annotated[float, AfterValidator(_positive)]
 
 
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
+
+
+def check_run_name(name: str) -> str:
+    """A run name becomes a directory name and appears in the report: letters, digits and . _ + -
+    only (no '/', spaces, control characters or markup)."""
+    if not RUN_NAME_PATTERN.match(name):
+        raise ValueError(f"{name!r} cannot be a run name: it names the run directory, so use 1-100 letters, "
+                         "digits, '.', '_', '+' or '-' (starting with a letter or digit), e.g. 'kimi-tp8'")
+    return name
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -61,6 +73,13 @@ class RunParams(_Section):
     output_dir: str = Field("outputs", description="where run directories are made, relative to the repo")
     phases: Optional[list[str]] = Field(None, description="phases to run, in order; default: every "
                                         "notebook in notebooks/")
+
+    @field_validator("name")
+    @classmethod
+    def _file_name(cls, name: Optional[str]) -> Optional[str]:
+        if name is not None:
+            check_run_name(name)
+        return name
 
     @field_validator("phases")
     @classmethod
@@ -346,6 +365,12 @@ def _semantic_problems(raw: dict, path: Path) -> list[tuple[str, str]]:
         if kv and not (kv % tp == 0 or tp % kv == 0):
             problems.append(("server.tensor_parallel",
                              f"{tp} and the model's {kv} KV heads neither divide the other"))
+
+    if not run.get("name"):
+        try:
+            check_run_name(path.stem)
+        except ValueError as e:
+            problems.append(("run.name", f"not set, and the file name stands in for it: {e}"))
 
     if server.get("mode") == "attach" and not server.get("url"):
         problems.append(("server.url", "attach mode needs the URL of a running server, "

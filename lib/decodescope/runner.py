@@ -20,6 +20,9 @@ from typing import Callable, Optional
 from decodescope.io import read_json, write_json_atomic, write_text_atomic
 from decodescope.params import PHASES, Params, dump_yaml, load_params, params_as_dict
 
+RUN_ID_ENV = "DECODESCOPE_RUN_ID"
+# Kept free on the run's disk and released when a write fails, so the manifest can still say "failed".
+MANIFEST_RESERVE_BYTES = 256 * 1024
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 # Phases that talk to the inference server; the runner starts it once for all of them.
@@ -28,6 +31,19 @@ SERVER_PHASES = {"01_serving", "04_profile"}
 
 class RunError(RuntimeError):
     pass
+
+
+class ResultsWriteError(RunError):
+    """A result file could not be written (disk full, read-only, quota): the run stops here."""
+
+    def __init__(self, path: Path, err: OSError):
+        self.path, self.errno = Path(path), err.errno
+        super().__init__(f"could not write {path}: [Errno {err.errno}] {err.strerror or err}; "
+                         "the results written before this point are kept")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (e.g. from a scheduler): handled like Ctrl-C, reported with its own exit status."""
 
 
 def utc_now() -> str:
@@ -116,7 +132,41 @@ class Manifest:
 
     def save(self) -> None:
         with self._lock:
-            write_json_atomic(self.path, self.data)
+            try:
+                write_json_atomic(self.path, self.data)
+            except OSError as e:
+                raise ResultsWriteError(self.path, e) from None
+
+    @property
+    def reserve_path(self) -> Path:
+        return self.path.parent / ".manifest-reserve"
+
+    def reserve_space(self) -> None:
+        """Hold some bytes of the run's disk, so a full disk still lets the final manifest be written."""
+        try:
+            with open(self.reserve_path, "wb") as f:
+                f.write(b"\0" * MANIFEST_RESERVE_BYTES)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            self.reserve_path.unlink(missing_ok=True)
+
+    def try_save(self) -> Optional[ResultsWriteError]:
+        """Save if the disk still allows it (using the reserved space if need be); the error otherwise
+        (the caller is already failing)."""
+        try:
+            self.save()
+        except ResultsWriteError as e:
+            self.reserve_path.unlink(missing_ok=True)
+            try:
+                self.save()
+            except ResultsWriteError:
+                return e
+            return e
+        return None
+
+    def release_reserve(self) -> None:
+        self.reserve_path.unlink(missing_ok=True)
 
     def phase(self, name: str) -> dict:
         return self.data["phases"].setdefault(name, {"status": "pending"})
@@ -130,7 +180,7 @@ class Manifest:
 def sigterm_as_interrupt():
     """SIGTERM ends a run the way Ctrl-C does: finally blocks run and the server tree is torn down."""
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Terminated(f"signal {signum}")
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -193,14 +243,46 @@ def _short_error(exc: BaseException) -> str:
 
 def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[Path] = None,
         notebook_dir: Path = NOTEBOOK_DIR, on_server: Optional[Callable] = None) -> tuple[Path, bool]:
-    """Run the phases; returns (run_dir, all_ok). Raises ParamsError before anything starts."""
-    from decodescope import server as srv
-    from decodescope.report.html import build_report
+    """Run the phases; returns (run_dir, all_ok). Raises ParamsError before anything starts, LockHeld
+    when another run holds the port or the run directory, ResultsWriteError when a result cannot be
+    written, KeyboardInterrupt (Terminated for SIGTERM) when interrupted."""
+    from decodescope.locks import holder_info, run_dir_lock
+    from decodescope.server import hold_port, release_port
 
     params = load_params(params_path)
     selected = select_phases(params, phases, notebook_dir)
+    needs_port = params.server.mode == "launch" and any(p in SERVER_PHASES for p in selected)
+    if needs_port:  # before the run directory exists: a second run makes nothing
+        hold_port(params.server.port)
+    try:
+        if resume:
+            run_dir = Path(resume).resolve()
+            manifest = Manifest.load(run_dir)
+            dir_lock = run_dir_lock(run_dir).acquire(holder_info(run_dir))
+        else:
+            try:
+                run_dir = new_run_dir(params)
+            except OSError as e:
+                raise ResultsWriteError(getattr(e, "filename", None) or params.output_root(), e) from None
+            dir_lock = run_dir_lock(run_dir).acquire(holder_info(run_dir))
+        try:
+            return _run_locked(params, selected, run_dir, resume, notebook_dir, on_server)
+        finally:
+            dir_lock.release()
+    finally:
+        if needs_port:
+            release_port(params.server.port)
+
+
+def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path],
+                notebook_dir: Path, on_server: Optional[Callable]) -> tuple[Path, bool]:
+    from decodescope import server as srv
+    from decodescope.report.html import build_report
+
+    # every process of this run (kernels, probes, servers) inherits the run id: tests and operators can
+    # find them all by walking /proc
+    os.environ[RUN_ID_ENV] = run_dir.name
     if resume:
-        run_dir = Path(resume).resolve()
         manifest = Manifest.load(run_dir)
         for p in selected:
             manifest.phase(p)
@@ -208,12 +290,15 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
         manifest.data.setdefault("resumed", []).append(utc_now())
         manifest.save()
     else:
-        run_dir = new_run_dir(params)
         manifest = Manifest.create(run_dir, params, selected)
+    manifest.reserve_space()
     run_params_path = run_dir / "params.yaml"
     if not run_params_path.exists():
         # The params as run, secrets redacted; notebooks read the original file for secrets.
-        write_text_atomic(run_params_path, dump_yaml(params))
+        try:
+            write_text_atomic(run_params_path, dump_yaml(params))
+        except OSError as e:
+            raise ResultsWriteError(run_params_path, e) from None
     # Notebooks read the source params (with secrets and relative paths intact).
     notebook_params = Path(params.source_path)
 
@@ -222,7 +307,8 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
     progress.note(f"decodescope run {run_dir}")
     server: Optional[srv.VllmServer] = None
     server_error: Optional[str] = None
-    interrupted = False
+    interrupted: Optional[KeyboardInterrupt] = None
+    write_error: Optional[ResultsWriteError] = None
     with sigterm_as_interrupt():
         try:
             for i, phase in enumerate(selected, 1):
@@ -233,7 +319,7 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
                     # micro-benchmarks need the host to themselves: on a GPU host the server holds
                     # most of the GPUs' memory and its workers compete for the same cores
                     progress.note("stopping the inference server while this phase runs ...")
-                    server.stop()
+                    _stop_server(server, manifest)
                     server = None
                 if phase in SERVER_PHASES and server is None and server_error is None:
                     server, server_error = _start_server(params, run_dir, manifest, selected, progress)
@@ -247,49 +333,106 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
                                           error=f"server did not start: {server_error}")
                     progress.end("failed", " - server did not start")
                     continue
+                error: Optional[str] = None
                 try:
                     nb = execute_phase(phase, run_dir, notebook_params, notebook_dir)
-                    manifest.update_phase(phase, status="ok", end=utc_now(), duration_s=time.monotonic() - t0,
-                                          notebook=str(nb.relative_to(run_dir)))
-                    progress.end("ok")
-                except KeyboardInterrupt:
+                except KeyboardInterrupt as e:
+                    what = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C/SIGTERM"
                     manifest.update_phase(phase, status="failed", end=utc_now(),
-                                          duration_s=time.monotonic() - t0, error="interrupted (Ctrl-C/SIGTERM)")
+                                          duration_s=time.monotonic() - t0, error=f"interrupted ({what})")
                     progress.end("interrupted")
                     raise
                 except Exception as e:  # a failed phase is recorded and the run goes on
+                    error = _short_error(e)
+                _reap_strays(run_dir.name, server, manifest, phase)
+                if phase in SERVER_PHASES and server is not None:
+                    # the phase may have finished its work before noticing; a dead server fails it anyway
+                    reason = server.dead_reason()
+                    if reason:
+                        died = server.died_error(reason, f"phase {phase}")
+                        if not error or srv.SERVER_DIED not in error:
+                            error = str(died)[:4000] + (f"\n(the phase's own error: {error})" if error else "")
+                        progress.note(f"the inference server died: {reason}; tearing down what is left of it")
+                        _stop_server(server, manifest)
+                        server = None
+                if error is None:
+                    manifest.update_phase(phase, status="ok", end=utc_now(), duration_s=time.monotonic() - t0,
+                                          notebook=str(nb.relative_to(run_dir)))
+                    progress.end("ok")
+                else:
                     manifest.update_phase(phase, status="failed", end=utc_now(), duration_s=time.monotonic() - t0,
-                                          error=_short_error(e),
-                                          notebook=f"notebooks/{phase}.ipynb")
-                    progress.end("failed", f" - {_short_error(e).splitlines()[0][:200]}")
-        except KeyboardInterrupt:
-            interrupted = True
+                                          error=error, notebook=f"notebooks/{phase}.ipynb")
+                    progress.end("failed", f" - {error.splitlines()[0][:200]}")
+        except KeyboardInterrupt as e:
+            interrupted = e
+        except ResultsWriteError as e:
+            write_error = e
         finally:
             if server is not None and server.proc is not None:
                 progress.note("stopping the vLLM server and its workers ...")
-                server.stop()
-                manifest.data.setdefault("server", {})["stopped"] = utc_now()
+                _stop_server(server, manifest)
+            _reap_strays(run_dir.name, None, manifest, None)
             ok = all(manifest.phase(p).get("status") == "ok" for p in selected)
-            manifest.data["status"] = "interrupted" if interrupted else ("ok" if ok else "failed")
+            manifest.data["status"] = ("interrupted" if interrupted else
+                                       "failed" if write_error or not ok else "ok")
+            if write_error:
+                manifest.data["error"] = str(write_error)
             manifest.data["finished"] = utc_now()
-            manifest.save()
-    if interrupted:
-        raise KeyboardInterrupt
-    report = build_report(run_dir)
-    manifest.data["report"] = str(report.relative_to(run_dir))
-    manifest.save()
+            final_save_error = manifest.try_save()  # always: after a failed write it uses the reserve
+            write_error = write_error or final_save_error
+    try:
+        if interrupted:
+            raise interrupted
+        if write_error:
+            raise write_error
+        try:
+            report = build_report(run_dir)
+        except OSError as e:
+            err = ResultsWriteError(getattr(e, "filename", None) or run_dir / "report.html", e)
+            manifest.data.update(status="failed", error=f"report: {err}")
+            manifest.try_save()
+            raise err from None
+        manifest.data["report"] = str(report.relative_to(run_dir))
+        manifest.save()
+    finally:
+        manifest.release_reserve()
     return run_dir, ok
+
+
+def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str]) -> None:
+    """A phase's kernel is gone when the phase ends; anything it started (a probe, a torchrun rank, a
+    server of its own) that is still alive would outlive the run, and is stopped here. The run's own
+    server is kept."""
+    from decodescope import procs
+
+    keep = set(server.process_tree()) if server is not None and server.proc is not None else set()
+    strays = [p for p in procs.run_processes(run_id, env_name=RUN_ID_ENV) if p not in keep]
+    if strays:
+        procs.terminate_pids(strays)
+        entry = manifest.phase(phase) if phase else manifest.data
+        entry["stray_processes_stopped"] = len(strays) + entry.get("stray_processes_stopped", 0)
+
+
+def _stop_server(server, manifest: Manifest) -> None:
+    """Tear the server down and record what teardown found (processes signalled, shm files removed)."""
+    server.stop()
+    manifest.data.setdefault("teardowns", []).append({
+        "at": utc_now(), "signalled": len(server.teardown.get("signalled", [])),
+        "shm_removed": len(server.teardown.get("shm_removed", [])), "left": server.teardown.get("left", [])})
+    manifest.data.setdefault("server", {})["stopped"] = utc_now()
+    manifest.try_save()  # a full disk must not stop the teardown from being reported by the caller
 
 
 def _start_server(params, run_dir, manifest, selected, progress):
     from decodescope import server as srv
+    from decodescope.locks import LockHeld
 
     profiler_dir = run_dir / "traces" if "04_profile" in selected else None
     progress.note(f"starting the inference server ({params.server.mode}) ...")
     t0 = time.monotonic()
     try:
         server = srv.start_for_params(params, run_dir, profiler_dir=profiler_dir)
-    except (srv.ServerError, OSError) as e:
+    except (srv.ServerError, OSError, LockHeld) as e:
         manifest.data["server"] = {"status": "failed", "error": str(e)[:4000]}
         manifest.save()
         progress.note(f"server failed: {str(e).splitlines()[0]}")
@@ -299,7 +442,8 @@ def _start_server(params, run_dir, manifest, selected, progress):
                                "launch": server.spec.describe() if server.spec else None}
     # every server this run started, for the record (and for checking that none outlived it)
     manifest.data.setdefault("servers", []).append({"started": utc_now(), "start_s": time.monotonic() - t0,
-                                                    "pids": server.tree_pids})
+                                                    "pids": server.tree_pids, "pgid": server.pgid, "run_token": server.run_token,
+                                                    "shm_files": sorted(map(str, server.shm_files))})
     manifest.save()
     progress.note(f"server healthy at {server.base_url} after {time.monotonic() - t0:.1f} s")
     return server, None

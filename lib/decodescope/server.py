@@ -1,10 +1,15 @@
 """vLLM server lifecycle: launch from params, wait for health, attach, profile endpoints, teardown.
 
 The server runs as `python -m vllm.entrypoints.openai.api_server` in a new process session; its
-engine core and TP workers are its descendants. Teardown signals the whole tree (session, then each
-descendant found by psutil) so nothing outlives the run: on normal exit, on exceptions, on
-SIGINT/SIGTERM (the runner turns SIGTERM into KeyboardInterrupt), and, if this process is killed
-outright, through PR_SET_PDEATHSIG on the API server.
+engine core and TP workers share that process group and the run's token (DECODESCOPE_RUN_TOKEN in their
+environment). Teardown signals every process found by either (decodescope.procs), so nothing outlives
+the run even when the API server died first and its children were re-parented; the engine's
+shared-memory files are removed with it. It runs on normal exit, on exceptions, on SIGINT/SIGTERM, and,
+if this process is killed outright, through PR_SET_PDEATHSIG on the API server.
+
+Before any measurement the server is checked to be the one this run started (its model list carries
+the run's alias), the port is held by a lock for the run's life, and the API key reaches vLLM through
+its environment (VLLM_API_KEY), never its command line.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from typing import Iterator, Optional
 
 import psutil
 
+from decodescope import procs
+from decodescope.locks import holder_info, port_lock
 from decodescope.params import Params, redact
 
 LOG_TAIL_LINES = 40
@@ -36,6 +43,45 @@ _LIVE_LOCK = threading.Lock()
 
 class ServerError(RuntimeError):
     """The server failed to start, died, or did not answer; the message quotes its log tail."""
+
+
+class ServerDied(ServerError):
+    """The server stopped answering (or its process exited) while a phase was using it."""
+
+
+class ServerHTTPError(ServerError):
+    """The server answered an endpoint with an HTTP error status."""
+
+    def __init__(self, path: str, status: int):
+        self.path, self.status = path, status
+        super().__init__(f"{path} answered HTTP {status}")
+
+
+class ServerUnreachable(ServerError):
+    """No answer from an endpoint: connection refused, reset or timed out."""
+
+
+SERVER_DIED = "server_died"
+_HELD_PORTS: dict = {}
+
+
+def hold_port(port: int, run_dir: Optional[Path] = None):
+    """Take this process's lock on the port (kept until release_port); a second run on the same port
+    gets LockHeld naming the holder. Re-entrant within a process."""
+    if port not in _HELD_PORTS:
+        _HELD_PORTS[port] = port_lock(port).acquire(holder_info(run_dir))
+    return _HELD_PORTS[port]
+
+
+def release_port(port: int) -> None:
+    lock = _HELD_PORTS.pop(port, None)
+    if lock is not None:
+        lock.release()
+
+
+def alias_for(token: str) -> str:
+    """A second served-model name that only this run's server answers with."""
+    return f"decodescope-{token[:16]}"
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -83,23 +129,22 @@ class LaunchSpec:
     port: int
     api_key: Optional[str] = None
     extra_env_keys: list[str] = field(default_factory=list)
+    run_token: str = ""
 
     def describe(self) -> dict:
-        argv = list(self.argv)
-        for i, a in enumerate(argv[:-1]):
-            if a == "--api-key":
-                argv[i + 1] = "***redacted***"
-        return {"argv": argv, "env": redact({k: self.env[k] for k in self.extra_env_keys}),
-                "host": self.host, "port": self.port}
+        # the api key is in env (VLLM_API_KEY), never argv; env shows only the params' own keys, redacted
+        return {"argv": list(self.argv), "env": redact({k: self.env[k] for k in self.extra_env_keys}),
+                "host": self.host, "port": self.port, "api_key": "***redacted***" if self.api_key else None}
 
 
 def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Optional[Path] = None,
-                profiler_style: str = "config") -> LaunchSpec:
+                profiler_style: str = "config", run_token: Optional[str] = None) -> LaunchSpec:
     s = params.server
     python = s.python or sys.executable
+    run_token = run_token or procs.new_run_token()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--tokenizer", tokenizer,
-            "--served-model-name", params.model.name,
+            "--served-model-name", params.model.name, alias_for(run_token),
             "--host", s.bind_host, "--port", str(s.port),
             "--tensor-parallel-size", str(s.tensor_parallel)]
     argv += engine_flags(s.engine_args)
@@ -108,13 +153,15 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded at run time
     env["TRANSFORMERS_OFFLINE"] = "1"
+    env[procs.RUN_TOKEN_ENV] = run_token  # every process of the server inherits it: teardown finds them
     extra_keys = list(s.env)
     if profiler_dir is not None:
         _add_profiler(argv, env, extra_keys, profiler_dir, profiler_style, params.profile.with_stack)
+    env.pop("VLLM_API_KEY", None)
     if s.api_key:
-        argv += ["--api-key", s.api_key]
+        env["VLLM_API_KEY"] = s.api_key  # argv is readable by every local user (ps); the environment is not
     return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
-                      extra_env_keys=extra_keys)
+                      extra_env_keys=extra_keys, run_token=run_token)
 
 
 def _add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path,
@@ -147,62 +194,35 @@ def _die_with_parent() -> None:
         pass
 
 
-def terminate_tree(pid: int, grace_s: float = 15.0) -> list[int]:
-    """SIGTERM the process, its session and every descendant; SIGKILL what remains after grace_s.
-    Returns the pids that were signalled."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
-    pids = [p.pid for p in procs]
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    # Workers spawned late (or re-parented) may not have been seen: look again before SIGKILL.
-    for p in list(alive):
-        try:
-            alive += [c for c in p.children(recursive=True) if c not in alive]
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    return pids
-
-
 class VllmServer:
-    """One OpenAI-compatible server: launched here (and owned), or attached to by URL."""
+    """One OpenAI-compatible server: launched here (and owned), or attached to by URL. `pid` is the API
+    server's pid when known (launched here, or by the run that wrote server.json)."""
 
     def __init__(self, base_url: str, proc: Optional[subprocess.Popen] = None,
                  log_path: Optional[Path] = None, spec: Optional[LaunchSpec] = None,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, pid: Optional[int] = None, run_token: Optional[str] = None):
         self.base_url = base_url.rstrip("/")
         self.proc = proc
         self.log_path = log_path
         self.spec = spec
         self.api_key = api_key if api_key is not None else (spec.api_key if spec else None)
+        self.pid = proc.pid if proc is not None else pid
+        self.run_token = spec.run_token if spec else run_token
         self.started_s: Optional[float] = None
         self.tree_pids: list[int] = []
+        self.shm_files: set[Path] = set()
+        self.teardown: dict = {}
+        self._held_port: Optional[int] = None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def launch(cls, spec: LaunchSpec, log_path: Path, timeout_s: float) -> "VllmServer":
+    def launch(cls, spec: LaunchSpec, log_path: Path, timeout_s: float,
+               run_dir: Optional[Path] = None) -> "VllmServer":
+        newly_held = spec.port not in _HELD_PORTS
+        hold_port(spec.port, run_dir)  # LockHeld names the other run
         if not port_is_free(spec.host, spec.port):
+            if newly_held:
+                release_port(spec.port)
             raise ServerError(f"port {spec.port} on {spec.host} is already in use; stop what holds it, "
                               f"set server.port to a free port, or use server.mode: attach")
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -214,15 +234,18 @@ class VllmServer:
                                 stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         log.close()
         server = cls(f"http://{spec.host}:{spec.port}", proc=proc, log_path=log_path, spec=spec)
+        server._held_port = spec.port if newly_held else None
         with _LIVE_LOCK:
             _LIVE.add(server)
         try:
             server.wait_healthy(timeout_s)
+            server.verify_ours()
         except BaseException:
             server.stop()
             raise
         server.started_s = time.monotonic() - t0
         server.tree_pids = server.process_tree()
+        server.shm_files = procs.mapped_shm_files(server.tree_pids)
         return server
 
     @classmethod
@@ -262,36 +285,93 @@ class VllmServer:
         raise ServerError(f"vLLM did not become healthy within {timeout_s:.0f} s "
                           f"(server.startup_timeout_s); last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
-    def model_id(self) -> str:
+    def served_models(self) -> list[str]:
         _, body = self._request("GET", "/v1/models", 10.0)
-        return json.loads(body)["data"][0]["id"]
+        return [m.get("id") for m in json.loads(body).get("data", [])]
+
+    def verify_ours(self) -> None:
+        """The server answering on our port serves this run's alias: not another run's server that
+        took the port first (our own process would then fail to bind and exit)."""
+        if not self.run_token:
+            return
+        try:
+            models = self.served_models()
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise ServerError(f"{self.base_url}/v1/models did not answer ({e}); cannot check that the server "
+                              "on this port is the one this run started") from None
+        if alias_for(self.run_token) not in models:
+            raise ServerError(f"the server answering at {self.base_url} is not the one this run started (it "
+                              f"serves {models}, not this run's alias {alias_for(self.run_token)}): another "
+                              "server holds the port; stop it or set server.port to a free port")
+
+    def dead_reason(self, health_tries: int = 3) -> Optional[str]:
+        """None while the server is up; else why it is not (process gone, or /health not answering)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return f"the API server (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+        if self.proc is None and self.pid is not None and not _pid_alive(self.pid):
+            return f"the API server (pid {self.pid}) is gone"
+        for i in range(health_tries):
+            if self.healthy(timeout_s=5.0):
+                return None
+            time.sleep(0.5 * (i + 1))
+        return f"{self.base_url}/health did not answer {health_tries} times in a row"
+
+    def died_error(self, reason: str, during: str) -> ServerDied:
+        tail = (f"; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+                if self.log_path and Path(self.log_path).is_file() else "")
+        return ServerDied(f"{SERVER_DIED}: the vLLM server died during {during}: {reason}{tail}")
+
+    def raise_if_dead(self, during: str) -> None:
+        reason = self.dead_reason()
+        if reason:
+            raise self.died_error(reason, during)
 
     # ---- profiler -----------------------------------------------------------------------------
+    def _post(self, path: str, timeout_s: float) -> None:
+        try:
+            self._request("POST", path, timeout_s)
+        except urllib.error.HTTPError as e:
+            raise ServerHTTPError(path, e.code) from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ServerUnreachable(f"POST {self.base_url}{path}: no answer within {timeout_s:.0f} s "
+                                    f"({getattr(e, 'reason', e)})") from None
+
     def start_profile(self) -> None:
-        self._request("POST", "/start_profile", 120.0)
+        self._post("/start_profile", 120.0)
 
     def stop_profile(self, timeout_s: float = 900.0) -> None:
         """Returns once the server answered; traces may still be flushing (see trace.capture)."""
-        self._request("POST", "/stop_profile", timeout_s)
+        self._post("/stop_profile", timeout_s)
 
     # ---- teardown -----------------------------------------------------------------------------
+    @property
+    def pgid(self) -> Optional[int]:
+        # started with setsid: the API server leads its own process group, which its children keep
+        return self.proc.pid if self.proc is not None else None
+
     def process_tree(self) -> list[int]:
         if self.proc is None:
             return []
-        try:
-            root = psutil.Process(self.proc.pid)
-            return [root.pid] + [c.pid for c in root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        return procs.run_processes(self.run_token, [self.pgid])
 
     def stop(self) -> None:
+        """Tear down every process of this server (by process group and run token, whether or not the
+        API server is still there) and remove its shared-memory files."""
         if self.proc is not None:
-            if self.proc.poll() is None or self.process_tree():
-                terminate_tree(self.proc.pid)
+            left = self.process_tree()
+            self.shm_files |= procs.mapped_shm_files(left)
+            signalled = procs.terminate(self.run_token, [self.pgid]) if left else []
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+            idents = procs.shm_idents(self.shm_files)
+            removed = procs.remove_shm(idents, self.shm_files)
+            self.teardown = {"signalled": signalled, "shm_removed": [str(p) for p in removed],
+                             "left": procs.run_processes(self.run_token, [self.pgid])}
+        if self._held_port is not None:
+            release_port(self._held_port)
+            self._held_port = None
         with _LIVE_LOCK:
             _LIVE.discard(self)
 
@@ -307,7 +387,7 @@ class VllmServer:
             argv, env, keys = list(spec.argv), dict(spec.env), list(spec.extra_env_keys)
             _add_profiler(argv, env, keys, profiler_dir, profiler_style, with_stack)
             spec = LaunchSpec(argv=argv, env=env, host=spec.host, port=spec.port, api_key=spec.api_key,
-                              extra_env_keys=keys)
+                              extra_env_keys=keys, run_token=spec.run_token)
         return VllmServer.launch(spec, self.log_path, timeout_s)
 
     def __enter__(self) -> "VllmServer":
@@ -315,6 +395,13 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def stop_all() -> None:
@@ -339,7 +426,10 @@ def write_server_info(run_dir: Path, server: VllmServer, params: Params) -> None
         "base_url": server.base_url,
         "model": params.model.name,
         "owned": server.proc is not None,
+        "owner_pid": os.getpid(),
         "pid": server.proc.pid if server.proc else None,
+        "run_token": server.run_token,
+        "log_path": str(server.log_path) if server.log_path else None,
         "tree_pids": server.tree_pids,
         "start_s": server.started_s,
         "launch": server.spec.describe() if server.spec else None,
@@ -356,7 +446,8 @@ def start_for_params(params: Params, run_dir: Path, profiler_dir: Optional[Path]
         model, tokenizer = resolve_model_dir(params)
         spec = launch_spec(params, model, tokenizer, profiler_dir=profiler_dir,
                            profiler_style=profiler_style_for(params))
-        server = VllmServer.launch(spec, Path(run_dir) / "logs" / "server.log", params.server.startup_timeout_s)
+        server = VllmServer.launch(spec, Path(run_dir) / "logs" / "server.log", params.server.startup_timeout_s,
+                                   run_dir=Path(run_dir))
     write_server_info(run_dir, server, params)
     return server
 
@@ -376,16 +467,24 @@ def profiler_style_for(params: Params) -> str:
     return "config" if (major, minor) >= (0, 11) else "env"
 
 
+def server_from_info(info: dict, api_key: Optional[str]) -> VllmServer:
+    """The server another process of this run (the runner) started, as written in server.json."""
+    return VllmServer(info["base_url"], api_key=api_key, pid=info.get("pid"), run_token=info.get("run_token"),
+                      log_path=Path(info["log_path"]) if info.get("log_path") else None)
+
+
 @contextmanager
 def phase_server(params: Params, run_dir: Path, profiler_dir: Optional[Path] = None) -> Iterator[VllmServer]:
-    """The run's server if the runner started one and it is healthy; else one started for this phase
-    alone (a notebook run by itself in JupyterLab), stopped when the phase is done."""
-    info = server_info_path(run_dir)
-    if info.is_file():
-        server = VllmServer(json.loads(info.read_text())["base_url"], api_key=params.server.api_key)
-        if server.healthy():
-            yield server
-            return
+    """The run's server when the runner started one (a dead one fails the phase: server_died); else,
+    for a notebook run by itself in JupyterLab, one started for this phase alone and stopped after it."""
+    path = server_info_path(run_dir)
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    owner = info.get("owner_pid")
+    if owner and owner != os.getpid() and _pid_alive(owner):
+        server = server_from_info(info, params.server.api_key)
+        server.raise_if_dead("the start of this phase")
+        yield server
+        return
     server = start_for_params(params, run_dir, profiler_dir=profiler_dir)
     try:
         yield server

@@ -9,6 +9,8 @@ from typing import Optional
 
 import pandas as pd
 
+from decodescope.report.escape import html_text, markdown_text
+
 FIGURE_HEIGHT_PX = 460
 
 
@@ -27,18 +29,25 @@ def show(fig) -> None:
 
 def show_table(df: pd.DataFrame, caption: Optional[str] = None, float_format: str = "{:,.3f}",
                max_rows: int = 60) -> None:
-    """A styled table; the caption says where the numbers came from."""
+    """A styled table; the caption says where the numbers came from. Cells, headers and caption are
+    escaped: they hold names from params, traces and logs."""
     from IPython.display import HTML, display
 
+    display(HTML(table_html(df, caption, max_rows)))
+
+
+def table_html(df: pd.DataFrame, caption: Optional[str] = None, max_rows: int = 60) -> str:
     shown = df.head(max_rows)
-    styler = shown.style.format(precision=3, thousands=",", na_rep="–").hide(axis="index")
+    styler = (shown.style.format(precision=3, thousands=",", na_rep="–", escape="html")
+              .format_index(escape="html", axis=1).hide(axis="index"))
     if caption:
-        styler = styler.set_caption(caption)
+        styler = styler.set_caption(html_text(caption))
     more = f"<p><em>{len(df) - max_rows} more rows in the data file.</em></p>" if len(df) > max_rows else ""
-    display(HTML(styler.to_html() + more))
+    return styler.to_html() + more
 
 
 def show_note(markdown: str) -> None:
+    """A note in markdown; text from data inside it is shown as text (see report.escape)."""
     from IPython.display import Markdown, display
 
-    display(Markdown(markdown))
+    display(Markdown(markdown_text(markdown)))

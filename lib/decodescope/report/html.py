@@ -2,7 +2,6 @@
 status, failed phases shown with their error, plotly.js embedded once, nothing loaded from a network."""
 from __future__ import annotations
 
-import html
 import re
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import nbformat
 
 from decodescope.io import read_json, write_text_atomic
 from decodescope.params import PHASES
+from decodescope.report.escape import html_text
 
 PHASE_TITLES = {
     "00_host": "Host inventory",
@@ -27,8 +27,8 @@ STATUS_COLOURS = {"ok": "#1a7f37", "failed": "#cf222e", "skipped": "#9a6700", "p
 
 def _status_badge(status: str) -> str:
     colour = STATUS_COLOURS.get(status, "#57606a")
-    return (f'<span class="ds-status ds-status-{html.escape(status)}" style="background:{colour};color:#fff;'
-            f'padding:1px 8px;border-radius:8px;font-size:90%">{html.escape(status)}</span>')
+    return (f'<span class="ds-status ds-status-{html_text(status)}" style="background:{colour};color:#fff;'
+            f'padding:1px 8px;border-radius:8px;font-size:90%">{html_text(status)}</span>')
 
 
 def header_html(manifest: dict) -> str:
@@ -37,24 +37,24 @@ def header_html(manifest: dict) -> str:
         err = info.get("error") or ""
         dur = info.get("duration_s")
         rows.append(
-            f"<tr><td><a href='#phase-{phase}'>{phase}</a></td><td>{html.escape(PHASE_TITLES.get(phase, phase))}</td>"
+            f"<tr><td><a href='#phase-{html_text(phase)}'>{html_text(phase)}</a></td><td>{html_text(PHASE_TITLES.get(phase, phase))}</td>"
             f"<td>{_status_badge(info.get('status', 'pending'))}</td>"
             f"<td>{'' if dur is None else f'{dur:.1f} s'}</td>"
-            f"<td><code>{html.escape(err.splitlines()[0][:300]) if err else ''}</code></td></tr>")
+            f"<td><code>{html_text(err.splitlines()[0][:300]) if err else ''}</code></td></tr>")
     server = manifest.get("server") or {}
     server_line = ""
     if server:
         start = server.get("start_s")
-        server_line = (f"<p>Server: {html.escape(str(server.get('status', '')))} "
-                       f"{html.escape(str(server.get('base_url', '')))}"
+        server_line = (f"<p>Server: {html_text(str(server.get('status', '')))} "
+                       f"{html_text(str(server.get('base_url', '')))}"
                        f"{'' if start is None else f', healthy after {start:.1f} s'}</p>")
     return f"""
 <div id="ds-header" class="ds-header">
 <h1>decodescope report</h1>
-<p><b>Run</b> <code>{html.escape(manifest.get('run_id', ''))}</code> &middot;
-<b>params</b> <code>{html.escape(manifest.get('params_name', ''))}</code> &middot;
-<b>created</b> {html.escape(manifest.get('created', ''))} &middot;
-<b>commit</b> <code>{html.escape(str(manifest.get('git_commit')))}</code> &middot;
+<p><b>Run</b> <code>{html_text(manifest.get('run_id', ''))}</code> &middot;
+<b>params</b> <code>{html_text(manifest.get('params_name', ''))}</code> &middot;
+<b>created</b> {html_text(manifest.get('created', ''))} &middot;
+<b>commit</b> <code>{html_text(str(manifest.get('git_commit')))}</code> &middot;
 <b>run status</b> {_status_badge(manifest.get('status', 'unknown'))}</p>
 {server_line}
 <table class="ds-phases"><thead><tr><th>phase</th><th>what</th><th>status</th><th>time</th><th>error</th></tr></thead>
@@ -73,15 +73,20 @@ def combined_notebook(run_dir: Path, manifest: dict) -> nbformat.NotebookNode:
         info = manifest["phases"][phase]
         status = info.get("status", "pending")
         cells.append(nbformat.v4.new_markdown_cell(
-            f"<h2 id='phase-{phase}'>{phase} &middot; {html.escape(PHASE_TITLES.get(phase, phase))} "
+            f"<h2 id='phase-{html_text(phase)}'>{html_text(phase)} &middot; {html_text(PHASE_TITLES.get(phase, phase))} "
             f"{_status_badge(status)}</h2>"))
         if status == "failed":
             cells.append(nbformat.v4.new_markdown_cell(
                 f"<div class='ds-failed' style='border-left:4px solid #cf222e;padding:4px 12px;background:#fff5f5'>"
-                f"<b>This phase failed.</b><pre>{html.escape(info.get('error') or 'no error text')}</pre></div>"))
+                f"<b>This phase failed.</b><pre>{html_text(info.get('error') or 'no error text')}</pre></div>"))
         nb_path = run_dir / "notebooks" / f"{phase}.ipynb"
         if nb_path.is_file() and status in ("ok", "failed"):
-            nb = nbformat.read(nb_path, as_version=4)
+            try:
+                nb = nbformat.read(nb_path, as_version=4)
+            except (OSError, ValueError) as e:  # e.g. cut short by a full disk
+                cells.append(nbformat.v4.new_markdown_cell(
+                    f"*The executed notebook could not be read ({html_text(e)}).*"))
+                continue
             for cell in nb.cells:
                 if "parameters" in cell.metadata.get("tags", []) or "injected-parameters" in cell.metadata.get("tags", []):
                     continue

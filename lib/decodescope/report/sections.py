@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from decodescope.report import plots
-from decodescope.report.figures import show, show_note, show_table
+from decodescope.report.display import show, show_note, show_table
 
 
 def host_interconnect(inv: dict, tables: dict, source: str) -> None:

@@ -12,7 +12,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import aiohttp
 import pandas as pd
@@ -116,11 +116,26 @@ def level_path(data_dir: Path, level: int) -> Path:
     return data_dir / "serving" / f"level_{level:05d}.parquet"
 
 
+# Failures that say the server (not the request) was at fault: a level that has them is measured again
+# on resume, since its numbers describe a dying server.
+SERVER_FAILURE_CLASSES = ("server_down", "connection_reset")
+
+
 def load_finished_levels(data_dir: Path) -> dict[int, pd.DataFrame]:
     out = {}
     for p in sorted((data_dir / "serving").glob("level_*.parquet")):
         out[int(p.stem.split("_")[1])] = pd.read_parquet(p)
     return out
+
+
+def failed_for_server_reasons(level_df: pd.DataFrame) -> bool:
+    return bool(level_df["error_class"].isin(SERVER_FAILURE_CLASSES).any())
+
+
+def levels_to_measure(levels: list[int], data_dir: Path) -> list[int]:
+    """Levels not on disk, and levels on disk whose requests failed because the server did."""
+    finished = load_finished_levels(data_dir)
+    return [lvl for lvl in levels if lvl not in finished or failed_for_server_reasons(finished[lvl])]
 
 
 def combine(data_dir: Path, slo: Optional[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -140,16 +155,17 @@ def combine(data_dir: Path, slo: Optional[dict]) -> tuple[pd.DataFrame, pd.DataF
     return req, levels
 
 
-def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Every level not already on disk; levels are independent, so one that fails entirely (server
-    down) is recorded with its failures and the sweep goes on."""
+def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
+              check_server: Optional[Callable[[str], None]] = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every level not already on disk (or on disk but failed because the server did). Each level is
+    written as it finishes; then `check_server(during)` raises if the server died, so a sweep never
+    goes on measuring a dead server."""
     from tqdm.auto import tqdm
 
     data_dir = Path(data_dir)
-    done = set(load_finished_levels(data_dir))
-    todo = [lvl for lvl in cfg.levels if lvl not in done]
+    todo = levels_to_measure(cfg.levels, data_dir)
     n_prompts = max(cfg.requests_per_level + cfg.warmup_requests, 1)
-    prompts = run_async(_safe_prompts(cfg, n_prompts))
+    prompts = run_async(build_prompts(cfg, n_prompts))
     bar = tqdm(todo, desc="serving sweep", unit="level", disable=not progress, file=sys.stderr)
     for level in bar:
         bar.set_postfix(concurrency=level)
@@ -159,11 +175,13 @@ def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True) -> tuple[pd.DataF
             df[f"health_{k}"] = v
         write_parquet_atomic(level_path(data_dir, level), df)
         combine(data_dir, cfg.slo)
+        if check_server is not None:
+            check_server(f"the serving sweep (concurrency {level})")
     write_json_atomic(data_dir / "serving_config.json", {**cfg.__dict__, "api_key": None})
     return combine(data_dir, cfg.slo)
 
 
-async def _safe_prompts(cfg: SweepConfig, n: int) -> list[tuple[list[int], str]]:
+async def build_prompts(cfg: SweepConfig, n: int) -> list[tuple[list[int], str]]:
     """Prompts from the server's tokenizer; if the server cannot tokenize (down, or not vLLM), random
     ids from a small range are sent and the records' usage shows the real input length."""
     try:
@@ -181,4 +199,6 @@ def sweep_for_phase(ctx, progress=True) -> tuple[pd.DataFrame, pd.DataFrame]:
     from decodescope.server import phase_server
 
     with phase_server(ctx.params, ctx.run_dir) as server:
-        return run_sweep(SweepConfig.from_params(ctx.params, server.base_url), ctx.data_dir, progress)
+        server.raise_if_dead("the start of the serving sweep")
+        return run_sweep(SweepConfig.from_params(ctx.params, server.base_url), ctx.data_dir, progress,
+                         check_server=server.raise_if_dead)

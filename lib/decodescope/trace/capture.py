@@ -9,14 +9,14 @@ from __future__ import annotations
 
 
 import time
-import urllib.error
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from decodescope.server import ServerHTTPError, ServerUnreachable
 from decodescope.serving.client import run_async
-from decodescope.serving.sweep import SweepConfig, _safe_prompts, records_frame, run_level
+from decodescope.serving.sweep import SERVER_FAILURE_CLASSES, SweepConfig, build_prompts, records_frame, run_level
 from decodescope.trace.load import find_trace_files
 
 
@@ -36,6 +36,13 @@ class CaptureResult:
     workload_s: float
     stop_profile_s: float
     flush_wait_s: float
+    expected_ranks: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def raise_if_incomplete(self) -> None:
+        """After the traces that arrived were analysed: a capture that lost ranks fails the phase."""
+        if self.problems:
+            raise CaptureError("; ".join(self.problems))
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -60,8 +67,9 @@ def gzip_complete(path: Path) -> bool:
 
 
 def wait_for_traces(trace_dir: Path, before: set[Path], expected_ranks: int, timeout_s: float,
-                    poll_s: float = 2.0) -> tuple[list[Path], list[Path]]:
-    """New rank traces (at least expected_ranks), each complete; raises CaptureError on timeout."""
+                    poll_s: float = 2.0, partial_ok: bool = False) -> tuple[list[Path], list[Path]]:
+    """New rank traces (at least expected_ranks), each complete; on timeout raises CaptureError, or
+    with partial_ok returns the complete ones that arrived."""
     deadline = time.monotonic() + timeout_s
     sizes: dict[Path, int] = {}
     while True:
@@ -77,6 +85,8 @@ def wait_for_traces(trace_dir: Path, before: set[Path], expected_ranks: int, tim
         if len(new) >= expected_ranks and len(stable) == len(new):
             return sorted(new), sorted(new_front)
         if time.monotonic() > deadline:
+            if partial_ok:
+                return sorted(stable), sorted(new_front)
             raise CaptureError(f"after {timeout_s:.0f} s (profile.flush_timeout_s) {trace_dir} holds "
                                f"{len(stable)} complete of {expected_ranks} expected rank traces "
                                f"(new files: {[p.name for p in new]})")
@@ -95,37 +105,52 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
                       requests_per_level=prof.requests, warmup_requests=prof.warmup_requests,
                       timeout_s=params.workload.request_timeout_s, seed=params.workload.seed + 1,
                       api_key=params.server.api_key)
-    prompts = run_async(_safe_prompts(cfg, prof.requests + prof.warmup_requests))
+    prompts = run_async(build_prompts(cfg, prof.requests + prof.warmup_requests))
     if prof.warmup_requests:
         run_async(run_level(cfg, prof.concurrency, prompts, n_requests=prof.warmup_requests, warmup=0))
     before = set(p for group in find_trace_files(trace_dir) for p in group)
+    problems: list[str] = []
     t0 = time.monotonic()
     try:
         server.start_profile()
-    except urllib.error.HTTPError as e:
-        raise CaptureError(f"POST {server.base_url}/start_profile answered HTTP {e.code}: the server has no "
+    except ServerHTTPError as e:
+        raise CaptureError(f"POST {server.base_url}/start_profile answered HTTP {e.status}: the server has no "
                            "profiler configured. Start it with --profiler-config "
                            "'{\"profiler\":\"torch\",\"torch_profiler_dir\":\"/abs/dir\"}' (or "
                            "VLLM_TORCH_PROFILER_DIR on older vLLM)") from None
+    except ServerUnreachable:
+        server.raise_if_dead("the profile (/start_profile)")
+        raise
     t1 = time.monotonic()
     records, _ = run_async(run_level(cfg, prof.concurrency, prompts, n_requests=prof.requests, warmup=0))
     t2 = time.monotonic()
-    try:
-        server.stop_profile(timeout_s=prof.flush_timeout_s)
-    except urllib.error.HTTPError as e:
-        raise stop_profile_error(server, e.code, time.monotonic() - t2) from None
-    t3 = time.monotonic()
-    ranks, front = wait_for_traces(trace_dir, before, expected_ranks, prof.flush_timeout_s)
-    t4 = time.monotonic()
     df = records_frame(records)
     if records_path is not None:
         from decodescope.io import write_parquet_atomic
 
         write_parquet_atomic(records_path, df)
+    if df["error_class"].isin(SERVER_FAILURE_CLASSES).any():
+        server.raise_if_dead("the profiled workload")
+    try:
+        server.stop_profile(timeout_s=prof.flush_timeout_s)
+    except ServerHTTPError as e:
+        server.raise_if_dead("the profile (/stop_profile)")
+        raise stop_profile_error(server, e.status, time.monotonic() - t2) from None
+    except ServerUnreachable as e:
+        server.raise_if_dead("the profile (/stop_profile)")
+        problems.append(f"{e} (profile.flush_timeout_s); the rank traces that arrived were analysed")
+    t3 = time.monotonic()
+    # after a /stop_profile that never completed, wait only briefly for files still being written
+    wait_s = min(prof.flush_timeout_s, 30.0) if problems else prof.flush_timeout_s
+    ranks, front = wait_for_traces(trace_dir, before, expected_ranks, wait_s, partial_ok=bool(problems))
+    if len(ranks) < expected_ranks:
+        problems.append(f"{len(ranks)} of {expected_ranks} rank traces arrived complete in {trace_dir}")
+    t4 = time.monotonic()
     tables = sorted(trace_dir.glob("*profiler_out*"))
     return CaptureResult(trace_dir=trace_dir, rank_files=ranks, frontend_files=front, tables=tables,
                          requests_ok=int(df["ok"].sum()), requests_failed=int((~df["ok"]).sum()),
-                         start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2, flush_wait_s=t4 - t3)
+                         start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2, flush_wait_s=t4 - t3,
+                         expected_ranks=expected_ranks, problems=problems)
 
 
 def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:
@@ -150,4 +175,6 @@ def capture_for_phase(ctx) -> CaptureResult:
     with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server:
         result = capture_profile(server, ctx.params, trace_dir, records_path=ctx.data("profile_requests.parquet"))
     write_json_atomic(ctx.data("profile_capture.json"), result.to_dict())
+    if not result.rank_files:
+        result.raise_if_incomplete()
     return result

@@ -1,0 +1,186 @@
+"""The processes and shared-memory files a run owns, found without trusting the parent chain.
+
+vLLM's API server, its EngineCore and its TP workers share one process group (the server is started in
+a new session) and inherit one environment variable, DECODESCOPE_RUN_TOKEN. When the API server dies
+first, its children are re-parented to init and no longer appear under it, so teardown and the tests
+walk /proc by process group and by that token instead.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+RUN_TOKEN_ENV = "DECODESCOPE_RUN_TOKEN"
+SHM_DIR = Path("/dev/shm")
+# vLLM CPU workers name their shared-memory segments after the distributed init file
+# (file:///tmp/vllm_dist_<hex>): <ident>-<group>-[ranks]-cpushm...; all segments of one server share it.
+_VLLM_DIST_IDENT = re.compile(r"(vllm_dist_[0-9a-f]{16,})")
+
+
+def new_run_token() -> str:
+    return uuid.uuid4().hex
+
+
+def _environ_has(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return needle in b"\0" + f.read()
+    except OSError:
+        return False
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def run_processes(token: str | None = None, pgids: Iterable[int] = (), env_name: str = RUN_TOKEN_ENV) -> list[int]:
+    """Live (non-zombie) pids that carry `env_name=token` in their environment or belong to one of
+    the process groups; this process is never included."""
+    pgids = {g for g in pgids if g}
+    needle = b"\0" + f"{env_name}={token}\0".encode() if token else None
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        if pid == me:
+            continue
+        if (pgids and _pgid(pid) in pgids) or (needle and _environ_has(pid, needle)):
+            if not _is_zombie(pid):
+                found.append(pid)
+    return sorted(found)
+
+
+def _signal_all(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def terminate(token: str | None, pgids: Iterable[int] = (), grace_s: float = 15.0) -> list[int]:
+    """SIGTERM every process of the run, SIGKILL what is left after grace_s (looking again, since
+    workers may be spawned or re-parented meanwhile). Returns every pid that was signalled."""
+    pgids = list(pgids)
+    signalled: set[int] = set()
+    pids = run_processes(token, pgids)
+    for g in pgids:
+        try:
+            os.killpg(g, signal.SIGTERM)
+        except OSError:
+            pass
+    _signal_all(pids, signal.SIGTERM)
+    signalled.update(pids)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        left = run_processes(token, pgids)
+        if not left:
+            return sorted(signalled)
+        _signal_all(set(left) - signalled, signal.SIGTERM)
+        signalled.update(left)
+        time.sleep(0.2)
+    for _ in range(50):
+        left = run_processes(token, pgids)
+        if not left:
+            break
+        for g in pgids:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except OSError:
+                pass
+        _signal_all(left, signal.SIGKILL)
+        signalled.update(left)
+        time.sleep(0.1)
+    return sorted(signalled)
+
+
+def terminate_pids(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
+    """SIGTERM these processes, SIGKILL the ones still alive after grace_s."""
+    pids = [p for p in pids if p != os.getpid()]
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(not _is_zombie(p) for p in pids):
+        time.sleep(0.1)
+    _signal_all([p for p in pids if not _is_zombie(p)], signal.SIGKILL)
+    return pids
+
+
+def mapped_shm_files(pids: Iterable[int]) -> set[Path]:
+    """/dev/shm files that these processes have mapped or open."""
+    files: set[Path] = set()
+    prefix = str(SHM_DIR) + "/"
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find(prefix)
+                    if i >= 0:
+                        files.add(Path(line[i:].strip().removesuffix(" (deleted)")))
+        except OSError:
+            pass
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith(prefix):
+                    files.add(Path(target.removesuffix(" (deleted)")))
+        except OSError:
+            pass
+    return files
+
+
+def shm_idents(files: Iterable[Path]) -> set[str]:
+    """The vLLM instance identifiers in shared-memory file names (one per server start)."""
+    return {m.group(1) for p in files if (m := _VLLM_DIST_IDENT.search(p.name))}
+
+
+def remove_shm(idents: Iterable[str], files: Iterable[Path] = ()) -> list[Path]:
+    """Remove the named files and every /dev/shm (and /tmp init) file of these vLLM instances."""
+    idents = set(idents)
+    removed = []
+    candidates = set(files)
+    if idents:
+        for d in (SHM_DIR, Path("/tmp")):
+            try:
+                candidates.update(p for p in d.iterdir() if any(i in p.name for i in idents))
+            except OSError:
+                pass
+    for p in sorted(candidates):
+        try:
+            p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass
+    return removed
+
+
+def shm_files_of(idents: Iterable[str]) -> list[Path]:
+    idents = set(idents)
+    if not idents:
+        return []
+    try:
+        return sorted(p for p in SHM_DIR.iterdir() if any(i in p.name for i in idents))
+    except OSError:
+        return []

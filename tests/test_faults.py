@@ -1,0 +1,491 @@
+"""Faults injected for real against the real vLLM CPU server of the embedded default (and real disks).
+
+For each fault the test asserts what decodescope guarantees: finished results kept byte-identical, no
+process of the run left (walked in /proc by process group, by the server's run token and by the run id),
+no /dev/shm file of its servers left, the manifest telling the truth, and the documented exit status.
+Each test also records what it measured in outputs/fault_table.json, from which the README's fault
+table is made (benchmarks/fault_table.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from decodescope import procs
+from decodescope.cli import EXIT_BAD_INPUT, EXIT_PHASE_FAILED, EXIT_SIGINT, EXIT_SIGTERM, EXIT_WRITE_FAILED
+from decodescope.params import PHASES, load_params
+from decodescope.runner import RUN_ID_ENV
+from decodescope.server import port_is_free
+from tests.test_integration_vllm import DECODESCOPE, _params
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[1]
+FAULT_TABLE = Path(os.environ.get("DECODESCOPE_FAULT_TABLE", REPO / "outputs" / "fault_table.json"))
+
+
+def record_fault(fault: str, guarantee: str, **measured) -> None:
+    """Merge one fault's measured figures into the fault table file (one entry per fault)."""
+    table = json.loads(FAULT_TABLE.read_text()) if FAULT_TABLE.is_file() else {}
+    table[fault] = {"guarantee": guarantee, **measured, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                      time.gmtime())}
+    FAULT_TABLE.parent.mkdir(parents=True, exist_ok=True)
+    FAULT_TABLE.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+
+
+# ---- running decodescope as a user would ------------------------------------------------------------
+class Run:
+    """`decodescope run` in its own process group (as a terminal's job), output to files."""
+
+    def __init__(self, tmp: Path, params: Path, *args: str, label: str = "run"):
+        self.tmp, self.params = tmp, params
+        self.out = tmp / f"{label}.stdout"
+        self.err = tmp / f"{label}.stderr"
+        with open(self.out, "w") as o, open(self.err, "w") as e:
+            self.proc = subprocess.Popen(DECODESCOPE + ["run", str(params), *args], cwd=REPO, stdout=o, stderr=e,
+                                         text=True, start_new_session=True)
+        self.t0 = time.monotonic()
+
+    def wait(self, timeout: float = 900) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    @property
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def run_dir(self, timeout: float = 120) -> Path:
+        out = load_params(self.params).output_root()
+        name = load_params(self.params).run_name
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = sorted(out.glob(f"*-{name}/manifest.json"))
+            if found:
+                return found[-1].parent
+            if self.proc.poll() is not None:
+                pytest.fail(f"run ended before making its run directory: {self.stderr[-3000:]}")
+            time.sleep(0.2)
+        pytest.fail("no run directory appeared")
+
+
+def manifest(run_dir: Path) -> dict:
+    for _ in range(50):
+        try:
+            return json.loads((run_dir / "manifest.json").read_text())
+        except json.JSONDecodeError:  # never half-written (atomic), but a reader may race the rename
+            time.sleep(0.05)
+    raise AssertionError("manifest.json unreadable")
+
+
+def wait_until(predicate, timeout: float, what: str, run: Run | None = None, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if run is not None and run.proc.poll() is not None:
+            pytest.fail(f"run ended (rc {run.proc.returncode}) before {what}: {run.stderr[-3000:]}")
+        time.sleep(poll_s)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def phase_running(run_dir: Path, phase: str) -> bool:
+    return manifest(run_dir)["phases"].get(phase, {}).get("status") == "running"
+
+
+def server_up(run_dir: Path) -> dict | None:
+    info = run_dir / "data" / "server.json"
+    if info.is_file() and (manifest(run_dir).get("server") or {}).get("status") == "up":
+        return json.loads(info.read_text())
+    return None
+
+
+def leftovers(run_dir: Path) -> tuple[list[int], list[Path]]:
+    """Processes of the run still alive (by server process group, server token, run id) and /dev/shm
+    files of its servers still there."""
+    m = manifest(run_dir)
+    servers = m.get("servers", [])
+    pids = set(procs.run_processes(run_dir.name, env_name=RUN_ID_ENV))
+    for s in servers:
+        pids |= set(procs.run_processes(s.get("run_token"), [s.get("pgid")]))
+    idents = procs.shm_idents(Path(f) for s in servers for f in s.get("shm_files", []))
+    return sorted(pids), procs.shm_files_of(idents)
+
+
+def assert_nothing_left(run_dir: Path) -> tuple[int, int]:
+    time.sleep(0.5)
+    pids, shm = leftovers(run_dir)
+    assert pids == [], f"processes of the run left: {pids}"
+    assert shm == [], f"shared-memory files left: {shm}"
+    return len(pids), len(shm)
+
+
+def digests(paths) -> dict[str, str]:
+    return {str(p): hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
+
+
+def no_traceback(text: str) -> None:
+    assert "Traceback" not in text, text[-4000:]
+
+
+def fault_params(tmp: Path, port: int, name: str, replace: dict | None = None) -> Path:
+    path = _params(REPO, tmp, port, name=name)
+    text = path.read_text()
+    for old, new in (replace or {}).items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    return path
+
+
+# ---- the server dies ------------------------------------------------------------------------------
+def test_server_killed_mid_sweep_fails_the_phase_tears_down_and_resume_remeasures(tmp_path):
+    params = fault_params(tmp_path, 8801, "killsweep", {"concurrency: [1, 2, 4]": "concurrency: [1, 2, 4, 8]"})
+    run = Run(tmp_path, params, "--phases", "01_serving")
+    run_dir = run.run_dir()
+    level2 = run_dir / "data/serving/level_00002.parquet"
+    wait_until(level2.is_file, 600, "level 2 of the sweep", run)
+    kept = digests([run_dir / "data/serving/level_00001.parquet", level2])
+    api_pid = json.loads((run_dir / "data/server.json").read_text())["pid"]
+    os.kill(api_pid, signal.SIGKILL)  # the API server only: its engine core and workers stay up
+    t_kill = time.monotonic()
+    rc = run.wait(300)
+    detect_s = time.monotonic() - t_kill
+    assert rc == EXIT_PHASE_FAILED, run.stderr[-3000:]
+    m = manifest(run_dir)
+    assert m["status"] == "failed"
+    assert m["phases"]["01_serving"]["status"] == "failed"
+    assert "server_died" in m["phases"]["01_serving"]["error"]
+    n_procs, n_shm = assert_nothing_left(run_dir)
+    assert digests(kept) == kept
+    assert port_is_free("127.0.0.1", 8801)
+
+    t_resume = time.monotonic()
+    resumed = Run(tmp_path, params, "--resume", str(run_dir), "--phases", "01_serving", label="resume")
+    assert resumed.wait(900) == 0, resumed.stderr[-3000:]
+    recover_s = time.monotonic() - t_resume
+    assert digests(kept) == kept  # finished levels were not measured again
+    import pandas as pd
+
+    levels = pd.read_parquet(run_dir / "data/serving_levels.parquet").set_index("level")
+    assert sorted(levels.index) == [1, 2, 4, 8]
+    assert (levels["failed"] == 0).all(), levels["failed"]
+    assert_nothing_left(run_dir)
+    record_fault("server killed mid-sweep (SIGKILL to the API server)",
+                 "phase and run fail with server_died and the log tail; engine core and workers torn down; "
+                 "finished levels kept; --resume re-measures the levels the dead server spoiled",
+                 rc=rc, results_lost="none (levels 1, 2 byte-identical)", processes_left=n_procs,
+                 shm_files_left=n_shm, detect_and_stop_s=round(detect_s, 1), recover_s=round(recover_s, 1))
+
+
+def test_server_killed_mid_profile_fails_the_phase_and_tears_down(tmp_path):
+    params = fault_params(tmp_path, 8802, "killprof", {"  requests: 4\n": "  requests: 8\n"})
+    run = Run(tmp_path, params, "--phases", "04_profile")
+    run_dir = run.run_dir()
+    log = run_dir / "logs/server.log"
+    wait_until(lambda: log.is_file() and "/start_profile" in log.read_text(errors="replace"), 900,
+               "the profile to start", run)
+    os.kill(json.loads((run_dir / "data/server.json").read_text())["pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    rc = run.wait(300)
+    detect_s = time.monotonic() - t_kill
+    assert rc == EXIT_PHASE_FAILED, run.stderr[-3000:]
+    m = manifest(run_dir)
+    assert m["phases"]["04_profile"]["status"] == "failed"
+    assert "server_died" in m["phases"]["04_profile"]["error"]
+    n_procs, n_shm = assert_nothing_left(run_dir)
+    record_fault("server killed mid-profile", "phase fails with server_died; every server process and shm "
+                 "file removed", rc=rc, results_lost="none (the capture had not finished)", processes_left=n_procs,
+                 shm_files_left=n_shm, detect_and_stop_s=round(detect_s, 1))
+
+
+def test_server_never_healthy_fails_its_phases_within_the_startup_timeout(tmp_path):
+    params = fault_params(tmp_path, 8803, "neverup", {"startup_timeout_s: 600": "startup_timeout_s: 8"})
+    run = Run(tmp_path, params, "--phases", "01_serving")
+    rc = run.wait(300)
+    wall_s = time.monotonic() - run.t0
+    run_dir = run.run_dir()
+    assert rc == EXIT_PHASE_FAILED
+    m = manifest(run_dir)
+    assert "did not become healthy within 8 s" in m["phases"]["01_serving"]["error"]
+    n_procs, n_shm = assert_nothing_left(run_dir)
+    no_traceback(run.stderr)
+    record_fault("server never healthy", "phase fails after server.startup_timeout_s with the log tail; the "
+                 "half-started server torn down", rc=rc, results_lost="none", processes_left=n_procs,
+                 shm_files_left=n_shm, detect_and_stop_s=round(wall_s, 1))
+
+
+def test_port_taken_is_refused_before_launch(tmp_path):
+    params = fault_params(tmp_path, 8804, "porttaken")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 8804))
+        s.listen()
+        run = Run(tmp_path, params, "--phases", "01_serving")
+        rc = run.wait(300)
+    wall_s = time.monotonic() - run.t0
+    run_dir = run.run_dir()
+    assert rc == EXIT_PHASE_FAILED
+    assert "already in use" in manifest(run_dir)["phases"]["01_serving"]["error"]
+    assert manifest(run_dir).get("servers", []) == []  # nothing was launched
+    n_procs, n_shm = assert_nothing_left(run_dir)
+    record_fault("port taken by another program", "clear error before launch", rc=rc, results_lost="none",
+                 processes_left=n_procs, shm_files_left=n_shm, detect_and_stop_s=round(wall_s, 1))
+
+
+def _worker_pid(server, tp_rank: int) -> int:
+    import psutil
+
+    for pid in server.process_tree():
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if f"Worker_TP{tp_rank}" in " ".join([p.name()] + p.cmdline()):
+                return pid
+    raise AssertionError(f"no Worker_TP{tp_rank} among {server.process_tree()}")
+
+
+def test_stop_profile_that_never_completes_keeps_the_traces_that_arrived(tmp_path):
+    """Rank 1's worker hangs (SIGSTOP) just before /stop_profile: rank 0 writes its trace, the server
+    never answers; the capture reports the missing rank and rank 0 is still analysed."""
+    from decodescope.server import start_for_params
+    from decodescope.trace.capture import capture_profile
+    from decodescope.trace.load import load_trace_dir
+    from decodescope.trace.profile import analyze_traces
+
+    params = load_params(fault_params(tmp_path, 8805, "stopprof", {"flush_timeout_s: 600": "flush_timeout_s: 20"}))
+    trace_dir = tmp_path / "run/traces"
+    server = start_for_params(params, tmp_path / "run", profiler_dir=trace_dir)
+    shm_files = set(server.shm_files)
+    stalled = {}
+
+    class StallRank1:
+        """The real server, with rank 1's worker stopped right before /stop_profile."""
+
+        def __getattr__(self, name):
+            return getattr(server, name)
+
+        def stop_profile(self, timeout_s):
+            stalled["pid"] = _worker_pid(server, 1)
+            os.kill(stalled["pid"], signal.SIGSTOP)
+            return server.stop_profile(timeout_s)
+
+    try:
+        t0 = time.monotonic()
+        result = capture_profile(StallRank1(), params, trace_dir)
+        detect_s = time.monotonic() - t0 - result.start_profile_s - result.workload_s
+    finally:
+        server.stop()  # the stopped worker too (SIGKILL after the grace period)
+    assert result.problems and "/stop_profile" in result.problems[0]
+    assert len(result.rank_files) == 1 and "rank0" in result.rank_files[0].name
+    loaded = load_trace_dir(trace_dir)
+    analysed = analyze_traces(loaded, params.model_config_dict(), params.server.tensor_parallel)
+    assert sorted(analysed.ops["rank"].unique()) == [0]
+    assert not analysed.breakdown.empty
+    left = procs.run_processes(server.run_token, [server.pgid])
+    shm_left = procs.shm_files_of(procs.shm_idents(shm_files))
+    assert left == [] and shm_left == []
+    with pytest.raises(Exception, match="stop_profile"):
+        result.raise_if_incomplete()
+    record_fault("/stop_profile never completes (a TP worker hangs)", "the traces that arrived are analysed; "
+                 "the phase then fails naming the missing ranks; the hung worker is killed",
+                 rc=EXIT_PHASE_FAILED, results_lost="rank 1's trace (never written)", processes_left=len(left),
+                 shm_files_left=len(shm_left), detect_and_stop_s=round(detect_s, 1))
+
+
+def test_truncated_and_corrupt_traces_are_named_and_the_good_ranks_analysed(tmp_path, cpu_traces):
+    import shutil
+
+    traces = tmp_path / "traces"
+    shutil.copytree(cpu_traces, traces)
+    files = sorted(traces.glob("*.gz"))
+    assert len(files) == 2
+    data = files[1].read_bytes()
+    files[1].write_bytes(data[: len(data) // 2])  # truncated mid-stream
+    (traces / "rank9.pt.trace.json.gz").write_bytes(b"not a trace at all")  # corrupt
+    t0 = time.monotonic()
+    proc = subprocess.run(DECODESCOPE + ["analyze-trace", str(traces), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    wall_s = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert files[1].name in proc.stderr and "rank9" in proc.stderr
+    summary = json.loads((tmp_path / "out/profile_summary.json").read_text())
+    assert summary["ranks"] == [0]
+    no_traceback(proc.stderr)
+    record_fault("truncated or corrupt trace files", "each bad file named; the good ranks analysed", rc=0,
+                 results_lost="the bad files only", processes_left=0, shm_files_left=0,
+                 detect_and_stop_s=round(wall_s, 1))
+
+
+# ---- the disk fills up --------------------------------------------------------------------------
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(directory: Path) -> None:
+    with contextlib.suppress(OSError), open(directory / "filler", "wb", buffering=0) as f:
+        while True:
+            f.write(b"\0" * (1 << 16))
+
+
+def _disk_params(tmp: Path, out: Path, name: str) -> Path:
+    p = fault_params(tmp, 8809, name)
+    p.write_text(p.read_text().replace(f"output_dir: {tmp / 'out'}", f"output_dir: {out}"))
+    return p
+
+
+def _assert_clean_write_failure(run: Run, run_dir: Path | None, rc: int) -> None:
+    assert rc == EXIT_WRITE_FAILED, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "could not write" in errors[0] and "Errno 28" in errors[0], run.stderr[-3000:]
+    no_traceback(run.stderr)
+    if run_dir is not None:
+        assert not list(run_dir.rglob(".*.tmp")), "half-written files left"
+
+
+def test_disk_full_during_a_phase_keeps_the_finished_phases_and_says_failed(tmp_path):
+    with tmpfs(tmp_path / "disk", "64m") as disk:
+        run = Run(tmp_path, _disk_params(tmp_path, disk, "diskphase"), "--phases", "00_host", "02_gemm")
+        run_dir = run.run_dir()
+        wait_until(lambda: manifest(run_dir)["phases"]["00_host"]["status"] == "ok", 300, "00_host ok", run)
+        kept = digests([run_dir / "data/host.json", run_dir / "notebooks/00_host.ipynb"])
+        # the run is paused while the disk fills, so the filler does not take the space that the run
+        # frees for its last manifest write
+        os.killpg(run.proc.pid, signal.SIGSTOP)
+        try:
+            _fill(disk)
+        finally:
+            os.killpg(run.proc.pid, signal.SIGCONT)
+        rc = run.wait(600)
+        _assert_clean_write_failure(run, run_dir, rc)
+        m = manifest(run_dir)
+        assert m["status"] == "failed" and m["phases"]["00_host"]["status"] == "ok"
+        assert m["phases"]["02_gemm"]["status"] in ("failed", "running")
+        assert digests(kept) == kept
+    record_fault("disk full during a phase", "finished phases kept; one error line naming path and errno; "
+                 "manifest says failed (space reserved for it)", rc=rc, results_lost="the phase in flight",
+                 processes_left=0, shm_files_left=0)
+
+
+def test_disk_full_at_the_manifest_ends_with_one_line_and_a_readable_manifest(tmp_path):
+    with tmpfs(tmp_path / "disk", "160k") as disk:
+        run = Run(tmp_path, _disk_params(tmp_path, disk, "diskmanifest"), "--phases", "00_host")
+        rc = run.wait(600)
+        run_dirs = list(disk.glob("*-diskmanifest"))
+        run_dir = run_dirs[0] if run_dirs else None
+        _assert_clean_write_failure(run, run_dir, rc)
+        if run_dir is not None and (run_dir / "manifest.json").is_file():
+            assert manifest(run_dir)["status"] == "failed"
+    record_fault("disk full at the manifest", "one error line naming path and errno (exit 3); the manifest is "
+                 "whole and says failed", rc=rc, results_lost="the phase in flight", processes_left=0,
+                 shm_files_left=0)
+
+
+def test_disk_full_at_the_report_says_failed_and_leaves_no_report(tmp_path):
+    with tmpfs(tmp_path / "disk", "3m") as disk:
+        run = Run(tmp_path, _disk_params(tmp_path, disk, "diskreport"), "--phases", "00_host")
+        rc = run.wait(600)
+        run_dir = run.run_dir()
+        _assert_clean_write_failure(run, run_dir, rc)
+        m = manifest(run_dir)
+        assert m["phases"]["00_host"]["status"] == "ok"
+        assert m["status"] == "failed" and m["error"].startswith("report:")
+        assert not (run_dir / "report.html").exists()
+        assert (run_dir / "data/host.json").is_file()
+    record_fault("disk full at the report", "phases kept; no report.html; manifest says failed with the "
+                 "report's error", rc=rc, results_lost="the report only", processes_left=0, shm_files_left=0)
+
+
+# ---- interruptions and concurrency --------------------------------------------------------------
+def test_ctrl_c_in_every_phase_keeps_what_finished_and_leaves_nothing_running(tmp_path):
+    """One run interrupted once in each phase, resumed after each interrupt: every interrupt exits 130
+    with no traceback, the phases already ok keep their files byte-identical, nothing is left running."""
+    params = fault_params(tmp_path, 8806, "ctrlc")
+    run_dir, kept, times = None, {}, {}
+    for phase in PHASES:
+        args = ("--resume", str(run_dir)) if run_dir else ()
+        run = Run(tmp_path, params, *args, label=f"ctrlc-{phase}")
+        run_dir = run_dir or run.run_dir()
+        wait_until(lambda: phase_running(run_dir, phase), 900, f"{phase} to run", run)
+        if phase in ("01_serving", "04_profile"):
+            wait_until(lambda: (run_dir / "logs/server.log").is_file() and
+                       "POST /v1/completions" in (run_dir / "logs/server.log").read_text(errors="replace"),
+                       300, "requests to reach the server", run)
+        else:
+            time.sleep(1.0)
+        os.killpg(run.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        t_int = time.monotonic()
+        rc = run.wait(300)
+        times[phase] = round(time.monotonic() - t_int, 1)
+        assert rc == EXIT_SIGINT, (phase, run.stderr[-3000:])
+        no_traceback(run.stderr)
+        m = manifest(run_dir)
+        assert m["status"] == "interrupted"
+        assert m["phases"][phase]["status"] == "failed" and "interrupted" in m["phases"][phase]["error"]
+        assert digests(kept) == kept, phase
+        assert_nothing_left(run_dir)
+        # what this resume will keep: the files of every phase that is ok by now
+        kept = digests(p for p in (run_dir / "data").rglob("*") if p.is_file() and p.name not in (
+            "server.json",) and not p.name.startswith("profile_") and "serving" not in p.name)
+    final = Run(tmp_path, params, "--resume", str(run_dir), label="ctrlc-final")
+    assert final.wait(1500) == 0, final.stderr[-3000:]
+    assert manifest(run_dir)["status"] == "ok"
+    assert_nothing_left(run_dir)
+    record_fault("Ctrl-C in each phase", "exit 130, manifest interrupted, earlier phases' files byte-identical, "
+                 "no traceback; --resume finishes the run", rc=EXIT_SIGINT, results_lost="the phase in flight",
+                 processes_left=0, shm_files_left=0,
+                 detect_and_stop_s=max(times.values()), stop_s_per_phase=times)
+
+
+def test_two_runs_at_once_the_second_says_who_holds_the_port(tmp_path):
+    params = fault_params(tmp_path, 8807, "twice")
+    first = Run(tmp_path, params, "--phases", "01_serving", label="first")
+    run_dir = first.run_dir()
+    wait_until(lambda: server_up(run_dir), 600, "the first run's server", first)
+    second = Run(tmp_path, params, "--phases", "01_serving", label="second")
+    rc2 = second.wait(120)
+    wall_s = time.monotonic() - second.t0
+    assert rc2 == EXIT_BAD_INPUT
+    assert f"pid {first.proc.pid}" in second.stderr and str(run_dir) in second.stderr, second.stderr
+    assert len(list(run_dir.parent.glob("*-twice"))) == 1  # the second run made nothing
+    assert first.wait(900) == 0, first.stderr[-3000:]
+    assert manifest(run_dir)["phases"]["01_serving"]["status"] == "ok"
+    n_procs, n_shm = assert_nothing_left(run_dir)
+    record_fault("two runs at once on one port", "the second exits 2 before making anything, naming the run "
+                 "that holds the port; the first is untouched", rc=rc2, results_lost="none",
+                 processes_left=n_procs, shm_files_left=n_shm, detect_and_stop_s=round(wall_s, 1))
+
+
+def test_sigterm_from_a_scheduler_stops_the_run_like_ctrl_c(tmp_path):
+    params = fault_params(tmp_path, 8808, "sigterm")
+    run = Run(tmp_path, params, "--phases", "00_host", "01_serving")
+    run_dir = run.run_dir()
+    level1 = run_dir / "data/serving/level_00001.parquet"
+    wait_until(level1.is_file, 900, "level 1", run)
+    kept = digests([level1, run_dir / "data/host.json"])
+    os.kill(run.proc.pid, signal.SIGTERM)  # to the runner only, as a scheduler's kill does
+    t_term = time.monotonic()
+    rc = run.wait(300)
+    stop_s = time.monotonic() - t_term
+    assert rc == EXIT_SIGTERM, run.stderr[-3000:]
+    no_traceback(run.stderr)
+    m = manifest(run_dir)
+    assert m["status"] == "interrupted" and "SIGTERM" in m["phases"]["01_serving"]["error"]
+    assert digests(kept) == kept
+    n_procs, n_shm = assert_nothing_left(run_dir)
+    record_fault("SIGTERM from a scheduler", "exit 143, manifest interrupted, finished levels kept, every "
+                 "process (kernel, server, workers) stopped", rc=rc, results_lost="the level in flight",
+                 processes_left=n_procs, shm_files_left=n_shm, detect_and_stop_s=round(stop_s, 1))
