@@ -41,8 +41,8 @@ def test_known_gpu_names_map_to_peaks():
 
 def test_params_peaks_override_known_ones():
     peaks = resolve_peaks("NVIDIA H200", {"mem_gbps": 4000.0, "bf16_tflops": None})
-    assert peaks["mem_gbps"] == 4000.0 and peaks["bf16_tflops"] == 989.0
-    assert "override" in peaks["source"]
+    assert peaks.mem_gbps == 4000.0 and peaks.bf16_tflops == 989.0
+    assert "override" in peaks.source
     assert resolve_peaks(None, {}) is None
 
 

@@ -11,44 +11,39 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Optional
 
 import pandas as pd
 
+from decodescope.records import (TOPOLOGY_PAIR_COLUMNS, CpuInfo, CpuMatmul, GpuInfo, HostInventory, Peaks,
+                                 TopologyPair)
 
-@dataclass(frozen=True)
-class Peaks:
-    name: str
-    bf16_tflops: Optional[float]
-    fp8_tflops: Optional[float]
-    mem_gbps: Optional[float]
-    link_gbps: Optional[float]      # GPU-to-GPU, one direction
-    link: str                       # what link_gbps is
-    source: str = "vendor datasheet, dense"
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+def _gpu(name: str, bf16_tflops: float, fp8_tflops: Optional[float], mem_gbps: float, link_gbps: float,
+         link: str) -> Peaks:
+    return Peaks(name=name, bf16_tflops=bf16_tflops, fp8_tflops=fp8_tflops, mem_gbps=mem_gbps,
+                 link_gbps=link_gbps, link=link)
 
 
 # Ordered: the first key contained in the (normalized) device name wins, so specific names come first.
+# link_gbps is GPU-to-GPU, one direction; link says what it is.
 KNOWN_GPUS: list[tuple[str, Peaks]] = [
-    ("h200", Peaks("H200", 989.0, 1979.0, 4800.0, 450.0, "NVLink 4 (18 links)")),
-    ("h100 pcie", Peaks("H100 PCIe", 756.0, 1513.0, 2000.0, 64.0, "PCIe 5.0 x16")),
-    ("h100 nvl", Peaks("H100 NVL", 835.0, 1671.0, 3900.0, 300.0, "NVLink bridge")),
-    ("h100", Peaks("H100 SXM", 989.0, 1979.0, 3350.0, 450.0, "NVLink 4 (18 links)")),
-    ("h20", Peaks("H20", 148.0, 296.0, 4000.0, 450.0, "NVLink 4")),
-    ("b200", Peaks("B200", 2250.0, 4500.0, 8000.0, 900.0, "NVLink 5")),
-    ("gb200", Peaks("GB200", 2500.0, 5000.0, 8000.0, 900.0, "NVLink 5")),
-    ("a100 pcie", Peaks("A100 PCIe", 312.0, None, 1935.0, 32.0, "PCIe 4.0 x16")),
-    ("a100", Peaks("A100 SXM", 312.0, None, 2039.0, 300.0, "NVLink 3 (12 links)")),
-    ("rtx pro 6000 blackwell", Peaks("RTX PRO 6000 Blackwell", 503.8, 1007.6, 1792.0, 64.0, "PCIe 5.0 x16")),
-    ("rtx 6000 ada", Peaks("RTX 6000 Ada", 364.2, 728.5, 960.0, 32.0, "PCIe 4.0 x16")),
-    ("l40s", Peaks("L40S", 362.0, 733.0, 864.0, 32.0, "PCIe 4.0 x16")),
-    ("l4", Peaks("L4", 121.0, 242.5, 300.0, 32.0, "PCIe 4.0 x16")),
-    ("rtx 4090", Peaks("RTX 4090", 165.2, 330.3, 1008.0, 32.0, "PCIe 4.0 x16")),
-    ("rtx 5090", Peaks("RTX 5090", 209.5, 419.0, 1792.0, 64.0, "PCIe 5.0 x16")),
+    ("h200", _gpu("H200", 989.0, 1979.0, 4800.0, 450.0, "NVLink 4 (18 links)")),
+    ("h100 pcie", _gpu("H100 PCIe", 756.0, 1513.0, 2000.0, 64.0, "PCIe 5.0 x16")),
+    ("h100 nvl", _gpu("H100 NVL", 835.0, 1671.0, 3900.0, 300.0, "NVLink bridge")),
+    ("h100", _gpu("H100 SXM", 989.0, 1979.0, 3350.0, 450.0, "NVLink 4 (18 links)")),
+    ("h20", _gpu("H20", 148.0, 296.0, 4000.0, 450.0, "NVLink 4")),
+    ("b200", _gpu("B200", 2250.0, 4500.0, 8000.0, 900.0, "NVLink 5")),
+    ("gb200", _gpu("GB200", 2500.0, 5000.0, 8000.0, 900.0, "NVLink 5")),
+    ("a100 pcie", _gpu("A100 PCIe", 312.0, None, 1935.0, 32.0, "PCIe 4.0 x16")),
+    ("a100", _gpu("A100 SXM", 312.0, None, 2039.0, 300.0, "NVLink 3 (12 links)")),
+    ("rtx pro 6000 blackwell", _gpu("RTX PRO 6000 Blackwell", 503.8, 1007.6, 1792.0, 64.0, "PCIe 5.0 x16")),
+    ("rtx 6000 ada", _gpu("RTX 6000 Ada", 364.2, 728.5, 960.0, 32.0, "PCIe 4.0 x16")),
+    ("l40s", _gpu("L40S", 362.0, 733.0, 864.0, 32.0, "PCIe 4.0 x16")),
+    ("l4", _gpu("L4", 121.0, 242.5, 300.0, 32.0, "PCIe 4.0 x16")),
+    ("rtx 4090", _gpu("RTX 4090", 165.2, 330.3, 1008.0, 32.0, "PCIe 4.0 x16")),
+    ("rtx 5090", _gpu("RTX 5090", 209.5, 419.0, 1792.0, 64.0, "PCIe 5.0 x16")),
 ]
 
 
@@ -65,19 +60,17 @@ def known_peaks(gpu_name: str) -> Optional[Peaks]:
     return None
 
 
-def resolve_peaks(gpu_name: Optional[str], overrides: Optional[dict] = None) -> Optional[dict]:
+def resolve_peaks(gpu_name: Optional[str], overrides: Optional[dict] = None) -> Optional[Peaks]:
     """Known peaks for the GPU with params overrides applied; None when nothing is known."""
     known = known_peaks(gpu_name) if gpu_name else None
-    base = known.to_dict() if known else None
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    if base is None and not overrides:
+    if known is None and not overrides:
         return None
-    peaks = base or {"name": gpu_name or "unknown", "bf16_tflops": None, "fp8_tflops": None,
-                     "mem_gbps": None, "link_gbps": None, "link": "unknown", "source": "params"}
+    base = known.model_dump() if known else {"name": gpu_name or "unknown", "link": "unknown", "source": "params"}
     if overrides:
-        peaks.update(overrides)
-        peaks["source"] = peaks["source"] + " + params overrides" if base else "params"
-    return peaks
+        base.update(overrides)
+        base["source"] = base["source"] + " + params overrides" if known else "params"
+    return Peaks.model_validate(base)
 
 
 # ---- nvidia-smi topo -m ----------------------------------------------------------------------------
@@ -98,7 +91,7 @@ def classify_link(code: str) -> str:
 
 
 def parse_topo_matrix(text: str) -> pd.DataFrame:
-    """`nvidia-smi topo -m` -> one row per ordered GPU pair: gpu_a, gpu_b, code, link_class, nvlinks."""
+    """`nvidia-smi topo -m` -> one row per ordered GPU pair (records.TopologyPair's columns)."""
     lines = [_ANSI.sub("", l).rstrip() for l in text.splitlines()]
     header_idx = next((i for i, l in enumerate(lines) if re.match(r"^\s+GPU0\b", l)), None)
     if header_idx is None:
@@ -116,12 +109,12 @@ def parse_topo_matrix(text: str) -> pd.DataFrame:
         cells = m.group(2).split()
         for col, code in zip(columns, cells):
             if col in gpu_cols:
-                rows.append({"gpu_a": int(m.group(1)[3:]), "gpu_b": int(col[3:]), "code": code,
-                             "link_class": classify_link(code),
-                             "nvlinks": int(code[2:]) if code.upper().startswith("NV") and code[2:].isdigit() else 0})
+                rows.append(TopologyPair(
+                    gpu_a=int(m.group(1)[3:]), gpu_b=int(col[3:]), code=code, link_class=classify_link(code),
+                    nvlinks=int(code[2:]) if code.upper().startswith("NV") and code[2:].isdigit() else 0))
     if not rows:
         raise ValueError("`nvidia-smi topo -m` output has a header but no GPU rows")
-    return pd.DataFrame(rows)
+    return pd.DataFrame([r.model_dump() for r in rows], columns=TOPOLOGY_PAIR_COLUMNS)
 
 
 def interconnect_summary(pairs: pd.DataFrame) -> str:
@@ -143,7 +136,7 @@ def _run(cmd: list[str], timeout_s: float = 30.0) -> Optional[str]:
         return None
 
 
-def query_gpus() -> list[dict]:
+def query_gpus() -> list[GpuInfo]:
     out = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,clocks.max.sm,clocks.max.mem,"
                 "driver_version,pci.bus_id", "--format=csv,noheader,nounits"])
     gpus = []
@@ -151,8 +144,8 @@ def query_gpus() -> list[dict]:
         f = [x.strip() for x in line.split(",")]
         if len(f) < 7:
             continue
-        gpus.append({"index": int(f[0]), "name": f[1], "memory_mib": _num(f[2]), "max_sm_clock_mhz": _num(f[3]),
-                     "max_mem_clock_mhz": _num(f[4]), "driver": f[5], "pci_bus_id": f[6]})
+        gpus.append(GpuInfo(index=int(f[0]), name=f[1], memory_mib=_num(f[2]), max_sm_clock_mhz=_num(f[3]),
+                            max_mem_clock_mhz=_num(f[4]), driver=f[5], pci_bus_id=f[6]))
     return gpus
 
 
@@ -189,7 +182,7 @@ def torch_versions() -> dict:
     return info
 
 
-def cpu_summary() -> dict:
+def cpu_summary() -> CpuInfo:
     import psutil
 
     model = platform.processor()
@@ -207,13 +200,13 @@ def cpu_summary() -> dict:
         flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "")
     except OSError:
         pass
-    return {"model": model, "logical_cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
-            "numa_nodes": numa_nodes, "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "avx2": " avx2" in flags, "avx512f": " avx512f" in flags, "amx": " amx_tile" in flags,
-            "kernel": platform.release(), "hostname": platform.node()}
+    return CpuInfo(model=model, logical_cores=os.cpu_count(), physical_cores=psutil.cpu_count(logical=False),
+                   numa_nodes=numa_nodes, memory_gib=round(psutil.virtual_memory().total / 2**30, 1),
+                   avx2=" avx2" in flags, avx512f=" avx512f" in flags, amx=" amx_tile" in flags,
+                   kernel=platform.release(), hostname=platform.node())
 
 
-def measure_cpu_matmul_peak(n: int = 1024, dtype: str = "float32", seconds: float = 1.0) -> dict:
+def measure_cpu_matmul_peak(n: int = 1024, dtype: str = "float32", seconds: float = 1.0) -> CpuMatmul:
     """Best-of-repeats GFLOP/s of an n x n x n matmul on the CPU, a stand-in roofline for CPU hosts."""
     import torch
 
@@ -226,63 +219,63 @@ def measure_cpu_matmul_peak(n: int = 1024, dtype: str = "float32", seconds: floa
         torch.mm(a, b)
         best_s = min(best_s, time.perf_counter() - t0)
         reps += 1
-    return {"n": n, "dtype": dtype, "threads": torch.get_num_threads(), "reps": reps,
-            "best_us": best_s * 1e6, "gflops": 2 * n**3 / best_s / 1e9,
-            "method": f"torch.mm {n}x{n}x{n} {dtype}, best of {reps} after one warm-up"}
+    return CpuMatmul(n=n, dtype=dtype, threads=torch.get_num_threads(), reps=reps, best_us=best_s * 1e6,
+                     gflops=2 * n**3 / best_s / 1e9,
+                     method=f"torch.mm {n}x{n}x{n} {dtype}, best of {reps} after one warm-up")
 
 
 def inventory(gpu_override: Optional[str] = None, peak_overrides: Optional[dict] = None,
-              measure_cpu: bool = True) -> dict:
+              measure_cpu: bool = True) -> HostInventory:
+    """data/host.json: what the host is (write it with records.write_record)."""
     gpus = query_gpus()
     topo_text = _run(["nvidia-smi", "topo", "-m"]) if gpus else None
     pairs = parse_topo_matrix(topo_text) if topo_text else None
-    gpu_name = gpu_override or (gpus[0]["name"] if gpus else None)
-    inv = {
-        "has_gpu": bool(gpus),
-        "gpus": gpus,
-        "topology_text": topo_text,
-        "topology_pairs": pairs.to_dict("records") if pairs is not None else [],
-        "interconnect": interconnect_summary(pairs) if pairs is not None else None,
-        "versions": {**package_versions(), **torch_versions(), "python": platform.python_version()},
-        "cpu": cpu_summary(),
-        "peaks": resolve_peaks(gpu_name, peak_overrides),
-    }
-    if not gpus and measure_cpu:
-        inv["cpu_matmul"] = [measure_cpu_matmul_peak(dtype="float32"), measure_cpu_matmul_peak(dtype="bfloat16")]
-    return inv
+    gpu_name = gpu_override or (gpus[0].name if gpus else None)
+    return HostInventory(
+        has_gpu=bool(gpus),
+        gpus=gpus,
+        topology_text=topo_text,
+        topology_pairs=[TopologyPair.model_validate(r) for r in pairs.to_dict("records")] if pairs is not None else [],
+        interconnect=interconnect_summary(pairs) if pairs is not None else None,
+        versions={**package_versions(), **torch_versions(), "python": platform.python_version()},
+        cpu=cpu_summary(),
+        peaks=resolve_peaks(gpu_name, peak_overrides),
+        cpu_matmul=[measure_cpu_matmul_peak(dtype="float32"), measure_cpu_matmul_peak(dtype="bfloat16")]
+        if not gpus and measure_cpu else None,
+    )
 
 
-def inventory_tables(inv: dict) -> dict[str, pd.DataFrame]:
+def inventory_tables(inv: HostInventory) -> dict[str, pd.DataFrame]:
     """The inventory as small tables for display."""
     tables = {
-        "versions": pd.DataFrame(sorted(inv["versions"].items()), columns=["component", "version"]).astype(str),
-        "cpu": pd.DataFrame(sorted(inv["cpu"].items()), columns=["field", "value"]).astype(str),
+        "versions": pd.DataFrame(sorted(inv.versions.items()), columns=["component", "version"]).astype(str),
+        "cpu": pd.DataFrame(sorted(inv.cpu.model_dump().items()), columns=["field", "value"]).astype(str),
     }
-    if inv["gpus"]:
-        tables["gpus"] = pd.DataFrame(inv["gpus"])
-    if inv.get("topology_pairs"):
-        pairs = pd.DataFrame(inv["topology_pairs"])
+    if inv.gpus:
+        tables["gpus"] = pd.DataFrame([g.model_dump() for g in inv.gpus])
+    if inv.topology_pairs:
+        pairs = pairs_frame(inv)
         tables["link_classes"] = (pairs[pairs.gpu_a < pairs.gpu_b].groupby("link_class").size()
                                   .rename("gpu_pairs").reset_index())
-    if inv.get("peaks"):
-        tables["peaks"] = pd.DataFrame([inv["peaks"]])
-    if inv.get("cpu_matmul"):
-        tables["cpu_matmul"] = pd.DataFrame(inv["cpu_matmul"])
+    if inv.peaks:
+        tables["peaks"] = pd.DataFrame([inv.peaks.display()])
+    if inv.cpu_matmul:
+        tables["cpu_matmul"] = pd.DataFrame([m.model_dump() for m in inv.cpu_matmul])
     return tables
 
 
-def pairs_frame(inv: dict) -> pd.DataFrame:
-    return pd.DataFrame(inv.get("topology_pairs") or [], columns=["gpu_a", "gpu_b", "code", "link_class", "nvlinks"])
+def pairs_frame(inv: HostInventory) -> pd.DataFrame:
+    return pd.DataFrame([p.model_dump() for p in inv.topology_pairs], columns=TOPOLOGY_PAIR_COLUMNS)
 
 
-def host_headline(inv: dict) -> str:
-    cpu = inv["cpu"]
-    if not inv["has_gpu"]:
-        best = max((m["gflops"] for m in inv.get("cpu_matmul", [])), default=None)
+def host_headline(inv: HostInventory) -> str:
+    cpu = inv.cpu
+    if not inv.has_gpu:
+        best = max((m.gflops for m in inv.cpu_matmul or []), default=None)
         peak = f"; best CPU matmul {best:,.0f} GFLOP/s" if best else ""
-        return (f"**CPU-only host** ({cpu['model']}, {cpu['logical_cores']} logical cores, "
-                f"{cpu['memory_gib']} GiB, {cpu['numa_nodes']} NUMA node(s)){peak}.")
-    names = sorted({g["name"] for g in inv["gpus"]})
-    return (f"**{len(inv['gpus'])} x {', '.join(names)}**, interconnect **{inv['interconnect']}**, "
-            f"driver {inv['gpus'][0]['driver']}, CUDA {inv['versions'].get('cuda')}, "
-            f"NCCL {inv['versions'].get('nccl')}; CPU {cpu['model']} ({cpu['numa_nodes']} NUMA node(s)).")
+        return (f"**CPU-only host** ({cpu.model}, {cpu.logical_cores} logical cores, "
+                f"{cpu.memory_gib} GiB, {cpu.numa_nodes} NUMA node(s)){peak}.")
+    names = sorted({g.name for g in inv.gpus})
+    return (f"**{len(inv.gpus)} x {', '.join(names)}**, interconnect **{inv.interconnect}**, "
+            f"driver {inv.gpus[0].driver}, CUDA {inv.versions.get('cuda')}, "
+            f"NCCL {inv.versions.get('nccl')}; CPU {cpu.model} ({cpu.numa_nodes} NUMA node(s)).")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pandas as pd
 
+from decodescope.records import AttributionRow, HostInventory, ReconcileRow, Verdict, WhatIfRow, frame
 from decodescope.report import plots
 from decodescope.report.display import show, show_note, show_table
 
 
-def host_interconnect(inv: dict, tables: dict, source: str) -> None:
+def host_interconnect(inv: HostInventory, tables: dict, source: str) -> None:
     from decodescope.hardware import pairs_frame
 
     if "gpus" not in tables:
@@ -16,7 +17,7 @@ def host_interconnect(inv: dict, tables: dict, source: str) -> None:
                   "runs on the CPU.")
         return
     show_table(tables["gpus"], caption="GPUs from nvidia-smi - " + source)
-    if inv.get("topology_pairs"):
+    if inv.topology_pairs:
         show(plots.topology_heatmap(pairs_frame(inv)))
         show_table(tables["link_classes"], caption="GPU pairs per link class - " + source)
 
@@ -36,25 +37,31 @@ def gemm_per_dtype(gemm: pd.DataFrame) -> None:
         show(plots.gemm_time_vs_batch(gemm, dtype))
 
 
-def verdict_attribution(v: dict) -> None:
-    if v.get("attribution"):
-        show(plots.attribution_bars(pd.DataFrame(v["attribution"])))
+def verdict_attribution(v: Verdict) -> None:
+    if v.attribution:
+        show(plots.attribution_bars(frame(v.attribution, AttributionRow)))
 
 
-def verdict_what_if(v: dict) -> None:
-    if not v.get("what_if"):
+def verdict_reconcile(v: Verdict) -> None:
+    show_table(frame(v.reconcile, ReconcileRow) if v.reconcile else pd.DataFrame(),
+               caption="per decode step - verdict.json")
+
+
+def verdict_what_if(v: Verdict) -> None:
+    if not v.what_if:
         show_note("*No profile in this run: no projection.*")
         return
-    show(plots.what_if_bars(pd.DataFrame(v["what_if"]), v["wall_us"]))
-    show_table(pd.DataFrame(v["what_if"]), caption="projections from the measured step - verdict.json")
+    what_if = frame(v.what_if, WhatIfRow)
+    show(plots.what_if_bars(what_if, v.wall_us))
+    show_table(what_if, caption="projections from the measured step - verdict.json")
 
 
-def verdict_serving(v: dict) -> None:
-    s = v.get("serving")
+def verdict_serving(v: Verdict) -> None:
+    s = v.serving
     if s:
-        show_note(f"Serving: TPOT p50 {s['tpot_p50_us'] / 1e3:.2f} ms at concurrency {s['lowest_level']}, "
-                  f"peak {s['max_output_tok_s']:,.0f} output tok/s ({s['source']}).")
+        show_note(f"Serving: TPOT p50 {s.tpot_p50_us / 1e3:.2f} ms at concurrency {s.lowest_level}, "
+                  f"peak {s.max_output_tok_s:,.0f} output tok/s ({s.source}).")
 
 
-def verdict_headline(v: dict) -> None:
-    show_note("**Verdict:** " + (v["verdict"] or "no profile in this run: run 04_profile for an attribution."))
+def verdict_headline(v: Verdict) -> None:
+    show_note("**Verdict:** " + (v.verdict or "no profile in this run: run 04_profile for an attribution."))

@@ -36,16 +36,16 @@ def analyze_trace_command(args) -> int:
     out = Path(args.out) if args.out else Path(args.trace_dir) / "analysis"
     summary = write_profile(result, out)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(f"{result.device} traces, ranks {summary['ranks']}, steps {summary['steps']}, "
+        print(f"{result.device} traces, ranks {summary.ranks}, steps {summary.steps}, "
               f"parsed and analysed in {time.monotonic() - t0:.1f} s")
         print("\nTime by category (per rank):")
         print(result.breakdown.to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
         if not result.expected.empty:
             print(f"\nCollectives per {result.step_kind} step, expected vs observed:")
             print(result.expected.to_string(index=False))
-        ps = summary["per_step"]
-        if ps["summed_us_median"] is not None:
-            print(f"\nMedian {result.step_kind} step: summed {ps['summed_us_median']:,.1f} us, busy (union) "
-                  f"{ps['busy_us_median']:,.1f} us, wall {ps['wall_us_median']:,.1f} us")
+        ps = summary.per_step
+        if ps.summed_us_median is not None:
+            print(f"\nMedian {result.step_kind} step: summed {ps.summed_us_median:,.1f} us, busy (union) "
+                  f"{ps.busy_us_median:,.1f} us, wall {ps.wall_us_median:,.1f} us")
     print(f"\nwrote {out}/kernels.parquet and {out}/profile_summary.json")
     return 0

@@ -8,7 +8,8 @@ from typing import Optional
 import pandas as pd
 
 from decodescope import arch as archmod
-from decodescope.io import write_json_atomic, write_parquet_atomic
+from decodescope.io import write_parquet_atomic
+from decodescope.records import ProfileSummary, StepMedians, write_record
 from decodescope.trace import analyze as an
 from decodescope.trace.load import LoadedTraces
 
@@ -35,41 +36,41 @@ class ProfileResult:
     warnings: list[str] = field(default_factory=list)
     step_kind: str = "decode"
 
-    def summary(self) -> dict:
+    def summary(self) -> ProfileSummary:
         """profile_summary.json: the figures the verdict and the report read."""
         kind_busy = self.busy[self.busy["kind"] == self.step_kind] if not self.busy.empty else self.busy
         ar = self.breakdown[self.breakdown["category"].astype(str).isin(an.ALLREDUCE_CATEGORIES)]
         total = self.breakdown.groupby("rank")["time_us"].sum()
         ar_share = (ar.groupby("rank")["time_us"].sum() / total).fillna(0.0)
         decode_ar = self.per_step[self.per_step["category"].astype(str).isin(an.ALLREDUCE_CATEGORIES)]
-        return {
-            "device": self.device,
-            "ranks": sorted(int(r) for r in self.ops["rank"].unique()),
-            "step_kind": self.step_kind,
-            "steps": {str(k): int(v) for k, v in self.steps.groupby("kind").size().items()},
-            "allreduce_share_of_time": {str(int(r)): float(v) for r, v in ar_share.items()},
-            "allreduce_calls_per_step": {str(int(r)): float(v) for r, v in
-                                         decode_ar.groupby("rank")["calls_per_step"].sum().items()},
-            "allreduce_mean_us": {str(int(r)): float(g["time_us"].sum() / max(g["calls"].sum(), 1))
-                                  for r, g in ar.groupby("rank")},
-            "per_step": {
-                "summed_us_median": float(kind_busy["summed_us"].median()) if len(kind_busy) else None,
-                "busy_us_median": float(kind_busy["busy_us"].median()) if len(kind_busy) else None,
-                "wall_us_median": float(kind_busy["wall_us"].median()) if len(kind_busy) else None,
-                "idle_us_median": float(kind_busy["idle_us"].median()) if len(kind_busy) else None,
-            },
-            "expected_vs_observed": self.expected.to_dict("records"),
-            "per_step_categories": self.per_step.assign(
+        return ProfileSummary(
+            device=self.device,
+            ranks=sorted(int(r) for r in self.ops["rank"].unique()),
+            step_kind=self.step_kind,
+            steps={str(k): int(v) for k, v in self.steps.groupby("kind").size().items()},
+            allreduce_share_of_time={str(int(r)): float(v) for r, v in ar_share.items()},
+            allreduce_calls_per_step={str(int(r)): float(v) for r, v in
+                                      decode_ar.groupby("rank")["calls_per_step"].sum().items()},
+            allreduce_mean_us={str(int(r)): float(g["time_us"].sum() / max(g["calls"].sum(), 1))
+                               for r, g in ar.groupby("rank")},
+            per_step=StepMedians(
+                summed_us_median=float(kind_busy["summed_us"].median()) if len(kind_busy) else None,
+                busy_us_median=float(kind_busy["busy_us"].median()) if len(kind_busy) else None,
+                wall_us_median=float(kind_busy["wall_us"].median()) if len(kind_busy) else None,
+                idle_us_median=float(kind_busy["idle_us"].median()) if len(kind_busy) else None,
+            ),
+            expected_vs_observed=self.expected.to_dict("records"),
+            per_step_categories=self.per_step.assign(
                 category=self.per_step["category"].astype(str)).to_dict("records"),
-            "breakdown": self.breakdown.assign(category=self.breakdown["category"].astype(str)).to_dict("records"),
-            "other_share": float(self.breakdown.loc[self.breakdown["category"].astype(str) == "other", "time_us"].sum()
-                                 / max(self.breakdown["time_us"].sum(), 1e-9)),
-            "top_unknown": self.unknown.assign(category=self.unknown["category"].astype(str)).to_dict("records"),
-            "collective_wait": self.skew_summary.assign(
+            breakdown=self.breakdown.assign(category=self.breakdown["category"].astype(str)).to_dict("records"),
+            other_share=float(self.breakdown.loc[self.breakdown["category"].astype(str) == "other", "time_us"].sum()
+                              / max(self.breakdown["time_us"].sum(), 1e-9)),
+            top_unknown=self.unknown.assign(category=self.unknown["category"].astype(str)).to_dict("records"),
+            collective_wait=self.skew_summary.assign(
                 category=self.skew_summary["category"].astype(str)).to_dict("records"),
-            "schedule": self.schedule.to_dict("records"),
-            "warnings": self.warnings,
-        }
+            schedule=self.schedule.to_dict("records"),
+            warnings=self.warnings,
+        )
 
 
 def analyze_traces(loaded: LoadedTraces, model_config: Optional[dict] = None, tp: Optional[int] = None,
@@ -102,7 +103,7 @@ def analyze_traces(loaded: LoadedTraces, model_config: Optional[dict] = None, tp
         unknown=an.unknown_ops(ops), schedule=schedule, warnings=list(loaded.warnings), step_kind=step_kind)
 
 
-def write_profile(result: ProfileResult, data_dir: Path) -> dict:
+def write_profile(result: ProfileResult, data_dir: Path) -> ProfileSummary:
     data_dir = Path(data_dir)
     kernels = result.ops[[c for c in KERNEL_COLUMNS if c in result.ops.columns]].copy()
     for c in ("category", "name", "coll_name"):
@@ -111,5 +112,5 @@ def write_profile(result: ProfileResult, data_dir: Path) -> dict:
     write_parquet_atomic(data_dir / "kernels.parquet", kernels)
     write_parquet_atomic(data_dir / "profile_steps.parquet", result.steps)
     summary = result.summary()
-    write_json_atomic(data_dir / "profile_summary.json", summary)
+    write_record(data_dir / "profile_summary.json", summary)
     return summary

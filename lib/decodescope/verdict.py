@@ -1,16 +1,18 @@
 """The verdict: where a decode step's time goes, how the pieces reconcile, and what would move it.
 
-Inputs are the phases' files in the run directory; each figure says which file it came from.
+Inputs are the phases' files in the run directory; each figure says which file it came from. The
+result is a records.Verdict, written to data/verdict.json.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import pandas as pd
 
+from decodescope.records import (AttributionRow, Bottleneck, ProfileSummary, ReconcileRow, ServingHeadline,
+                                 ServingLevel, Verdict, WhatIfRow, read_record)
 from decodescope.trace import categorize
 
 
@@ -19,11 +21,15 @@ def class_of(category: str) -> str:
     return categorize.class_of(category)
 
 
-def _read(run_dir: Path, name: str):
+def _read_parquet(run_dir: Path, name: str) -> Optional[pd.DataFrame]:
     p = Path(run_dir) / "data" / name
-    if not p.is_file():
-        return None
-    return pd.read_parquet(p) if name.endswith(".parquet") else json.loads(p.read_text())
+    return pd.read_parquet(p) if p.is_file() else None
+
+
+def _profile_summary(run_dir: Path) -> Optional[ProfileSummary]:
+    """04_profile's summary; None when the phase did not run, RecordError when it cannot be read."""
+    p = Path(run_dir) / "data" / "profile_summary.json"
+    return read_record(p, ProfileSummary) if p.is_file() else None
 
 
 def step_attribution(per_step_categories: pd.DataFrame) -> pd.DataFrame:
@@ -36,9 +42,9 @@ def step_attribution(per_step_categories: pd.DataFrame) -> pd.DataFrame:
 
 def bottleneck(attribution: pd.DataFrame) -> tuple[str, float]:
     """The class with the largest share on the median rank, and that share."""
-    mean_share = attribution.groupby("cls")["share"].median()
-    cls = str(mean_share.idxmax())
-    return cls, float(mean_share.max())
+    median_share = attribution.groupby("cls")["share"].median()
+    cls = str(median_share.idxmax())
+    return cls, float(median_share.max())
 
 
 def nearest(df: pd.DataFrame, col: str, value: float) -> pd.DataFrame:
@@ -48,11 +54,12 @@ def nearest(df: pd.DataFrame, col: str, value: float) -> pd.DataFrame:
     return df[df[col] == target]
 
 
-def reconcile(run_dir: Path, profile_batch: int) -> pd.DataFrame:
-    """Micro-benchmarks against the profile, per decode step, at the batch the profile ran."""
+def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummary] = None) -> pd.DataFrame:
+    """Micro-benchmarks against the profile, per decode step, at the batch the profile ran (the
+    profile's summary is read from the run directory unless given)."""
     rows = []
-    summary = _read(run_dir, "profile_summary.json")
-    per_step = pd.DataFrame(summary.get("per_step_categories", [])) if summary else pd.DataFrame()
+    summary = summary if summary is not None else _profile_summary(run_dir)
+    per_step = pd.DataFrame(summary.per_step_categories) if summary else pd.DataFrame()
     observed_ar = observed_gemm = None
     if not per_step.empty:
         att = per_step.assign(cls=per_step["category"].map(class_of))
@@ -60,7 +67,7 @@ def reconcile(run_dir: Path, profile_batch: int) -> pd.DataFrame:
         observed_ar = float(att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)]
                             .groupby("rank")["time_per_step_us"].sum().median())
         observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
-    coll = _read(run_dir, "collectives.parquet")
+    coll = _read_parquet(run_dir, "collectives.parquet")
     if coll is not None and not coll.empty:
         burst = coll[(coll["part"] == "burst") & (coll["status"] == "ok") & (coll["mode"] == "eager")]
         b = nearest(burst, "batch", profile_batch)
@@ -68,7 +75,7 @@ def reconcile(run_dir: Path, profile_batch: int) -> pd.DataFrame:
             rows.append({"piece": "all-reduces per step", "micro_benchmark_us": float(b["time_us"].median()),
                          "micro_source": f"collectives.parquet burst, batch {int(b['batch'].iloc[0])}, eager",
                          "profile_us": observed_ar, "profile_source": "profile_summary.json per_step_categories"})
-    gemm = _read(run_dir, "gemm.parquet")
+    gemm = _read_parquet(run_dir, "gemm.parquet")
     if gemm is not None and not gemm.empty:
         ok = gemm[gemm["status"] == "ok"]
         dtype = "bf16" if "bf16" in set(ok["dtype"]) else ok["dtype"].iloc[0]
@@ -100,30 +107,32 @@ def what_if(wall_us: float, attribution: pd.DataFrame, comm_speedup: float = 2.0
     return pd.DataFrame(rows)
 
 
-def verdict(run_dir: Path, params) -> dict:
+def verdict(run_dir: Path, params) -> Verdict:
     run_dir = Path(run_dir)
-    summary = _read(run_dir, "profile_summary.json")
-    levels = _read(run_dir, "serving_levels.parquet")
-    out: dict = {"sources": {}, "verdict": None}
-    if summary and summary.get("per_step_categories"):
-        per_step = pd.DataFrame(summary["per_step_categories"])
+    summary = _profile_summary(run_dir)
+    levels = _read_parquet(run_dir, "serving_levels.parquet")
+    out = Verdict()
+    if summary and summary.per_step_categories:
+        per_step = pd.DataFrame(summary.per_step_categories)
         att = step_attribution(per_step)
         cls, share = bottleneck(att)
-        wall = summary["per_step"]["wall_us_median"]
-        out["attribution"] = att.to_dict("records")
-        out["bottleneck"] = {"class": cls, "share": share}
-        out["wall_us"] = wall
-        out["what_if"] = what_if(wall, att).to_dict("records")
-        out["sources"]["attribution"] = "profile_summary.json (04_profile)"
-        ar_share = summary.get("allreduce_share_of_time", {})
-        out["verdict"] = (f"{cls} is the largest share of a decode step ({100 * share:.0f}% of op time on the median "
-                          f"rank); all-reduce alone is " + ", ".join(f"rank {r} {100 * v:.0f}%" for r, v in ar_share.items())
-                          + ".")
-    out["reconcile"] = reconcile(run_dir, params.profile.concurrency).to_dict("records")
+        wall = summary.per_step.wall_us_median
+        out.attribution = [AttributionRow.model_validate(r) for r in att.to_dict("records")]
+        out.bottleneck = Bottleneck(cls=cls, share=share)
+        out.wall_us = wall
+        out.what_if = [WhatIfRow.model_validate(r) for r in what_if(wall, att).to_dict("records")]
+        out.sources["attribution"] = "profile_summary.json (04_profile)"
+        ar_share = summary.allreduce_share_of_time
+        out.verdict = (f"{cls} is the largest share of a decode step ({100 * share:.0f}% of op time on the median "
+                       f"rank); all-reduce alone is " + ", ".join(f"rank {r} {100 * v:.0f}%" for r, v in ar_share.items())
+                       + ".")
+    out.reconcile = [ReconcileRow.model_validate(r) for r in
+                     reconcile(run_dir, params.profile.concurrency, summary).to_dict("records")]
     if levels is not None and not levels.empty:
-        lv = levels.sort_values("level")
-        first = lv.iloc[0]
-        out["serving"] = {"lowest_level": int(first["level"]), "tpot_p50_us": float(first["tpot_p50_us"]),
-                          "max_output_tok_s": float(lv["output_throughput_tok_s"].max()),
-                          "source": "serving_levels.parquet (01_serving)"}
+        lv = [ServingLevel.model_validate(r) for r in levels.sort_values("level").to_dict("records")]
+        out.serving = ServingHeadline(lowest_level=lv[0].level, tpot_p50_us=lv[0].tpot_p50_us,
+                                      max_output_tok_s=max((x.output_throughput_tok_s for x in lv
+                                                            if x.output_throughput_tok_s == x.output_throughput_tok_s),
+                                                           default=float("nan")),
+                                      source="serving_levels.parquet (01_serving)")
     return out

@@ -1,0 +1,433 @@
+"""Typed records: one pydantic model per JSON file a phase writes, used by the writer and every reader.
+
+Each file record carries `schema_version` (an int, the field's default here is the version this code
+writes and reads). `read_record(path, Model)` refuses a file of another version, or one that does not
+validate, with a `RecordError` that names the file, the version found and the one expected (and the
+fields at fault); `write_record(path, record)` writes atomically (`decodescope.io.write_json_atomic`).
+Bump a record's `schema_version` default whenever its fields change meaning or shape.
+
+Rows of parquet tables are models too (without a version: a table keeps its columns); their columns
+are declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
+
+| file                         | record           | written by                          |
+|------------------------------|------------------|-------------------------------------|
+| manifest.json                | RunManifest      | runner.Manifest                     |
+| data/host.json               | HostInventory    | hardware.inventory (00_host)        |
+| data/collectives_fit.json    | CollectivesFit   | microbench.save_collectives (03)    |
+| data/profile_summary.json    | ProfileSummary   | trace.profile.write_profile (04)    |
+| data/verdict.json            | Verdict          | verdict.verdict (05_verdict)        |
+| data/serving_levels.parquet  | ServingLevel row | serving.metrics.level_summary (01)  |
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from decodescope.io import write_json_atomic
+
+
+class RecordError(ValueError):
+    """A record file that this version of decodescope cannot read: another schema_version, not JSON,
+    or fields missing or of the wrong type. The message names the file."""
+
+    def __init__(self, path: Path, message: str, found: Any = None, expected: Optional[int] = None):
+        self.path, self.found, self.expected = Path(path), found, expected
+        super().__init__(f"{path}: {message}")
+
+
+class _Model(BaseModel):
+    """Fields are exactly the declared ones: a misspelt or unexpected key is an error."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class _OpenModel(BaseModel):
+    """A part that code outside this module adds keys to (the runner's manifest): extra keys are kept."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class Record(_Model):
+    """A versioned record. Subclasses set the version by redefining `schema_version`'s default."""
+
+    schema_version: int = Field(1, description="version of this record's layout; a reader refuses any other")
+
+    @classmethod
+    def expected_version(cls) -> int:
+        return cls.model_fields["schema_version"].default
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != cls.expected_version():
+            raise ValueError(f"schema_version {v} found, {cls.__name__} schema_version "
+                             f"{cls.expected_version()} expected")
+        return v
+
+    def to_json_dict(self) -> dict:
+        """What goes into the file (aliases as keys, NaN kept as JSON's NaN like every other result)."""
+        return self.model_dump(by_alias=True)
+
+
+R = TypeVar("R", bound=Record)
+
+
+def columns_of(model: type[BaseModel]) -> list[str]:
+    """A table's columns, in order, from the model of one of its rows."""
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def frame(rows: list[BaseModel], model: type[BaseModel]):
+    """Rows of a record as a DataFrame with the model's columns (also when there are no rows)."""
+    import pandas as pd
+
+    return pd.DataFrame([r.model_dump(by_alias=True) for r in rows], columns=columns_of(model))
+
+
+def write_record(path: Path, record: Record) -> Path:
+    """The record as JSON, atomically: a crash leaves the old file or the new one."""
+    return write_json_atomic(Path(path), record.to_json_dict())
+
+
+def read_record(path: Path, model: type[R]) -> R:
+    """The record in `path`; RecordError (naming the file) for another schema_version or invalid fields."""
+    path = Path(path)
+    expected = model.expected_version()
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RecordError(path, f"not JSON ({e}); expected a {model.__name__} record "
+                                f"(schema_version {expected})", expected=expected) from None
+    if not isinstance(raw, dict):
+        raise RecordError(path, f"a {model.__name__} record is a JSON object, found a {type(raw).__name__}; "
+                                f"written by an older decodescope? this one reads schema_version {expected}",
+                          expected=expected)
+    found = raw.get("schema_version")
+    if type(found) is not int or found != expected:
+        what = "no schema_version" if found is None else f"schema_version {found!r}"
+        raise RecordError(path, f"{what} found, but this decodescope reads {model.__name__} schema_version "
+                                f"{expected}; re-run the phase that writes it", found=found, expected=expected)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or '(record)'}: {err['msg']}"
+                             for err in e.errors())
+        raise RecordError(path, f"not a valid {model.__name__} (schema_version {found}): {problems}",
+                          found=found, expected=expected) from None
+
+
+# ---- peaks -----------------------------------------------------------------------------------------
+class Peaks(Record):
+    """Peak rates a measurement is set against: a GPU's datasheet (dense math), params overrides, or
+    a CPU matmul measured on the host. None where unknown."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str = Field(description="the device the peaks are for")
+    bf16_tflops: Optional[float] = Field(None, description="dense BF16/FP16 TFLOP/s")
+    fp8_tflops: Optional[float] = Field(None, description="dense FP8 TFLOP/s")
+    fp32_tflops: Optional[float] = Field(None, description="FP32 TFLOP/s (given, or measured on CPU hosts); no fp32 roofline without it")
+    int4_tflops: Optional[float] = Field(None, description="INT4 TOP/s, from params overrides only")
+    mem_gbps: Optional[float] = Field(None, description="memory bandwidth, GB/s")
+    link_gbps: Optional[float] = Field(None, description="GPU-to-GPU bandwidth, one direction, GB/s")
+    link: Optional[str] = Field(None, description="what link_gbps is")
+    source: str = Field("vendor datasheet, dense", description="where these figures come from")
+
+    def display(self) -> dict:
+        """The peaks as one table row: no version, and the FP32/INT4 columns only where known."""
+        unknown = {k for k in ("fp32_tflops", "int4_tflops") if getattr(self, k) is None}
+        return self.model_dump(exclude={"schema_version"} | unknown)
+
+
+# ---- host inventory (data/host.json) ---------------------------------------------------------------
+class GpuInfo(_Model):
+    index: int
+    name: str
+    memory_mib: Optional[float] = None
+    max_sm_clock_mhz: Optional[float] = None
+    max_mem_clock_mhz: Optional[float] = None
+    driver: str
+    pci_bus_id: str
+
+
+class TopologyPair(_Model):
+    """One ordered GPU pair of `nvidia-smi topo -m`."""
+
+    gpu_a: int
+    gpu_b: int
+    code: str = Field(description="the matrix cell: NV<n>, PIX, PXB, PHB, NODE, SYS, X")
+    link_class: str = Field(description="nvlink, pcie_switch, host_bridge, cross_socket, self or unknown")
+    nvlinks: int = Field(description="NVLink links between the pair (0 if not NVLink)")
+
+
+TOPOLOGY_PAIR_COLUMNS = columns_of(TopologyPair)
+
+
+class CpuInfo(_Model):
+    model: str
+    logical_cores: Optional[int] = None
+    physical_cores: Optional[int] = None
+    numa_nodes: int
+    memory_gib: float
+    avx2: bool
+    avx512f: bool
+    amx: bool
+    kernel: str
+    hostname: str
+
+
+class CpuMatmul(_Model):
+    """A CPU matmul measurement: the stand-in roofline of a host without GPUs."""
+
+    n: int
+    dtype: str
+    threads: int
+    reps: int
+    best_us: float
+    gflops: float
+    method: str
+
+
+class HostInventory(Record):
+    """data/host.json (00_host): GPUs, their links, versions, CPU, and the peaks later phases use."""
+
+    has_gpu: bool
+    gpus: list[GpuInfo] = Field(default_factory=list)
+    topology_text: Optional[str] = Field(None, description="`nvidia-smi topo -m` as printed")
+    topology_pairs: list[TopologyPair] = Field(default_factory=list)
+    interconnect: Optional[str] = Field(None, description="nvlink, pcie, mixed or single; None without GPUs")
+    versions: dict[str, Any] = Field(default_factory=dict, description="package, CUDA, NCCL, python versions")
+    cpu: CpuInfo
+    peaks: Optional[Peaks] = None
+    cpu_matmul: Optional[list[CpuMatmul]] = Field(None, description="measured on hosts without GPUs")
+
+
+# ---- serving levels (a row of data/serving_levels.parquet) -----------------------------------------
+class ServingLevel(_Model):
+    """One concurrency level of the serving sweep, as `vllm bench serve` defines its metrics. The
+    SLO's goodput and the client-health fields are columns only when they were measured."""
+
+    level: int = Field(description="concurrency: requests in flight at most")
+    requests: int
+    ok: int
+    failed: int
+    duration_s: float
+    request_throughput_rps: float
+    output_throughput_tok_s: float
+    total_throughput_tok_s: float
+    ttft_mean_us: float
+    ttft_p50_us: float
+    ttft_p90_us: float
+    ttft_p99_us: float
+    tpot_mean_us: float
+    tpot_p50_us: float
+    tpot_p90_us: float
+    tpot_p99_us: float
+    itl_mean_us: float
+    itl_p50_us: float
+    itl_p90_us: float
+    itl_p99_us: float
+    e2e_mean_us: float
+    e2e_p50_us: float
+    e2e_p90_us: float
+    e2e_p99_us: float
+    itl_coalesced_frac: float = Field(description="share of inter-chunk gaps under COALESCED_GAP_US")
+    failure_reasons: str = Field(description="'class: count; ...' of the failed requests")
+    littles_lw: float = Field(description="request throughput x mean E2E over the level's span")
+    goodput_rps: Optional[float] = Field(None, description="requests within every SLO, per second")
+    loop_lag_p50_ms: Optional[float] = None
+    loop_lag_p99_ms: Optional[float] = None
+    loop_lag_max_ms: Optional[float] = None
+    client_cpu_pct: Optional[float] = None
+    inflight_sampled_mean: Optional[float] = Field(None, description="L: in-flight count the client sampled")
+    littles_error_pct: Optional[float] = None
+    client_suspect: Optional[bool] = Field(None, description="the client's loop lag or CPU may have distorted it")
+
+    def to_row(self) -> dict:
+        """The row for the table: the measured fields, in column order."""
+        return self.model_dump(exclude_unset=True)
+
+
+SERVING_LEVEL_COLUMNS = columns_of(ServingLevel)
+
+
+# ---- collective latency fit (data/collectives_fit.json) ---------------------------------------------
+class LatencyFit(_Model):
+    """t(n) = alpha + n / beta for one collective, least squares over the size sweep (rank 0)."""
+
+    op: str
+    inplace: bool
+    alpha_us: float = Field(description="per-call latency, us")
+    beta_gbps: float = Field(description="bandwidth, GB/s (inf when the slope is not positive)")
+    points: int = Field(description="sweep sizes fitted")
+
+
+LATENCY_FIT_COLUMNS = columns_of(LatencyFit)
+
+
+class CollectivesFit(Record):
+    """data/collectives_fit.json (03_collectives)."""
+
+    fits: list[LatencyFit] = Field(default_factory=list)
+
+
+# ---- profile summary (data/profile_summary.json) ---------------------------------------------------
+class StepMedians(_Model):
+    """Medians over the profiled steps of one kind; None when no step was found."""
+
+    summed_us_median: Optional[float] = None
+    busy_us_median: Optional[float] = None
+    wall_us_median: Optional[float] = None
+    idle_us_median: Optional[float] = None
+
+
+class ProfileSummary(Record):
+    """data/profile_summary.json (04_profile, `decodescope analyze-trace`): the figures the verdict
+    and the report read. Per-rank dicts are keyed by the rank as a string; the list fields are the
+    rows of the analysis tables (trace.analyze) as records."""
+
+    device: str = Field(description="gpu or cpu")
+    ranks: list[int]
+    step_kind: str = Field(description="the kind of step the per-step figures describe (decode when found)")
+    steps: dict[str, int] = Field(description="steps found per kind")
+    allreduce_share_of_time: dict[str, float]
+    allreduce_calls_per_step: dict[str, float]
+    allreduce_mean_us: dict[str, float]
+    per_step: StepMedians
+    expected_vs_observed: list[dict[str, Any]] = Field(default_factory=list)
+    per_step_categories: list[dict[str, Any]] = Field(
+        default_factory=list, description="rank, category, calls_per_step, time_per_step_us")
+    breakdown: list[dict[str, Any]] = Field(default_factory=list)
+    other_share: float = Field(description="share of time in no category")
+    top_unknown: list[dict[str, Any]] = Field(default_factory=list)
+    collective_wait: list[dict[str, Any]] = Field(default_factory=list)
+    schedule: list[dict[str, Any]] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+
+# ---- verdict (data/verdict.json) -------------------------------------------------------------------
+class AttributionRow(_Model):
+    rank: int
+    cls: str = Field(description="verdict class (communication, gemm, attention, ...)")
+    time_per_step_us: float = Field(description="median time per decode step")
+    share: float = Field(description="share of the rank's summed time per step")
+
+
+class Bottleneck(_Model):
+    cls: str = Field(alias="class", description="the class with the largest share on the median rank")
+    share: float
+
+
+class WhatIfRow(_Model):
+    what_if: str
+    step_us: float
+    saved_us: float
+    speedup_x: float
+    tok_s_per_sequence: float
+
+
+class ReconcileRow(_Model):
+    piece: str
+    micro_benchmark_us: float
+    micro_source: str
+    profile_us: Optional[float] = None
+    profile_source: str
+    profile_over_micro: Optional[float] = None
+
+
+class ServingHeadline(_Model):
+    lowest_level: int
+    tpot_p50_us: float
+    max_output_tok_s: float
+    source: str
+
+
+class Verdict(Record):
+    """data/verdict.json (05_verdict): where a decode step's time goes and what would move it."""
+
+    sources: dict[str, str] = Field(default_factory=dict, description="figure -> the file it came from")
+    verdict: Optional[str] = Field(None, description="the headline sentence; None without a profile")
+    attribution: list[AttributionRow] = Field(default_factory=list)
+    bottleneck: Optional[Bottleneck] = None
+    wall_us: Optional[float] = Field(None, description="median wall time of a profiled step")
+    what_if: list[WhatIfRow] = Field(default_factory=list)
+    reconcile: list[ReconcileRow] = Field(default_factory=list)
+    serving: Optional[ServingHeadline] = None
+
+
+# ---- run manifest (manifest.json) ------------------------------------------------------------------
+class PhaseEntry(_OpenModel):
+    status: str = Field("pending", description="pending, running, ok, failed or skipped")
+    start: Optional[str] = None
+    end: Optional[str] = None
+    error: Optional[str] = None
+    duration_s: Optional[float] = None
+    notebook: Optional[str] = Field(None, description="the executed notebook, relative to the run directory")
+    stray_processes_stopped: Optional[int] = None
+
+
+class ManifestHost(_OpenModel):
+    kind: Optional[str] = Field(None, description="params `host`")
+    model: Optional[str] = Field(None, description="CPU model")
+    logical_cores: Optional[int] = None
+    memory_gib: Optional[float] = None
+    hostname: Optional[str] = None
+
+
+class ServerState(_OpenModel):
+    status: Optional[str] = None
+    error: Optional[str] = None
+    base_url: Optional[str] = None
+    start_s: Optional[float] = None
+    pids: Optional[list[int]] = None
+    profiler_dir: Optional[str] = None
+    launch: Any = None
+    stopped: Optional[str] = None
+
+
+class ServerLaunch(_OpenModel):
+    started: Optional[str] = None
+    start_s: Optional[float] = None
+    pids: Optional[list[int]] = None
+    pgid: Optional[int] = None
+    run_token: Optional[str] = None
+    shm_files: Optional[list[str]] = None
+
+
+class Teardown(_OpenModel):
+    at: Optional[str] = None
+    signalled: Optional[int] = None
+    shm_removed: Optional[int] = None
+    left: Any = None
+
+
+class RunManifest(Record):
+    """manifest.json: the run's params (secrets redacted), versions, host and each phase's status.
+    The runner adds keys as the run goes; the file holds exactly the keys set (none filled in)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    run_id: str
+    params_name: str
+    params_path: Optional[str] = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    git_commit: Optional[str] = None
+    versions: dict[str, Any] = Field(default_factory=dict)
+    host: Optional[ManifestHost] = None
+    created: str
+    status: str = Field(description="running, ok, failed or interrupted")
+    phases: dict[str, PhaseEntry] = Field(default_factory=dict)
+    resumed: list[str] = Field(default_factory=list, description="when the run was resumed")
+    server: Optional[ServerState] = None
+    servers: list[ServerLaunch] = Field(default_factory=list, description="every server this run started")
+    teardowns: list[Teardown] = Field(default_factory=list)
+    stray_processes_stopped: Optional[int] = None
+    error: Optional[str] = None
+    finished: Optional[str] = None
+    report: Optional[str] = Field(None, description="report.html, relative to the run directory")
+
+    def to_json_dict(self) -> dict:
+        return {"schema_version": self.schema_version, **self.model_dump(by_alias=True, exclude_unset=True)}

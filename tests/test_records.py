@@ -1,0 +1,287 @@
+"""Typed records: each file a phase writes round-trips through its model, and a file of another
+schema_version, or one missing a field, is refused with an error naming the file."""
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from decodescope import hardware
+from decodescope import microbench as mb
+from decodescope.io import write_parquet_atomic
+from decodescope.params import load_params
+from decodescope.records import (LATENCY_FIT_COLUMNS, SERVING_LEVEL_COLUMNS, AttributionRow, Bottleneck,
+                                 CollectivesFit, CpuInfo, CpuMatmul, GpuInfo, HostInventory, LatencyFit,
+                                 ManifestHost, Peaks, PhaseEntry, ProfileSummary, ReconcileRow, RecordError,
+                                 RunManifest, ServingHeadline, ServingLevel, StepMedians, TopologyPair, Verdict,
+                                 WhatIfRow, read_record, write_record)
+from decodescope.serving.metrics import level_summary, per_request
+
+CPU = CpuInfo(model="Test CPU", logical_cores=2, physical_cores=2, numa_nodes=1, memory_gib=16.0, avx2=True,
+              avx512f=False, amx=False, kernel="6.1", hostname="h")
+
+
+def _peaks():
+    return Peaks(name="H200", bf16_tflops=989.0, fp8_tflops=1979.0, mem_gbps=4800.0, link_gbps=450.0,
+                 link="NVLink 4 (18 links)")
+
+
+def _host():
+    return HostInventory(
+        has_gpu=True,
+        gpus=[GpuInfo(index=i, name="NVIDIA H200", memory_mib=143771.0, max_sm_clock_mhz=1980.0,
+                      max_mem_clock_mhz=3201.0, driver="570.1", pci_bus_id=f"0000:0{i}:00.0") for i in range(2)],
+        topology_text="GPU0 GPU1\n", interconnect="nvlink",
+        topology_pairs=[TopologyPair(gpu_a=a, gpu_b=b, code="X" if a == b else "NV18",
+                                     link_class="self" if a == b else "nvlink", nvlinks=0 if a == b else 18)
+                        for a in range(2) for b in range(2)],
+        versions={"torch": "2.13.0", "cuda": "12.8", "cuda_available": True}, cpu=CPU, peaks=_peaks())
+
+
+def _profile():
+    return ProfileSummary(
+        device="gpu", ranks=[0, 1], step_kind="decode", steps={"decode": 12, "prefill": 1},
+        allreduce_share_of_time={"0": 0.5, "1": 0.4}, allreduce_calls_per_step={"0": 9.0, "1": 9.0},
+        allreduce_mean_us={"0": 20.0, "1": 18.0},
+        per_step=StepMedians(summed_us_median=900.0, busy_us_median=850.0, wall_us_median=1000.0,
+                             idle_us_median=150.0),
+        expected_vs_observed=[{"rank": 0, "collective": "all_reduce", "expected_per_step": 9, "observed_per_step": 9.0}],
+        per_step_categories=[{"rank": r, "category": c, "calls_per_step": n, "time_per_step_us": t}
+                             for r in (0, 1) for c, n, t in (("allreduce_nccl", 9.0, 450.0 - 50 * r),
+                                                            ("gemm_dense", 20.0, 300.0), ("attention", 4.0, 100.0))],
+        breakdown=[{"rank": 0, "category": "gemm_dense", "time_us": 3000.0, "share": 0.3, "calls": 200,
+                    "mean_us": 15.0}],
+        other_share=0.01, warnings=["rank 1 lost 2 events"])
+
+
+def _verdict():
+    return Verdict(
+        sources={"attribution": "profile_summary.json (04_profile)"}, verdict="communication is the largest share",
+        attribution=[AttributionRow(rank=0, cls="communication", time_per_step_us=450.0, share=0.53)],
+        bottleneck=Bottleneck(cls="communication", share=0.53), wall_us=1000.0,
+        what_if=[WhatIfRow(what_if="GEMMs 2x faster", step_us=850.0, saved_us=150.0, speedup_x=1.18,
+                           tok_s_per_sequence=1176.5)],
+        reconcile=[ReconcileRow(piece="GEMMs per step", micro_benchmark_us=250.0, micro_source="gemm.parquet",
+                                profile_us=None, profile_source="profile_summary.json")],
+        serving=ServingHeadline(lowest_level=1, tpot_p50_us=1100.0, max_output_tok_s=900.0,
+                                source="serving_levels.parquet (01_serving)"))
+
+
+def _manifest():
+    return RunManifest(run_id="20260101T000000Z-x", params_name="x", params_path="/p.yaml", params={"a": 1},
+                       git_commit=None, versions={"python": "3.12"},
+                       host=ManifestHost(kind="local", model="cpu", logical_cores=2, memory_gib=8.0, hostname="h"),
+                       created="2026-01-01T00:00:00Z", status="running",
+                       phases={"00_host": PhaseEntry(status="ok", duration_s=1.5, notebook="notebooks/00_host.ipynb"),
+                               "05_verdict": PhaseEntry(status="pending")})
+
+
+RECORDS = {
+    "peaks": _peaks,
+    "host": _host,
+    "cpu_host": lambda: HostInventory(has_gpu=False, cpu=CPU, cpu_matmul=[
+        CpuMatmul(n=1024, dtype="float32", threads=2, reps=9, best_us=20000.0, gflops=107.4, method="torch.mm")]),
+    "collectives_fit": lambda: CollectivesFit(fits=[
+        LatencyFit(op="all_reduce", inplace=True, alpha_us=12.5, beta_gbps=8.0, points=11),
+        LatencyFit(op="all_to_all", inplace=False, alpha_us=30.0, beta_gbps=math.inf, points=2)]),
+    "profile_summary": _profile,
+    "verdict": _verdict,
+    "empty_verdict": Verdict,
+    "manifest": _manifest,
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECORDS))
+def test_each_record_round_trips(tmp_path, name):
+    record = RECORDS[name]()
+    path = write_record(tmp_path / f"{name}.json", record)
+    back = read_record(path, type(record))
+    assert back == record
+    assert json.loads(path.read_text())["schema_version"] == type(record).expected_version() == 1
+
+
+def test_on_disk_keys_use_the_aliases(tmp_path):
+    doc = json.loads(write_record(tmp_path / "v.json", _verdict()).read_text())
+    assert doc["bottleneck"] == {"class": "communication", "share": 0.53}
+    assert doc["attribution"][0]["cls"] == "communication"
+
+
+@pytest.mark.parametrize("name", sorted(RECORDS))
+def test_another_schema_version_is_refused_naming_the_file(tmp_path, name):
+    record = RECORDS[name]()
+    path = tmp_path / "data" / f"{name}.json"
+    write_record(path, record)
+    doc = json.loads(path.read_text())
+    doc["schema_version"] = 2
+    path.write_text(json.dumps(doc))
+    with pytest.raises(RecordError) as e:
+        read_record(path, type(record))
+    msg = str(e.value)
+    assert str(path) in msg and "schema_version 2 found" in msg and "schema_version 1" in msg
+    assert type(record).__name__ in msg
+    assert (e.value.found, e.value.expected, e.value.path) == (2, 1, path)
+    assert isinstance(e.value, ValueError)
+
+
+def test_a_file_without_schema_version_is_refused(tmp_path):
+    path = tmp_path / "profile_summary.json"
+    doc = _profile().to_json_dict()
+    del doc["schema_version"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(RecordError, match=r"profile_summary\.json: no schema_version found, .*ProfileSummary "
+                                          r"schema_version 1"):
+        read_record(path, ProfileSummary)
+
+
+@pytest.mark.parametrize("name, field, where", [
+    ("profile_summary", "ranks", "ranks"), ("host", "cpu", "cpu"), ("manifest", "run_id", "run_id"),
+    ("verdict", "share", "bottleneck.share"), ("collectives_fit", "alpha_us", "fits.0.alpha_us"),
+])
+def test_a_missing_required_field_is_named(tmp_path, name, field, where):
+    path = tmp_path / f"{name}.json"
+    doc = RECORDS[name]().to_json_dict()
+    parent = doc
+    for key in where.split(".")[:-1]:
+        parent = parent[int(key) if key.isdigit() else key]
+    del parent[field]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(RecordError) as e:
+        read_record(path, type(RECORDS[name]()))
+    assert str(path) in str(e.value) and f"{where}: Field required" in str(e.value)
+
+
+def test_not_json_or_not_an_object_is_refused(tmp_path):
+    bad = tmp_path / "verdict.json"
+    bad.write_text("{trunc")
+    with pytest.raises(RecordError, match="verdict.json: not JSON"):
+        read_record(bad, Verdict)
+    old = tmp_path / "collectives_fit.json"
+    old.write_text(json.dumps([{"op": "all_reduce", "inplace": True, "alpha_us": 1.0, "beta_gbps": 1.0, "points": 3}]))
+    with pytest.raises(RecordError, match="collectives_fit.json: a CollectivesFit record is a JSON object"):
+        read_record(old, CollectivesFit)
+
+
+def test_nested_peaks_of_another_version_are_refused(tmp_path):
+    doc = _host().to_json_dict()
+    doc["peaks"]["schema_version"] = 3
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(RecordError, match=r"host.json: .*peaks.schema_version: .*schema_version 3 found"):
+        read_record(path, HostInventory)
+
+
+# ---- the writers produce their records ---------------------------------------------------------------
+def test_host_inventory_of_this_host_round_trips(tmp_path):
+    inv = hardware.inventory(measure_cpu=False)
+    back = read_record(write_record(tmp_path / "host.json", inv), HostInventory)
+    assert back == inv and back.cpu.logical_cores >= 1
+    assert hardware.host_headline(back).startswith("**")
+    tables = hardware.inventory_tables(_host())
+    assert list(tables["peaks"].columns) == ["name", "bf16_tflops", "fp8_tflops", "mem_gbps", "link_gbps", "link",
+                                             "source"]  # as the datasheet table always showed them
+    assert tables["link_classes"].to_dict("records") == [{"link_class": "nvlink", "gpu_pairs": 1}]
+
+
+def _levels_requests():
+    rows = []
+    for level in (1, 2):
+        for i in range(6):
+            send = 1_000_000_000 * level + i * 10_000_000
+            chunks = [send + 5_000_000 + k * 1_000_000 for k in range(8)]
+            rows.append({"level": level, "warmup": i == 0, "ok": i != 5, "send_ns": send, "first_chunk_ns": chunks[0],
+                         "end_ns": chunks[-1], "chunk_ns": chunks, "n_out_usage": 8.0, "n_out_chunks": 8,
+                         "n_in_usage": 16.0, "n_in_sent": 16, "error_class": None if i != 5 else "timeout"})
+    return per_request(pd.DataFrame(rows))
+
+
+def test_serving_level_rows_are_the_declared_columns_and_round_trip_through_parquet(tmp_path):
+    req = _levels_requests()
+    health = {"loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 0.4, "loop_lag_max_ms": 1.0, "client_cpu_pct": 20.0,
+              "inflight_sampled_mean": 1.2}
+    rows = [level_summary(req, lvl, {"ttft_ms": 100}, health) for lvl in (1, 2)]
+    assert list(rows[0]) == SERVING_LEVEL_COLUMNS  # every column, in the declared order
+    bare = level_summary(req, 1)  # no SLO, no client health: those columns are left out, as before
+    assert list(bare) == [c for c in SERVING_LEVEL_COLUMNS if c in bare]
+    assert "goodput_rps" not in bare and "client_suspect" not in bare
+    assert bare["ok"] == 4 and bare["failed"] == 1 and bare["failure_reasons"] == "timeout: 1"
+    path = write_parquet_atomic(tmp_path / "serving_levels.parquet", pd.DataFrame(rows))
+    back = [ServingLevel.model_validate(r) for r in pd.read_parquet(path).to_dict("records")]
+    assert back == [ServingLevel.model_validate(r) for r in rows]
+    assert back[0].client_suspect is False and back[0].tpot_p50_us == pytest.approx(1000.0)
+
+
+def test_latency_fit_declares_its_columns_and_its_file_round_trips(tmp_path):
+    sizes = np.array([1024, 4096, 16384, 65536], dtype=float)
+    sweep = pd.DataFrame({"part": "sweep", "status": "ok", "rank": 0, "op": "all_reduce", "inplace": True,
+                          "bytes": sizes, "time_us": 10.0 + sizes / 2e3})
+    fit = mb.latency_fit(sweep)
+    assert list(fit.columns) == LATENCY_FIT_COLUMNS
+    assert fit["alpha_us"].iloc[0] == pytest.approx(10.0) and fit["beta_gbps"].iloc[0] == pytest.approx(2.0)
+    assert list(mb.latency_fit(sweep.iloc[:1]).columns) == LATENCY_FIT_COLUMNS  # nothing to fit: still the columns
+    mb.save_collectives(sweep, fit, tmp_path)
+    on_disk = read_record(tmp_path / "collectives_fit.json", CollectivesFit)
+    assert [f.model_dump() for f in on_disk.fits] == fit.to_dict("records")
+
+
+def test_gemm_peaks_come_from_host_json(tmp_path, repo):
+    params = load_params(repo / "params/default.yaml")
+    (tmp_path / "data").mkdir()
+    assert mb.peaks_for(tmp_path, params) is None  # no host.json, no GPU named: no peaks
+    write_record(tmp_path / "data/host.json", RECORDS["cpu_host"]())
+    peaks = mb.peaks_for(tmp_path, params)
+    assert peaks.name == "CPU (measured)" and peaks.fp32_tflops == pytest.approx(0.1074)
+    rows = [{"op": "qkv", "dtype": d, "count": 2, "tflops": 0.05, "gbps": 10.0, "time_us": 3.0}
+            for d in ("fp32", "bf16")]
+    g = mb.gemm_table(rows, peaks)
+    assert g["peak_tflops"].iloc[0] == pytest.approx(0.1074) and math.isnan(g["peak_tflops"].iloc[1])
+    write_record(tmp_path / "data/host.json", _host())
+    g = mb.gemm_table(rows, mb.peaks_for(tmp_path, params))
+    assert math.isnan(g["peak_tflops"].iloc[0]) and g["peak_tflops"].iloc[1] == 989.0  # no fp32 datasheet peak
+    assert "of H200" in g["peak_source"].iloc[1] and g["mem_gbps"].iloc[0] == 4800.0
+
+
+def test_verdict_from_the_phases_files_round_trips(tmp_path, repo):
+    from decodescope.report import sections
+    from decodescope.verdict import verdict
+
+    params = load_params(repo / "params/default.yaml")
+    data = tmp_path / "data"
+    write_record(data / "profile_summary.json", _profile())
+    req = _levels_requests()
+    write_parquet_atomic(data / "serving_levels.parquet", pd.DataFrame([level_summary(req, lvl) for lvl in (1, 2)]))
+    v = verdict(tmp_path, params)
+    assert v.bottleneck.cls == "communication" and v.wall_us == 1000.0
+    assert v.serving.lowest_level == 1 and v.serving.tpot_p50_us == pytest.approx(1000.0)
+    assert {a.cls for a in v.attribution} == {"communication", "gemm", "attention"}
+    assert v.verdict.startswith("communication is the largest share") and "rank 0 50%" in v.verdict
+    assert read_record(write_record(data / "verdict.json", v), Verdict) == v
+    for show in (sections.verdict_headline, sections.verdict_attribution, sections.verdict_reconcile,
+                 sections.verdict_what_if, sections.verdict_serving):
+        show(v)
+    empty = verdict(tmp_path / "nothing", params)
+    assert empty.verdict is None and empty.what_if == [] and empty.serving is None
+
+
+def test_the_manifest_keeps_its_keys_and_refuses_another_version(tmp_path, repo):
+    from decodescope.runner import Manifest, RunError
+
+    params = load_params(repo / "params/default.yaml")
+    m = Manifest.create(tmp_path, params, ["00_host", "05_verdict"])
+    m.update_phase("00_host", status="running", start="t0", end=None, error=None)
+    m.data.setdefault("teardowns", []).append({"at": "t1", "signalled": 3, "shm_removed": 1, "left": []})
+    m.data["something_new"] = {"kept": True}  # the runner may add keys: they are kept as they are
+    m.save()
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    assert list(doc)[:2] == ["schema_version", "run_id"]
+    assert doc["phases"] == {"00_host": {"status": "running", "start": "t0", "end": None, "error": None},
+                             "05_verdict": {"status": "pending"}}
+    assert doc["host"]["kind"] == "local" and doc["something_new"] == {"kept": True}
+    assert "resumed" not in doc and "server" not in doc  # no key filled in that the runner did not set
+    loaded = Manifest.load(tmp_path)
+    assert loaded.data == doc and loaded.record.phases["00_host"].status == "running"
+    assert loaded.phase("05_verdict") == {"status": "pending"}
+    doc.pop("schema_version")
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(RunError, match=r"manifest\.json: no schema_version found"):
+        Manifest.load(tmp_path)
