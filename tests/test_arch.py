@@ -1,5 +1,7 @@
 import json
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from decodescope.arch import (collective_schedule, expected_all_reduces_per_step, layer_all_reduces_per_step,
@@ -122,3 +124,46 @@ def test_all_to_all_volumes():
     v = all_to_all_bytes(a, ep=8, tokens_per_gpu=16)
     assert v["dispatch_bytes"] == 16 * 8 * 4096 * 2 * 7 / 8
     assert all_to_all_bytes(a, ep=1, tokens_per_gpu=16)["dispatch_bytes"] == 0
+
+
+# ---- one dtype table (decodescope.dtypes) ------------------------------------------------------------
+def test_dtype_bytes_one_table_for_params_torch_and_trace_names():
+    from decodescope import dtypes
+
+    for name in ("bf16", "bfloat16", "BFloat16", "torch.bfloat16", "fp16", "Half", "float16"):
+        assert dtypes.element_bytes(name) == 2 == dtypes.bytes_per_element(name), name
+    for name, size in (("fp32", 4), ("Float", 4), ("float", 4), ("fp8", 1), ("Float8_e4m3fn", 1), ("Long", 8),
+                       ("Int", 4), ("Byte", 1), ("Char", 1), ("Double", 8)):
+        assert dtypes.element_bytes(name) == size, name
+    # unknown or missing names (a trace may record anything) are NaN, not an error
+    assert np.isnan(dtypes.element_bytes("ComplexFloat")) and np.isnan(dtypes.element_bytes(None))
+    with pytest.raises(KeyError, match="unknown dtype"):
+        dtypes.bytes_per_element("fp5")
+
+
+def test_int4_bytes_count_the_packed_weight_and_one_16bit_scale_per_group():
+    from decodescope import dtypes
+
+    assert dtypes.bytes_per_element("int4") == 0.5 + 2 / 32          # default group: Kimi-K2.5 INT4
+    assert dtypes.bytes_per_element("int4", group_size=128) == 0.5 + 2 / 128
+    assert np.isnan(dtypes.element_bytes("int4"))                   # its size depends on the grouping
+    from decodescope.arch import activation_bytes
+
+    with pytest.raises(KeyError, match="not an activation dtype"):
+        activation_bytes("int4")
+
+
+def test_trace_message_bytes_use_the_dtype_table():
+    from decodescope.trace.analyze import _msg_bytes
+
+    ops = pd.DataFrame({"in_nelems": [1024, 1024, -1, 8], "coll_dtype": ["BFloat16", "Float", "Half", "Mystery"]})
+    assert _msg_bytes(ops).tolist()[:2] == [2048.0, 4096.0]
+    assert np.isnan(_msg_bytes(ops).tolist()[2:]).all()
+
+
+def test_expert_parallel_routes_every_token_on_every_rank(repo):
+    a = normalize_config(_cfg(repo, "kimi-k2.5.json"))
+    moe = {s.op: s for s in gemm_shapes(a, tp=8, batch=16, ep=8)}
+    one = {s.op: s for s in gemm_shapes(a, tp=8, batch=16, ep=1)}
+    assert moe["moe_w13"].m == one["moe_w13"].m                      # tokens per expert as without EP
+    assert moe["moe_w13"].n == 2 * 2048 and one["moe_w13"].n == 2 * 2048 // 8  # experts not TP-sharded under EP

@@ -2,7 +2,7 @@
 import pytest
 import yaml
 
-from decodescope import model
+from decodescope import verdict
 from decodescope.trace import categorize as cz
 from decodescope.trace.categorize import OTHER, categorize_name, demangle
 
@@ -256,7 +256,7 @@ def test_at_least_thirty_new_collective_names_each_with_a_source():
 def test_collective_category_and_class(name, device, category, cls, source):
     got = categorize_name(name, device)
     assert got == category, f"{name} ({source})"
-    assert model.class_of(got) == cls
+    assert verdict.class_of(got) == cls
 
 
 @pytest.mark.parametrize("name", ["cudaStreamWaitEvent", "aten::wait", "cudaEventSynchronize"])
@@ -277,11 +277,11 @@ def test_every_category_in_the_rules_file_has_a_verdict_class():
     for device in ("gpu", "cpu"):
         for i, rule in enumerate(_raw_rules()[device]):
             assert rule.get("class") in cz.VERDICT_CLASSES, f"{device}[{i}] {rule.get('category')}: no class"
-            assert model.class_of(rule["category"]) == rule["class"]
+            assert verdict.class_of(rule["category"]) == rule["class"]
 
 
 def test_other_stays_visible_as_its_own_class():
-    assert model.class_of(OTHER) == OTHER
+    assert verdict.class_of(OTHER) == OTHER
     assert cz.category_classes()[OTHER] == OTHER
 
 

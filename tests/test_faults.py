@@ -191,7 +191,7 @@ def test_server_killed_mid_profile_fails_the_phase_and_tears_down(tmp_path):
     run = Run(tmp_path, params, "--phases", "04_profile")
     run_dir = run.run_dir()
     log = run_dir / "logs/server.log"
-    wait_until(lambda: log.is_file() and "/start_profile" in log.read_text(errors="replace"), 900,
+    wait_until(lambda: log.is_file() and "POST /start_profile HTTP" in log.read_text(errors="replace"), 900,
                "the profile to start", run)
     os.kill(json.loads((run_dir / "data/server.json").read_text())["pid"], signal.SIGKILL)
     t_kill = time.monotonic()

@@ -1,5 +1,6 @@
 import textwrap
 
+import numpy as np
 import pytest
 import yaml
 
@@ -27,7 +28,7 @@ def test_embedded_default_validates(repo):
 def test_mission_params_validate_with_kimi_architecture(repo):
     p = load_params(repo / "params/kimi-k2.5-int4-8x-pcie.yaml")
     assert p.server.tensor_parallel == 8
-    assert p.hardware.interconnect == "pcie" and p.hardware.gpu_count == 8
+    assert p.model.weight_dtype == "int4" and p.hardware.gpu == "RTX PRO 6000 Blackwell"
     cfg = p.model_config_dict()
     assert cfg["text_config"]["num_hidden_layers"] == 61 and cfg["text_config"]["hidden_size"] == 7168
 
@@ -175,3 +176,87 @@ def test_profiler_launch_flags_leave_python_stacks_out_unless_asked(repo, tmp_pa
         else:
             assert spec.env["VLLM_TORCH_PROFILER_WITH_STACK"] == ("1" if with_stack else "0")
             assert "--profiler-config" not in spec.argv
+
+
+# ---- keys no phase reads (issue 9) ---------------------------------------------------------------
+def test_every_schema_key_is_read_by_a_phase_or_the_runner():
+    from decodescope.params import PHASES, RUNNER, readers_of, schema_keys
+
+    keys = schema_keys()
+    assert "microbench.context_tokens" in keys and "hardware.peaks.int4_tflops" in keys
+    unread = [k for k in keys if not readers_of(k)]
+    assert unread == [], f"keys nothing reads: wire them or remove them from the schema ({unread})"
+    assert {r for k in keys for r in readers_of(k)} <= set(PHASES) | {RUNNER}
+
+
+def test_retired_keys_load_and_validate_warns_about_them(write_params, tmp_path, capsys):
+    doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
+    doc["model"]["dtype"] = "bfloat16"
+    doc["hardware"] = {"gpu_count": 8, "interconnect": "pcie", "gpu": "H200"}
+    path = write_params(yaml.safe_dump(doc))
+    p = load_params(path)
+    assert p.hardware.gpu == "H200"
+    assert cli_main(["params", "validate", str(path)]) == 0
+    out = capsys.readouterr()
+    for key in ("model.dtype", "hardware.gpu_count", "hardware.interconnect"):
+        assert f"warning: {path}: {key} is read by no phase" in out.err
+    assert "hardware.gpu is" not in out.err and ": ok" in out.out
+
+
+def test_validate_warns_about_keys_only_phases_left_out_read(write_params, tmp_path, capsys):
+    doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
+    doc["run"]["phases"] = ["00_host", "02_gemm"]
+    doc["workload"] = {"concurrency": [1, 8]}
+    doc["microbench"] = {"sweep_max_bytes": 1024, "dtypes": ["bf16"]}
+    path = write_params(yaml.safe_dump(doc))
+    assert cli_main(["params", "validate", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {path}: workload.concurrency is read by no phase" in err
+    assert f"warning: {path}: microbench.sweep_max_bytes is read by no phase" in err
+    assert f"warning: {path}: server.tensor_parallel" not in err  # 02_gemm reads it too
+    assert f"warning: {path}: model.name" not in err               # required: the file cannot leave it out
+    assert f"warning: {path}: run.phases" not in err and "microbench.dtypes" not in err
+
+
+def test_shipped_params_files_warn_about_nothing(repo, capsys):
+    for name in ("default.yaml", "kimi-k2.5-int4-8x-pcie.yaml"):
+        assert cli_main(["params", "validate", str(repo / "params" / name)]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+# ---- params that now do something: weight_dtype, context_tokens, int4/fp32 peaks ------------------
+def test_weight_dtype_and_context_tokens_set_the_step_memory_floor(repo):
+    from decodescope import arch
+    from decodescope.microbench import memory_floor_note, step_memory_floor
+    from decodescope.records import Peaks
+
+    p = load_params(repo / "params/kimi-k2.5-int4-8x-pcie.yaml")
+    peaks = Peaks(name="X", source="test", mem_gbps=1000.0)
+    p.microbench.batches = [1]
+    int4 = step_memory_floor(p, peaks).iloc[0]
+    a = arch.normalize_config(p.model_config_dict())
+    w = arch.weight_bytes_per_step(arch.gemm_shapes(a, 8, 1), "int4")
+    kv = arch.kv_cache_bytes_per_step(a, 8, 1, 1024)
+    assert int4["total_bytes"] == pytest.approx(w["total"] + kv)
+    assert int4["floor_us"] == pytest.approx((w["total"] + kv) / 1e9 * 1e3)
+    p.model.weight_dtype = "bf16"
+    p.microbench.context_tokens = 4096
+    bf16 = step_memory_floor(p, peaks).iloc[0]
+    assert bf16["weight_bytes"] > int4["weight_bytes"] and bf16["kv_bytes"] == pytest.approx(4 * kv)
+    assert "no memory bandwidth peak" in memory_floor_note(step_memory_floor(p, None), None)
+
+
+def test_int4_and_fp32_rooflines_are_explicit_and_in_the_method_note():
+    from decodescope.microbench import gemm_method_note, gemm_table
+    from decodescope.records import Peaks
+
+    rows = [{"op": "o_proj", "batch": 1, "dtype": d, "m": 1, "n": 64, "k": 64, "count": 1, "status": "ok",
+             "method": "m", "time_us": 1.0, "tflops": 1.0, "gbps": 1.0} for d in ("bf16", "int4", "fp32")]
+    peaks = Peaks(name="GPU", source="datasheet", bf16_tflops=100.0, mem_gbps=1000.0)
+    t = gemm_table(rows, peaks).set_index("dtype")
+    assert t.loc["int4", "peak_tflops"] == 100.0 and "W4A16" in t.loc["int4", "peak_source"]
+    assert np.isnan(t.loc["fp32", "peak_tflops"])      # not bf16/2: no fp32 peak is known
+    note = gemm_method_note(t.reset_index())
+    assert "int4 100.0 TFLOP/s" in note and "fp32: none" in note and "hardware.peaks.fp32_tflops" in note
+    t = gemm_table(rows, peaks.model_copy(update={"int4_tflops": 400.0, "fp32_tflops": 20.0})).set_index("dtype")
+    assert (t.loc["int4", "peak_tflops"], t.loc["fp32", "peak_tflops"]) == (400.0, 20.0)

@@ -95,3 +95,24 @@ def test_report_is_offline_with_every_figure_drawn_and_failures_shown(params_fil
 def test_unknown_phase_is_rejected_before_anything_runs(params_file, phase_notebooks):
     with pytest.raises(runner.RunError, match="07_magic"):
         runner.run(params_file, phases=["07_magic"], notebook_dir=phase_notebooks)
+
+
+def test_run_dir_layout_is_defined_once_and_names_never_collide(tmp_path, params_file):
+    from datetime import datetime, timezone
+
+    from decodescope import rundir
+    from decodescope.notebook import open_phase
+    from decodescope.params import load_params
+
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    first = rundir.make_run_dir(tmp_path / "runs", "demo", now)
+    second = rundir.make_run_dir(tmp_path / "runs", "demo", now)
+    assert (first.name, second.name) == ("20260102T030405Z-demo", "20260102T030405Z-demo-2")
+    for d in (first, second):
+        assert sorted(p.name for p in d.iterdir()) == sorted(rundir.SUBDIRS)
+    # the runner's run directories and a notebook opened alone get the same layout
+    made = runner.new_run_dir(load_params(params_file))
+    assert sorted(p.name for p in made.iterdir()) == sorted(rundir.SUBDIRS)
+    bare = tmp_path / "bare"
+    ctx = open_phase(str(params_file), str(bare))
+    assert sorted(p.name for p in bare.iterdir()) == sorted(rundir.SUBDIRS) and ctx.data_dir == bare.resolve() / "data"

@@ -206,3 +206,46 @@ def test_vllm_bench_per_request_rows_keep_their_own_start_times(tmp_path):
     assert list(df["send_ns"]) == [5e9, 7e9]  # the failed request's start time left with it
     assert df["end_ns"].tolist() == pytest.approx([5.1e9, 7.3e9])
     assert df["tpot_us"].tolist() == pytest.approx([30_000.0, 93_333.33], rel=1e-6)
+
+
+def test_tpot_is_vllm_bench_serves_definition_with_its_edge_cases():
+    import numpy as np
+
+    from decodescope.serving.metrics import tpot
+
+    assert tpot(1000.0, 100.0, 4) == pytest.approx(300.0)     # (E2E - TTFT) / (n_out - 1)
+    assert np.isnan(tpot(1000.0, 100.0, 1))                   # one token: no time per output token
+    assert np.isnan(tpot(1000.0, 100.0, 0))                   # nothing came back
+    assert np.isnan(tpot(float("nan"), 100.0, 5))             # a failed request's missing E2E
+    s = tpot(pd.Series([1000.0, 1000.0, 500.0], index=[7, 8, 9]), pd.Series([100.0, 100.0, 100.0], index=[7, 8, 9]),
+             pd.Series([2, 1, 5], index=[7, 8, 9]))
+    assert list(s.index) == [7, 8, 9] and s[7] == 900.0 and np.isnan(s[8]) and s[9] == 100.0
+
+
+def test_both_tpot_paths_agree_on_a_one_token_request(tmp_path):
+    from decodescope.serving.compare import load_vllm_bench_requests
+
+    doc = {"ttfts": [0.01, 0.02], "latencies": [0.1, 0.02], "itls": [[0.03] * 3, []], "output_lens": [4, 1]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(doc))
+    theirs = load_vllm_bench_requests(path)["tpot_us"].tolist()
+    records = pd.DataFrame({"n_out_usage": [4, 1], "n_out_chunks": [4, 1], "send_ns": [0, 0],
+                            "first_chunk_ns": [10_000_000, 20_000_000], "end_ns": [100_000_000, 20_000_000],
+                            "chunk_ns": [None, None], "ok": [True, True]})
+    ours = per_request(records)["tpot_us"].tolist()
+    assert theirs[0] == pytest.approx(30_000.0) == ours[0]
+    assert pd.isna(theirs[1]) and pd.isna(ours[1])
+
+
+def test_littles_note_names_the_levels_over_its_threshold():
+    from decodescope.serving.metrics import LITTLES_LIMIT_PCT
+    from decodescope.serving.report import littles_note
+
+    good = pd.DataFrame({"level": [1, 4, 16], "littles_error_pct": [1.0, 5.0, 12.5]})
+    assert f"within {LITTLES_LIMIT_PCT:.0f}% at every level" in littles_note(good)
+    assert "worst 12.5%" in littles_note(good)
+    bad = good.assign(littles_error_pct=[1.0, 35.0, float("nan")])
+    note = littles_note(bad)
+    assert "warning" in note and "c=4 (35%)" in note and "c=1" not in note and "every level" not in note
+    assert "not checked" in littles_note(good.assign(littles_error_pct=float("nan")))
+    assert littles_note(pd.DataFrame({"level": [1]})) == ""

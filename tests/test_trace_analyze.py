@@ -114,7 +114,7 @@ def test_write_profile_files(cpu_traces, tmp_path, repo):
     summary = write_profile(result, tmp_path)
     assert (tmp_path / "kernels.parquet").is_file()
     on_disk = json.loads((tmp_path / "profile_summary.json").read_text())
-    assert on_disk["ranks"] == [0, 1] == summary["ranks"]
+    assert on_disk["ranks"] == [0, 1] == summary.ranks
     assert on_disk["allreduce_calls_per_step"] == {"0": 3.0, "1": 3.0}
     kernels = pd.read_parquet(tmp_path / "kernels.parquet")
     assert set(kernels["rank"]) == {0, 1}
@@ -132,3 +132,36 @@ def test_a_failed_stop_profile_quotes_the_server_log(tmp_path):
     assert "exit code: -9" in err and str(log) in err and "profile.with_stack" in err
     err = str(stop_profile_error(SimpleNamespace(base_url="http://h:1", log_path=None), 500, 1.0))
     assert "see the server's own log" in err
+
+
+def test_timeline_step_is_a_typical_step_of_the_analysed_kind_or_says_why_none():
+    from types import SimpleNamespace
+
+    from decodescope.trace.report import timeline_step
+
+    def result(rows, kind="decode"):
+        return SimpleNamespace(step_kind=kind, busy=pd.DataFrame(
+            rows, columns=["rank", "step", "kind", "wall_us", "busy_us"]))
+
+    # steps 0-1 prefill (long), 2-5 decode; step 4 is prefill on rank 1 (ranks disagree): never picked
+    rows = [(r, s, k, w, w / 2) for r in (0, 1) for s, k, w in
+            ((0, "prefill", 9000.0), (1, "prefill", 9000.0), (2, "decode", 1000.0), (3, "decode", 1200.0),
+             (4, "decode" if r == 0 else "prefill", 1100.0), (5, "decode", 5000.0))]
+    step, why = timeline_step(result(rows))
+    assert step == 3 and "Step 3" in why and "decode step" in why
+    step, why = timeline_step(result([]))
+    assert step is None and "No step timeline" in why
+    step, why = timeline_step(result([r for r in rows if r[2] == "prefill"]))
+    assert step is None and "decode" in why and "prefill" in why
+    step, why = timeline_step(result([(0, 0, "unknown", 10.0, 5.0)], kind="unknown"))
+    assert step == 0 and "pauses in the work" in why
+
+
+def test_timeline_step_of_real_traces_is_a_decode_step(cpu_traces):
+    from decodescope.trace.report import timeline_figure, timeline_step
+
+    result = analyze_traces(load_trace_dir(cpu_traces))
+    step, why = timeline_step(result)
+    assert set(result.steps.loc[result.steps["step"] == step, "kind"]) == {"decode"}, why
+    why, fig = timeline_figure(result)
+    assert fig is not None and fig.layout.title.text.startswith(f"Step {step}:")

@@ -14,7 +14,15 @@ from typing import Optional
 
 import pandas as pd
 
-DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1}
+from decodescope.dtypes import INT4_GROUP_SIZE, bytes_per_element, element_bytes
+
+
+def activation_bytes(dtype: str) -> int:
+    """Bytes per element of an activation (what collectives move); int4 is a weight format only."""
+    elt = element_bytes(dtype)
+    if elt != elt:
+        raise KeyError(f"{dtype!r} is not an activation dtype; use bf16, fp16, fp32 or fp8")
+    return int(elt)
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,7 @@ def collective_schedule(arch: ArchConfig, tp: int, batch: int = 1, dtype: str = 
     """The collectives of one decode step (batch = sequences decoded together, one token each)."""
     if tp <= 1:
         return []
-    elt = DTYPE_BYTES[dtype]
+    elt = activation_bytes(dtype)
     act_bytes = batch * arch.hidden_size * elt
     dense_layers = arch.num_layers - arch.moe_layers
     calls = [
@@ -110,7 +118,7 @@ def collective_schedule(arch: ArchConfig, tp: int, batch: int = 1, dtype: str = 
     if arch.moe_layers:
         calls.append(CollectiveCall("all_reduce", "moe_out", arch.moe_layers, act_bytes, dtype))
     vocab_shard = -(-arch.vocab_size // tp)
-    calls.append(CollectiveCall("all_gather", "logits", 1, batch * vocab_shard * DTYPE_BYTES[logits_dtype],
+    calls.append(CollectiveCall("all_gather", "logits", 1, batch * vocab_shard * activation_bytes(logits_dtype),
                                 logits_dtype))
     return calls
 
@@ -130,16 +138,6 @@ def expected_all_reduces_per_step(arch: ArchConfig, tp: int) -> int:
 
 
 # ---- GEMM shapes, bytes and FLOPs of a decode step -------------------------------------------------
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0}
-
-
-def weight_bytes_per_element(dtype: str, group_size: int = 32) -> float:
-    """int4 packs two weights a byte and carries one bf16 scale per group."""
-    if dtype == "int4":
-        return 0.5 + 2.0 / group_size
-    return WEIGHT_BYTES[dtype]
-
-
 @dataclass(frozen=True)
 class GemmShape:
     op: str            # e.g. qkv_proj, o_proj, moe_w13
@@ -199,7 +197,7 @@ def gemm_shapes(arch: ArchConfig, tp: int, batch: int, ep: int = 1, skew: float 
         E, k = arch.num_experts, arch.top_k
         moe_tp = 1 if ep > 1 else tp
         inter = arch.moe_intermediate_size // moe_tp
-        tokens_on_rank = b if ep == 1 else max(1, -(-b * ep // ep))  # with EP every rank sees all tokens' routes
+        tokens_on_rank = b  # with EP every rank sees all tokens' routes
         experts_here = E // ep
         hit = active_experts(tokens_on_rank, k, E, skew) * experts_here / E
         per_expert = max(1, round(tokens_on_rank * k / max(active_experts(tokens_on_rank, k, E, skew), 1.0)))
@@ -215,27 +213,21 @@ def gemm_shapes(arch: ArchConfig, tp: int, batch: int, ep: int = 1, skew: float 
     return shapes
 
 
-def gemm_frame(shapes: list[GemmShape]) -> pd.DataFrame:
-    df = pd.DataFrame([asdict(s) for s in shapes])
-    df["flops"] = [s.flops for s in shapes]
-    return df
-
-
-def weight_bytes_per_step(shapes: list[GemmShape], weight_dtype: str = "bf16", group_size: int = 32,
+def weight_bytes_per_step(shapes: list[GemmShape], weight_dtype: str = "bf16", group_size: int = INT4_GROUP_SIZE,
                           quantized_kinds: tuple[str, ...] = ("moe_expert",)) -> dict:
     """Weight bytes one rank reads per decode step, split by dtype: `weight_dtype` for the layer kinds
     that are quantized (routed experts by default, as in Kimi-K2.5 INT4), bf16 for the rest."""
     out: dict[str, float] = {}
     for s in shapes:
         dt = weight_dtype if s.layer_kind in quantized_kinds else "bf16"
-        out[dt] = out.get(dt, 0.0) + s.n * s.k * s.count * s.groups * weight_bytes_per_element(dt, group_size)
+        out[dt] = out.get(dt, 0.0) + s.n * s.k * s.count * s.groups * bytes_per_element(dt, group_size)
     out["total"] = sum(out.values())
     return out
 
 
 def kv_cache_bytes_per_step(arch: ArchConfig, tp: int, batch: int, context: int, kv_dtype: str = "bf16") -> float:
     """KV-cache bytes one rank reads per decode step (every layer reads the whole context)."""
-    elt = WEIGHT_BYTES[kv_dtype]
+    elt = activation_bytes(kv_dtype)
     if arch.uses_mla:  # the latent cache is replicated on every rank
         per_token_layer = (arch.kv_lora_rank + arch.qk_rope_head_dim) * elt
     else:
@@ -250,7 +242,7 @@ def flops_per_step(shapes: list[GemmShape]) -> int:
 def all_to_all_bytes(arch: ArchConfig, ep: int, tokens_per_gpu: int, dtype: str = "bf16") -> dict:
     """Expert-parallel dispatch/combine per MoE layer and rank: each token goes to top_k experts, of
     which (ep-1)/ep live on other ranks on average."""
-    elt = DTYPE_BYTES[dtype]
+    elt = activation_bytes(dtype)
     sent = tokens_per_gpu * arch.top_k * arch.hidden_size * elt * (ep - 1) / ep if ep > 1 else 0.0
     return {"dispatch_bytes": sent, "combine_bytes": sent, "layers": arch.moe_layers,
             "per_step_bytes": 2 * sent * arch.moe_layers}

@@ -47,9 +47,13 @@ def _load_or_report(path: str):
 
 
 def _cmd_params_validate(args) -> int:
+    from decodescope.params import unread_keys
+
     p = _load_or_report(args.file)
     if p is None:
         return 2
+    for key, why in unread_keys(args.file):  # warnings, not errors: the file still runs
+        print(f"warning: {args.file}: {key} is read by no phase ({why})", file=sys.stderr)
     print(f"{args.file}: ok (run name {p.run_name!r}, model {p.model.name!r}, TP={p.server.tensor_parallel})")
     return 0
 

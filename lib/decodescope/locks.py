@@ -42,6 +42,13 @@ class FileLock:
         self._fd = fd
         return self
 
+    def update(self, holder: dict) -> None:
+        """Rewrite who holds the lock (e.g. once the run directory exists)."""
+        if self._fd is not None:
+            since = _read_holder(self._fd).get("since")
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, (json.dumps({**holder, "pid": os.getpid(), "since": since}) + "\n").encode(), 0)
+
     def release(self) -> None:
         if self._fd is not None:
             try:

@@ -15,8 +15,8 @@ import pandas as pd
 
 from decodescope import arch as archmod
 from decodescope.io import write_json_atomic, write_parquet_atomic
-
-PROBE_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int4")
+from decodescope.records import LATENCY_FIT_COLUMNS, CollectivesFit, HostInventory, LatencyFit, Peaks, read_record, \
+    write_record
 
 
 class ProbeError(RuntimeError):
@@ -90,29 +90,55 @@ def run_gemm_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.Da
     return gemm_table(json.loads(out.read_text()), peaks_for(run_dir, params))
 
 
-def peaks_for(run_dir: Path, params) -> dict:
-    """Peaks from the host phase's file (GPU datasheet or the measured CPU matmul)."""
+def peaks_for(run_dir: Path, params) -> Optional[Peaks]:
+    """Peaks from the host phase's file (GPU datasheet or the measured CPU matmul), else from the params;
+    None when nothing is known."""
     from decodescope.hardware import resolve_peaks
 
     host_path = run_dir / "data" / "host.json"
-    host = json.loads(host_path.read_text()) if host_path.is_file() else {}
-    peaks = host.get("peaks") or resolve_peaks(params.hardware.gpu, params.hardware.peaks.model_dump()) or {}
-    if not peaks and host.get("cpu_matmul"):
-        best = {m["dtype"]: m["gflops"] / 1e3 for m in host["cpu_matmul"]}
-        peaks = {"name": "CPU (measured)", "bf16_tflops": best.get("bfloat16"), "fp32_tflops": best.get("float32"),
-                 "mem_gbps": None, "source": "host.json cpu_matmul"}
+    host = read_record(host_path, HostInventory) if host_path.is_file() else None
+    peaks = (host.peaks if host else None) or resolve_peaks(params.hardware.gpu, params.hardware.peaks.model_dump())
+    if peaks is None and host is not None and host.cpu_matmul:
+        best = {m.dtype: m.gflops / 1e3 for m in host.cpu_matmul}
+        peaks = Peaks(name="CPU (measured)", bf16_tflops=best.get("bfloat16"), fp32_tflops=best.get("float32"),
+                      source="host.json cpu_matmul")
     return peaks
 
 
-def gemm_table(rows: list[dict], peaks: dict) -> pd.DataFrame:
+def dtype_peaks(peaks: Optional[Peaks]) -> dict[str, tuple[Optional[float], str]]:
+    """Each probed dtype's compute roofline (TFLOP/s, None when unknown) and where it comes from.
+    fp16 runs at the bf16 tensor-core rate; int4 is W4A16 (the weights are dequantized and multiplied
+    in 16-bit), so its peak is the bf16 one unless `hardware.peaks.int4_tflops` says otherwise; fp32
+    has a peak only when one is given or measured (datasheets list tensor-core peaks, and fp32 GEMMs
+    run on the CUDA cores, far below bf16/2)."""
+    where = f" of {peaks.name} ({peaks.source})" if peaks is not None and peaks.name else ""
+
+    def given(key: str, why: str = ""):
+        v = getattr(peaks, key) if peaks is not None else None
+        return (float(v), f"{key}{where}{why}") if v else None
+
+    def missing(dtype: str, key: str):
+        return None, f"no {dtype} peak known (set hardware.peaks.{key})"
+
+    return {
+        "bf16": given("bf16_tflops") or missing("bf16", "bf16_tflops"),
+        "fp16": given("bf16_tflops", ", the same tensor-core rate") or missing("fp16", "bf16_tflops"),
+        "fp8": given("fp8_tflops") or missing("fp8", "fp8_tflops"),
+        "int4": (given("int4_tflops")
+                 or given("bf16_tflops", ": W4A16 dequantizes the weights and multiplies in 16-bit")
+                 or missing("int4", "int4_tflops")),
+        "fp32": given("fp32_tflops") or missing("fp32", "fp32_tflops"),
+    }
+
+
+def gemm_table(rows: list[dict], peaks: Optional[Peaks]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    peak_tflops = {"bf16": peaks.get("bf16_tflops"), "fp16": peaks.get("bf16_tflops"),
-                   "fp32": peaks.get("fp32_tflops") or (peaks.get("bf16_tflops") or 0) / 2 or None,
-                   "fp8": peaks.get("fp8_tflops"), "int4": peaks.get("bf16_tflops")}
-    mem = peaks.get("mem_gbps")
-    df["peak_tflops"] = df["dtype"].map(peak_tflops).astype(float)
+    by_dtype = dtype_peaks(peaks)
+    mem = peaks.mem_gbps if peaks is not None else None
+    df["peak_tflops"] = df["dtype"].map({d: v for d, (v, _) in by_dtype.items()}).astype(float)
+    df["peak_source"] = df["dtype"].map({d: src for d, (_, src) in by_dtype.items()})
     df["mem_gbps"] = float(mem) if mem else np.nan
     for col in ("tflops", "gbps", "time_us"):
         if col not in df:
@@ -122,6 +148,46 @@ def gemm_table(rows: list[dict], peaks: dict) -> pd.DataFrame:
     df["pct_of_peak"] = df[["pct_of_compute_peak", "pct_of_mem_peak"]].max(axis=1)
     df["step_time_us"] = df["time_us"] * df["count"]
     return df
+
+
+def step_memory_floor(params, peaks: Optional[Peaks]) -> pd.DataFrame:
+    """Per batch: the bytes one rank must read in a decode step (its weights, `model.weight_dtype` for
+    the quantized layers, and the KV cache of `microbench.context_tokens` per sequence in bf16) and the
+    time that takes at the memory peak: no step on this host can be faster."""
+    arch = archmod.normalize_config(params.model_config_dict())
+    tp, mb = params.server.tensor_parallel, params.microbench
+    wdt = params.model.weight_dtype
+    quantized = ("moe_expert",) if arch.moe_layers else ("attention", "dense_mlp")
+    mem = peaks.mem_gbps if peaks is not None else None
+    rows = []
+    for b in mb.batches:
+        shapes = archmod.gemm_shapes(arch, tp, b, mb.expert_parallel, mb.moe_skew)
+        w = archmod.weight_bytes_per_step(shapes, wdt, quantized_kinds=quantized)
+        kv = archmod.kv_cache_bytes_per_step(arch, tp, b, mb.context_tokens)
+        total = w["total"] + kv
+        rows.append({"batch": b, "weight_dtype": wdt, "weight_bytes": w["total"],
+                     "quantized_weight_bytes": w.get(wdt, 0.0) if wdt != "bf16" else 0.0,
+                     "kv_bytes": kv, "context_tokens": mb.context_tokens, "total_bytes": total,
+                     "mem_gbps": float(mem) if mem else np.nan,
+                     "floor_us": total / (mem * 1e9) * 1e6 if mem else np.nan})
+    return pd.DataFrame(rows)
+
+
+def memory_floor_note(floor: pd.DataFrame, peaks: Optional[Peaks]) -> str:
+    if floor.empty:
+        return ""
+    first = floor.iloc[0]
+    dt = first["weight_dtype"]
+    how = ("int4 weights count half a byte each plus a 2-byte scale per 32 (decodescope.dtypes)" if dt == "int4"
+           else f"{dt} weights")
+    if first["mem_gbps"] != first["mem_gbps"]:
+        return (f"**Memory floor:** no memory bandwidth peak is known for this host (set "
+                f"hardware.peaks.mem_gbps), so only the bytes are shown; {how}, KV cache in bf16 at "
+                f"{int(first['context_tokens'])} tokens of context per sequence.")
+    return (f"**Memory floor:** reading the bytes below at {first['mem_gbps']:,.0f} GB/s ({peaks.name}, "
+            f"{peaks.source}) takes at least {first['floor_us']:,.1f} us per decode step at batch "
+            f"{int(first['batch'])}; {how}, KV cache in bf16 at {int(first['context_tokens'])} tokens of context "
+            "per sequence. A step measured well above this floor spends its time elsewhere.")
 
 
 def gemm_per_step(df: pd.DataFrame) -> pd.DataFrame:
@@ -164,7 +230,8 @@ def collectives_table(out_dir: Path) -> pd.DataFrame:
 
 
 def latency_fit(sweep: pd.DataFrame) -> pd.DataFrame:
-    """t(n) = alpha + n / beta per operation, least squares over the sweep's medians (rank 0)."""
+    """t(n) = alpha + n / beta per operation, least squares over the sweep's medians (rank 0): one
+    records.LatencyFit per row."""
     out = []
     ok = sweep[(sweep["part"] == "sweep") & (sweep["status"] == "ok")]
     for (op, inplace), g in ok[ok["rank"] == ok["rank"].min()].groupby(["op", "inplace"]):
@@ -172,9 +239,9 @@ def latency_fit(sweep: pd.DataFrame) -> pd.DataFrame:
             continue
         slope, alpha = np.polyfit(g["bytes"].to_numpy(float), g["time_us"].to_numpy(float), 1)
         beta_gbps = (1.0 / slope) * 1e6 / 1e9 if slope > 0 else np.inf
-        out.append({"op": op, "inplace": bool(inplace), "alpha_us": float(alpha), "beta_gbps": float(beta_gbps),
-                    "points": len(g)})
-    return pd.DataFrame(out)
+        out.append(LatencyFit(op=op, inplace=bool(inplace), alpha_us=float(alpha), beta_gbps=float(beta_gbps),
+                              points=len(g)))
+    return pd.DataFrame([f.model_dump() for f in out], columns=LATENCY_FIT_COLUMNS)
 
 
 def save_gemm(df: pd.DataFrame, data_dir: Path) -> None:
@@ -183,7 +250,8 @@ def save_gemm(df: pd.DataFrame, data_dir: Path) -> None:
 
 def save_collectives(df: pd.DataFrame, fit: pd.DataFrame, data_dir: Path) -> None:
     write_parquet_atomic(Path(data_dir) / "collectives.parquet", df)
-    write_json_atomic(Path(data_dir) / "collectives_fit.json", fit.to_dict("records"))
+    write_record(Path(data_dir) / "collectives_fit.json",
+                 CollectivesFit(fits=[LatencyFit.model_validate(r) for r in fit.to_dict("records")]))
 
 
 # ---- display helpers for the notebooks -------------------------------------------------------------
@@ -195,6 +263,11 @@ def gemm_method_note(gemm: pd.DataFrame) -> str:
     ok = gemm[gemm["status"] == "ok"]
     skipped = gemm[gemm["status"] != "ok"]
     parts = [f"**Method:** {ok['method'].iloc[0]}." if len(ok) else "**No GEMM could be measured.**"]
+    if len(ok) and "peak_source" in ok:
+        peaks = ok.groupby("dtype").agg(peak=("peak_tflops", "first"), source=("peak_source", "first"))
+        parts.append("Compute rooflines: " + "; ".join(
+            f"{dt} {p.peak:,.1f} TFLOP/s ({p.source})" if p.peak == p.peak else f"{dt}: none, {p.source}"
+            for dt, p in peaks.iterrows()) + ".")
     if len(skipped):
         reasons = "; ".join(f"{dt}: {r}" for dt, r in skipped.groupby("dtype")["skip_reason"].first().items())
         parts.append(f"Skipped ({len(skipped)} rows): {reasons}.")

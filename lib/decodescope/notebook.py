@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decodescope.params import Params, load_params
+from decodescope.rundir import DATA, ensure_layout
 
 
 @dataclass
@@ -18,14 +19,14 @@ class PhaseContext:
 
     @property
     def data_dir(self) -> Path:
-        return self.run_dir / "data"
+        return self.run_dir / DATA
 
     def data(self, name: str) -> Path:
         return self.data_dir / name
 
     def source(self, name: str) -> str:
         """'where this number came from' line for captions."""
-        return f"{self.run_dir.name}/data/{name} (params: {self.params.run_name})"
+        return f"{self.run_dir.name}/{DATA}/{name} (params: {self.params.run_name})"
 
 
 def open_phase(params_path: str, run_dir: str = "") -> PhaseContext:
@@ -37,6 +38,4 @@ def open_phase(params_path: str, run_dir: str = "") -> PhaseContext:
 
         params.run.name = f"{params.run_name}-interactive"
         path = new_run_dir(params)
-    for sub in ("data", "logs", "traces", "notebooks"):
-        (path / sub).mkdir(parents=True, exist_ok=True)
-    return PhaseContext(params=params, run_dir=path.resolve())
+    return PhaseContext(params=params, run_dir=ensure_layout(path).resolve())

@@ -126,8 +126,11 @@ class ModelParams(_Section):
                                 "None: a local dir is built from `config` (dummy weights)")
     tokenizer: str = Field("train", description="'train' (local byte-level BPE, dummy weights), 'model' "
                            "(the server loads it from `path`) or a local tokenizer directory")
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    weight_dtype: Literal["bf16", "fp16", "fp8", "int4"] = "bf16"
+    weight_dtype: Literal["bf16", "fp16", "fp8", "int4"] = Field(
+        "bf16", description="dtype of the quantized weights: the routed experts' in a MoE model (e.g. int4 "
+        "for Kimi-K2.5 INT4; the other layers count as bf16), every linear layer but lm_head in a dense "
+        "one; sets the weight bytes of the step's memory floor (02_gemm). int4 counts a bf16 scale per "
+        "32 weights (decodescope.dtypes)")
 
 
 class SloParams(_Section):
@@ -187,7 +190,8 @@ class MicrobenchParams(_Section):
     sweep_min_bytes: int = 1024
     all_to_all_tokens: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     expert_parallel: int = Field(1, description="EP size for all-to-all volumes (1: TP only)")
-    context_tokens: int = Field(1024, description="context length for KV-cache bytes per step")
+    context_tokens: AtLeastOne = Field(1024, description="tokens of context each sequence attends to: the "
+                                       "KV-cache bytes of the step's memory floor (02_gemm)")
     moe_skew: float = Field(0.0, description="0 uniform routing; towards 1 all tokens pick the same experts")
     flush_l2: bool = True
     nnodes: int = 1
@@ -216,17 +220,18 @@ class ProfileParams(_Section):
 
 
 class PeakOverrides(_Section):
-    bf16_tflops: Optional[float] = None
+    bf16_tflops: Optional[float] = Field(None, description="dense bf16/fp16 tensor-core peak")
     fp8_tflops: Optional[float] = None
-    int4_tflops: Optional[float] = None
+    int4_tflops: Optional[float] = Field(None, description="the int4 GEMMs' compute roofline; default: the "
+                                         "bf16 peak (W4A16 kernels dequantize the weights and multiply in 16-bit)")
+    fp32_tflops: Optional[float] = Field(None, description="the fp32 GEMMs' compute roofline; default: none "
+                                         "(datasheets list tensor-core peaks; on a CPU host the measured matmul)")
     mem_gbps: Optional[float] = None
     link_gbps: Optional[float] = None
 
 
 class HardwareParams(_Section):
     gpu: Optional[str] = Field(None, description="GPU model name to use for peaks, e.g. 'H200'")
-    gpu_count: Optional[int] = None
-    interconnect: Optional[Literal["pcie", "nvlink"]] = None
     peaks: PeakOverrides = Field(default_factory=PeakOverrides)
 
 
@@ -271,6 +276,126 @@ class Params(_Section):
         if p.is_absolute():
             return p
         return (_repo_root_of(self.source_path) / p).resolve()
+
+
+# Who reads each key: phases, or RUNNER (the runner itself, whatever phases run). The longest dotted
+# prefix that names a key decides. tests/test_params.py checks every key of the schema is listed here,
+# so a key nothing reads cannot come back unnoticed; `decodescope params validate` warns about keys a
+# file sets that none of the phases it runs reads.
+RUNNER = "runner"
+_SERVER_PHASES = ("01_serving", "04_profile")  # the runner starts (or attaches to) the server for these
+READERS: dict[str, tuple[str, ...]] = {
+    "run": (RUNNER,),
+    "host": (RUNNER,),
+    "server": _SERVER_PHASES,
+    "server.tensor_parallel": (*_SERVER_PHASES, "02_gemm", "03_collectives"),  # the probes' shapes, ranks
+    "model.name": _SERVER_PHASES,
+    "model.path": _SERVER_PHASES,
+    "model.tokenizer": _SERVER_PHASES,
+    "model.config": (*_SERVER_PHASES, "02_gemm", "03_collectives"),
+    "model.weight_dtype": ("02_gemm",),
+    "workload": ("01_serving",),
+    "workload.request_timeout_s": ("01_serving", "04_profile"),  # the profiled requests use them too
+    "workload.seed": ("01_serving", "04_profile"),
+    "microbench.batches": ("02_gemm", "03_collectives"),
+    "microbench.dtypes": ("02_gemm",),
+    "microbench.iterations": ("02_gemm", "03_collectives"),
+    "microbench.warmup": ("02_gemm", "03_collectives"),
+    "microbench.world_size": ("03_collectives",),
+    "microbench.sweep_max_bytes": ("03_collectives",),
+    "microbench.sweep_min_bytes": ("03_collectives",),
+    "microbench.all_to_all_tokens": ("03_collectives",),
+    "microbench.expert_parallel": ("02_gemm", "03_collectives"),
+    "microbench.context_tokens": ("02_gemm",),
+    "microbench.moe_skew": ("02_gemm",),
+    "microbench.flush_l2": ("02_gemm",),
+    "microbench.nnodes": ("03_collectives",),
+    "microbench.node_rank": ("03_collectives",),
+    "microbench.rdzv_endpoint": ("03_collectives",),
+    "microbench.probe_timeout_s": ("02_gemm", "03_collectives"),
+    "profile": ("04_profile",),
+    "profile.concurrency": ("04_profile", "05_verdict"),
+    "hardware": ("00_host", "02_gemm"),
+}
+# Keys that were once in the schema and that nothing reads any more: a file that still sets one loads
+# (the key is dropped) and `params validate` warns, saying what to use instead.
+RETIRED_KEYS: dict[str, str] = {
+    "model.dtype": "the server's dtype is server.engine_args.dtype",
+    "hardware.gpu_count": "00_host counts the GPUs",
+    "hardware.interconnect": "00_host reads the links from nvidia-smi topo -m",
+}
+
+
+def readers_of(key: str) -> tuple[str, ...]:
+    """The phases (or RUNNER) that read a dotted key; () when none does."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        found = READERS.get(".".join(parts[:n]))
+        if found is not None:
+            return found
+    return ()
+
+
+def schema_keys(model: Optional[type[BaseModel]] = None, prefix: str = "", required: bool = False) -> list[str]:
+    """Every leaf key of the schema, dotted (sections are walked into); with `required`, only those a
+    file must set."""
+    model = model or Params
+    keys = []
+    for name, field in model.model_fields.items():
+        if name == "source_path" or (required and not field.is_required()):
+            continue
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            keys += schema_keys(sub, f"{prefix}{name}.", required)
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _file_keys(raw: dict, model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The leaf keys a file sets, dotted, as far as the schema knows them (unknown keys are errors)."""
+    keys = []
+    for name, value in raw.items():
+        field = model.model_fields.get(str(name))
+        dotted = f"{prefix}{name}"
+        if field is None:
+            keys.append(dotted)
+            continue
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel) and isinstance(value, dict):
+            keys += _file_keys(value, sub, dotted + ".")
+        else:
+            keys.append(dotted)
+    return keys
+
+
+def _pop_retired(raw: dict) -> list[str]:
+    """Removes the retired keys a raw mapping sets; returns them, dotted."""
+    found = []
+    for key in RETIRED_KEYS:
+        section, _, leaf = key.rpartition(".")
+        holder = raw.get(section) if section else raw
+        if isinstance(holder, dict) and leaf in holder:
+            del holder[leaf]
+            found.append(key)
+    return found
+
+
+def unread_keys(path: str | Path) -> list[tuple[str, str]]:
+    """(dotted key, why) for each key the file sets that no phase it runs reads: retired keys, and keys
+    only phases outside `run.phases` read. For `params validate`, after load_params accepted the file."""
+    raw = yaml.safe_load(Path(path).read_text())
+    if not isinstance(raw, dict):
+        return []
+    out = [(k, f"it was removed: {RETIRED_KEYS[k]}") for k in _pop_retired(raw)]
+    run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
+    phases = set(run.get("phases") or PHASES) | {RUNNER}
+    required = set(schema_keys(required=True))  # a file cannot leave these out, so no warning
+    for key in _file_keys(raw, Params):
+        readers = readers_of(key)
+        if readers and key not in required and not phases.intersection(readers):
+            out.append((key, f"read only by {', '.join(readers)}, which run.phases leaves out"))
+    return out
 
 
 def _repo_root_of(source_path: Optional[str]) -> Path:
@@ -415,6 +540,7 @@ def load_params(path: str | Path) -> Params:
                                       f"got {type(raw).__name__}")])
     if "source_path" in raw:
         raise ParamsError(path, [("source_path", "reserved; remove it")])
+    _pop_retired(raw)  # accepted and ignored; `params validate` warns about them
     problems: list[tuple[str, str]] = []
     params = None
     try:

@@ -17,14 +17,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
+from decodescope import resources
 from decodescope.io import read_json, write_json_atomic, write_text_atomic
 from decodescope.params import PHASES, Params, dump_yaml, load_params, params_as_dict
+from decodescope.rundir import make_run_dir
 
 RUN_ID_ENV = "DECODESCOPE_RUN_ID"
 # Kept free on the run's disk and released when a write fails, so the manifest can still say "failed".
 MANIFEST_RESERVE_BYTES = 256 * 1024
-REPO_ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOK_DIR = REPO_ROOT / "notebooks"
+# The repository checkout this runs from (None for an installed wheel) and the shipped notebooks,
+# found through importlib.resources (decodescope.resources).
+REPO_ROOT = resources.source_checkout()
+NOTEBOOK_DIR = resources.notebook_dir()
 # Phases that talk to the inference server; the runner starts it once for all of them.
 SERVER_PHASES = {"01_serving", "04_profile"}
 
@@ -70,7 +74,9 @@ def select_phases(params: Params, requested: Optional[list[str]], notebook_dir: 
     return [p for p in PHASES if p in wanted]  # always in phase order
 
 
-def git_commit(repo: Path = REPO_ROOT) -> Optional[str]:
+def git_commit(repo: Optional[Path] = REPO_ROOT) -> Optional[str]:
+    if repo is None:  # an installed wheel: no commit to name
+        return None
     try:
         out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10)
@@ -82,58 +88,71 @@ def git_commit(repo: Path = REPO_ROOT) -> Optional[str]:
 
 
 def new_run_dir(params: Params) -> Path:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    root = params.output_root()
-    run_dir = root / f"{stamp}-{params.run_name}"
-    n = 1
-    while run_dir.exists():
-        n += 1
-        run_dir = root / f"{stamp}-{params.run_name}-{n}"
-    for sub in ("notebooks", "data", "traces", "logs"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    return run_dir
+    """`<output_root>/<UTC stamp>-<run name>` with its subfolders (decodescope.rundir)."""
+    return make_run_dir(params.output_root(), params.run_name)
 
 
 class Manifest:
-    """manifest.json of one run, rewritten atomically at every change."""
+    """manifest.json of one run (a records.RunManifest), rewritten atomically at every change.
+
+    `data` is the record as its JSON dict, which the runner updates in place; every save validates it
+    as a RunManifest and writes exactly the keys set."""
 
     def __init__(self, path: Path, data: dict):
         self.path, self.data = path, data
         self._lock = threading.Lock()
 
+    @property
+    def record(self) -> "RunManifest":
+        """The manifest as it stands, typed."""
+        from decodescope.records import RunManifest
+
+        return RunManifest.model_validate(self.data)
+
     @classmethod
     def create(cls, run_dir: Path, params: Params, phases: list[str]) -> "Manifest":
         from decodescope.hardware import cpu_summary, package_versions
+        from decodescope.records import ManifestHost, PhaseEntry, RunManifest
 
-        data = {
-            "run_id": run_dir.name,
-            "params_name": params.run_name,
-            "params_path": params.source_path,
-            "params": params_as_dict(params),
-            "git_commit": git_commit(),
-            "versions": {**package_versions(), "python": sys.version.split()[0]},
-            "host": {"kind": params.host, **{k: v for k, v in cpu_summary().items()
-                                               if k in ("hostname", "model", "logical_cores", "memory_gib")}},
-            "created": utc_now(),
-            "status": "running",
-            "phases": {p: {"status": "pending"} for p in phases},
-        }
-        m = cls(run_dir / "manifest.json", data)
+        cpu = cpu_summary()
+        record = RunManifest(
+            run_id=run_dir.name,
+            params_name=params.run_name,
+            params_path=params.source_path,
+            params=params_as_dict(params),
+            git_commit=git_commit(),
+            versions={**package_versions(), "python": sys.version.split()[0]},
+            host=ManifestHost(kind=params.host, hostname=cpu.hostname, model=cpu.model,
+                              logical_cores=cpu.logical_cores, memory_gib=cpu.memory_gib),
+            created=utc_now(),
+            status="running",
+            phases={p: PhaseEntry(status="pending") for p in phases},
+        )
+        m = cls(run_dir / "manifest.json", record.to_json_dict())
         m.save()
         return m
 
     @classmethod
     def load(cls, run_dir: Path) -> "Manifest":
+        from decodescope.records import RecordError, RunManifest, read_record
+
         path = run_dir / "manifest.json"
         if not path.is_file():
             raise RunError(f"{run_dir} has no manifest.json; --resume needs a run directory made by "
                            "`decodescope run`")
-        return cls(path, read_json(path))
+        try:
+            record = read_record(path, RunManifest)
+        except RecordError as e:
+            raise RunError(f"cannot resume: {e}") from None
+        return cls(path, record.to_json_dict())
 
     def save(self) -> None:
+        from decodescope.records import write_record
+
         with self._lock:
+            record = self.record  # a field of the wrong type is a bug: it fails here, before the file
             try:
-                write_json_atomic(self.path, self.data)
+                write_record(self.path, record)
             except OSError as e:
                 raise ResultsWriteError(self.path, e) from None
 
@@ -228,8 +247,25 @@ def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Pa
     pm.execute_notebook(str(notebook_for(phase, notebook_dir)), str(out),
                         parameters={"params_path": str(params_path), "run_dir": str(run_dir)},
                         kernel_name="python3", progress_bar=False, log_output=False,
-                        cwd=str(notebook_dir), request_save_on_cell_execute=True)
+                        cwd=str(notebook_dir), request_save_on_cell_execute=True,
+                        kernel_manager_class=kernel_manager_logging_to(run_dir / "logs" / f"kernel_{phase}.log"))
     return out
+
+
+def kernel_manager_logging_to(log_path: Path):
+    """A kernel manager whose kernel writes its own stdout/stderr (start-up warnings, the traceback of
+    a kernel torn down by Ctrl-C) to log_path instead of the user's terminal; what cells print still
+    goes into the notebook."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class LoggedKernelManager(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as log:
+                kw["stdout"] = kw["stderr"] = log  # the child keeps its own copy of the descriptor
+                await super()._async_launch_kernel(kernel_cmd, **kw)
+
+    return LoggedKernelManager
 
 
 def _short_error(exc: BaseException) -> str:
@@ -265,6 +301,8 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
             except OSError as e:
                 raise ResultsWriteError(getattr(e, "filename", None) or params.output_root(), e) from None
             dir_lock = run_dir_lock(run_dir).acquire(holder_info(run_dir))
+        if needs_port:
+            hold_port(params.server.port, run_dir)  # the holder line now names the run directory
         try:
             return _run_locked(params, selected, run_dir, resume, notebook_dir, on_server)
         finally:

@@ -70,6 +70,8 @@ def hold_port(port: int, run_dir: Optional[Path] = None):
     gets LockHeld naming the holder. Re-entrant within a process."""
     if port not in _HELD_PORTS:
         _HELD_PORTS[port] = port_lock(port).acquire(holder_info(run_dir))
+    elif run_dir is not None:
+        _HELD_PORTS[port].update(holder_info(run_dir))
     return _HELD_PORTS[port]
 
 

@@ -22,10 +22,12 @@ from typing import Callable, Optional
 
 import torch
 
+from decodescope.dtypes import bytes_per_element
 from decodescope.io import write_json_atomic
 from decodescope.probes.timing import median_spread
 
 FP8_MIN_DIM = 16
+MARLIN_GROUP = 128  # int4 weights' group size in the W4A16 probe (one fp16 scale per 128 weights)
 
 
 class Flusher:
@@ -180,14 +182,14 @@ def _marlin_w4a16(m: int, n: int, k: int, device: torch.device):
 
         a = torch.randn(m, k, device=device, dtype=torch.float16)
         w = torch.randn(k, n, device=device, dtype=torch.float16)
-        _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(w, scalar_types.uint4b8, 128, False)
+        _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(w, scalar_types.uint4b8, MARLIN_GROUP, False)
         ws = torch.zeros(n // 64 * 16, dtype=torch.int, device=device)
         from vllm import _custom_ops as ops
 
         fn = lambda: ops.gptq_marlin_gemm(a, None, q_w, None, s, None, None, g_idx, sort_idx, ws,  # noqa: E731
                                           scalar_types.uint4b8, m, n, k, is_k_full=True)
         fn()
-        return fn, "", float(m * k * 2 + n * k / 2 + n * k / 128 * 2 + m * n * 2)
+        return fn, "", float(m * k * 2 + n * k * bytes_per_element("int4", MARLIN_GROUP) + m * n * 2)
     except Exception as e:
         return None, f"Marlin W4A16 call failed on this vLLM build: {type(e).__name__}: {e}", 0.0
 

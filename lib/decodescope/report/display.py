@@ -22,9 +22,11 @@ def figure_bundle(fig) -> dict:
 
 
 def show(fig) -> None:
+    """Displays a plotly figure; None shows nothing (a builder with nothing to draw says why in a note)."""
     from IPython.display import display
 
-    display(figure_bundle(fig), raw=True)
+    if fig is not None:
+        display(figure_bundle(fig), raw=True)
 
 
 def show_table(df: pd.DataFrame, caption: Optional[str] = None, float_format: str = "{:,.3f}",

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from decodescope.serving.metrics import tpot
+
 # vllm bench serve key (ms or per-second units) -> our column (us), scale
 VLLM_KEYS = {
     "request_throughput": ("request_throughput_rps", 1.0),
@@ -53,7 +55,7 @@ def load_vllm_bench_requests(path: Path) -> pd.DataFrame:
         df["send_ns"] = [t * 1e9 for t in doc["start_times"]]
         df["end_ns"] = df["send_ns"] + df["e2e_us"] * 1e3
     df = df[df["n_out"] > 0]  # failed requests have no output
-    df["tpot_us"] = (df["e2e_us"] - df["ttft_us"]) / (df["n_out"] - 1).clip(lower=1)
+    df["tpot_us"] = tpot(df["e2e_us"], df["ttft_us"], df["n_out"])
     return df.reset_index(drop=True)
 
 

@@ -10,6 +10,8 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from decodescope.records import ServingLevel
+
 PERCENTILES = (50, 90, 99)
 # A level whose client event loop lagged this much (p99) or used this much CPU may have distorted
 # the latencies it measured.
@@ -21,6 +23,21 @@ COALESCED_GAP_US = 100.0
 # A level where more than this share of a stream's gaps is coalesced has its TTFT/ITL/TPOT shaped
 # by the server's delivery, not by its decode speed.
 COALESCED_FRAC_LIMIT = 0.10
+# Sampled in-flight count (L) and throughput x mean latency (λW) should agree; beyond this the level's
+# figures are suspect (too short for a steady state, or requests the client lost track of).
+LITTLES_LIMIT_PCT = 20.0
+
+
+def tpot(e2e_us, ttft_us, n_out):
+    """Time per output token after the first, as `vllm bench serve` defines it: (E2E - TTFT) / (n_out - 1)
+    when n_out > 1, else NaN (vLLM leaves such requests out of its TPOT). Scalars or arrays/Series; a
+    Series in gives a Series (same index) out."""
+    n = np.asarray(n_out, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(n > 1, (np.asarray(e2e_us, dtype=float) - np.asarray(ttft_us, dtype=float)) / (n - 1), np.nan)
+    if isinstance(n_out, pd.Series):
+        return pd.Series(out, index=n_out.index)
+    return float(out) if out.ndim == 0 else out
 
 
 def per_request(records: pd.DataFrame) -> pd.DataFrame:
@@ -29,7 +46,7 @@ def per_request(records: pd.DataFrame) -> pd.DataFrame:
     df["n_out"] = df["n_out_usage"].fillna(df["n_out_chunks"]).astype("int64")
     df["ttft_us"] = (df["first_chunk_ns"] - df["send_ns"]) / 1e3
     df["e2e_us"] = (df["end_ns"] - df["send_ns"]) / 1e3
-    df["tpot_us"] = np.where(df["n_out"] > 1, (df["e2e_us"] - df["ttft_us"]) / (df["n_out"] - 1).clip(lower=1), np.nan)
+    df["tpot_us"] = tpot(df["e2e_us"], df["ttft_us"], df["n_out"])
     df["itl_us"] = [list(np.diff(np.asarray(c, dtype="int64")) / 1e3) if c is not None and len(c) > 1 else []
                     for c in df["chunk_ns"]]
     df.loc[~df["ok"], ["ttft_us", "tpot_us"]] = np.nan
@@ -45,7 +62,8 @@ def _pcts(values, prefix: str) -> dict:
 
 
 def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, health: Optional[dict] = None) -> dict:
-    """One row of serving_levels: counts, throughputs, percentiles, goodput, client health."""
+    """One row of serving_levels (a records.ServingLevel, as the table's row): counts, throughputs,
+    percentiles, goodput, client health."""
     measured = req[(req["level"] == level) & (~req["warmup"])]
     ok = measured[measured["ok"]]
     t0 = measured["send_ns"].min()
@@ -78,7 +96,7 @@ def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, hea
         row["littles_error_pct"] = 100.0 * abs(l_sampled - lw) / lw if lw and l_sampled == l_sampled else np.nan
         row["client_suspect"] = bool(health.get("loop_lag_p99_ms", 0) > LOOP_LAG_P99_LIMIT_MS
                                      or health.get("client_cpu_pct", 0) > CLIENT_CPU_LIMIT_PCT)
-    return row
+    return ServingLevel(**row).to_row()
 
 
 def coalesced_fraction(itl_lists) -> float:

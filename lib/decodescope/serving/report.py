@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from decodescope.serving.metrics import (CLIENT_CPU_LIMIT_PCT, COALESCED_FRAC_LIMIT, COALESCED_GAP_US,
-                                         LOOP_LAG_P99_LIMIT_MS)
+                                         LITTLES_LIMIT_PCT, LOOP_LAG_P99_LIMIT_MS)
 
 
 def levels_table(levels: pd.DataFrame) -> pd.DataFrame:
@@ -49,10 +49,21 @@ def coalesced_note(levels: pd.DataFrame) -> str:
 
 
 def littles_note(levels: pd.DataFrame) -> str:
+    """Little's law as a check on the client's bookkeeping: the in-flight count it sampled (L) against
+    request throughput x mean E2E (λW), level by level, held to LITTLES_LIMIT_PCT."""
     if "littles_error_pct" not in levels:
         return ""
-    worst = levels["littles_error_pct"].max()
-    return f"Little's law: sampled L and λW agree within {worst:.1f}% at every level."
+    err = levels[["level", "littles_error_pct"]].dropna()
+    if err.empty:
+        return "**Little's law:** not checked: no level has both a sampled in-flight count and λW."
+    bad = err[err["littles_error_pct"] > LITTLES_LIMIT_PCT]
+    if bad.empty:
+        return (f"**Little's law:** sampled L and λW agree within {LITTLES_LIMIT_PCT:.0f}% at every level checked "
+                f"(worst {err['littles_error_pct'].max():.1f}%).")
+    items = ", ".join(f"c={int(r.level)} ({r.littles_error_pct:.0f}%)" for r in bad.itertuples())
+    return (f"**Little's law warning:** sampled L and λW differ by more than {LITTLES_LIMIT_PCT:.0f}% at {items}: "
+            "the client's sampled concurrency and its request timings disagree there (a level too short for a "
+            "steady state, ramp-up and drain dominating, or requests the client did not account for).")
 
 
 def comparison_table(levels: pd.DataFrame, params) -> pd.DataFrame:

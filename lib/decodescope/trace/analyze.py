@@ -13,15 +13,13 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from decodescope.dtypes import element_bytes
 from decodescope.trace.categorize import ALLGATHER_CATEGORIES, ALLREDUCE_CATEGORIES, OTHER, add_categories
 
 GPU_WORK_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 STEP_ANY = re.compile(r"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)|^(?:execute_model|gpu_model_runner: forward|"
                       r"model_forward|ProfilerStep#\d+)")
-DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "BFloat16": 2, "float16": 2, "Half": 2, "half": 2, "float": 4,
-               "Float": 4, "float32": 4, "Int": 4, "int32": 4, "Long": 8, "int64": 8, "float8_e4m3fn": 1,
-               "Float8_e4m3fn": 1, "Byte": 1, "uint8": 1, "Char": 1, "int8": 1, "Double": 8, "double": 8}
 
 
 def is_gpu_table(events: pd.DataFrame) -> bool:
@@ -85,7 +83,8 @@ def op_table(events: pd.DataFrame, rules=None) -> pd.DataFrame:
 def _msg_bytes(ops: pd.DataFrame) -> pd.Series:
     if "in_nelems" not in ops or ops.empty:
         return pd.Series(np.nan, index=ops.index)
-    elt = ops["coll_dtype"].map(DTYPE_BYTES).astype(float)
+    names = ops["coll_dtype"]
+    elt = names.map({v: element_bytes(v) for v in names.dropna().unique()}).astype(float)
     nelems = ops["in_nelems"].where(ops["in_nelems"] >= 0)
     return nelems * elt
 
@@ -283,14 +282,6 @@ def per_call_latency(ops: pd.DataFrame, categories=ALLREDUCE_CATEGORIES) -> pd.D
     """Collective calls with their duration and message size (bytes when the trace recorded them)."""
     sel = ops[ops["category"].isin(categories) & ops["counted"]]
     return sel[["rank", "step", "category", "name", "dur_us", "msg_bytes"]].reset_index(drop=True)
-
-
-def latency_by_size(calls: pd.DataFrame) -> pd.DataFrame:
-    if calls.empty:
-        return pd.DataFrame()
-    c = calls.assign(msg_bytes=calls["msg_bytes"].fillna(-1))
-    return c.groupby(["category", "msg_bytes"], observed=True)["dur_us"].describe(
-        percentiles=[0.5, 0.9, 0.99]).reset_index()
 
 
 def top_ops(ops: pd.DataFrame, n: int = 20) -> pd.DataFrame:

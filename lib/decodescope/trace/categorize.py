@@ -1,4 +1,5 @@
-"""Kernel and op names -> categories, by the ordered rules of params/kernel_categories.yaml."""
+"""Kernel and op names -> categories, by the ordered rules of params/kernel_categories.yaml (shipped in
+the package as decodescope/_data/params/kernel_categories.yaml)."""
 from __future__ import annotations
 
 import re
@@ -12,7 +13,9 @@ from typing import Iterable, Optional
 import pandas as pd
 import yaml
 
-DEFAULT_RULES = Path(__file__).resolve().parents[3] / "params" / "kernel_categories.yaml"
+from decodescope.resources import data_path
+
+DEFAULT_RULES = data_path("params", "kernel_categories.yaml")  # shipped with the package (decodescope.resources)
 OTHER = "other"  # the category, and the class, of names no rule matches
 # What the verdict weighs against each other; every rule names one (model.py reads them from here).
 VERDICT_CLASSES = ("communication", "gemm", "attention", "framework overhead", "small ops")

@@ -1,0 +1,36 @@
+"""Files that ship with the package: the phase notebooks, the params templates (params/*.yaml,
+params/models/*.json) and the kernel category rules (params/kernel_categories.yaml).
+
+They are found through importlib.resources under `decodescope/_data/`, the same way in every install:
+- in the repository (and an editable install, which puts lib/ on sys.path) `lib/decodescope/_data/notebooks`
+  and `.../_data/params` are relative symlinks to the repository's notebooks/ and params/, so the files
+  stay where users of the repository look for them and edit them;
+- a wheel (pyproject.toml, [tool.setuptools.package-data]) holds copies of the files the symlinks point to.
+Both are plain directories on disk (decodescope is never imported from a zip), so the paths are real
+paths that papermill and yaml can open.
+"""
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+from typing import Optional
+
+
+def data_path(*parts: str) -> Path:
+    """A shipped file or folder, e.g. data_path("params", "default.yaml")."""
+    return Path(str(files("decodescope").joinpath("_data", *parts))).resolve()
+
+
+def notebook_dir() -> Path:
+    return data_path("notebooks")
+
+
+def params_dir() -> Path:
+    return data_path("params")
+
+
+def source_checkout() -> Optional[Path]:
+    """The repository this package runs from (an editable install or lib/ on the path), for its git
+    commit; None for an installed wheel, whose site-packages may sit inside some unrelated repository."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "lib" / "decodescope").is_dir() else None
