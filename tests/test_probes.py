@@ -45,12 +45,33 @@ def test_burst_replays_the_architectures_schedule(params, coll):
 
 def test_sweep_reports_nccl_tests_bandwidths(coll):
     s = coll[(coll["part"] == "sweep") & (coll["status"] == "ok") & (coll["op"] == "all_reduce")]
-    assert s["bytes"].min() == 1024 and set(s["inplace"]) == {True, False}
+    assert 1024 in set(s["bytes"]) and set(s["inplace"]) == {True, False}
+    assert {"back_to_back", "isolated"} <= set(s["timing"])
     row = s.iloc[0]
     assert row["algbw_gbps"] == pytest.approx(row["bytes"] / (row["time_us"] * 1e-6) / 1e9)
     assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (2 - 1) / 2)
     fit = mb.latency_fit(coll)
-    assert {"all_reduce"} <= set(fit["op"]) and (fit["alpha_us"] > 0).all()
+    assert {"all_reduce"} <= set(fit["op"]) and (fit["alpha_us"] >= 0).all()
+
+
+def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_sizes(params, coll):
+    """Like for like: vLLM CPU's shared-memory all-reduce (what the embedded default's server runs), at
+    the step's message sizes, through the same burst and the same back-to-back timing as gloo."""
+    arch = archmod.normalize_config(params.model_config_dict())
+    step_sizes = {c.msg_bytes for b in params.microbench.batches for c in archmod.collective_schedule(arch, 2, b)
+                  if c.op == "all_reduce"}
+    ok = coll[coll["status"] == "ok"]
+    shm = ok[(ok["communicator"] == "vllm_shm") & (ok["part"] == "sweep")]
+    assert step_sizes <= set(shm["bytes"])
+    assert set(shm["timing"]) == {"back_to_back", "isolated"}
+    burst = ok[ok["part"] == "burst"]
+    assert set(burst["communicator"]) == {"torch_gloo", "vllm_shm"}
+    per_call = burst.groupby("communicator")["per_call_us"].median()
+    print("burst per call (us):", per_call.round(1).to_dict())
+    assert per_call["vllm_shm"] < per_call["torch_gloo"]  # the engine's path is the fast one on CPU
+    fit = mb.latency_fit(coll)
+    assert {("vllm_shm", "back_to_back"), ("torch_gloo", "back_to_back")} <= set(zip(fit["communicator"], fit["timing"]))
+    assert not list(__import__("pathlib").Path("/dev/shm").glob("decodescope-probe-*"))  # segments removed
 
 
 def test_all_to_all_at_dispatch_sizes(params, coll):

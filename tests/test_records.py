@@ -285,3 +285,35 @@ def test_the_manifest_keeps_its_keys_and_refuses_another_version(tmp_path, repo)
     (tmp_path / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(RunError, match=r"manifest\.json: no schema_version found"):
         Manifest.load(tmp_path)
+
+
+def test_reconcile_pairs_the_profiles_communicator_with_the_same_one_in_the_probe(tmp_path):
+    """Like for like: vLLM's shm all-reduce in the profile against the probe's vllm_shm burst, not gloo;
+    a communicator the probe did not measure is stated, not divided."""
+    from decodescope.verdict import allreduce_reconcile_row
+    from decodescope.records import ProfileSummary, StepMedians
+
+    coll = pd.DataFrame([
+        {"part": "burst", "status": "ok", "communicator": "torch_gloo", "mode": "eager", "batch": 2, "time_us": 17453.0},
+        {"part": "burst", "status": "ok", "communicator": "vllm_shm", "mode": "eager", "batch": 2, "time_us": 190.0},
+    ])
+    summary = ProfileSummary(device="cpu", ranks=[0, 1], step_kind="decode", steps={}, allreduce_share_of_time={},
+                             allreduce_calls_per_step={}, allreduce_mean_us={}, other_share=0.0,
+                             allreduce_communicators={"vllm_shm": 1.0}, per_step=StepMedians())
+    row = allreduce_reconcile_row(coll, summary, observed_us=200.0, batch=2)
+    assert row["micro_benchmark_us"] == 190.0 and "vllm_shm" in row["micro_source"]
+    other = summary.model_copy(update={"allreduce_communicators": {"vllm_custom_ar": 1.0}})
+    row = allreduce_reconcile_row(coll, other, observed_us=200.0, batch=2)
+    assert np.isnan(row["micro_benchmark_us"]) and "not compared" in row["note"]
+
+
+@pytest.mark.parametrize("name, comm", [
+    ("_C::shm_allreduce", "vllm_shm"),                                   # vLLM CPU (csrc/cpu/shm.cpp)
+    ("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 8>(...)", "vllm_custom_ar"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "nccl"),
+    ("c10d::allreduce_", "torch_gloo"),                                  # torch.distributed on gloo (CPU)
+])
+def test_the_communicator_is_read_from_the_op_name(name, comm):
+    from decodescope.trace.categorize import communicator_of
+
+    assert communicator_of(name) == comm

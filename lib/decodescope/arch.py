@@ -246,3 +246,47 @@ def all_to_all_bytes(arch: ArchConfig, ep: int, tokens_per_gpu: int, dtype: str 
     sent = tokens_per_gpu * arch.top_k * arch.hidden_size * elt * (ep - 1) / ep if ep > 1 else 0.0
     return {"dispatch_bytes": sent, "combine_bytes": sent, "layers": arch.moe_layers,
             "per_step_bytes": 2 * sent * arch.moe_layers}
+
+
+# ---- one decode step in model order (for the step replay probe) ------------------------------------
+_LAYER_PARTS = {"attention": ("attention",), "dense": ("dense_mlp",), "moe": ("router", "moe_expert", "shared_expert")}
+
+
+def step_program(arch: ArchConfig, tp: int, batch: int, ep: int = 1, skew: float = 0.0,
+                 dtype: str = "bf16") -> list[dict]:
+    """One rank's decode step as the ordered list of what it runs: per layer the attention GEMMs, the
+    attention all-reduce, the MLP or MoE GEMMs (router, grouped experts, shared experts), the MLP/MoE
+    all-reduce; the embedding all-reduce first, lm_head and the logits gather last. Built from
+    gemm_shapes and collective_schedule, so it is the same step the micro-benchmarks measure in pieces.
+    Each item: {"kind": "gemm", op, m, n, k, groups} or {"kind": "all_reduce"|"all_gather", where, msg_bytes}."""
+    shapes = gemm_shapes(arch, tp, batch, ep, skew)
+    calls = {c.where: c for c in collective_schedule(arch, tp, batch, dtype)}
+    moe_layers = arch.moe_layers
+    dense_layers = arch.num_layers - moe_layers
+
+    def per_layer(kinds: tuple[str, ...], layers: int) -> list[dict]:
+        out = []
+        for s in shapes:
+            if s.layer_kind in kinds and layers:
+                # count is over the whole step: per layer count / layers calls, each as gemm_shapes (and
+                # so the GEMM probe) accounts for it (e.g. MLA's per-head products as separate calls)
+                for _ in range(max(1, s.count // layers)):
+                    out.append({"kind": "gemm", "op": s.op, "m": s.m, "n": s.n, "k": s.k, "groups": s.groups})
+        return out
+
+    def coll(where: str) -> list[dict]:
+        c = calls.get(where)
+        return [{"kind": c.op, "where": where, "msg_bytes": c.msg_bytes}] if c and tp > 1 else []
+
+    program = coll("embedding")
+    attention = per_layer(_LAYER_PARTS["attention"], arch.num_layers)
+    dense = per_layer(_LAYER_PARTS["dense"], dense_layers)
+    moe = per_layer(_LAYER_PARTS["moe"], moe_layers)
+    for layer in range(arch.num_layers):
+        is_moe = layer >= dense_layers if moe_layers else False
+        program += attention + coll("attention_out")
+        program += (moe + coll("moe_out")) if is_moe else (dense + coll("mlp_out"))
+    program += [{"kind": "gemm", "op": s.op, "m": s.m, "n": s.n, "k": s.k, "groups": 1}
+                for s in shapes if s.layer_kind == "lm_head"]
+    program += coll("logits")
+    return program

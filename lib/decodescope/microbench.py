@@ -229,18 +229,35 @@ def collectives_table(out_dir: Path) -> pd.DataFrame:
     return df
 
 
+def with_timing_columns(coll: pd.DataFrame) -> pd.DataFrame:
+    """Rows written before the probe measured several communicators and timings: torch, isolated."""
+    coll = coll.copy()
+    if "communicator" not in coll:
+        coll["communicator"] = "torch_" + coll.get("backend", pd.Series("?", index=coll.index)).astype(str)
+    if "timing" not in coll:
+        coll["timing"] = "isolated"
+    coll["communicator"] = coll["communicator"].fillna("torch")
+    mode = coll["mode"] if "mode" in coll else pd.Series("eager", index=coll.index)
+    coll["timing"] = coll["timing"].fillna(mode.map({"cuda_graph": "cuda_graph"}).fillna("back_to_back"))
+    return coll
+
+
 def latency_fit(sweep: pd.DataFrame) -> pd.DataFrame:
     """t(n) = alpha + n / beta per operation, least squares over the sweep's medians (rank 0): one
     records.LatencyFit per row."""
     out = []
     ok = sweep[(sweep["part"] == "sweep") & (sweep["status"] == "ok")]
-    for (op, inplace), g in ok[ok["rank"] == ok["rank"].min()].groupby(["op", "inplace"]):
+    ok = with_timing_columns(ok[ok["rank"] == ok["rank"].min()])
+    for (op, inplace, comm, timing), g in ok.groupby(["op", "inplace", "communicator", "timing"]):
         if len(g) < 2:
             continue
-        slope, alpha = np.polyfit(g["bytes"].to_numpy(float), g["time_us"].to_numpy(float), 1)
+        x, y = g["bytes"].to_numpy(float), g["time_us"].to_numpy(float)
+        slope, alpha = np.polyfit(x, y, 1)
+        if alpha < 0:  # a latency cannot be negative: least squares with alpha held at 0
+            slope, alpha = float(x @ y / (x @ x)), 0.0
         beta_gbps = (1.0 / slope) * 1e6 / 1e9 if slope > 0 else np.inf
-        out.append(LatencyFit(op=op, inplace=bool(inplace), alpha_us=float(alpha), beta_gbps=float(beta_gbps),
-                              points=len(g)))
+        out.append(LatencyFit(op=op, inplace=bool(inplace), communicator=comm, timing=timing, alpha_us=float(alpha),
+                              beta_gbps=float(beta_gbps), points=len(g)))
     return pd.DataFrame([f.model_dump() for f in out], columns=LATENCY_FIT_COLUMNS)
 
 
@@ -296,21 +313,28 @@ def collectives_method_note(coll: pd.DataFrame) -> str:
     metas = coll.attrs.get("meta") or []
     m = metas[0] if metas else {}
     env = ", ".join(f"{k}={v}" for k, v in (m.get("nccl_env") or {}).items()) or "none"
+    skipped = "; ".join(f"{k} not measured ({v})" for k, v in (m.get("communicators_skipped") or {}).items())
     return (f"**Method:** backend {m.get('backend')} on {m.get('device')}, world size {m.get('world_size')}, "
-            f"{m.get('dtype')}; ranks aligned with a barrier before each call, {m.get('warmup')} warm-up and "
-            f"{m.get('iters')} timed calls, median with p10/p90; NCCL {m.get('nccl_version') or 'n/a'}, "
-            f"NCCL_* settings: {env}. busbw = algbw x 2(n-1)/n (all-reduce), x (n-1)/n (all-to-all), as nccl-tests.")
+            f"{m.get('dtype')}; communicators measured: {', '.join(m.get('communicators') or ['torch'])}"
+            f"{'; ' + skipped if skipped else ''}. All-reduce latency is timed **back to back** "
+            f"({m.get('back_to_back_calls', '?')} calls between one timer pair, divided; also as one CUDA graph on "
+            f"GPUs), the way a decode step issues them, and **isolated** (a barrier before each call, which adds "
+            f"wake-up and launch cost); the fits the verdict uses are the back-to-back ones. {m.get('warmup')} "
+            f"warm-up and {m.get('iters')} timed repetitions, median with p10/p90; NCCL "
+            f"{m.get('nccl_version') or 'n/a'}, NCCL_* settings: {env}. busbw = algbw x 2(n-1)/n (all-reduce), "
+            "x (n-1)/n (all-to-all), as nccl-tests.")
 
 
 def burst_table(coll: pd.DataFrame) -> pd.DataFrame:
-    b = coll[(coll["part"] == "burst") & (coll["status"] == "ok")]
-    return (b.groupby(["batch", "mode"]).agg(calls=("calls", "first"), msg_bytes=("msg_bytes", "first"),
+    b = with_timing_columns(coll[(coll["part"] == "burst") & (coll["status"] == "ok")])
+    return (b.groupby(["communicator", "batch", "mode"]).agg(calls=("calls", "first"), msg_bytes=("msg_bytes", "first"),
                                              step_us_median_over_ranks=("time_us", "median"),
                                              step_us_max_over_ranks=("time_us", "max"),
                                              per_call_us=("per_call_us", "median")).reset_index())
 
 
 def sweep_table(coll: pd.DataFrame) -> pd.DataFrame:
-    s = coll[(coll["part"] == "sweep") & (coll["status"] == "ok")]
+    s = with_timing_columns(coll[(coll["part"] == "sweep") & (coll["status"] == "ok")])
     s = s[s["rank"] == s["rank"].min()]
-    return s[["op", "inplace", "bytes", "time_us", "p10_us", "p90_us", "algbw_gbps", "busbw_gbps"]]
+    return s[["op", "communicator", "timing", "inplace", "bytes", "time_us", "p10_us", "p90_us", "algbw_gbps",
+              "busbw_gbps"]]

@@ -256,10 +256,13 @@ SERVING_LEVEL_COLUMNS = columns_of(ServingLevel)
 
 # ---- collective latency fit (data/collectives_fit.json) ---------------------------------------------
 class LatencyFit(_Model):
-    """t(n) = alpha + n / beta for one collective, least squares over the size sweep (rank 0)."""
+    """t(n) = alpha + n / beta for one collective through one communicator, least squares over the size
+    sweep (rank 0). The projections use the back_to_back (or cuda_graph) fits: the way a step pays."""
 
     op: str
     inplace: bool
+    communicator: str = Field("torch", description="torch_gloo, torch_nccl, vllm_shm, ...")
+    timing: str = Field("isolated", description="back_to_back, cuda_graph or isolated (probes/collectives.py)")
     alpha_us: float = Field(description="per-call latency, us")
     beta_gbps: float = Field(description="bandwidth, GB/s (inf when the slope is not positive)")
     points: int = Field(description="sweep sizes fitted")
@@ -296,6 +299,8 @@ class ProfileSummary(Record):
     allreduce_share_of_time: dict[str, float]
     allreduce_calls_per_step: dict[str, float]
     allreduce_mean_us: dict[str, float]
+    allreduce_communicators: dict[str, float] = Field(
+        default_factory=dict, description="communicator (from op/kernel names) -> its share of all-reduce time")
     per_step: StepMedians
     expected_vs_observed: list[dict[str, Any]] = Field(default_factory=list)
     per_step_categories: list[dict[str, Any]] = Field(
@@ -331,11 +336,12 @@ class WhatIfRow(_Model):
 
 class ReconcileRow(_Model):
     piece: str
-    micro_benchmark_us: float
+    micro_benchmark_us: Optional[float] = Field(None, description="None when nothing like for like was measured")
     micro_source: str
     profile_us: Optional[float] = None
     profile_source: str
     profile_over_micro: Optional[float] = None
+    note: str = Field("", description="which communicator was compared, or why a row is not compared")
 
 
 class ServingHeadline(_Model):

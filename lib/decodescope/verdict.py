@@ -64,17 +64,13 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
     if not per_step.empty:
         att = per_step.assign(cls=per_step["category"].map(class_of))
         by_rank = att.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
+        # the rank that arrives last at each all-reduce waits least: its time is closest to the transfer
         observed_ar = float(att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)]
-                            .groupby("rank")["time_per_step_us"].sum().median())
+                            .groupby("rank")["time_per_step_us"].sum().min())
         observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
     coll = _read_parquet(run_dir, "collectives.parquet")
-    if coll is not None and not coll.empty:
-        burst = coll[(coll["part"] == "burst") & (coll["status"] == "ok") & (coll["mode"] == "eager")]
-        b = nearest(burst, "batch", profile_batch)
-        if not b.empty:
-            rows.append({"piece": "all-reduces per step", "micro_benchmark_us": float(b["time_us"].median()),
-                         "micro_source": f"collectives.parquet burst, batch {int(b['batch'].iloc[0])}, eager",
-                         "profile_us": observed_ar, "profile_source": "profile_summary.json per_step_categories"})
+    if coll is not None and not coll.empty and observed_ar is not None:
+        rows.append(allreduce_reconcile_row(coll, summary, observed_ar, profile_batch))
     gemm = _read_parquet(run_dir, "gemm.parquet")
     if gemm is not None and not gemm.empty:
         ok = gemm[gemm["status"] == "ok"]
@@ -88,7 +84,33 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
     df = pd.DataFrame(rows)
     if not df.empty:
         df["profile_over_micro"] = df["profile_us"] / df["micro_benchmark_us"]
+        if "note" not in df:
+            df["note"] = ""
+        df["note"] = df["note"].fillna("")
     return df
+
+
+def allreduce_reconcile_row(coll: pd.DataFrame, summary: ProfileSummary, observed_us: float, batch: int) -> dict:
+    """The step's all-reduces from the micro-benchmark of the communicator the profile saw, like for
+    like; when the probe did not measure that communicator the row says so and divides nothing."""
+    from decodescope.microbench import with_timing_columns
+
+    comms = summary.allreduce_communicators if summary else {}
+    profile_comm = next(iter(comms), "unknown")
+    micro_comm = categorize.micro_communicator_for(profile_comm)
+    burst = with_timing_columns(coll[(coll["part"] == "burst") & (coll["status"] == "ok")])
+    row = {"piece": f"all-reduces per step ({profile_comm})", "profile_us": observed_us,
+           "profile_source": "profile_summary.json per_step_categories (fastest rank: transfer, least wait)"}
+    mine = burst[burst["communicator"] == micro_comm]
+    if mine.empty:
+        measured = sorted(set(burst["communicator"]))
+        return {**row, "micro_benchmark_us": float("nan"), "micro_source": "collectives.parquet burst",
+                "note": f"the profile ran {profile_comm}; the probe measured {measured}, not it: not compared"}
+    mode = "cuda_graph" if (mine["mode"] == "cuda_graph").any() else "eager"
+    b = nearest(mine[mine["mode"] == mode], "batch", batch)
+    return {**row, "micro_benchmark_us": float(b["time_us"].median()),
+            "micro_source": f"collectives.parquet burst, {micro_comm}, batch {int(b['batch'].iloc[0])}, {mode}",
+            "note": f"same communicator ({micro_comm}) in both"}
 
 
 def what_if(wall_us: float, attribution: pd.DataFrame, comm_speedup: float = 2.0) -> pd.DataFrame:

@@ -8,10 +8,19 @@
     nccl-tests' algbw = bytes / time and busbw = algbw x 2(n-1)/n (all-reduce), x (n-1)/n (all-to-all);
 (c) all-to-all at expert-parallel dispatch/combine sizes per tokens per GPU.
 
-Method: ranks aligned with a barrier before each measured call; `warmup` untimed then `iters` timed
-calls, median and p10/p90 reported; GPU calls timed with CUDA events, CPU calls with perf_counter.
-Each rank writes collectives_rank<r>.json (atomically, after each part), with the backend, NCCL
-version and NCCL_* settings.
+Each all-reduce is measured through every communicator this host offers, so the micro-benchmark can
+be set against the one the engine uses: torch.distributed (gloo / NCCL) always, and vLLM's own
+shared-memory all-reduce on CPU (`torch.ops._C.shm_allreduce`, the path vLLM's CPU build takes for
+tensor parallelism) when vllm is importable. Rows carry `communicator`.
+
+Timing (`timing` column): `back_to_back` issues `calls` all-reduces one after the other between one
+timer pair and divides, the way a decode step issues them (and nccl-tests and vLLM's
+benchmark_device_communicators.py time them); on GPUs the same calls are also replayed as one CUDA
+graph (`cuda_graph`). `isolated` aligns the ranks with a barrier before each single call: it adds the
+barrier's wake-up and launch cost to every call, so it overstates what a step pays for small messages.
+`warmup` untimed then `iters` timed repetitions, median and p10/p90 reported; GPU timed with CUDA
+events, CPU with perf_counter. Each rank writes collectives_rank<r>.json (atomically, after each part),
+with the backend, NCCL version, NCCL_* settings and the communicators (and why any was skipped).
 """
 from __future__ import annotations
 
@@ -20,6 +29,8 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,6 +70,79 @@ class Timer:
             torch.cuda.synchronize()
 
 
+BACK_TO_BACK_CALLS = 50
+
+
+@dataclass
+class Communicator:
+    name: str
+    all_reduce: Callable  # in place, on this rank's tensor
+    graphable: bool = False
+    cleanup: Optional[Callable] = None
+
+
+def vllm_shm_communicator(world: int, rank: int) -> Communicator:
+    """vLLM CPU's shared-memory all-reduce, set up as its CpuCommunicator does (one segment per group,
+    named by rank 0); raises when vllm or its CPU kernels are not there."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "init_shm_manager"):
+        raise RuntimeError("this vllm build has no torch.ops._C.init_shm_manager (not the CPU build)")
+    names = [f"decodescope-probe-{os.getpid()}-{int(time.time())}"]
+    dist.broadcast_object_list(names, src=0)
+    handle = torch.ops._C.init_shm_manager(names[0], world, rank, torch.get_num_threads())
+    dist.barrier()
+    torch.ops._C.join_shm_manager(handle, names[0])
+    dist.barrier()
+
+    def cleanup():  # the segments live in /dev/shm; vLLM's own server removes them at shutdown
+        dist.barrier()
+        if rank == 0:
+            for f in os.listdir("/dev/shm"):
+                if f.startswith(names[0]):
+                    try:
+                        os.unlink(os.path.join("/dev/shm", f))
+                    except OSError:
+                        pass
+    return Communicator("vllm_shm", lambda t: torch.ops._C.shm_allreduce(handle, t), cleanup=cleanup)
+
+
+def communicators(device, world: int, rank: int) -> tuple[list[Communicator], dict[str, str]]:
+    """Every all-reduce implementation this host offers, and why any was skipped."""
+    comms = [Communicator(f"torch_{dist.get_backend()}", lambda t: dist.all_reduce(t),
+                          graphable=device.type == "cuda")]
+    skipped: dict[str, str] = {}
+    if device.type == "cpu":
+        try:
+            comms.append(vllm_shm_communicator(world, rank))
+        except Exception as e:  # no vllm, or not its CPU build: measured without it, and said so
+            skipped["vllm_shm"] = f"{type(e).__name__}: {e}"[:300]
+    return comms, skipped
+
+
+def back_to_back(timer: "Timer", fn, calls: int, iters: int, warmup: int) -> list[float]:
+    """Per-call microseconds of `calls` calls issued back to back between one timer pair."""
+    def many():
+        for _ in range(calls):
+            fn()
+    return [t / calls for t in timer.run(many, iters, warmup)]
+
+
+def graph_of(fn, calls: int):
+    """`calls` calls captured into one CUDA graph (warmed up on a side stream first); its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return g
+
+
 def _elems(nbytes: int, dtype: torch.dtype, world: int = 1) -> int:
     elt = torch.tensor([], dtype=dtype).element_size()
     n = max(1, nbytes // elt)
@@ -81,65 +165,84 @@ def all_to_all_fn(t: torch.Tensor, inplace: bool):
     return lambda: dist.all_to_all_single(out, t)
 
 
-def burst(plan: dict, device, dtype, timer: Timer, world: int, rank: int) -> list[dict]:
+def burst(plan: dict, device, dtype, timer: Timer, world: int, rank: int,
+          comms: list[Communicator]) -> list[dict]:
     rows = []
-    for step in plan.get("burst", []):
-        bufs = [torch.ones(_elems(c["msg_bytes"], dtype), device=device, dtype=dtype)
-                for c in step["calls"] for _ in range(c["count"])]
+    for comm in comms:
+        for step in plan.get("burst", []):
+            bufs = [torch.ones(_elems(c["msg_bytes"], dtype), device=device, dtype=dtype)
+                    for c in step["calls"] for _ in range(c["count"])]
 
-        def run_step():
-            for b in bufs:
-                dist.all_reduce(b)
-        total_bytes = sum(b.numel() * b.element_size() for b in bufs)
-        modes = [("eager", run_step)]
-        if device.type == "cuda":
-            try:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    run_step()
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    run_step()
-                modes.append(("cuda_graph", g.replay))
-            except Exception as e:  # recorded: some NCCL/driver combinations refuse capture
-                rows.append({"part": "burst", "op": "all_reduce", "batch": step["batch"], "mode": "cuda_graph",
-                             "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}", "rank": rank})
-        for mode, fn in modes:
-            st = median_spread(timer.run(fn, plan["iters"], plan["warmup"]))
-            rows.append({"part": "burst", "op": "all_reduce", "batch": step["batch"], "mode": mode,
-                         "calls": len(bufs), "bytes": total_bytes, "msg_bytes": step["calls"][0]["msg_bytes"],
-                         "world_size": world, "rank": rank, "status": "ok", **st,
-                         "per_call_us": st["time_us"] / max(len(bufs), 1)})
+            def run_step():
+                for b in bufs:
+                    comm.all_reduce(b)
+            total_bytes = sum(b.numel() * b.element_size() for b in bufs)
+            modes = [("eager", run_step)]
+            base = {"part": "burst", "op": "all_reduce", "communicator": comm.name, "batch": step["batch"],
+                    "rank": rank, "world_size": world}
+            if comm.graphable:
+                try:
+                    modes.append(("cuda_graph", graph_of(run_step, 1).replay))
+                except Exception as e:  # recorded: some NCCL/driver combinations refuse capture
+                    rows.append({**base, "mode": "cuda_graph", "status": "skipped",
+                                 "skip_reason": f"{type(e).__name__}: {e}"})
+            for mode, fn in modes:
+                st = median_spread(timer.run(fn, plan["iters"], plan["warmup"]))
+                rows.append({**base, "mode": mode, "calls": len(bufs), "bytes": total_bytes,
+                             "msg_bytes": step["calls"][0]["msg_bytes"], "status": "ok", **st,
+                             "per_call_us": st["time_us"] / max(len(bufs), 1)})
     return rows
 
 
-def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int) -> list[dict]:
-    rows = []
+def sweep_sizes(plan: dict) -> list[int]:
     sw = plan.get("sweep") or {}
-    size = sw.get("min_bytes", 1024)
-    sizes = []
+    size, sizes = sw.get("min_bytes", 1024), []
     while size <= sw.get("max_bytes", 1 << 20):
         sizes.append(size)
         size *= 2
-    for op in sw.get("ops", ["all_reduce"]):
-        for nbytes in sizes:
-            t = torch.ones(_elems(nbytes, dtype, world), device=device, dtype=dtype)
-            real = t.numel() * t.element_size()
-            # all-to-all cannot alias its buffers: out-of-place only
-            for inplace in ((True, False) if op == "all_reduce" else (False,)):
-                make = all_reduce_fn if op == "all_reduce" else all_to_all_fn
-                row = {"part": "sweep", "op": op, "bytes": real, "inplace": inplace, "world_size": world,
-                       "rank": rank, "mode": "eager"}
+    # the step's own message sizes too: the fit is read there
+    sizes += [c["msg_bytes"] for step in plan.get("burst", []) for c in step["calls"]]
+    return sorted(set(sizes))
+
+
+def _bw(row: dict, st: dict, op: str, nbytes: int, world: int) -> dict:
+    algbw = nbytes / (st["time_us"] * 1e-6) / 1e9
+    return {**row, "status": "ok", **st, "algbw_gbps": algbw, "busbw_gbps": algbw * BUSBW_FACTOR[op](world)}
+
+
+def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms: list[Communicator]) -> list[dict]:
+    """all-reduce through every communicator, in place, back to back (and as a CUDA graph on GPUs) and
+    isolated; torch's out-of-place all-reduce and all-to-all isolated, as nccl-tests."""
+    rows = []
+    calls = int(plan.get("back_to_back_calls", BACK_TO_BACK_CALLS))
+    for nbytes in sweep_sizes(plan):
+        t = torch.ones(_elems(nbytes, dtype, world), device=device, dtype=dtype)
+        real = t.numel() * t.element_size()
+        for comm in comms:
+            base = {"part": "sweep", "op": "all_reduce", "communicator": comm.name, "bytes": real,
+                    "inplace": True, "world_size": world, "rank": rank, "mode": "eager"}
+            fn = (lambda c=comm: c.all_reduce(t))
+            timings = [("back_to_back", lambda: back_to_back(timer, fn, calls, plan["iters"], plan["warmup"])),
+                       ("isolated", lambda: timer.run(fn, plan["iters"], plan["warmup"]))]
+            if comm.graphable:
+                def graphed(fn=fn):
+                    g = graph_of(fn, calls)
+                    return [x / calls for x in timer.run(g.replay, plan["iters"], plan["warmup"])]
+                timings.insert(1, ("cuda_graph", graphed))
+            for timing, measure in timings:
+                row = {**base, "timing": timing, "mode": "cuda_graph" if timing == "cuda_graph" else "eager"}
                 try:
-                    st = median_spread(timer.run(make(t, inplace), plan["iters"], plan["warmup"]))
+                    rows.append(_bw(row, median_spread(measure()), "all_reduce", real, world))
                 except (RuntimeError, NotImplementedError) as e:
                     rows.append({**row, "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
-                    break
-                algbw = real / (st["time_us"] * 1e-6) / 1e9
-                rows.append({**row, "status": "ok", **st, "algbw_gbps": algbw,
-                             "busbw_gbps": algbw * BUSBW_FACTOR[op](world)})
+        torch_comm = f"torch_{dist.get_backend()}"
+        for op, make in (("all_reduce", lambda: all_reduce_fn(t, False)), ("all_to_all", lambda: all_to_all_fn(t, False))):
+            row = {"part": "sweep", "op": op, "communicator": torch_comm, "bytes": real, "inplace": False,
+                   "world_size": world, "rank": rank, "mode": "eager", "timing": "isolated"}
+            try:
+                rows.append(_bw(row, median_spread(timer.run(make(), plan["iters"], plan["warmup"])), op, real, world))
+            except (RuntimeError, NotImplementedError) as e:
+                rows.append({**row, "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
     return rows
 
 
@@ -149,7 +252,8 @@ def all_to_all_tokens(plan: dict, device, dtype, timer: Timer, world: int, rank:
         nbytes = max(int(item["dispatch_bytes"] * world / max(world - 1, 1)), 1) if world > 1 else int(item["dispatch_bytes"]) or 1
         t = torch.ones(_elems(nbytes, dtype, world), device=device, dtype=dtype)
         out = torch.empty_like(t)
-        row = {"part": "all_to_all", "op": "all_to_all", "tokens_per_gpu": item["tokens_per_gpu"],
+        row = {"part": "all_to_all", "op": "all_to_all", "communicator": f"torch_{dist.get_backend()}",
+               "timing": "isolated", "tokens_per_gpu": item["tokens_per_gpu"],
                "bytes": t.numel() * t.element_size(), "world_size": world, "rank": rank, "mode": "eager"}
         try:
             st = median_spread(timer.run(lambda: dist.all_to_all_single(out, t), plan["iters"], plan["warmup"]))
@@ -181,13 +285,23 @@ def main(argv=None) -> int:
             "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
             "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
             "iters": plan["iters"], "warmup": plan["warmup"], "dtype": plan.get("dtype", "bf16")}
+    comms, skipped = communicators(device, world, rank)
+    meta.update(communicators=[c.name for c in comms], communicators_skipped=skipped,
+                back_to_back_calls=int(plan.get("back_to_back_calls", BACK_TO_BACK_CALLS)))
     out = os.path.join(args.out_dir, f"collectives_rank{rank}.json")
     rows: list[dict] = []
-    for part in (burst, sweep, all_to_all_tokens):
-        rows += part(plan, device, dtype, timer, world, rank)
+    try:
+        for part in (burst, sweep):
+            rows += part(plan, device, dtype, timer, world, rank, comms)
+            write_json_atomic(out, {"meta": meta, "rows": rows})
+            if rank == 0:
+                print(f"{part.__name__}: {len(rows)} rows", file=sys.stderr, flush=True)
+        rows += all_to_all_tokens(plan, device, dtype, timer, world, rank)
         write_json_atomic(out, {"meta": meta, "rows": rows})
-        if rank == 0:
-            print(f"{part.__name__}: {len(rows)} rows", file=sys.stderr, flush=True)
+    finally:
+        for c in comms:
+            if c.cleanup:
+                c.cleanup()
     dist.barrier()
     dist.destroy_process_group()
     return 0

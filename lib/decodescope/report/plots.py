@@ -189,30 +189,37 @@ def gemm_step_total(per_step: pd.DataFrame) -> go.Figure:
 
 
 def collective_latency_vs_size(coll: pd.DataFrame, fit: pd.DataFrame) -> go.Figure:
+    from decodescope.microbench import with_timing_columns
+
     ok = coll[(coll["part"] == "sweep") & (coll["status"] == "ok") & (coll["rank"] == coll["rank"].min())]
+    ok = with_timing_columns(ok)
     fig = go.Figure()
-    for (op, inplace), g in ok.groupby(["op", "inplace"]):
-        name = f"{op} ({'in-place' if inplace else 'out-of-place'})"
+    for (op, inplace, comm, timing), g in ok.groupby(["op", "inplace", "communicator", "timing"]):
+        g = g.sort_values("bytes")
+        name = f"{op} {comm} {timing} ({'in-place' if inplace else 'out-of-place'})"
         fig.add_trace(go.Scatter(x=g["bytes"], y=g["time_us"], mode="markers+lines", name=name,
                                  error_y=dict(type="data", symmetric=False, array=g["p90_us"] - g["time_us"],
                                               arrayminus=g["time_us"] - g["p10_us"])))
-        f = fit[(fit["op"] == op) & (fit["inplace"] == inplace)]
+        f = fit[(fit["op"] == op) & (fit["inplace"] == inplace) & (fit.get("communicator", comm) == comm)
+                & (fit.get("timing", timing) == timing)]
         if not f.empty:
             a, b = f["alpha_us"].iloc[0], f["beta_gbps"].iloc[0]
             xs = g["bytes"].sort_values()
             fig.add_trace(go.Scatter(x=xs, y=a + xs / (b * 1e9) * 1e6, mode="lines", line=dict(dash="dash"),
-                                     name=f"fit: {a:.1f} us + n / {b:.2f} GB/s"))
+                                     name=f"fit {comm} {timing}: {a:.1f} us + n / {b:.2f} GB/s"))
     fig.update_layout(title="Collective latency vs message size", xaxis_title="bytes", yaxis_title="time (us)",
                       xaxis_type="log", yaxis_type="log")
     return fig
 
 
 def burst_vs_batch(coll: pd.DataFrame) -> go.Figure:
-    b = coll[(coll["part"] == "burst") & (coll["status"] == "ok")]
+    from decodescope.microbench import with_timing_columns
+
+    b = with_timing_columns(coll[(coll["part"] == "burst") & (coll["status"] == "ok")])
     b = b[b["rank"] == b["rank"].min()]
-    fig = go.Figure([go.Scatter(x=g["batch"], y=g["time_us"] / 1e3, mode="lines+markers", name=mode,
+    fig = go.Figure([go.Scatter(x=g["batch"], y=g["time_us"] / 1e3, mode="lines+markers", name=f"{comm} {mode}",
                                 customdata=g["calls"], hovertemplate="batch %{x}: %{y:.3f} ms for %{customdata} calls")
-                     for mode, g in b.groupby("mode")])
+                     for (comm, mode), g in b.groupby(["communicator", "mode"])])
     fig.update_layout(title="All-reduce burst of one decode step vs batch", xaxis_title="batch",
                       yaxis_title="ms per step", xaxis_type="log")
     return fig

@@ -177,3 +177,29 @@ ALLGATHER_CATEGORIES = default_rules().categories(collective="all_gather")
 WAIT_CATEGORIES = default_rules().categories(collective="wait")
 COMM_CATEGORIES_GPU = default_rules().categories(COMMUNICATION, device="gpu")
 COMM_CATEGORIES_CPU = default_rules().categories(COMMUNICATION, device="cpu")
+
+
+# Which implementation ran an all-reduce, from its op or kernel name: the micro-benchmark row to set
+# against the profile is the one of the same communicator (probes/collectives.py names them alike).
+# NCCL kernels look the same whether torch.distributed or vLLM's pynccl launched them: "nccl".
+COMMUNICATOR_PATTERNS = (
+    ("vllm_shm", re.compile(r"shm_all_?reduce", re.I)),
+    ("vllm_custom_ar", re.compile(r"cross_device_reduce|custom_?all_?reduce|_C_custom_ar", re.I)),
+    ("vllm_quick_ar", re.compile(r"quick_?(all_?)?reduce|quickreduce", re.I)),
+    ("flashinfer_ar", re.compile(r"lamport|allreduce_fusion|trtllm", re.I)),
+    ("symm_mem", re.compile(r"symm_mem|one_shot_all_reduce|two_shot_all_reduce|multimem", re.I)),
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("torch_gloo", re.compile(r"gloo|c10d::allreduce_|_c10d_functional::all_reduce|c10d_functional::all_reduce", re.I)),
+)
+
+
+def communicator_of(name: str) -> str:
+    for comm, pattern in COMMUNICATOR_PATTERNS:
+        if pattern.search(name):
+            return comm
+    return "unknown"
+
+
+def micro_communicator_for(profile_comm: str) -> str:
+    """The probe's communicator name for the one the profile saw."""
+    return {"nccl": "torch_nccl"}.get(profile_comm, profile_comm)

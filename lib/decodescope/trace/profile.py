@@ -53,6 +53,7 @@ class ProfileResult:
                                       decode_ar.groupby("rank")["calls_per_step"].sum().items()},
             allreduce_mean_us={str(int(r)): float(g["time_us"].sum() / max(g["calls"].sum(), 1))
                                for r, g in ar.groupby("rank")},
+            allreduce_communicators=allreduce_communicators(self.ops),
             per_step=StepMedians(
                 summed_us_median=float(kind_busy["summed_us"].median()) if len(kind_busy) else None,
                 busy_us_median=float(kind_busy["busy_us"].median()) if len(kind_busy) else None,
@@ -71,6 +72,18 @@ class ProfileResult:
             schedule=self.schedule.to_dict("records"),
             warnings=self.warnings,
         )
+
+
+def allreduce_communicators(ops: pd.DataFrame) -> dict[str, float]:
+    """Which all-reduce implementation ran (from op/kernel names), as shares of all-reduce time."""
+    from decodescope.trace.categorize import communicator_of
+
+    ar = ops[ops["category"].astype(str).isin(an.ALLREDUCE_CATEGORIES)]
+    if ar.empty:
+        return {}
+    by_name = ar.groupby(ar["name"].astype(str), observed=True)["time_us"].sum()
+    by_comm = by_name.groupby([communicator_of(n) for n in by_name.index]).sum()
+    return {str(k): float(v / by_comm.sum()) for k, v in by_comm.sort_values(ascending=False).items()}
 
 
 def analyze_traces(loaded: LoadedTraces, model_config: Optional[dict] = None, tp: Optional[int] = None,

@@ -1,0 +1,139 @@
+"""Step replay probe, a torchrun entry point (NCCL on GPUs, gloo on CPUs):
+
+    torchrun --nproc-per-node N -m decodescope.probes.step --plan step_plan.json --out-dir DIR
+
+Replays one decode step's skeleton on the real ranks, in model order, at the model's sharded shapes:
+per layer the attention GEMMs, an all-reduce, the MLP or MoE GEMMs (router, grouped experts, shared
+experts), an all-reduce; the embedding all-reduce first, lm_head and the logits all-gather last (the
+program comes from decodescope.arch.step_program, written into the plan by the analysis side). Every
+GEMM has its own weights, as every layer of a model does, so nothing is served from L2 that a real
+step would read from memory. No attention kernel, norms or sampling: this is the step without the
+framework, the ground truth the step model (decodescope.stepmodel) is checked against on GPUs where
+vLLM cannot run.
+
+Per batch, three variants (`full`, `gemm_only`, `comm_only`), eager and, on GPUs, captured as one CUDA
+graph (as vLLM replays decode steps). Ranks aligned with a barrier before each timed step; `warmup`
+untimed then `iters` timed steps, median and p10/p90. Each rank writes step_rank<r>.json atomically
+after each batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from decodescope.io import write_json_atomic
+from decodescope.probes.collectives import Timer, _elems, graph_of
+from decodescope.probes.gemm import make_gemm
+from decodescope.probes.timing import median_spread
+
+VARIANTS = ("full", "gemm_only", "comm_only")
+
+
+def weight_budget_bytes(plan: dict, device) -> float:
+    if plan.get("weight_budget_bytes"):
+        return float(plan["weight_budget_bytes"])
+    if device.type == "cuda":
+        return 0.6 * torch.cuda.get_device_properties(device).total_memory
+    return 4e9
+
+
+def build_step(program: list[dict], dtype: str, device, world: int, budget_bytes: float):
+    """Callables for the step's GEMMs and collectives, in order. Every GEMM gets its own weights until
+    budget_bytes are allocated; past it, GEMMs of one shape reuse earlier ones in turn (a layer's weights
+    are far larger than L2, so a reused weight is still read from memory). Returns the callables, the
+    GEMMs that cannot run here (with why) and how many GEMMs reuse weights."""
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    items, skipped = [], {}
+    made: dict[tuple, list] = {}
+    allocated, reused = 0.0, 0
+    for op in program:
+        if op["kind"] == "gemm":
+            key = (op["m"], op["n"], op["k"], op.get("groups", 1))
+            pool = made.setdefault(key, [])
+            if pool and allocated >= budget_bytes:
+                fn = pool[reused % len(pool)]
+                reused += 1
+            else:
+                fn, reason, nbytes = make_gemm(op["m"], op["n"], op["k"], dtype, device, op.get("groups", 1))
+                if fn is None:
+                    skipped[op["op"]] = reason
+                    continue
+                pool.append(fn)
+                allocated += nbytes
+            items.append(("gemm", fn))
+        elif op["kind"] == "all_reduce":
+            t = torch.ones(_elems(op["msg_bytes"], tdtype), device=device, dtype=tdtype)
+            items.append(("comm", lambda t=t: dist.all_reduce(t)))
+        elif op["kind"] == "all_gather":
+            part = torch.ones(_elems(op["msg_bytes"], tdtype), device=device, dtype=tdtype)
+            out = torch.empty(part.numel() * world, device=device, dtype=tdtype)
+            items.append(("comm", lambda o=out, p=part: dist.all_gather_into_tensor(o, p)))
+    return items, skipped, reused
+
+
+def variant_fn(items, variant: str):
+    keep = {"full": ("gemm", "comm"), "gemm_only": ("gemm",), "comm_only": ("comm",)}[variant]
+    fns = [fn for kind, fn in items if kind in keep]
+
+    def step():
+        for fn in fns:
+            fn()
+    return step, len(fns)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="decode-step replay probe (run under torchrun)")
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    plan = json.load(open(args.plan))
+    use_cuda = args.device == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    timer = Timer(device)
+    meta = {"rank": rank, "world_size": world, "backend": dist.get_backend(), "device": str(device),
+            "torch": torch.__version__, "dtype": plan["dtype"], "iters": plan["iters"], "warmup": plan["warmup"],
+            "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
+            "gpu": torch.cuda.get_device_name(device) if use_cuda else None}
+    out = os.path.join(args.out_dir, f"step_rank{rank}.json")
+    rows: list[dict] = []
+    for step in plan["steps"]:
+        items, skipped, reused = build_step(step["program"], plan["dtype"], device, world,
+                                            weight_budget_bytes(plan, device))
+        for variant in VARIANTS:
+            fn, n_ops = variant_fn(items, variant)
+            modes = [("eager", fn)]
+            if use_cuda:
+                try:
+                    modes.append(("cuda_graph", graph_of(fn, 1).replay))
+                except Exception as e:  # recorded, as the collectives probe does
+                    rows.append({"batch": step["batch"], "variant": variant, "mode": "cuda_graph", "rank": rank,
+                                 "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
+            for mode, f in modes:
+                st = median_spread(timer.run(f, plan["iters"], plan["warmup"]))
+                rows.append({"batch": step["batch"], "variant": variant, "mode": mode, "rank": rank,
+                             "world_size": world, "ops": n_ops, "status": "ok", **st,
+                             "gemms_skipped": skipped, "gemms_reusing_weights": reused})
+        del items
+        if use_cuda:
+            torch.cuda.empty_cache()
+        write_json_atomic(out, {"meta": meta, "rows": rows})
+        if rank == 0:
+            print(f"batch {step['batch']}: done", file=sys.stderr, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The step program, the step model's components, and the step replay probe on two gloo ranks."""
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from decodescope import arch as archmod
+from decodescope import stepmodel as sm
+from decodescope.params import load_params
+
+
+@pytest.fixture(scope="module")
+def tiny(repo):
+    return archmod.normalize_config(load_params(repo / "params/default.yaml").model_config_dict())
+
+
+@pytest.fixture(scope="module")
+def kimi(repo):
+    return archmod.normalize_config(load_params(repo / "params/kimi-k2.5-int4-8x-pcie.yaml").model_config_dict())
+
+
+def test_step_program_runs_every_gemm_and_collective_of_the_step_in_model_order(kimi):
+    program = archmod.step_program(kimi, 8, 4)
+    calls = Counter(x["op"] for x in program if x["kind"] == "gemm")
+    assert {s.op: s.count for s in archmod.gemm_shapes(kimi, 8, 4)} == dict(calls)
+    kinds = Counter(x["kind"] for x in program)
+    assert kinds["all_reduce"] == 1 + 2 * 61 and kinds["all_gather"] == 1  # embedding + 2 per layer; logits
+    assert program[0]["where"] == "embedding" and program[-1]["where"] == "logits"
+    # a layer: attention GEMMs, then its all-reduce, then the MLP/MoE GEMMs, then theirs
+    first_ar = next(i for i, x in enumerate(program) if x.get("where") == "attention_out")
+    assert {x["op"] for x in program[1:first_ar]} == {"fused_qkv_a_proj", "q_b_proj", "mla_w_uk", "mla_w_uv", "o_proj"}
+    assert program[first_ar + 1]["op"] == "gate_up_proj"  # Kimi's first layer is dense
+
+
+def test_latency_is_read_off_the_measured_curve_in_log_log():
+    curve = pd.DataFrame({"bytes": [1024, 4096, 16384], "time_us": [10.0, 20.0, 40.0],
+                          "p10_us": [9.0, 18.0, 36.0], "p90_us": [11.0, 22.0, 44.0]})
+    assert sm.latency_at(curve, 4096) == (pytest.approx(20.0), False)
+    t, extrapolated = sm.latency_at(curve, 2048)
+    assert t == pytest.approx(np.sqrt(10.0 * 20.0)) and not extrapolated  # halfway in log-log
+    t, extrapolated = sm.latency_at(curve, 32768)  # past the sweep: the line through the last two points
+    assert extrapolated and t == pytest.approx(40.0 + (40.0 - 20.0) / (16384 - 4096) * (32768 - 16384))
+
+
+def test_the_replay_prediction_sums_gemms_and_collectives_by_hand(tiny):
+    shapes = archmod.gemm_shapes(tiny, 2, 4)
+    gemm = pd.DataFrame([{"op": s.op, "batch": b, "dtype": "bf16", "status": "ok", "time_us": 2.0 * b}
+                         for s in shapes for b in (1, 8)])
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "vllm_shm",
+                          "timing": "back_to_back", "inplace": True, "rank": 0, "bytes": n, "time_us": t,
+                          "p10_us": t, "p90_us": t} for n, t in ((512, 5.0), (2048, 5.0), (8192, 9.0))])
+    pred = sm.predict_replay(gemm, coll, tiny, 2, [4], "vllm_shm", "back_to_back")
+    # GEMMs at batch 4: interpolated between 2 us (b=1) and 16 us (b=8): 8 us per call
+    gemm_us = sum(s.count for s in shapes) * 8.0
+    # collectives at 4 x 256 x 2 = 2048 B: 5 us for each of 9 all-reduces; the logits all-gather
+    # (4 x 1024/2 x 2 = 4096 B per rank) priced at the log-log interpolation between 5 and 9 us
+    coll_us = 9 * 5.0 + float(np.exp(np.interp(np.log(4096), np.log([2048, 8192]), np.log([5.0, 9.0]))))
+    assert pred["gemm_us"].iloc[0] == pytest.approx(gemm_us)
+    assert pred["collectives_us"].iloc[0] == pytest.approx(coll_us)
+    assert pred["predicted_us"].iloc[0] == pytest.approx(gemm_us + coll_us)
+
+
+def test_a_communicator_the_probe_did_not_measure_is_named(tiny):
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "torch_gloo",
+                          "timing": "isolated", "inplace": True, "rank": 0, "bytes": 1024, "time_us": 1.0,
+                          "p10_us": 1.0, "p90_us": 1.0}])
+    with pytest.raises(ValueError, match="no vllm_shm all-reduce timed back_to_back.*torch_gloo"):
+        sm.collective_component(coll, tiny, 2, 1, "vllm_shm", "back_to_back")
+
+
+@pytest.mark.integration
+def test_step_replay_probe_on_two_gloo_ranks(tiny, tmp_path):
+    plan = {"dtype": "bf16", "iters": 3, "warmup": 1,
+            "steps": [{"batch": b, "program": archmod.step_program(tiny, 2, b)} for b in (1, 4)]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                    "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path)],
+                   check=True, capture_output=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    rows = [r for rank in (0, 1) for r in json.loads((tmp_path / f"step_rank{rank}.json").read_text())["rows"]]
+    table = sm.replay_table(rows)
+    assert sorted(table["batch"].unique()) == [1, 4]
+    ops = table.set_index(["batch", "variant"])["ops"]
+    n_gemm = sum(s.count for s in archmod.gemm_shapes(tiny, 2, 1))
+    assert ops[(1, "gemm_only")] == n_gemm and ops[(1, "comm_only")] == 1 + 2 * 4 + 1
+    assert ops[(1, "full")] == n_gemm + 10
+    assert (table["time_us"] > 0).all()
