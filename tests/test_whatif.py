@@ -1,0 +1,58 @@
+"""Each what-if on the campaign's own figures (Kimi-K2.5 INT4, TP=8, eight PCIe GPUs): wall step 12.1 ms,
+summed kernel time 21.7 ms, 122 all-reduces of 14,336 B at ~78 us each in the profile (~56 us alone),
+against numbers worked by hand here."""
+import pytest
+
+from decodescope import whatif as wi
+
+CAMPAIGN = wi.MeasuredStep(wall_us=12_100.0, summed_us=21_700.0, allreduce_calls=122, allreduce_us_per_call=78.0)
+
+
+def test_overlap_factor_is_wall_over_summed():
+    assert CAMPAIGN.overlap_factor == pytest.approx(12.1 / 21.7)  # 0.5576
+
+
+def test_allreduce_at_its_isolated_latency():
+    p = wi.allreduce_latency(CAMPAIGN, 56.0, "NCCL alone, 03")
+    # 122 x (78 - 56) = 2,684 us of serial work saved; x 0.5576 = 1,496.6 us on the wall-clock step
+    assert p.step_us == pytest.approx(12_100 - 2_684 * 12.1 / 21.7)          # 10,603.4 us
+    assert (p.low_us, p.high_us) == (pytest.approx(12_100 - 2_684), pytest.approx(p.step_us))
+    assert p.gain == pytest.approx(-1_496.6 / 12_100, rel=1e-4)              # -12.4%
+    assert any("122 all-reduces" in a for a in p.assumptions)
+
+
+def test_allreduce_in_a_cuda_graph_custom_all_reduce():
+    p = wi.allreduce_latency(CAMPAIGN, 22.0, "CUDA graph")
+    assert p.step_us == pytest.approx(12_100 - 122 * 56 * 12.1 / 21.7)       # 8,290.4 us
+    assert p.low_us == pytest.approx(12_100 - 6_832)                          # 5,268 us if all on the path
+
+
+def test_expert_parallelism_loses_when_two_all_to_alls_cost_more_than_the_all_reduce():
+    p = wi.expert_parallel(CAMPAIGN, moe_layers=60, all_to_all_us=40.0)
+    # per MoE layer: 78 us out, 2 x 40 = 80 us in: 60 x -2 = -120 us saved (a loss)
+    assert p.step_us == pytest.approx(12_100 + 120 * 12.1 / 21.7)            # 12,166.9 us
+    assert p.gain > 0
+    assert wi.expert_parallel(CAMPAIGN, 60, 20.0).step_us == pytest.approx(12_100 - 60 * 38 * 12.1 / 21.7)
+
+
+@pytest.mark.parametrize("k, alpha, tokens", [(3, 0.6, (1 - 0.6 ** 4) / 0.4), (3, 0.0, 1.0), (4, 1.0, 5.0),
+                                              (1, 0.5, 1.5)])
+def test_expected_tokens_per_verify_step(k, alpha, tokens):
+    assert wi.expected_tokens_per_verify(k, alpha) == pytest.approx(tokens)
+
+
+def test_speculative_decoding_divides_the_verify_step_by_the_expected_tokens():
+    # verify step at batch x 4: say 13.0 ms (GEMMs grow, the 122 all-reduces do not); n-gram draft ~0
+    p = wi.speculative(CAMPAIGN, k=3, alpha=0.6, verify_step_us=13_000.0)
+    assert p.tokens_per_step == pytest.approx(2.176)
+    assert p.tpot_us == pytest.approx(13_000 / 2.176)                        # 5,974.3 us
+    assert p.gain == pytest.approx(13_000 / 2.176 / 12_100 - 1)               # -50.6%
+    # with a draft model costing 2 ms per verify step
+    assert wi.speculative(CAMPAIGN, 3, 0.6, 13_000.0, draft_us=2_000.0).tpot_us == pytest.approx(15_000 / 2.176)
+    # nothing accepted: the verify step is pure cost
+    assert wi.speculative(CAMPAIGN, 3, 0.0, 13_000.0).gain == pytest.approx(13_000 / 12_100 - 1)
+
+
+def test_acceptance_outside_zero_one_is_refused():
+    with pytest.raises(ValueError, match="alpha must be in"):
+        wi.expected_tokens_per_verify(3, 1.2)
