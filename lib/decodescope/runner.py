@@ -244,12 +244,24 @@ def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Pa
     import papermill as pm
 
     out = run_dir / "notebooks" / f"{phase}.ipynb"
+    try:
+        _execute(pm, phase, run_dir, params_path, notebook_dir, out)
+    except KeyboardInterrupt:
+        # the kernel died with the interrupt; nbclient's pending cell task then reports DeadKernelError
+        # through asyncio's "exception was never retrieved" log when it is collected: not news to anyone
+        import logging
+
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        raise
+    return out
+
+
+def _execute(pm, phase: str, run_dir: Path, params_path: Path, notebook_dir: Path, out: Path) -> None:
     pm.execute_notebook(str(notebook_for(phase, notebook_dir)), str(out),
                         parameters={"params_path": str(params_path), "run_dir": str(run_dir)},
                         kernel_name="python3", progress_bar=False, log_output=False,
                         cwd=str(notebook_dir), request_save_on_cell_execute=True,
                         kernel_manager_class=kernel_manager_logging_to(run_dir / "logs" / f"kernel_{phase}.log"))
-    return out
 
 
 def kernel_manager_logging_to(log_path: Path):

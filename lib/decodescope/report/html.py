@@ -53,6 +53,7 @@ def header_html(manifest: dict) -> str:
 <h1>decodescope report</h1>
 <p><b>Run</b> <code>{html_text(manifest.get('run_id', ''))}</code> &middot;
 <b>params</b> <code>{html_text(manifest.get('params_name', ''))}</code> &middot;
+<b>model</b> <code>{html_text(((manifest.get('params') or {}).get('model') or {}).get('name', ''))}</code> &middot;
 <b>created</b> {html_text(manifest.get('created', ''))} &middot;
 <b>commit</b> <code>{html_text(str(manifest.get('git_commit')))}</code> &middot;
 <b>run status</b> {_status_badge(manifest.get('status', 'unknown'))}</p>
