@@ -88,3 +88,29 @@ def test_step_replay_probe_on_two_gloo_ranks(tiny, tmp_path):
     assert ops[(1, "gemm_only")] == n_gemm and ops[(1, "comm_only")] == 1 + 2 * 4 + 1
     assert ops[(1, "full")] == n_gemm + 10
     assert (table["time_us"] > 0).all()
+
+
+def test_a_cuda_graph_replay_trace_is_attributed_to_its_steps(repo, tmp_path):
+    """The step replay in CUDA-graph mode under torch.profiler on 2x H200 (Kimi-K2.5 TP=8 shapes per rank,
+    batch 1, 3 steps; kept as a fixture): the kernels of each graph replay land in their step, the
+    collectives per step are the architecture's schedule and nothing is left in `other`."""
+    from decodescope.trace.load import load_trace_dir
+    from decodescope.trace.profile import analyze_traces
+
+    loaded = load_trace_dir(repo / "tests/fixtures/traces/h200x2_step_replay_graph")
+    config = json.loads((repo / "params/models/kimi-k2.5.json").read_text())
+    result = analyze_traces(loaded, config, tp=8)
+    summary = result.summary()
+    assert summary.device == "gpu" and summary.ranks == [0, 1]
+    assert summary.steps == {"decode": 6}  # 3 steps on each rank
+    for row in summary.expected_vs_observed:
+        assert row["observed_per_step"] == row["expected_per_step"], row  # 123 all-reduces, 1 all-gather
+    assert {r["collective"] for r in summary.expected_vs_observed} == {"all_reduce", "all_gather"}
+    assert summary.other_share < 0.01
+    per_step = result.per_step
+    gemms = per_step[per_step["category"].astype(str) == "gemm_dense"].groupby("rank")["calls_per_step"].sum()
+    program = archmod.step_program(archmod.normalize_config(config), 8, 1)
+    n_gemm = sum(1 for x in program if x["kind"] == "gemm")  # 1,462
+    # every GEMM of the replayed step in every step, on both ranks (cuBLAS adds split-K reduction kernels
+    # for some shapes, also GEMM time)
+    assert (gemms >= n_gemm).all() and (gemms < 1.2 * n_gemm).all(), gemms

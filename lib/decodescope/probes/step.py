@@ -86,11 +86,43 @@ def variant_fn(items, variant: str):
     return step, len(fns)
 
 
+def profile_steps(items, batch: int, steps: int, use_cuda: bool, rank: int, out_dir: str) -> str:
+    """`steps` full steps under torch.profiler, each inside a range named as vLLM names a decode step
+    (execute_context_0(0)_generation_<b>(<b>)), replayed as one CUDA graph on GPUs; returns the gzipped
+    trace's path (step_replay_b<b>_rank<r>.pt.trace.json.gz)."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    fn, _ = variant_fn(items, "full")
+    run = graph_of(fn, 1).replay if use_cuda else fn
+    run()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function(f"execute_context_0(0)_generation_{batch}({batch})"):
+                run()
+            if use_cuda:
+                torch.cuda.synchronize()
+    raw = os.path.join(out_dir, f"step_replay_b{batch}_rank{rank}.pt.trace.json")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.unlink(raw)
+    return raw + ".gz"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="decode-step replay probe (run under torchrun)")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also capture this many full steps per batch under torch.profiler (CUDA graph on GPUs), "
+                         "one trace per rank in --out-dir, each step marked as vLLM marks its steps")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     args = ap.parse_args(argv)
     plan = json.load(open(args.plan))
     use_cuda = args.device == "cuda"
@@ -110,7 +142,7 @@ def main(argv=None) -> int:
     for step in plan["steps"]:
         items, skipped, reused = build_step(step["program"], plan["dtype"], device, world,
                                             weight_budget_bytes(plan, device))
-        for variant in VARIANTS:
+        for variant in [v for v in args.variants.split(",") if v]:
             fn, n_ops = variant_fn(items, variant)
             modes = [("eager", fn)]
             if use_cuda:
@@ -124,6 +156,8 @@ def main(argv=None) -> int:
                 rows.append({"batch": step["batch"], "variant": variant, "mode": mode, "rank": rank,
                              "world_size": world, "ops": n_ops, "status": "ok", **st,
                              "gemms_skipped": skipped, "gemms_reusing_weights": reused})
+        if args.profile_steps:
+            profile_steps(items, step["batch"], args.profile_steps, use_cuda, rank, args.out_dir)
         del items
         if use_cuda:
             torch.cuda.empty_cache()
@@ -131,6 +165,13 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"batch {step['batch']}: done", file=sys.stderr, flush=True)
     dist.barrier()
+    if use_cuda:
+        # Seen on 2x H200 (torch 2.11, NCCL 2.28): after NCCL calls captured in CUDA graphs, tearing the
+        # process group down hung until torchrun's timeout. Every result is on disk by now: leave at once.
+        torch.cuda.synchronize()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     dist.destroy_process_group()
     return 0
 
