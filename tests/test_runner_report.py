@@ -60,6 +60,8 @@ def test_failed_phase_is_recorded_and_the_run_goes_on(params_file, phase_noteboo
     assert manifest["status"] == "failed"
     for k in ("git_commit", "versions", "host", "params"):
         assert k in manifest
+    index = (run_dir.parent / "index.html").read_text()   # rebuilt after the run, this run in it
+    assert f'href="{run_dir.name}/report.html"' in index
 
 
 def test_resume_skips_phases_already_ok(params_file, phase_notebooks):

@@ -73,6 +73,21 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_index(args) -> int:
+    from decodescope.report.index import build_index, default_output_dir
+
+    out = Path(args.output_dir) if args.output_dir else default_output_dir()
+    if not out.is_dir():
+        print(f"error: {out}: not a directory", file=sys.stderr)
+        return 2
+    try:
+        print(build_index(out))
+    except OSError as e:
+        print(f"error: could not write {out / 'index.html'}: {e}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
+    return 0
+
+
 def _cmd_analyze_trace(args) -> int:
     from decodescope.trace.cli import analyze_trace_command
 
@@ -102,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="rebuild report.html of a run directory")
     rep.add_argument("run_dir")
     rep.set_defaults(func=_cmd_report)
+
+    idx = sub.add_parser("index", help="write OUTPUT_DIR/index.html listing every run, with headline numbers "
+                                       "and links to reports and compare pages")
+    idx.add_argument("output_dir", nargs="?", help="folder of run directories (default: the repository's outputs/)")
+    idx.set_defaults(func=_cmd_index)
 
     at = sub.add_parser("analyze-trace", help="per-rank breakdown of a directory of torch.profiler traces")
     at.add_argument("trace_dir")

@@ -446,7 +446,18 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
         manifest.save()
     finally:
         manifest.release_reserve()
+    _rebuild_index(run_dir.parent, progress)
     return run_dir, ok
+
+
+def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
+    """The output folder's index.html, with this run in it; a failure only warns: the run is done."""
+    from decodescope.report.index import build_index
+
+    try:
+        build_index(output_dir)
+    except OSError as e:
+        progress.note(f"warning: could not rebuild {output_dir / 'index.html'}: {e}")
 
 
 def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str]) -> None:

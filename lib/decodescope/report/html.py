@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Optional
 
 import nbformat
 
@@ -31,7 +32,11 @@ def _status_badge(status: str) -> str:
             f'padding:1px 8px;border-radius:8px;font-size:90%">{html_text(status)}</span>')
 
 
-def header_html(manifest: dict) -> str:
+def header_html(manifest: dict, run_dir: Optional[Path] = None) -> str:
+    """The report's header: run, params, model, status, the headline numbers (read from run_dir's data
+    files, as the output folder's index reads them; '–' where a file is missing) and the phases."""
+    from decodescope.report.index import headline_html
+
     rows = []
     for phase, info in manifest.get("phases", {}).items():
         err = info.get("error") or ""
@@ -57,6 +62,7 @@ def header_html(manifest: dict) -> str:
 <b>created</b> {html_text(manifest.get('created', ''))} &middot;
 <b>commit</b> <code>{html_text(str(manifest.get('git_commit')))}</code> &middot;
 <b>run status</b> {_status_badge(manifest.get('status', 'unknown'))}</p>
+{headline_html(run_dir) if run_dir is not None else ''}
 {server_line}
 <table class="ds-phases"><thead><tr><th>phase</th><th>what</th><th>status</th><th>time</th><th>error</th></tr></thead>
 <tbody>{''.join(rows)}</tbody></table>
@@ -65,8 +71,18 @@ The params as run are in <code>params.yaml</code>; the executed notebooks in <co
 </div>"""
 
 
+def without_stderr(cell: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy of a code cell without its stderr stream outputs (warnings, progress bars: they go to the
+    kernel's log, and what a reader needs is a note in words); other cells as they are."""
+    if cell.get("cell_type") != "code" or not cell.get("outputs"):
+        return cell
+    out = nbformat.from_dict(dict(cell))
+    out.outputs = [o for o in cell.outputs if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+    return out
+
+
 def combined_notebook(run_dir: Path, manifest: dict) -> nbformat.NotebookNode:
-    cells = [nbformat.v4.new_markdown_cell(header_html(manifest))]
+    cells = [nbformat.v4.new_markdown_cell(header_html(manifest, run_dir))]
     # the verdict is the report's front page: right after the header
     ordered = [p for p in PHASES if p in manifest.get("phases", {})]
     ordered = sorted(ordered, key=lambda p: p != "05_verdict")
@@ -91,7 +107,7 @@ def combined_notebook(run_dir: Path, manifest: dict) -> nbformat.NotebookNode:
             for cell in nb.cells:
                 if "parameters" in cell.metadata.get("tags", []) or "injected-parameters" in cell.metadata.get("tags", []):
                     continue
-                cells.append(cell)
+                cells.append(without_stderr(cell))
         elif status in ("pending", "skipped"):
             cells.append(nbformat.v4.new_markdown_cell(f"*Not run ({status}).*"))
     nb = nbformat.v4.new_notebook(cells=cells)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, TextIO
 
 import aiohttp
 import pandas as pd
@@ -155,30 +157,105 @@ def combine(data_dir: Path, slo: Optional[dict]) -> tuple[pd.DataFrame, pd.DataF
     return req, levels
 
 
+_CONSOLE: Optional[TextIO] = None
+
+
+def console() -> TextIO:
+    """Where progress goes: the process's real stderr. In a notebook kernel that is the kernel's log
+    (logs/kernel_<phase>.log, where the runner sends it), not a cell's output, so it stays out of the
+    notebook and the report. ipykernel points file descriptor 2 (sys.__stderr__) at a pipe whose text
+    it copies into the cell's output as well as to the real stderr, so inside a kernel this writes to
+    the kernel's copy of the real stderr descriptor directly."""
+    global _CONSOLE
+    fd = getattr(sys.stderr, "_original_stdstream_copy", None)
+    if not isinstance(fd, int):
+        return sys.__stderr__ or sys.stderr
+    if _CONSOLE is None:
+        try:
+            _CONSOLE = os.fdopen(os.dup(fd), "w", buffering=1, errors="replace")
+        except OSError:
+            return sys.__stderr__ or sys.stderr
+    return _CONSOLE
+
+
+class SweepProgress:
+    """One plain line per finished level with its time, the time so far and an estimate of what is left
+    (the mean time of a finished level times the levels to go)."""
+
+    def __init__(self, levels: list[int], stream: Optional[TextIO] = None, enabled: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        self.levels, self.stream, self.enabled, self.clock = levels, stream, enabled, clock
+        self.t0 = self.t_level = clock()
+        self.done = 0
+
+    def _print(self, line: str) -> None:
+        if not self.enabled:
+            return
+        stream = self.stream or console()
+        try:
+            print(line, file=stream, flush=True)
+        except (OSError, ValueError):  # a closed or full log must not stop a measurement
+            pass
+
+    def start(self, level: int) -> None:
+        self.t_level = self.clock()
+        if self.done == 0:
+            self._print(f"serving sweep: {len(self.levels)} level(s) to measure: "
+                        f"concurrency {', '.join(map(str, self.levels))}")
+
+    def end(self, level: int) -> str:
+        now = self.clock()
+        self.done += 1
+        elapsed = now - self.t0
+        left = len(self.levels) - self.done
+        eta = f"about {elapsed / self.done * left:.0f} s left" if left else "done"
+        line = (f"serving sweep: level {self.done}/{len(self.levels)} (concurrency {level}) done in "
+                f"{now - self.t_level:.1f} s, elapsed {elapsed:.1f} s, {eta}")
+        self._print(line)
+        return line
+
+
 def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
               check_server: Optional[Callable[[str], None]] = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every level not already on disk (or on disk but failed because the server did). Each level is
     written as it finishes; then `check_server(during)` raises if the server died, so a sweep never
-    goes on measuring a dead server."""
-    from tqdm.auto import tqdm
-
+    goes on measuring a dead server. Progress lines go to the console (`console()`), not the notebook."""
     data_dir = Path(data_dir)
     todo = levels_to_measure(cfg.levels, data_dir)
     n_prompts = max(cfg.requests_per_level + cfg.warmup_requests, 1)
     prompts = run_async(build_prompts(cfg, n_prompts))
-    bar = tqdm(todo, desc="serving sweep", unit="level", disable=not progress, file=sys.stderr)
-    for level in bar:
-        bar.set_postfix(concurrency=level)
+    bar = SweepProgress(todo, enabled=bool(progress))
+    for level in todo:
+        bar.start(level)
         records, health = run_async(run_level(cfg, level, prompts))
         df = records_frame(records)
         for k, v in health.items():
             df[f"health_{k}"] = v
         write_parquet_atomic(level_path(data_dir, level), df)
         combine(data_dir, cfg.slo)
+        bar.end(level)
         if check_server is not None:
             check_server(f"the serving sweep (concurrency {level})")
     write_json_atomic(data_dir / "serving_config.json", {**cfg.__dict__, "api_key": None})
     return combine(data_dir, cfg.slo)
+
+
+def _reader_note(text: str) -> None:
+    """A warning the report's reader needs: a note in the notebook when running in a kernel (stderr
+    stays out of the report), and a line on the console either way."""
+    try:
+        print(f"warning: {text}", file=console(), flush=True)
+    except (OSError, ValueError):
+        pass
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None and getattr(shell, "kernel", None) is not None:
+        from decodescope.report.display import show_note
+
+        show_note(f"**Note:** {text}")
 
 
 async def build_prompts(cfg: SweepConfig, n: int) -> list[tuple[list[int], str]]:
@@ -187,8 +264,10 @@ async def build_prompts(cfg: SweepConfig, n: int) -> list[tuple[list[int], str]]
     try:
         return await make_prompts(cfg.base_url, cfg.model, n, cfg.input_tokens, cfg.seed, cfg.api_key)
     except (aiohttp.ClientError, OSError, KeyError) as e:
-        print(f"warning: could not build prompts with {cfg.base_url}/tokenize ({e}); using random token ids",
-              file=sys.stderr)
+        _reader_note(f"the prompts could not be built with the server's tokenizer (`{cfg.base_url}/tokenize`: "
+                     f"`{type(e).__name__}: {str(e).replace('`', chr(39))}`), so random token ids were sent; the input lengths in "
+                     "the tables are the server's own counts (its usage records), not the configured "
+                     f"{cfg.input_tokens} tokens.")
         rng = random.Random(cfg.seed)
         return [([rng.randrange(100, 900) for _ in range(cfg.input_tokens)], "hello " * cfg.input_tokens)
                 for _ in range(n)]
