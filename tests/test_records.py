@@ -1,3 +1,4 @@
+from pathlib import Path
 """Typed records: each file a phase writes round-trips through its model, and a file of another
 schema_version, or one missing a field, is refused with an error naming the file."""
 import json
@@ -301,7 +302,20 @@ def test_reconcile_pairs_the_profiles_communicator_with_the_same_one_in_the_prob
                              allreduce_calls_per_step={}, allreduce_mean_us={}, other_share=0.0,
                              allreduce_communicators={"vllm_shm": 1.0}, per_step=StepMedians())
     row = allreduce_reconcile_row(coll, summary, observed_us=200.0, batch=2)
-    assert row["micro_benchmark_us"] == 190.0 and "vllm_shm" in row["micro_source"]
+    assert row["micro_benchmark_us"] == 190.0 and "vllm_shm" in row["micro_source"]  # burst: no sweep
+    # with 03's back-to-back sweep: calls per step x the latency at the step's message size
+    from decodescope import arch as archmod
+    from decodescope.params import load_params
+
+    arch = archmod.normalize_config(load_params(Path(__file__).resolve().parents[1] / "params/default.yaml")
+                                    .model_config_dict())
+    sweep = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": c, "timing": t,
+                           "inplace": True, "rank": 0, "bytes": n, "time_us": us, "p10_us": us, "p90_us": us}
+                          for c, t, us in (("vllm_shm", "back_to_back", 3.5), ("vllm_shm", "isolated", 9.0),
+                                           ("torch_gloo", "back_to_back", 1500.0)) for n in (512, 1024, 4096)])
+    row = allreduce_reconcile_row(pd.concat([coll, sweep]), summary, observed_us=30.0, batch=2, arch=arch, tp=2)
+    assert row["micro_benchmark_us"] == pytest.approx(9 * 3.5)  # 1 + 2 x 4 all-reduces of 1,024 B
+    assert "vllm_shm back_to_back" in row["micro_source"]
     other = summary.model_copy(update={"allreduce_communicators": {"vllm_custom_ar": 1.0}})
     row = allreduce_reconcile_row(coll, other, observed_us=200.0, batch=2)
     assert np.isnan(row["micro_benchmark_us"]) and "not compared" in row["note"]

@@ -56,3 +56,32 @@ def test_speculative_decoding_divides_the_verify_step_by_the_expected_tokens():
 def test_acceptance_outside_zero_one_is_refused():
     with pytest.raises(ValueError, match="alpha must be in"):
         wi.expected_tokens_per_verify(3, 1.2)
+
+
+def test_measured_projections_price_each_communicator_the_probe_measured(repo):
+    import pandas as pd
+
+    from decodescope import arch as archmod
+    from decodescope.params import load_params
+
+    arch = archmod.normalize_config(load_params(repo / "params/default.yaml").model_config_dict())
+    step = wi.MeasuredStep(wall_us=1_000.0, summed_us=1_500.0, allreduce_calls=9, allreduce_us_per_call=20.0, batch=4)
+    sweep = [{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": comm, "timing": "back_to_back",
+              "inplace": True, "rank": 0, "bytes": n, "time_us": t, "p10_us": t, "p90_us": t}
+             for comm, t in (("vllm_shm", 5.0), ("torch_gloo", 1_000.0)) for n in (1024, 2048, 4096, 8192)]
+    coll = pd.DataFrame(sweep)
+    gemm = pd.DataFrame([{"op": s.op, "batch": b, "dtype": "bf16", "status": "ok", "time_us": 1.0 * b}
+                         for s in archmod.gemm_shapes(arch, 2, 4) for b in (4, 8, 16)])
+    proj = {p.name: p for p in wi.measured_projections(step, coll, gemm, arch, 2, "vllm_shm", spec_k=(1,),
+                                                        spec_alpha=(0.5,))}
+    shm = proj["all-reduce at 5.0 us per call (vllm_shm, 03 back_to_back)"]
+    assert shm.step_us == pytest.approx(1_000 - 9 * 15 * 1_000 / 1_500)      # 910 us
+    gloo = proj["all-reduce at 1000.0 us per call (torch_gloo, 03 back_to_back)"]
+    assert gloo.step_us == pytest.approx(1_000 + 9 * 980 * 1_000 / 1_500)    # 6,880 us: slower
+    spec = proj["speculative decoding k=1, alpha=0.50"]
+    # verify at batch 8: every GEMM of the step 4 us -> 8 us per call, collectives flat at 5 us
+    n_gemm = sum(s.count for s in archmod.gemm_shapes(arch, 2, 4))
+    assert spec.step_us == pytest.approx(1_000 + n_gemm * (8.0 - 4.0))
+    assert spec.tpot_us == pytest.approx(spec.step_us / 1.5)
+    rows = wi.projection_rows(list(proj.values()))
+    assert [r["gain_pct"] for r in rows] == sorted(r["gain_pct"] for r in rows)  # ranked, best first

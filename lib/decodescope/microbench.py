@@ -67,6 +67,10 @@ def _run(argv: list[str], log_path: Path, timeout_s: float, env: Optional[dict] 
         except BaseException:
             procs.terminate(token, [proc.pid], grace_s=5)
             raise
+        finally:
+            # shared-memory segments of vLLM's shm all-reduce, named after this probe's token
+            for seg in Path("/dev/shm").glob(f"decodescope-probe-{token[:12]}*"):
+                seg.unlink(missing_ok=True)
     if rc != 0:
         from decodescope.server import log_tail
 

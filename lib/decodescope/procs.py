@@ -76,17 +76,21 @@ def _signal_all(pids: Iterable[int], sig: int) -> None:
             pass
 
 
+def _signal_groups(pgids: Iterable[int], sig: int) -> None:
+    for g in pgids:
+        try:
+            os.killpg(g, sig)
+        except OSError:
+            pass
+
+
 def terminate(token: str | None, pgids: Iterable[int] = (), grace_s: float = 15.0) -> list[int]:
     """SIGTERM every process of the run, SIGKILL what is left after grace_s (looking again, since
     workers may be spawned or re-parented meanwhile). Returns every pid that was signalled."""
     pgids = list(pgids)
     signalled: set[int] = set()
     pids = run_processes(token, pgids)
-    for g in pgids:
-        try:
-            os.killpg(g, signal.SIGTERM)
-        except OSError:
-            pass
+    _signal_groups(pgids, signal.SIGTERM)
     _signal_all(pids, signal.SIGTERM)
     signalled.update(pids)
     deadline = time.monotonic() + grace_s
@@ -101,11 +105,7 @@ def terminate(token: str | None, pgids: Iterable[int] = (), grace_s: float = 15.
         left = run_processes(token, pgids)
         if not left:
             break
-        for g in pgids:
-            try:
-                os.killpg(g, signal.SIGKILL)
-            except OSError:
-                pass
+        _signal_groups(pgids, signal.SIGKILL)
         _signal_all(left, signal.SIGKILL)
         signalled.update(left)
         time.sleep(0.1)

@@ -351,6 +351,21 @@ class ServingHeadline(_Model):
     source: str
 
 
+class ProjectionRow(_Model):
+    """One fix priced on the measured step (decodescope.whatif)."""
+
+    fix: str
+    step_us: float
+    low_us: float
+    high_us: float
+    tokens_per_step: float
+    tpot_us: float
+    tpot_low_us: float
+    tpot_high_us: float
+    gain_pct: float = Field(description="projected TPOT change against the measured step, % (negative = faster)")
+    assumptions: str
+
+
 class Verdict(Record):
     """data/verdict.json (05_verdict): where a decode step's time goes and what would move it."""
 
@@ -361,6 +376,7 @@ class Verdict(Record):
     wall_us: Optional[float] = Field(None, description="median wall time of a profiled step")
     what_if: list[WhatIfRow] = Field(default_factory=list)
     reconcile: list[ReconcileRow] = Field(default_factory=list)
+    projections: list[ProjectionRow] = Field(default_factory=list)
     serving: Optional[ServingHeadline] = None
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.records import (AttributionRow, Bottleneck, ProfileSummary, ReconcileRow, ServingHeadline,
+from decodescope.records import (AttributionRow, Bottleneck, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
                                  ServingLevel, Verdict, WhatIfRow, read_record)
 from decodescope.trace import categorize
 
@@ -54,7 +54,8 @@ def nearest(df: pd.DataFrame, col: str, value: float) -> pd.DataFrame:
     return df[df[col] == target]
 
 
-def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummary] = None) -> pd.DataFrame:
+def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummary] = None, arch=None,
+              tp: int = 1) -> pd.DataFrame:
     """Micro-benchmarks against the profile, per decode step, at the batch the profile ran (the
     profile's summary is read from the run directory unless given)."""
     rows = []
@@ -70,7 +71,7 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
         observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
     coll = _read_parquet(run_dir, "collectives.parquet")
     if coll is not None and not coll.empty and observed_ar is not None:
-        rows.append(allreduce_reconcile_row(coll, summary, observed_ar, profile_batch))
+        rows.append(allreduce_reconcile_row(coll, summary, observed_ar, profile_batch, arch, tp))
     gemm = _read_parquet(run_dir, "gemm.parquet")
     if gemm is not None and not gemm.empty:
         ok = gemm[gemm["status"] == "ok"]
@@ -90,27 +91,42 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
     return df
 
 
-def allreduce_reconcile_row(coll: pd.DataFrame, summary: ProfileSummary, observed_us: float, batch: int) -> dict:
+def allreduce_reconcile_row(coll: pd.DataFrame, summary: ProfileSummary, observed_us: float, batch: int,
+                            arch=None, tp: int = 1) -> dict:
     """The step's all-reduces from the micro-benchmark of the communicator the profile saw, like for
-    like; when the probe did not measure that communicator the row says so and divides nothing."""
+    like: calls per step x the latency at the step's message size, timed as a step issues them (CUDA
+    graph on GPUs, back to back on CPUs), from 03's size sweep; the barrier-aligned burst when the sweep
+    lacks it. When the probe did not measure that communicator the row says so and divides nothing."""
+    from decodescope import arch as archmod
+    from decodescope import stepmodel as sm
     from decodescope.microbench import with_timing_columns
 
     comms = summary.allreduce_communicators if summary else {}
     profile_comm = next(iter(comms), "unknown")
     micro_comm = categorize.micro_communicator_for(profile_comm)
-    burst = with_timing_columns(coll[(coll["part"] == "burst") & (coll["status"] == "ok")])
     row = {"piece": f"all-reduces per step ({profile_comm})", "profile_us": observed_us,
            "profile_source": "profile_summary.json per_step_categories (fastest rank: transfer, least wait)"}
-    mine = burst[burst["communicator"] == micro_comm]
-    if mine.empty:
-        measured = sorted(set(burst["communicator"]))
-        return {**row, "micro_benchmark_us": float("nan"), "micro_source": "collectives.parquet burst",
+    measured = sorted(set(with_timing_columns(coll)["communicator"].dropna()))
+    if micro_comm not in measured:
+        return {**row, "micro_benchmark_us": float("nan"), "micro_source": "collectives.parquet",
                 "note": f"the profile ran {profile_comm}; the probe measured {measured}, not it: not compared"}
+    calls = [c for c in archmod.collective_schedule(arch, tp, batch) if c.op == "all_reduce"] if arch else []
+    for timing in ("cuda_graph", "back_to_back") if calls and "op" in coll else ():
+        curve = sm.latency_curve(coll, micro_comm, timing)
+        if not curve.empty:
+            us = sum(c.count * sm.latency_at(curve, c.msg_bytes)[0] for c in calls)
+            n = sum(c.count for c in calls)
+            return {**row, "micro_benchmark_us": us,
+                    "micro_source": f"collectives.parquet sweep, {micro_comm} {timing}, {n} calls at "
+                                    f"{calls[0].msg_bytes} B (batch {batch})",
+                    "note": f"same communicator ({micro_comm}) in both, timed as a step issues the calls"}
+    burst = with_timing_columns(coll[(coll["part"] == "burst") & (coll["status"] == "ok")])
+    mine = burst[burst["communicator"] == micro_comm]
     mode = "cuda_graph" if (mine["mode"] == "cuda_graph").any() else "eager"
     b = nearest(mine[mine["mode"] == mode], "batch", batch)
     return {**row, "micro_benchmark_us": float(b["time_us"].median()),
             "micro_source": f"collectives.parquet burst, {micro_comm}, batch {int(b['batch'].iloc[0])}, {mode}",
-            "note": f"same communicator ({micro_comm}) in both"}
+            "note": f"same communicator ({micro_comm}); burst aligned by a barrier (no back-to-back sweep)"}
 
 
 def what_if(wall_us: float, attribution: pd.DataFrame, comm_speedup: float = 2.0) -> pd.DataFrame:
@@ -129,7 +145,45 @@ def what_if(wall_us: float, attribution: pd.DataFrame, comm_speedup: float = 2.0
     return pd.DataFrame(rows)
 
 
+def measured_step(summary: ProfileSummary, batch: int) -> Optional["whatif.MeasuredStep"]:
+    """The profiled decode step as the what-ifs take it: wall and summed time, and what the step pays
+    per all-reduce (median rank, waits included)."""
+    from decodescope import whatif
+
+    ps = summary.per_step
+    per_step = pd.DataFrame(summary.per_step_categories)
+    if per_step.empty or not ps.wall_us_median or not ps.summed_us_median:
+        return None
+    ar = per_step[per_step["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")[
+        ["calls_per_step", "time_per_step_us"]].sum()
+    if ar.empty or ar["calls_per_step"].median() <= 0:
+        return None
+    calls = int(round(ar["calls_per_step"].median()))
+    return whatif.MeasuredStep(wall_us=ps.wall_us_median, summed_us=ps.summed_us_median, allreduce_calls=calls,
+                               allreduce_us_per_call=float(ar["time_per_step_us"].median()) / calls, batch=batch)
+
+
+def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> list[dict]:
+    """Each fix priced on the profiled step from what 02/03 measured (decodescope.whatif)."""
+    from decodescope import arch as archmod
+    from decodescope import whatif
+
+    if summary is None:
+        return []
+    step = measured_step(summary, params.profile.concurrency)
+    coll = _read_parquet(run_dir, "collectives.parquet")
+    if step is None or coll is None or coll.empty:
+        return []
+    gemm = _read_parquet(run_dir, "gemm.parquet")
+    arch = archmod.normalize_config(params.model_config_dict())
+    profile_comm = next(iter(summary.allreduce_communicators), "unknown")
+    return whatif.projection_rows(whatif.measured_projections(step, coll, gemm, arch, params.server.tensor_parallel,
+                                                              profile_comm))
+
+
 def verdict(run_dir: Path, params) -> Verdict:
+    from decodescope import arch as archmod
+
     run_dir = Path(run_dir)
     summary = _profile_summary(run_dir)
     levels = _read_parquet(run_dir, "serving_levels.parquet")
@@ -149,7 +203,13 @@ def verdict(run_dir: Path, params) -> Verdict:
                        f"rank); all-reduce alone is " + ", ".join(f"rank {r} {100 * v:.0f}%" for r, v in ar_share.items())
                        + ".")
     out.reconcile = [ReconcileRow.model_validate(r) for r in
-                     reconcile(run_dir, params.profile.concurrency, summary).to_dict("records")]
+                     reconcile(run_dir, params.profile.concurrency, summary,
+                               archmod.normalize_config(params.model_config_dict()),
+                               params.server.tensor_parallel).to_dict("records")]
+    out.projections = [ProjectionRow.model_validate(r) for r in projections(run_dir, params, summary)]
+    if out.projections:
+        out.sources["projections"] = ("profile_summary.json (04) for the measured step; collectives.parquet (03) "
+                                      "and gemm.parquet (02) for the changed pieces")
     if levels is not None and not levels.empty:
         lv = [ServingLevel.model_validate(r) for r in levels.sort_values("level").to_dict("records")]
         out.serving = ServingHeadline(lowest_level=lv[0].level, tpot_p50_us=lv[0].tpot_p50_us,

@@ -101,3 +101,64 @@ def speculative(step: MeasuredStep, k: int, alpha: float, verify_step_us: float,
                           f"expected tokens per verify step (1 - a^(k+1)) / (1 - a) = {tokens:.2f}",
                           f"verify step {verify_step_us / 1e3:.2f} ms (the step at batch x {k + 1}), draft "
                           f"{draft_us / 1e3:.2f} ms; acceptance independent per token"], _base_us=step.wall_us)
+
+
+def projection_rows(projections: list[Projection]) -> list[dict]:
+    """The table the verdict shows, ranked by projected TPOT change (best first)."""
+    rows = [{"fix": p.name, "step_us": p.step_us, "low_us": p.low_us, "high_us": p.high_us,
+             "tokens_per_step": p.tokens_per_step, "tpot_us": p.tpot_us,
+             "tpot_low_us": p.low_us / p.tokens_per_step, "tpot_high_us": p.high_us / p.tokens_per_step,
+             "gain_pct": 100 * p.gain, "assumptions": "; ".join(p.assumptions)} for p in projections]
+    return sorted(rows, key=lambda r: r["gain_pct"])
+
+
+def measured_projections(step: MeasuredStep, coll, gemm, arch, tp: int, profile_communicator: str,
+                         spec_k: tuple[int, ...] = (1, 3), spec_alpha: tuple[float, ...] = (0.5, 0.7, 0.9),
+                         dtype: str = "bf16") -> list[Projection]:
+    """Every projection the measured inputs allow: all-reduce through each communicator 03 measured (at
+    the step's message size, timed as a step issues them), expert parallelism from 03's all-to-all at
+    batch x top_k tokens per GPU, and speculative decoding with the verify step grown by the GEMMs (02)
+    and collectives (03) at batch x (k+1)."""
+    from decodescope import arch as archmod
+    from decodescope import stepmodel as sm
+    from decodescope.microbench import with_timing_columns
+
+    out: list[Projection] = []
+    msg = next(c.msg_bytes for c in archmod.collective_schedule(arch, tp, step.batch, dtype) if c.op == "all_reduce")
+    sweep = with_timing_columns(coll[(coll["part"] == "sweep") & (coll["status"] == "ok")]) if coll is not None \
+        else None
+    best_timing: dict[str, str] = {}
+    if sweep is not None and not sweep.empty:
+        for comm, g in sweep[sweep["op"] == "all_reduce"].groupby("communicator"):
+            timing = "cuda_graph" if (g["timing"] == "cuda_graph").any() else "back_to_back"
+            curve = sm.latency_curve(coll, comm, timing)
+            if curve.empty:
+                continue
+            best_timing[comm] = timing
+            lat, extrapolated = sm.latency_at(curve, msg)
+            label = f"{comm}, 03 {timing}" + (", extrapolated" if extrapolated else "")
+            out.append(allreduce_latency(step, lat, label))
+        a2a = coll[(coll["part"] == "all_to_all") & (coll["status"] == "ok")]
+        if arch.moe_layers and not a2a.empty:
+            tokens = step.batch * arch.top_k
+            row = a2a.iloc[(a2a["tokens_per_gpu"] - tokens).abs().argsort()[:1]]
+            p = expert_parallel(step, arch.moe_layers, float(a2a[a2a["tokens_per_gpu"] ==
+                                                                row["tokens_per_gpu"].iloc[0]]["time_us"].median()))
+            out.append(Projection(p.name, p.step_us, p.low_us, p.high_us, 1.0, p.assumptions + [
+                f"all-to-all measured at {int(row['tokens_per_gpu'].iloc[0])} tokens per GPU (batch {step.batch} x "
+                f"top-{arch.top_k} = {tokens})"], _base_us=step.wall_us))
+    micro_comm = {"nccl": "torch_nccl"}.get(profile_communicator, profile_communicator)
+    sm_comm = micro_comm if micro_comm in best_timing else next(iter(best_timing), None)
+    if sm_comm is not None and gemm is not None and not gemm.empty:
+        for k in spec_k:
+            grown = step.batch * (k + 1)
+            d_gemm = (sm.gemm_component(gemm, arch, tp, grown, dtype).us - sm.gemm_component(gemm, arch, tp, step.batch, dtype).us)
+            d_coll = (sm.collective_component(coll, arch, tp, grown, sm_comm, best_timing[sm_comm], dtype).us
+                      - sm.collective_component(coll, arch, tp, step.batch, sm_comm, best_timing[sm_comm], dtype).us)
+            verify = step.wall_us + d_gemm + d_coll
+            for alpha in spec_alpha:
+                p = speculative(step, k, alpha, verify)
+                out.append(Projection(p.name, p.step_us, p.low_us, p.high_us, p.tokens_per_step, p.assumptions + [
+                    f"verify step = measured step + GEMMs (02) {d_gemm / 1e3:+.2f} ms + collectives (03, {sm_comm}) "
+                    f"{d_coll / 1e3:+.2f} ms at batch {grown}; n-gram drafting, cost ~0"], _base_us=step.wall_us))
+    return out

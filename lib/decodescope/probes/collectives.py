@@ -13,8 +13,8 @@ be set against the one the engine uses: torch.distributed (gloo / NCCL) always, 
 shared-memory all-reduce on CPU (`torch.ops._C.shm_allreduce`, the path vLLM's CPU build takes for
 tensor parallelism) when vllm is importable. Rows carry `communicator`.
 
-Timing (`timing` column): `back_to_back` issues `calls` all-reduces one after the other between one
-timer pair and divides, the way a decode step issues them (and nccl-tests and vLLM's
+Timing (`timing` column): `back_to_back` issues `calls` all-reduces (up to 50, fewer for slow ones so
+that one repetition lasts ~20 ms) one after the other between one timer pair and divides, the way a decode step issues them (and nccl-tests and vLLM's
 benchmark_device_communicators.py time them); on GPUs the same calls are also replayed as one CUDA
 graph (`cuda_graph`). `isolated` aligns the ranks with a barrier before each single call: it adds the
 barrier's wake-up and launch cost to every call, so it overstates what a step pays for small messages.
@@ -71,6 +71,8 @@ class Timer:
 
 
 BACK_TO_BACK_CALLS = 50
+SHM_PREFIX = "decodescope-probe-"
+BACK_TO_BACK_TARGET_US = 20_000.0
 
 
 @dataclass
@@ -89,7 +91,9 @@ def vllm_shm_communicator(world: int, rank: int) -> Communicator:
     current_platform.import_kernels()
     if not hasattr(torch.ops._C, "init_shm_manager"):
         raise RuntimeError("this vllm build has no torch.ops._C.init_shm_manager (not the CPU build)")
-    names = [f"decodescope-probe-{os.getpid()}-{int(time.time())}"]
+    # named after the run token that the launcher (microbench._run) gives its probes, so it can remove
+    # the segments even when the ranks were killed
+    names = [f"{SHM_PREFIX}{os.environ.get('DECODESCOPE_RUN_TOKEN', str(os.getpid()))[:12]}-{int(time.time())}"]
     dist.broadcast_object_list(names, src=0)
     handle = torch.ops._C.init_shm_manager(names[0], world, rank, torch.get_num_threads())
     dist.barrier()
@@ -214,23 +218,34 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
     """all-reduce through every communicator, in place, back to back (and as a CUDA graph on GPUs) and
     isolated; torch's out-of-place all-reduce and all-to-all isolated, as nccl-tests."""
     rows = []
-    calls = int(plan.get("back_to_back_calls", BACK_TO_BACK_CALLS))
+    max_calls = int(plan.get("back_to_back_calls", BACK_TO_BACK_CALLS))
     for nbytes in sweep_sizes(plan):
         t = torch.ones(_elems(nbytes, dtype, world), device=device, dtype=dtype)
         real = t.numel() * t.element_size()
         for comm in comms:
             base = {"part": "sweep", "op": "all_reduce", "communicator": comm.name, "bytes": real,
-                    "inplace": True, "world_size": world, "rank": rank, "mode": "eager"}
+                    "inplace": True, "world_size": world, "rank": rank}
             fn = (lambda c=comm: c.all_reduce(t))
-            timings = [("back_to_back", lambda: back_to_back(timer, fn, calls, plan["iters"], plan["warmup"])),
-                       ("isolated", lambda: timer.run(fn, plan["iters"], plan["warmup"]))]
+            try:
+                isolated = median_spread(timer.run(fn, plan["iters"], plan["warmup"]))
+            except (RuntimeError, NotImplementedError) as e:
+                rows.append({**base, "timing": "isolated", "mode": "eager", "status": "skipped",
+                             "skip_reason": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            rows.append(_bw({**base, "timing": "isolated", "mode": "eager"}, isolated, "all_reduce", real, world))
+            # enough calls back to back to swamp the timer, few enough that slow ones (gloo, large
+            # messages) keep the sweep short: ~20 ms of calls per repetition, 4 to max_calls
+            calls = [int(max(4, min(max_calls, BACK_TO_BACK_TARGET_US // max(isolated["time_us"], 1.0))))]
+            dist.broadcast_object_list(calls, src=0)  # every rank must issue the same number of calls
+            calls = calls[0]
+            timings = [("back_to_back", "eager", lambda: back_to_back(timer, fn, calls, plan["iters"], plan["warmup"]))]
             if comm.graphable:
-                def graphed(fn=fn):
+                def graphed(fn=fn, calls=calls):
                     g = graph_of(fn, calls)
                     return [x / calls for x in timer.run(g.replay, plan["iters"], plan["warmup"])]
-                timings.insert(1, ("cuda_graph", graphed))
-            for timing, measure in timings:
-                row = {**base, "timing": timing, "mode": "cuda_graph" if timing == "cuda_graph" else "eager"}
+                timings.append(("cuda_graph", "cuda_graph", graphed))
+            for timing, mode, measure in timings:
+                row = {**base, "timing": timing, "mode": mode, "calls": calls}
                 try:
                     rows.append(_bw(row, median_spread(measure()), "all_reduce", real, world))
                 except (RuntimeError, NotImplementedError) as e:

@@ -246,6 +246,21 @@ def attribution_bars(attribution: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def projection_bars(proj: pd.DataFrame, wall_us: float) -> go.Figure:
+    """Projected TPOT per fix with its band, against the measured step."""
+    fig = go.Figure(go.Bar(y=proj["fix"], x=proj["tpot_us"] / 1e3, orientation="h",
+                           error_x=dict(type="data", symmetric=False,
+                                        array=(proj["tpot_high_us"] - proj["tpot_us"]) / 1e3,
+                                        arrayminus=(proj["tpot_us"] - proj["tpot_low_us"]) / 1e3),
+                           text=[f"{g:+.0f}%" for g in proj["gain_pct"]], textposition="auto",
+                           hovertext=proj["assumptions"]))
+    fig.add_vline(x=wall_us / 1e3, line_dash="dash", annotation_text="measured step")
+    fig.update_layout(title="Each fix priced on the measured step (TPOT, band from the step's overlap)",
+                      xaxis_title="ms per output token", yaxis_autorange="reversed",
+                      height=max(360, 28 * len(proj) + 120))
+    return fig
+
+
 def what_if_bars(what_if: pd.DataFrame, wall_us: float) -> go.Figure:
     fig = go.Figure(go.Bar(y=what_if["what_if"], x=what_if["step_us"] / 1e3, orientation="h",
                            text=[f"{s:.2f}x" for s in what_if["speedup_x"]], textposition="auto"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from decodescope.records import AttributionRow, HostInventory, ReconcileRow, Verdict, WhatIfRow, frame
+from decodescope.records import ProjectionRow, AttributionRow, HostInventory, ReconcileRow, Verdict, WhatIfRow, frame
 from decodescope.report import plots
 from decodescope.report.display import show, show_note, show_table
 
@@ -54,6 +54,22 @@ def verdict_what_if(v: Verdict) -> None:
     what_if = frame(v.what_if, WhatIfRow)
     show(plots.what_if_bars(what_if, v.wall_us))
     show_table(what_if, caption="projections from the measured step - verdict.json")
+
+
+def verdict_projections(v: Verdict) -> None:
+    """The fixes priced from measured inputs, ranked; each with its assumptions."""
+    if not v.projections:
+        show_note("*No projection from measured inputs: it needs the profile (04) and the collective "
+                  "micro-benchmark (03) of this run.*")
+        return
+    proj = frame(v.projections, ProjectionRow)
+    show(plots.projection_bars(proj, v.wall_us))
+    best, worst = proj.iloc[0], proj.iloc[-1]
+    show_note(f"Best projected fix: **{best['fix']}**, TPOT {best['gain_pct']:+.0f}% "
+              f"({best['tpot_low_us'] / 1e3:.2f}-{best['tpot_high_us'] / 1e3:.2f} ms). "
+              f"Least useful: {worst['fix']} ({worst['gain_pct']:+.0f}%). Sources: {v.sources.get('projections', '')}.")
+    show_table(proj[["fix", "tpot_us", "tpot_low_us", "tpot_high_us", "gain_pct", "tokens_per_step", "assumptions"]],
+               caption="fixes priced on the measured step - verdict.json")
 
 
 def verdict_serving(v: Verdict) -> None:
