@@ -124,10 +124,11 @@ def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(r
     assert phases == ["00_host", "01_serving", "02_gemm", "03_collectives", "04_profile", "05_verdict"]
     assert repo_root is None
 
-    # a params template copied out of the installed package, with its models/
-    shutil.copytree(site / "decodescope" / "_data" / "params", outside / "params")
-    for name in ("default.yaml", "kimi-k2.5-int4-8x-pcie.yaml"):
-        proc = _run([venv / "bin" / "decodescope", "params", "validate", f"params/{name}"], cwd=outside)
+    # the README's first step from a wheel: a shipped template with its models/, then validate it
+    for name in ("default", "kimi-k2.5-int4-8x-pcie"):
+        proc = _run([venv / "bin" / "decodescope", "params", "init", name, "params"], cwd=outside)
+        assert proc.stdout.strip().endswith(f"params/{name}.yaml")
+        proc = _run([venv / "bin" / "decodescope", "params", "validate", f"params/{name}.yaml"], cwd=outside)
         assert ": ok (run name" in proc.stdout and "warning" not in proc.stderr
 
     _synthetic_cpu_traces(outside / "traces")

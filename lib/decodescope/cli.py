@@ -66,6 +66,29 @@ def _cmd_params_show(args) -> int:
     return 0
 
 
+def _cmd_params_init(args) -> int:
+    """Copy a shipped params template (and the model configs it points to) into a directory of yours:
+    the same files from a wheel as from the repository."""
+    import shutil
+
+    from decodescope.resources import params_dir
+
+    templates = sorted(p.stem for p in params_dir().glob("*.yaml") if p.stem != "kernel_categories")
+    if args.template not in templates:
+        print(f"error: no params template {args.template!r}; shipped templates: {templates}", file=sys.stderr)
+        return 2
+    dest = Path(args.dest)
+    target = dest / f"{args.template}.yaml"
+    if target.exists():
+        print(f"error: {target} exists; choose another directory or remove it", file=sys.stderr)
+        return 2
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(params_dir() / f"{args.template}.yaml", target)
+    shutil.copytree(params_dir() / "models", dest / "models", dirs_exist_ok=True)
+    print(target)
+    return 0
+
+
 def _cmd_report(args) -> int:
     from decodescope.report.html import build_report
 
@@ -113,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = psub.add_parser("show", help="print the params resolved, with defaults (secrets redacted)")
     s.add_argument("file")
     s.set_defaults(func=_cmd_params_show)
+    i = psub.add_parser("init", help="copy a shipped template and its model configs into DEST, to edit")
+    i.add_argument("template", help="e.g. default or kimi-k2.5-int4-8x-pcie")
+    i.add_argument("dest", help="directory to copy into (made if missing)")
+    i.set_defaults(func=_cmd_params_init)
 
     rep = sub.add_parser("report", help="rebuild report.html of a run directory")
     rep.add_argument("run_dir")
