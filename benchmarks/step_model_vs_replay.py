@@ -23,7 +23,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("gemm", nargs="?", default=str(RESULTS / "h200_gemm_kimi_tp8_b1_64" / "gemm_raw.json"))
+    ap.add_argument("gemm", nargs="?", default=str(RESULTS / "h200_gemm_kimi_tp8_b1_64_cold_weights" / "gemm_raw.json"))
     ap.add_argument("collectives", nargs="?", default=str(RESULTS / "h200x2_collectives_back_to_back"))
     ap.add_argument("step", nargs="?", default=str(RESULTS / "h200x2_step_replay_kimi_tp8"))
     ap.add_argument("params", nargs="?", default=str(Path(__file__).resolve().parents[1] / "params" /
@@ -42,7 +42,7 @@ def main() -> None:
     for timing, mode in (("cuda_graph", "cuda_graph"), ("back_to_back", "eager")):
         cmp = sm.compare_with_replay(sm.predict_replay(gemm, coll, arch, args.tp, batches, args.communicator, timing),
                                      replay, mode=mode)
-        print(f"\n{mode} replay (model: GEMM graph times + {timing} collective latency)")
+        print(f"\n{mode} replay (model: GEMMs from 02 + {timing} collective latency)")
         print(f"{'batch':>5} {'model ms':>9} {'band ms':>15} {'GEMMs ms':>9} {'colls ms':>9} {'replay ms':>10} "
               f"{'model/replay':>12}")
         for r in cmp.itertuples():

@@ -60,6 +60,13 @@ def test_planted_markup_is_inert_text_in_the_report(tmp_path):
     assert "window.__ds_pwned='script'" in seen["text"]
     assert "onerror=" in seen["text"]
     assert len(seen["figures"]) == 1 and seen["figures"][0] >= 1
+    from tests.test_faults import record_fault
+
+    record_fault("markup planted in run name, model name, params values, server log lines, trace op names",
+                 "a run name must be a file name (refused otherwise); every other string is shown as text: no "
+                 "script runs, no dialog opens (headless Chromium)", rc=0,
+                 results_lost=f"none; {len(PAYLOADS)} payloads in tables, captions, notes, figures, header, "
+                              "errors: 0 ran", processes_left=0, shm_files_left=0)
 
 
 def test_markdown_notes_escape_markup_but_keep_formatting():

@@ -221,6 +221,14 @@ def test_no_planted_secret_reaches_a_file_a_log_or_the_process_list(e2e):
     for stream in ("stdout", "stderr"):
         leaks += [(k, stream) for k, v in SECRETS.items() if v in getattr(e2e["proc"], stream)]
     assert leaks == []
+    from tests.test_faults import record_fault
+
+    n_files = sum(1 for p in e2e["run_dir"].rglob("*") if p.is_file())
+    record_fault("secrets planted in params (api key), server.env (token, password) and the environment",
+                 "none reaches a file of the run, its stdout/stderr or any process's command line (the api key "
+                 "goes to vLLM as VLLM_API_KEY)", rc=e2e["proc"].returncode,
+                 results_lost=f"none; {len(SECRETS)} secrets x {n_files} files, 2 streams, "
+                              f"{len(e2e['argvs'])} command lines sampled: 0 leaks", processes_left=0, shm_files_left=0)
 
 
 def test_report_draws_every_figure_offline(e2e):

@@ -114,3 +114,16 @@ def test_a_cuda_graph_replay_trace_is_attributed_to_its_steps(repo, tmp_path):
     # every GEMM of the replayed step in every step, on both ranks (cuBLAS adds split-K reduction kernels
     # for some shapes, also GEMM time)
     assert (gemms >= n_gemm).all() and (gemms < 1.2 * n_gemm).all(), gemms
+
+
+def test_gemms_are_priced_with_cold_weights_when_the_probe_measured_them(tiny):
+    shapes = archmod.gemm_shapes(tiny, 2, 1)
+    gemm = pd.DataFrame([{"op": s.op, "batch": 1, "dtype": "bf16", "status": "ok", "time_us": 10.0,
+                          "cold_weights_time_us": 8.0, "cold_weights_p10_us": 7.0, "cold_weights_p90_us": 9.0}
+                         for s in shapes])
+    c = sm.gemm_component(gemm, tiny, 2, 1)
+    n = sum(s.count for s in shapes)
+    assert (c.us, c.low_us, c.high_us) == (pytest.approx(8.0 * n), pytest.approx(7.0 * n), pytest.approx(9.0 * n))
+    assert "cold weights" in c.source
+    flushed = sm.gemm_component(gemm.drop(columns=["cold_weights_time_us"]), tiny, 2, 1)
+    assert flushed.us == pytest.approx(10.0 * n) and "L2 flushed" in flushed.source

@@ -3,8 +3,11 @@
 The step model prices one decode step at batch b from the micro-benchmarks, component by component,
 each with the file it came from and a band from its measured spread:
 
-- GEMMs: sum over the step's GEMM shapes at b of count x time (02's CUDA-graph time, L2 flushed: every
-  layer reads its own weights); a batch 02 did not measure is interpolated between the two nearest;
+- GEMMs: sum over the step's GEMM shapes at b of count x time: 02's cold-weights time when the probe
+  measured it (CUDA graph cycling through weight copies: every layer reads its own weights from memory,
+  the activations stay in L2, as in a decode step), else its graph time with L2 flushed before each call
+  (which also evicts the activations: ~10% slower at decode sizes on an H200); a batch 02 did not
+  measure is interpolated between the two nearest;
 - collectives: per call, the latency at its message size read off 03's curve for one communicator and
   one timing (cuda_graph on GPUs, back_to_back on CPUs: how a step issues them), interpolated in log-log
   between measured sizes; sizes outside the sweep use the alpha-beta fit and are labelled extrapolated.
@@ -48,8 +51,12 @@ def _interp_batch(g: pd.DataFrame, batch: int, col: str) -> float:
 def gemm_component(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int, dtype: str = "bf16",
                    ep: int = 1, skew: float = 0.0, source: str = "gemm.parquet") -> Component:
     ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]
-    lo_col = "graph_p10_us" if "graph_p10_us" in ok and ok["graph_p10_us"].notna().all() else "time_us"
-    hi_col = "graph_p90_us" if "graph_p90_us" in ok and ok["graph_p90_us"].notna().all() else "time_us"
+    # cold weights with warm activations is how a decode step meets each GEMM (every layer its own
+    # weights); 02's graph time flushes L2 before each call, activations included
+    timed = "cold_weights" if "cold_weights_time_us" in ok and ok["cold_weights_time_us"].notna().all() else "graph"
+    mid_col = f"{timed}_time_us" if timed == "cold_weights" else "time_us"
+    lo_col = f"{timed}_p10_us" if f"{timed}_p10_us" in ok and ok[f"{timed}_p10_us"].notna().all() else mid_col
+    hi_col = f"{timed}_p90_us" if f"{timed}_p90_us" in ok and ok[f"{timed}_p90_us"].notna().all() else mid_col
     total = low = high = 0.0
     missing = []
     for s in archmod.gemm_shapes(arch, tp, batch, ep, skew):
@@ -57,11 +64,12 @@ def gemm_component(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch:
         if g.empty:
             missing.append(s.op)
             continue
-        total += s.count * _interp_batch(g, batch, "time_us")
+        total += s.count * _interp_batch(g, batch, mid_col)
         low += s.count * _interp_batch(g, batch, lo_col)
         high += s.count * _interp_batch(g, batch, hi_col)
     notes = [f"not measured, left out: {missing}"] if missing else []
-    return Component("gemm", total, low, high, f"{source} ({dtype}, graph time)", notes)
+    what = "cold weights, warm activations" if timed == "cold_weights" else "graph time, L2 flushed"
+    return Component("gemm", total, low, high, f"{source} ({dtype}, {what})", notes)
 
 
 def latency_curve(coll: pd.DataFrame, communicator: str, timing: str, op: str = "all_reduce") -> pd.DataFrame:

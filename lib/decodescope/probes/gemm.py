@@ -119,6 +119,67 @@ def time_cuda_graph(fn: Callable[[], None], iters: int, warmup: int, flush: Opti
     return [(e[0].elapsed_time(e[1]) - e[1].elapsed_time(e[2])) * 1e3 / k for e in ev]
 
 
+COLD_WEIGHTS_BYTES = 256 << 20  # weight copies cycled through, so none is still in L2 when it comes back
+
+
+def rotating_weights(m: int, n: int, k: int, dtype: str, device: torch.device, groups: int = 1) -> Optional[list]:
+    """Calls of one GEMM that share the activations and output but each read their own weight copy
+    (enough copies to span COLD_WEIGHTS_BYTES): in a decode step every layer reads its own weights from
+    memory while the activations stay in L2. None for dtypes without a plain torch matmul."""
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
+    if dt is None or device.type != "cuda":
+        return None
+    elt = torch.tensor([], dtype=dt).element_size()
+    copies = int(min(4096, max(2, -(-COLD_WEIGHTS_BYTES // (groups * n * k * elt)))))
+    if groups > 1:
+        a = torch.randn(groups, m, k, device=device, dtype=dt)
+        out = torch.empty(groups, m, n, device=device, dtype=dt)
+        ws = [torch.randn(groups, n, k, device=device, dtype=dt) for _ in range(copies)]
+        return [(lambda w=w: torch.bmm(a, w.transpose(1, 2), out=out)) for w in ws]
+    a = torch.randn(m, k, device=device, dtype=dt)
+    out = torch.empty(m, n, device=device, dtype=dt)
+    ws = [torch.randn(n, k, device=device, dtype=dt) for _ in range(copies)]
+    return [(lambda w=w: torch.mm(a, w.t(), out=out)) for w in ws]
+
+
+def time_cuda_graph_cold_weights(fns: list, iters: int, warmup: int, calls_per_replay: int = GRAPH_CALLS) -> list[float]:
+    """Per-call times of a CUDA graph that calls every weight copy once (at least 2 x GRAPH_CALLS calls),
+    so each call reads weights that left L2 long ago while the activations stay in it; minus a graph of
+    the first half of those calls, so graph launch and event overheads cancel, as in warm mode."""
+    n_work = max(2 * calls_per_replay, len(fns))
+    order = [fns[i % len(fns)] for i in range(n_work)]
+    n_twin = n_work // 2
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in order:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+    def work():
+        for fn in order:
+            fn()
+
+    def twin():
+        for fn in order[:n_twin]:
+            fn()
+
+    g_work, g_twin = _capture(work), _capture(twin)
+    for _ in range(2):
+        g_work.replay()
+        g_twin.replay()
+    torch.cuda.synchronize()
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(graph_replays(iters))]
+    for e in ev:
+        e[0].record()
+        g_work.replay()
+        e[1].record()
+        g_twin.replay()
+        e[2].record()
+    torch.cuda.synchronize()
+    return [(e[0].elapsed_time(e[1]) - e[1].elapsed_time(e[2])) * 1e3 / (n_work - n_twin) for e in ev]
+
+
 def time_cpu(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -214,6 +275,12 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
                 row.update({f"graph_{k2}": v for k2, v in g.items()})
             except Exception as e:
                 row["graph_error"] = f"{type(e).__name__}: {e}"
+            fns = rotating_weights(m, n, k, dtype, device, groups)
+            if fns:
+                # a second column, for the step model: the way a decode step meets this GEMM
+                cold = median_spread(time_cuda_graph_cold_weights(fns, iters, warmup))
+                row.update({f"cold_weights_{k2}": v for k2, v in cold.items()})
+                del fns
         best = row.get("graph_time_us", eager["time_us"]) if graph else eager["time_us"]
         row["method"] = (f"{'L2 flushed before each call' if flush else 'L2 warm'}; eager: CUDA events around "
                          f"each call, median of {iters} after {warmup} warm-up; graph: CUDA events around "
