@@ -331,3 +331,22 @@ def test_the_communicator_is_read_from_the_op_name(name, comm):
     from decodescope.trace.categorize import communicator_of
 
     assert communicator_of(name) == comm
+
+
+def test_each_serving_level_is_set_against_the_profiled_step_and_flagged_with_a_cause():
+    from decodescope.records import ProfileSummary, StepMedians
+    from decodescope.verdict import level_reconcile
+
+    summary = ProfileSummary(device="cpu", ranks=[0, 1], step_kind="decode", steps={}, allreduce_share_of_time={},
+                             allreduce_calls_per_step={}, allreduce_mean_us={}, other_share=0.0,
+                             per_step=StepMedians(wall_us_median=4_000.0, idle_us_median=900.0))
+    levels = pd.DataFrame({"level": [1, 2, 4], "tpot_p50_us": [4_200.0, 4_500.0, 5_500.0],
+                           "itl_coalesced_frac": [0.25, 0.0, 0.1]})
+    rows = {r["level"]: r for r in level_reconcile(levels, summary, profile_batch=2, model_us={1: 900.0})}
+    assert rows[1]["residual_us"] == pytest.approx(200.0) and rows[1]["within_tolerance"]
+    assert rows[2]["within_tolerance"] and rows[2]["attributed_to"] == ""
+    four = rows[4]  # 5.5 ms vs 4.0 ms: 37.5% off
+    assert not four["within_tolerance"] and four["residual_us"] == pytest.approx(1_500.0)
+    assert "900 us idle" in four["attributed_to"] and "batch 4 vs the profiled batch 2" in four["attributed_to"]
+    assert rows[1]["model_us"] == 900.0 and rows[2]["model_us"] is None
+    assert level_reconcile(levels, None, 2, {})[0].get("profile_wall_us") is None  # no profile: nothing divided

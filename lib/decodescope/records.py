@@ -366,6 +366,19 @@ class ProjectionRow(_Model):
     assumptions: str
 
 
+class LevelReconcileRow(_Model):
+    """One serving level: the client's TPOT against the profiled step and the step model."""
+
+    level: int
+    tpot_p50_us: float = Field(description="client TPOT p50 (01)")
+    profile_batch: Optional[int] = Field(None, description="the profiled batch nearest this level (04)")
+    profile_wall_us: Optional[float] = Field(None, description="median wall-clock decode step there (04)")
+    model_us: Optional[float] = Field(None, description="GEMMs (02) + collectives (03) at this batch (stepmodel)")
+    residual_us: Optional[float] = Field(None, description="TPOT - profiled step")
+    within_tolerance: Optional[bool] = None
+    attributed_to: str = Field("", description="what the residual is put down to, from the measurements")
+
+
 class Verdict(Record):
     """data/verdict.json (05_verdict): where a decode step's time goes and what would move it."""
 
@@ -377,6 +390,7 @@ class Verdict(Record):
     what_if: list[WhatIfRow] = Field(default_factory=list)
     reconcile: list[ReconcileRow] = Field(default_factory=list)
     projections: list[ProjectionRow] = Field(default_factory=list)
+    levels: list[LevelReconcileRow] = Field(default_factory=list)
     serving: Optional[ServingHeadline] = None
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.records import (AttributionRow, Bottleneck, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
+from decodescope.records import (AttributionRow, Bottleneck, LevelReconcileRow, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
                                  ServingLevel, Verdict, WhatIfRow, read_record)
 from decodescope.trace import categorize
 
@@ -163,6 +163,60 @@ def measured_step(summary: ProfileSummary, batch: int) -> Optional["whatif.Measu
                                allreduce_us_per_call=float(ar["time_per_step_us"].median()) / calls, batch=batch)
 
 
+LEVEL_TOLERANCE = 0.20  # client TPOT within 20% of the profiled step counts as agreeing
+
+
+def level_reconcile(levels: pd.DataFrame, summary: Optional[ProfileSummary], profile_batch: int,
+                    model_us: dict[int, float]) -> list[dict]:
+    """Per serving level: client TPOT p50 against the profiled step at the nearest profiled batch and
+    the step model; the residual put down to what the measurements show (the profile's idle time per
+    step: scheduler and host; 01's coalesced gaps: the server holding output back)."""
+    rows = []
+    wall = summary.per_step.wall_us_median if summary else None
+    idle = summary.per_step.idle_us_median if summary else None
+    for lv in levels.sort_values("level").itertuples():
+        row = {"level": int(lv.level), "tpot_p50_us": float(lv.tpot_p50_us), "model_us": model_us.get(int(lv.level))}
+        if wall:
+            residual = float(lv.tpot_p50_us) - wall
+            ok = abs(residual) <= LEVEL_TOLERANCE * wall
+            causes = []
+            if idle and idle > 0.1 * wall:
+                causes.append(f"scheduler/host time between kernels: {idle:,.0f} us idle per profiled step (04)")
+            coalesced = float(getattr(lv, "itl_coalesced_frac", 0.0) or 0.0)
+            if coalesced > 0.1:
+                causes.append(f"stream delivery: {100 * coalesced:.0f}% of token gaps coalesced (01)")
+            if int(lv.level) != profile_batch:
+                causes.append(f"batch {int(lv.level)} vs the profiled batch {profile_batch}")
+            row.update(profile_batch=profile_batch, profile_wall_us=wall, residual_us=residual, within_tolerance=ok,
+                       attributed_to="; ".join(causes) if not ok else "")
+        rows.append(row)
+    return rows
+
+
+def step_model_by_level(run_dir: Path, params, levels: pd.DataFrame) -> dict[int, float]:
+    """GEMMs (02) + collectives (03, the engine's communicator if measured) at each level's batch."""
+    from decodescope import arch as archmod
+    from decodescope import stepmodel as sm
+
+    gemm, coll = _read_parquet(run_dir, "gemm.parquet"), _read_parquet(run_dir, "collectives.parquet")
+    summary = _profile_summary(run_dir)
+    if gemm is None or coll is None or gemm.empty or coll.empty:
+        return {}
+    arch = archmod.normalize_config(params.model_config_dict())
+    comm = categorize.micro_communicator_for(next(iter(summary.allreduce_communicators), "") if summary else "")
+    out = {}
+    for level in levels["level"]:
+        for timing in ("cuda_graph", "back_to_back"):
+            try:
+                g = sm.gemm_component(gemm, arch, params.server.tensor_parallel, int(level))
+                c = sm.collective_component(coll, arch, params.server.tensor_parallel, int(level), comm, timing)
+            except (ValueError, KeyError):
+                continue
+            out[int(level)] = g.us + c.us
+            break
+    return out
+
+
 def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> list[dict]:
     """Each fix priced on the profiled step from what 02/03 measured (decodescope.whatif)."""
     from decodescope import arch as archmod
@@ -207,6 +261,10 @@ def verdict(run_dir: Path, params) -> Verdict:
                                archmod.normalize_config(params.model_config_dict()),
                                params.server.tensor_parallel).to_dict("records")]
     out.projections = [ProjectionRow.model_validate(r) for r in projections(run_dir, params, summary)]
+    if levels is not None and not levels.empty:
+        out.levels = [LevelReconcileRow.model_validate(r) for r in
+                      level_reconcile(levels, summary, params.profile.concurrency,
+                                      step_model_by_level(run_dir, params, levels))]
     if out.projections:
         out.sources["projections"] = ("profile_summary.json (04) for the measured step; collectives.parquet (03) "
                                       "and gemm.parquet (02) for the changed pieces")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from decodescope.records import ProjectionRow, AttributionRow, HostInventory, ReconcileRow, Verdict, WhatIfRow, frame
+from decodescope.records import LevelReconcileRow, ProjectionRow, AttributionRow, HostInventory, ReconcileRow, Verdict, WhatIfRow, frame
 from decodescope.report import plots
 from decodescope.report.display import show, show_note, show_table
 
@@ -54,6 +54,21 @@ def verdict_what_if(v: Verdict) -> None:
     what_if = frame(v.what_if, WhatIfRow)
     show(plots.what_if_bars(what_if, v.wall_us))
     show_table(what_if, caption="projections from the measured step - verdict.json")
+
+
+def verdict_levels(v: Verdict) -> None:
+    """Client TPOT at every serving level against the profiled step and the step model."""
+    if not v.levels:
+        show_note("*No serving sweep in this run: nothing to set the step against.*")
+        return
+    from decodescope.verdict import LEVEL_TOLERANCE
+
+    df = frame(v.levels, LevelReconcileRow)
+    off = df[df["within_tolerance"] == False]  # noqa: E712 (None = no profile to compare with)
+    show_note(f"Client TPOT p50 against the profiled decode step ({len(df) - len(off)} of {len(df)} levels within "
+              f"{100 * LEVEL_TOLERANCE:.0f}%)." + (" Outside: " + "; ".join(f"concurrency {r.level}: {r.attributed_to or 'no cause measured'}"
+                                                             for r in off.itertuples()) + "." if len(off) else ""))
+    show_table(df, caption="serving levels against the step - verdict.json (01, 02, 03, 04)")
 
 
 def verdict_projections(v: Verdict) -> None:
