@@ -1,0 +1,48 @@
+"""GPU behaviour of the probes the step model rests on. Needs an NVIDIA GPU: run through the device tool
+(`python -m pytest -m gpu tests/test_gpu_probes.py`); imports only torch and the probes, as the GPU image
+has no pydantic or vLLM."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_cold_weights_timing_is_no_slower_than_a_flushed_l2_and_no_faster_than_warm():
+    """A decode GEMM that reads its own weights from memory with its activations in L2: between the
+    L2-flushed time (activations cold too) and the warm time (weights in L2), within the spread."""
+    import torch
+
+    from decodescope.probes.gemm import Flusher, measure
+
+    dev = torch.device("cuda")
+    shape = {"op": "moe_w13", "batch": 1, "m": 1, "n": 512, "k": 7168, "count": 1, "dtype": "bf16"}
+    flushed = measure(shape, dev, iters=30, warmup=5, flush=Flusher(dev), graph=True)
+    warm = measure(shape, dev, iters=30, warmup=5, flush=None, graph=True)
+    cold = flushed["cold_weights_time_us"]
+    print(f"warm {warm['graph_time_us']:.2f} us, cold weights {cold:.2f} us, flushed {flushed['graph_time_us']:.2f} us")
+    assert warm["graph_time_us"] * 0.95 <= cold <= flushed["graph_time_us"] * 1.05
+
+
+def test_step_replay_on_one_gpu_in_a_cuda_graph(tmp_path):
+    """Two layers of Kimi-K2.5 TP=8 shapes per rank, world size 1: graph beats eager (launch gaps) and
+    every GEMM of the program ran."""
+    plan = json.loads((REPO / "benchmarks/results/plan_kimi_tp8_step_b1.json").read_text())
+    program = plan["steps"][0]["program"]
+    first_layers = [x for x in program if x["kind"] == "gemm"][:60]
+    plan["steps"] = [{"batch": 1, "program": first_layers}]
+    plan["iters"], plan["warmup"] = 5, 2
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+                    "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path),
+                    "--variants", "gemm_only"], check=True, timeout=300, env=env)
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "step_rank0.json").read_text())["rows"]}
+    print({m: round(r["time_us"], 1) for m, r in rows.items()})
+    assert rows["eager"]["ops"] == rows["cuda_graph"]["ops"] == 60
+    assert rows["cuda_graph"]["time_us"] < rows["eager"]["time_us"]
