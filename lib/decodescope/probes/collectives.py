@@ -279,6 +279,17 @@ def all_to_all_tokens(plan: dict, device, dtype, timer: Timer, world: int, rank:
     return rows
 
 
+def init_ranks(device_kind: str) -> tuple[bool, "torch.device", int, int]:
+    """This torchrun rank's process group (NCCL on GPUs, gloo on CPUs) and device."""
+    use_cuda = device_kind == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    return use_cuda, device, dist.get_rank(), dist.get_world_size()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="decode-step collective probe (run under torchrun)")
     ap.add_argument("--plan", required=True)
@@ -286,13 +297,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     plan = json.load(open(args.plan))
-    use_cuda = args.device == "cuda"
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    use_cuda, device, rank, world = init_ranks(args.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.get("dtype", "bf16")]
     timer = Timer(device)
     meta = {"rank": rank, "world_size": world, "backend": dist.get_backend(), "device": str(device),

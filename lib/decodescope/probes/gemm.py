@@ -103,8 +103,13 @@ def time_cuda_graph(fn: Callable[[], None], iters: int, warmup: int, flush: Opti
         for _ in range(k):
             flush() if flush else fn()
 
-    g_work, g_twin = _capture(work), _capture(twin)
-    for _ in range(max(2, warmup // k)):
+    return _work_minus_twin(_capture(work), _capture(twin), iters, max(2, warmup // k), k)
+
+
+def _work_minus_twin(g_work, g_twin, iters: int, warm_replays: int, calls: int) -> list[float]:
+    """Per-call microseconds: replays of the work graph minus replays of its twin, alternated between
+    event triples, divided by the calls the work graph has beyond its twin."""
+    for _ in range(warm_replays):
         g_work.replay()
         g_twin.replay()
     torch.cuda.synchronize()
@@ -116,7 +121,7 @@ def time_cuda_graph(fn: Callable[[], None], iters: int, warmup: int, flush: Opti
         g_twin.replay()
         e[2].record()
     torch.cuda.synchronize()
-    return [(e[0].elapsed_time(e[1]) - e[1].elapsed_time(e[2])) * 1e3 / k for e in ev]
+    return [(e[0].elapsed_time(e[1]) - e[1].elapsed_time(e[2])) * 1e3 / calls for e in ev]
 
 
 COLD_WEIGHTS_BYTES = 256 << 20  # weight copies cycled through, so none is still in L2 when it comes back
@@ -164,20 +169,7 @@ def time_cuda_graph_cold_weights(fns: list, iters: int, warmup: int, calls_per_r
         for fn in order[:n_twin]:
             fn()
 
-    g_work, g_twin = _capture(work), _capture(twin)
-    for _ in range(2):
-        g_work.replay()
-        g_twin.replay()
-    torch.cuda.synchronize()
-    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(graph_replays(iters))]
-    for e in ev:
-        e[0].record()
-        g_work.replay()
-        e[1].record()
-        g_twin.replay()
-        e[2].record()
-    torch.cuda.synchronize()
-    return [(e[0].elapsed_time(e[1]) - e[1].elapsed_time(e[2])) * 1e3 / (n_work - n_twin) for e in ev]
+    return _work_minus_twin(_capture(work), _capture(twin), iters, 2, n_work - n_twin)
 
 
 def time_cpu(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
-from decodescope.probes.collectives import Timer, _elems, graph_of
+from decodescope.probes.collectives import Timer, _elems, graph_of, init_ranks
 from decodescope.probes.gemm import make_gemm
 from decodescope.probes.timing import median_spread
 
@@ -125,13 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     args = ap.parse_args(argv)
     plan = json.load(open(args.plan))
-    use_cuda = args.device == "cuda"
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    use_cuda, device, rank, world = init_ranks(args.device)
     timer = Timer(device)
     meta = {"rank": rank, "world_size": world, "backend": dist.get_backend(), "device": str(device),
             "torch": torch.__version__, "dtype": plan["dtype"], "iters": plan["iters"], "warmup": plan["warmup"],
