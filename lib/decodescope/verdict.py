@@ -193,13 +193,13 @@ def level_reconcile(levels: pd.DataFrame, summary: Optional[ProfileSummary], pro
     return rows
 
 
-def step_model_by_level(run_dir: Path, params, levels: pd.DataFrame) -> dict[int, float]:
+def step_model_by_level(run_dir: Path, params, levels: pd.DataFrame,
+                        summary: Optional[ProfileSummary]) -> dict[int, float]:
     """GEMMs (02) + collectives (03, the engine's communicator if measured) at each level's batch."""
     from decodescope import arch as archmod
     from decodescope import stepmodel as sm
 
     gemm, coll = _read_parquet(run_dir, "gemm.parquet"), _read_parquet(run_dir, "collectives.parquet")
-    summary = _profile_summary(run_dir)
     if gemm is None or coll is None or gemm.empty or coll.empty:
         return {}
     arch = archmod.normalize_config(params.model_config_dict())
@@ -264,7 +264,7 @@ def verdict(run_dir: Path, params) -> Verdict:
     if levels is not None and not levels.empty:
         out.levels = [LevelReconcileRow.model_validate(r) for r in
                       level_reconcile(levels, summary, params.profile.concurrency,
-                                      step_model_by_level(run_dir, params, levels))]
+                                      step_model_by_level(run_dir, params, levels, summary))]
     if out.projections:
         out.sources["projections"] = ("profile_summary.json (04) for the measured step; collectives.parquet (03) "
                                       "and gemm.parquet (02) for the changed pieces")

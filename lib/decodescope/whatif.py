@@ -9,7 +9,7 @@ wall-clock step); the band runs from "the change is fully on the critical path" 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,7 @@ def measured_projections(step: MeasuredStep, coll, gemm, arch, tp: int, profile_
     from decodescope import arch as archmod
     from decodescope import stepmodel as sm
     from decodescope.microbench import with_timing_columns
+    from decodescope.trace.categorize import micro_communicator_for
 
     out: list[Projection] = []
     msg = next(c.msg_bytes for c in archmod.collective_schedule(arch, tp, step.batch, dtype) if c.op == "all_reduce")
@@ -141,13 +142,12 @@ def measured_projections(step: MeasuredStep, coll, gemm, arch, tp: int, profile_
         a2a = coll[(coll["part"] == "all_to_all") & (coll["status"] == "ok")]
         if arch.moe_layers and not a2a.empty:
             tokens = step.batch * arch.top_k
-            row = a2a.iloc[(a2a["tokens_per_gpu"] - tokens).abs().argsort()[:1]]
-            p = expert_parallel(step, arch.moe_layers, float(a2a[a2a["tokens_per_gpu"] ==
-                                                                row["tokens_per_gpu"].iloc[0]]["time_us"].median()))
-            out.append(Projection(p.name, p.step_us, p.low_us, p.high_us, 1.0, p.assumptions + [
-                f"all-to-all measured at {int(row['tokens_per_gpu'].iloc[0])} tokens per GPU (batch {step.batch} x "
-                f"top-{arch.top_k} = {tokens})"], _base_us=step.wall_us))
-    micro_comm = {"nccl": "torch_nccl"}.get(profile_communicator, profile_communicator)
+            nearest = int(a2a.iloc[(a2a["tokens_per_gpu"] - tokens).abs().argsort()[:1]]["tokens_per_gpu"].iloc[0])
+            p = expert_parallel(step, arch.moe_layers,
+                                float(a2a.loc[a2a["tokens_per_gpu"] == nearest, "time_us"].median()))
+            out.append(replace(p, assumptions=p.assumptions + [
+                f"all-to-all measured at {nearest} tokens per GPU (batch {step.batch} x top-{arch.top_k} = {tokens})"]))
+    micro_comm = micro_communicator_for(profile_communicator)
     sm_comm = micro_comm if micro_comm in best_timing else next(iter(best_timing), None)
     if sm_comm is not None and gemm is not None and not gemm.empty:
         for k in spec_k:
@@ -158,7 +158,7 @@ def measured_projections(step: MeasuredStep, coll, gemm, arch, tp: int, profile_
             verify = step.wall_us + d_gemm + d_coll
             for alpha in spec_alpha:
                 p = speculative(step, k, alpha, verify)
-                out.append(Projection(p.name, p.step_us, p.low_us, p.high_us, p.tokens_per_step, p.assumptions + [
+                out.append(replace(p, assumptions=p.assumptions + [
                     f"verify step = measured step + GEMMs (02) {d_gemm / 1e3:+.2f} ms + collectives (03, {sm_comm}) "
-                    f"{d_coll / 1e3:+.2f} ms at batch {grown}; n-gram drafting, cost ~0"], _base_us=step.wall_us))
+                    f"{d_coll / 1e3:+.2f} ms at batch {grown}; n-gram drafting, cost ~0"]))
     return out
