@@ -8,7 +8,7 @@ CORE_STAMP := $(VENV)/.stamp-core-cpu
 DEV_STAMP := $(VENV)/.stamp-dev
 PARAMS ?= params/default.yaml
 
-.PHONY: run test venv install install-dev chromium clean-venv
+.PHONY: run test venv install install-dev chromium sshd clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,14 @@ install-dev: $(DEV_STAMP)
 chromium:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
+# Debian's openssh-server and rsync: the tests start a real sshd as the stand-in GPU host (host: ssh://...).
+sshd:
+	@(test -x /usr/sbin/sshd && command -v rsync >/dev/null 2>&1) || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server rsync >/dev/null)
+
 run: $(CORE_STAMP)
 	$(VENV)/bin/decodescope run $(PARAMS)
 
-test: $(DEV_STAMP) chromium
+test: $(DEV_STAMP) chromium sshd
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-venv:

@@ -4,7 +4,8 @@ One thread, one selector: requests are read as they arrive (their arrival stampe
 CLOCK_MONOTONIC), and one ticker writes the next chunk to every open stream every --itl-ms,
 straight to the socket, stamping each write. The first chunk goes out at the first tick after the
 request, so the true TTFT is at most one ITL. On SIGTERM/SIGINT the log is written as JSON:
-[{"recv_ns", "writes_ns": [...], "n"}, ...]. Also answers /tokenize and /detokenize for clients that
+[{"recv_ns", "writes_ns": [...], "n"}, ...]; on SIGUSR1 the streams finished so far go to LOG.<n> (n = 1, 2, ...)
+and are forgotten, so a long soak does not grow the server. Also answers /tokenize and /detokenize for clients that
 build prompts through the server.
 
 python benchmarks/paced_server.py --port 8800 --itl-ms 20 --log truth.json
@@ -58,12 +59,22 @@ def main() -> int:
 
     def on_signal(*_):
         stop[0] = True
+    rotate = [0]
+
+    def on_usr1(*_):  # a long soak: write the finished streams so far to LOG.<n> and forget them
+        rotate[0] += 1
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGUSR1, on_usr1)
+    rotated = 0
     print("ready", flush=True)
     next_tick = time.monotonic_ns() + itl_ns
     count = 0
     while not stop[0]:
+        if rotate[0] != rotated:
+            rotated = rotate[0]
+            _write_log(f"{args.log}.{rotated}", done)
+            done = []
         timeout = max(0.0, (next_tick - time.monotonic_ns()) / 1e9)
         for key, _ in sel.select(timeout):
             if key.data == "accept":
@@ -144,11 +155,15 @@ def main() -> int:
                 else:
                     alive.append(s)
             streams = alive
-    log = [{"recv_ns": s.recv_ns, "writes_ns": s.writes, "n": s.n} for s in done + streams]
-    with open(args.log + ".tmp", "w") as f:
-        json.dump(log, f)
-    os.replace(args.log + ".tmp", args.log)
+    _write_log(args.log, done + streams)
     return 0
+
+
+def _write_log(path: str, streams: list) -> None:
+    log = [{"recv_ns": s.recv_ns, "writes_ns": s.writes, "n": s.n} for s in streams]
+    with open(path + ".tmp", "w") as f:
+        json.dump(log, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

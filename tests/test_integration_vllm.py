@@ -202,8 +202,8 @@ def test_profile_finds_the_allreduces_the_architecture_expects(e2e):
     share = (other.reindex(kernels["rank"].unique(), fill_value=0.0) / kernels.groupby("rank")["time_us"].sum())
     print("share of op time in 'other' per rank:", share.round(4).to_dict())
     assert (share < 0.01).all(), share
-    assert list((e2e["run_dir"] / "traces").glob("*rank0*.pt.trace.json.gz"))
-    assert list((e2e["run_dir"] / "traces").glob("*profiler_out*"))
+    assert list((e2e["run_dir"] / "traces").rglob("*rank0*.pt.trace.json.gz"))
+    assert list((e2e["run_dir"] / "traces").rglob("*profiler_out*"))
 
 
 def test_no_planted_secret_reaches_a_file_a_log_or_the_process_list(e2e):

@@ -47,7 +47,10 @@ BAD_FILES = [
     ("server:\n  mode: attach\n", "server.url", "attach mode"),
     ("server:\n  mode: sideways\n", "server.mode", "launch"),
     ("server:\n  url: ftp://x\n", "server.url", "http"),
-    ("host: ssh://user@gpu-box\n", "host", "not supported"),
+    ("host: ftp://user@gpu-box\n", "host.url", "ssh://[user@]host[:port]"),
+    ("host: ssh://user@gpu-box:99999\n", "host.url", "not a TCP port"),
+    ("host:\n  url: ssh://gpu-box\n  ssh_options: {BatchMode: \"no\"}\n", "host.ssh_options", "never prompts"),
+    ("host:\n  url: ssh://gpu-box\n  nodes: [ssh://other]\n", "microbench.rdzv_endpoint", "rendezvous"),
     ("run:\n  phases: [00_host, 07_magic]\n", "run.phases", "07_magic"),
     ("model:\n  tokenizer: /no/such/tokenizer\n", "model.tokenizer", "does not exist"),
     ("profile:\n  requests: 0\n", "profile.requests", ">= 1"),
@@ -260,3 +263,81 @@ def test_int4_and_fp32_rooflines_are_explicit_and_in_the_method_note():
     assert "int4 100.0 TFLOP/s" in note and "fp32: none" in note and "hardware.peaks.fp32_tflops" in note
     t = gemm_table(rows, peaks.model_copy(update={"int4_tflops": 400.0, "fp32_tflops": 20.0})).set_index("dtype")
     assert (t.loc["int4", "peak_tflops"], t.loc["fp32", "peak_tflops"]) == (400.0, 20.0)
+
+
+def test_ssh_host_shorthand_and_mapping_load_the_same(write_params, tmp_path):
+    short = load_params(write_params(MINIMAL.format(out=tmp_path / "out") + "host: ssh://me@gpu-box:2222\n"))
+    assert short.host.url == "ssh://me@gpu-box:2222" and short.host.is_remote
+    full = load_params(write_params(MINIMAL.format(out=tmp_path / "out") + "host:\n  url: ssh://me@gpu-box:2222\n"
+                                    "  python: /opt/venv/bin/python\n  workdir: /scratch/ds\n", name="q.yaml"))
+    assert full.host.python == "/opt/venv/bin/python" and full.host.workdir == "/scratch/ds"
+    again = yaml.safe_load(dump_yaml(full))["host"]
+    assert again["url"] == "ssh://me@gpu-box:2222" and again["python"] == "/opt/venv/bin/python"
+    assert not load_params(write_params(MINIMAL.format(out=tmp_path / "out"), name="r.yaml")).host.is_remote
+
+
+def test_a_variant_runs_with_its_server_settings_merged_over_the_baseline(write_params, tmp_path):
+    from decodescope.params import with_experiment
+
+    doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
+    doc["server"].update(engine_args={"max-num-seqs": 16, "load-format": "dummy"}, env={"A": "1", "B": "2"})
+    doc["experiments"] = [{"name": "tp1", "tensor_parallel": 1, "env": {"A": "0", "B": None},
+                           "engine_args": {"max-num-seqs": None, "enforce-eager": True},
+                           "workload": {"concurrency": [1]}}]
+    p = load_params(write_params(yaml.safe_dump(doc)))
+    v = with_experiment(p, "tp1")
+    assert v.server.tensor_parallel == 1 and v.server.env == {"A": "0"}               # null removes B
+    assert v.server.engine_args == {"load-format": "dummy", "enforce-eager": True}    # null removes a flag
+    assert v.workload.concurrency == [1] and v.experiments == [] and v.run_name.endswith("+tp1")
+    assert p.server.tensor_parallel == 2 and p.projected_tensor_parallel() == [1]      # the baseline untouched
+
+
+@pytest.mark.parametrize("experiments,field,fragment", [
+    ([{"name": "a"}, {"name": "a"}], "experiments", "used 2 times"),
+    ([{"name": "a/b"}], "experiments.0.name", ""),
+    ([{"name": "x", "workload": {"concurrency": [0]}}], "experiments[x].workload.concurrency", ">= 1"),
+    ([{"name": "x", "workload": {"no_such_key": 1}}], "experiments[x].workload.no_such_key", ""),
+    ([{"name": "x", "tensor_parallel": 3}], "experiments[x].server.tensor_parallel", ""),
+])
+def test_a_bad_variant_is_refused_before_anything_runs(write_params, tmp_path, experiments, field, fragment):
+    doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
+    doc["experiments"] = experiments
+    path = write_params(yaml.safe_dump(doc))
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    assert any(f == field and fragment in m for f, m in e.value.problems), str(e.value)
+
+
+@pytest.mark.parametrize("given,levels", [(2, [2]), ([1, "knee"], [1, "knee"])])
+def test_profile_concurrency_is_a_list_of_levels_or_knee(write_params, tmp_path, given, levels):
+    doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
+    doc["profile"] = {"concurrency": given}
+    assert load_params(write_params(yaml.safe_dump(doc))).profile.concurrency == levels
+    doc["profile"] = {"concurrency": [1, "elbow"]}
+    with pytest.raises(ParamsError) as e:
+        load_params(write_params(yaml.safe_dump(doc)))
+    assert "'elbow' is not a level" in str(e.value)
+
+
+def test_knee_resolves_against_the_serving_levels(write_params, tmp_path):
+    import pandas as pd
+
+    from decodescope.trace.capture import profile_levels
+
+    doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
+    doc["profile"] = {"concurrency": [1, "knee"]}
+    p = load_params(write_params(yaml.safe_dump(doc)))
+    lv = tmp_path / "levels.parquet"
+    # throughput +80%, +5%: the knee is 2 (the level after which it grows < 10%)
+    pd.DataFrame({"level": [1, 2, 4], "output_throughput_tok_s": [100.0, 180.0, 189.0]}).to_parquet(lv)
+    assert profile_levels(p, lv)[0] == [1, 2]
+    # still growing: the highest level
+    pd.DataFrame({"level": [1, 2, 4], "output_throughput_tok_s": [100.0, 180.0, 300.0]}).to_parquet(lv)
+    assert profile_levels(p, lv)[0] == [1, 4]
+    # the knee is 1, already listed: the next level up, and the note says so
+    pd.DataFrame({"level": [1, 2, 4], "output_throughput_tok_s": [100.0, 101.0, 102.0]}).to_parquet(lv)
+    levels, notes = profile_levels(p, lv)
+    assert levels == [1, 2] and "profiled already" in notes[0]
+    # no sweep: the knee is left out, with a note
+    levels, notes = profile_levels(p, tmp_path / "absent.parquet")
+    assert levels == [1] and "01_serving did not run" in notes[0]

@@ -200,11 +200,16 @@ def test_serving_level_rows_are_the_declared_columns_and_round_trip_through_parq
     req = _levels_requests()
     health = {"loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 0.4, "loop_lag_max_ms": 1.0, "client_cpu_pct": 20.0,
               "inflight_sampled_mean": 1.2}
-    rows = [level_summary(req, lvl, {"ttft_ms": 100}, health) for lvl in (1, 2)]
-    assert list(rows[0]) == SERVING_LEVEL_COLUMNS  # every column, in the declared order
-    bare = level_summary(req, 1)  # no SLO, no client health: those columns are left out, as before
+    telemetry = {c: "sw_power_cap" if c == "gpu_throttle_reasons" else 3 if c.startswith("telemetry_") else 1.5
+                 for c in SERVING_LEVEL_COLUMNS if c.startswith(("server_", "gpu_", "telemetry_"))}
+    rows = [level_summary(req.assign(repeat=0), lvl, {"ttft_ms": 100}, health, repeat=0, telemetry=telemetry)
+            for lvl in (1, 2)]
+    # every column, in the declared order, but those only the merge of repeats sets (count and bands)
+    merged_only = [c for c in SERVING_LEVEL_COLUMNS if c == "repeats" or c.endswith(("_low", "_high"))]
+    assert list(rows[0]) == [c for c in SERVING_LEVEL_COLUMNS if c not in merged_only]
+    bare = level_summary(req, 1)  # no repeats, SLO or client health: those columns are left out, as before
     assert list(bare) == [c for c in SERVING_LEVEL_COLUMNS if c in bare]
-    assert "goodput_rps" not in bare and "client_suspect" not in bare
+    assert "goodput_rps" not in bare and "client_suspect" not in bare and "repeat" not in bare
     assert bare["ok"] == 4 and bare["failed"] == 1 and bare["failure_reasons"] == "timeout: 1"
     path = write_parquet_atomic(tmp_path / "serving_levels.parquet", pd.DataFrame(rows))
     back = [ServingLevel.model_validate(r) for r in pd.read_parquet(path).to_dict("records")]
@@ -333,20 +338,25 @@ def test_the_communicator_is_read_from_the_op_name(name, comm):
     assert communicator_of(name) == comm
 
 
-def test_each_serving_level_is_set_against_the_profiled_step_and_flagged_with_a_cause():
+def test_each_serving_level_is_set_against_the_nearest_profiled_level_and_flagged_with_a_cause():
     from decodescope.records import ProfileSummary, StepMedians
     from decodescope.verdict import level_reconcile
 
-    summary = ProfileSummary(device="cpu", ranks=[0, 1], step_kind="decode", steps={}, allreduce_share_of_time={},
-                             allreduce_calls_per_step={}, allreduce_mean_us={}, other_share=0.0,
-                             per_step=StepMedians(wall_us_median=4_000.0, idle_us_median=900.0))
+    def summary(conc, period):
+        return ProfileSummary(device="cpu", ranks=[0, 1], step_kind="decode", steps={}, allreduce_share_of_time={},
+                              allreduce_calls_per_step={}, allreduce_mean_us={}, other_share=0.0, concurrency=conc,
+                              per_step=StepMedians(wall_us_median=period - 1_000.0, idle_us_median=900.0,
+                                                   period_us_median=period))
     levels = pd.DataFrame({"level": [1, 2, 4], "tpot_p50_us": [4_200.0, 4_500.0, 5_500.0],
                            "itl_coalesced_frac": [0.25, 0.0, 0.1]})
-    rows = {r["level"]: r for r in level_reconcile(levels, summary, profile_batch=2, model_us={1: 900.0})}
-    assert rows[1]["residual_us"] == pytest.approx(200.0) and rows[1]["within_tolerance"]
-    assert rows[2]["within_tolerance"] and rows[2]["attributed_to"] == ""
-    four = rows[4]  # 5.5 ms vs 4.0 ms: 37.5% off
-    assert not four["within_tolerance"] and four["residual_us"] == pytest.approx(1_500.0)
-    assert "900 us idle" in four["attributed_to"] and "batch 4 vs the profiled batch 2" in four["attributed_to"]
-    assert rows[1]["model_us"] == 900.0 and rows[2]["model_us"] is None
-    assert level_reconcile(levels, None, 2, {})[0].get("profile_wall_us") is None  # no profile: nothing divided
+    # profiled at 1 (period 4.0 ms) and 2 (4.4 ms): level 4 is set against level 2, the nearest
+    rows = {r["level"]: r for r in level_reconcile(levels, {1: summary(1, 4_000.0), 2: summary(2, 4_400.0)},
+                                                   model={1.0: (4_620.0, 4_000.0, 5_000.0)})}
+    assert rows[1]["profile_batch"] == 1 and rows[1]["residual_us"] == pytest.approx(200.0) and rows[1]["within_tolerance"]
+    assert rows[2]["profile_batch"] == 2 and rows[2]["within_tolerance"] and rows[2]["attributed_to"] == ""
+    four = rows[4]  # 5.5 ms vs 4.4 ms: 25% off
+    assert four["profile_batch"] == 2 and not four["within_tolerance"] and four["residual_us"] == pytest.approx(1_100.0)
+    assert "batch 4 vs the nearest profiled level 2" in four["attributed_to"]
+    assert rows[1]["model_us"] == 4_620.0 and rows[1]["model_error"] == pytest.approx(0.10)
+    assert rows[2].get("model_us") is None
+    assert level_reconcile(levels, {}, {})[0].get("profile_wall_us") is None  # no profile: nothing divided

@@ -161,7 +161,7 @@ def test_sweep_keeps_finished_levels_when_the_server_dies(server, tmp_path):
     server.stop()
     cfg2 = SweepConfig(**{**cfg.__dict__, "levels": [1, 2, 4]})
     req, levels = run_sweep(cfg2, tmp_path, progress=False)   # 1 and 2 are on disk: only 4 runs
-    assert sorted(load_finished_levels(tmp_path)) == [1, 2, 4]
+    assert sorted(load_finished_levels(tmp_path)) == [(1, 1), (2, 1), (4, 1)]  # (level, repeat)
     lv = levels.set_index("level")
     assert lv.loc[1, "failed"] == 0 and lv.loc[2, "failed"] == 0
     assert lv.loc[4, "ok"] == 0 and lv.loc[4, "failed"] == 4
@@ -273,3 +273,24 @@ def test_littles_note_names_the_levels_over_its_threshold():
     assert "warning" in note and "c=4 (35%)" in note and "c=1" not in note and "every level" not in note
     assert "not checked" in littles_note(good.assign(littles_error_pct=float("nan")))
     assert littles_note(pd.DataFrame({"level": [1]})) == ""
+
+
+def test_repeats_measure_each_level_again_and_give_a_band(server, tmp_path):
+    cfg = SweepConfig(base_url=server.url, model="m", endpoint="completions", levels=[1, 2], input_tokens=16,
+                      output_tokens=TOKENS, requests_per_level=3, warmup_requests=1, timeout_s=5, repeats=3,
+                      telemetry_interval_s=0)
+    req, levels = run_sweep(cfg, tmp_path, progress=False)
+    assert sorted(load_finished_levels(tmp_path)) == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
+    reps = pd.read_parquet(tmp_path / "serving_levels_repeats.parquet")
+    assert len(reps) == 6 and sorted(reps["repeat"].unique()) == [1, 2, 3]
+    assert sorted(req["repeat"].unique()) == [1, 2, 3]
+    lv = levels.set_index("level")
+    assert (lv["repeats"] == 3).all() and (lv["requests"] == 9).all()      # all requests of the three repeats
+    for level, g in reps.groupby("level"):
+        assert lv.loc[level, "tpot_p50_us"] == pytest.approx(g["tpot_p50_us"].median())
+        assert g["tpot_p50_us"].min() <= lv.loc[level, "tpot_p50_us_low"] <= lv.loc[level, "tpot_p50_us"]
+        assert lv.loc[level, "tpot_p50_us"] <= lv.loc[level, "tpot_p50_us_high"] <= g["tpot_p50_us"].max()
+    # a repeat lost (a crash) is measured again on rerun, and only it
+    (tmp_path / "serving" / "level_00002_r3.parquet").unlink()
+    from decodescope.serving.sweep import levels_to_measure
+    assert levels_to_measure([1, 2], tmp_path, 3) == [(2, 3)]

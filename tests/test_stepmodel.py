@@ -127,3 +127,75 @@ def test_gemms_are_priced_with_cold_weights_when_the_probe_measured_them(tiny):
     assert "cold weights" in c.source
     flushed = sm.gemm_component(gemm.drop(columns=["cold_weights_time_us"]), tiny, 2, 1)
     assert flushed.us == pytest.approx(10.0 * n) and "L2 flushed" in flushed.source
+
+
+def _summary(conc, batch, classes_by_rank, wall, period, between, idle, summed=None, busy=None):
+    from decodescope.records import ProfileSummary, StepMedians
+
+    cats = [{"rank": r, "category": c, "calls_per_step": 1.0, "time_per_step_us": t}
+            for r, d in classes_by_rank.items() for c, t in d.items()]
+    return ProfileSummary(device="cpu", ranks=list(classes_by_rank), step_kind="decode", steps={}, concurrency=conc,
+                          allreduce_share_of_time={}, allreduce_calls_per_step={}, allreduce_mean_us={}, other_share=0.0,
+                          per_step=StepMedians(wall_us_median=wall, period_us_median=period, idle_us_median=idle,
+                                               between_steps_us_median=between, batch_median=batch,
+                                               summed_us_median=summed or 1.0, busy_us_median=busy or 1.0),
+                          per_step_categories=cats)
+
+
+def test_step_samples_take_the_rank_that_waits_least_in_its_collectives():
+    # rank 1 waits 900 us in its all-reduce for rank 0: rank 0's times are the step's own work
+    s = _summary(1, 1.0, {0: {"allreduce": 30.0, "attention": 100.0, "elementwise_other": 200.0},
+                          1: {"allreduce": 930.0, "attention": 90.0, "elementwise_other": 180.0}},
+                 wall=2000.0, period=3000.0, between=1000.0, idle=500.0)
+    (sample,) = sm.step_samples({1: s}, context_tokens=40.0)
+    assert sample.classes_us["attention"] == 100.0 and sample.classes_us["small ops"] == 200.0
+    assert sample.between_us == 1000.0 and sample.idle_us == 500.0 and sample.batch == 1.0
+
+
+def test_the_whole_step_is_micro_benchmarks_plus_the_profiled_rest_by_hand(tiny):
+    shapes = archmod.gemm_shapes(tiny, 2, 1)
+    gemm = pd.DataFrame([{"op": s.op, "batch": b, "dtype": "bf16", "status": "ok", "time_us": 10.0 * b}
+                         for s in shapes for b in (1, 4)])
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "vllm_shm",
+                          "timing": "back_to_back", "inplace": True, "rank": 0, "bytes": n, "time_us": 5.0,
+                          "p10_us": 4.0, "p90_us": 6.0} for n in (256, 65536)])
+    # profiled at batch 1 and 4 (context 40 tokens): attention 100 -> 160, small ops 200 -> 260,
+    # framework 300 flat, idle 500 -> 700, between steps 1000 -> 1300; one lane (busy = summed)
+    samples = sm.step_samples({
+        1: _summary(1, 1.0, {0: {"allreduce": 1.0, "attention": 100.0, "elementwise_other": 200.0,
+                                 "framework_overhead": 300.0}}, 2000.0, 3000.0, 1000.0, 500.0),
+        4: _summary(4, 4.0, {0: {"allreduce": 1.0, "attention": 160.0, "elementwise_other": 260.0,
+                                 "framework_overhead": 300.0}}, 2400.0, 3700.0, 1300.0, 700.0)}, 40.0)
+    pred = sm.predict_step(gemm, coll, tiny, 2, 2, "vllm_shm", "back_to_back", samples, context_tokens=40.0)
+    parts = {c.name: c.us for c in pred.components}
+    n_gemm = sum(s.count for s in shapes)
+    assert parts["gemm"] == pytest.approx(n_gemm * 20.0)          # 10 us at b=1, 40 at b=4: 20 at b=2
+    assert parts["collectives"] == pytest.approx(10 * 5.0)         # 9 all-reduces + the logits gather
+    assert parts["attention"] == pytest.approx(120.0)              # 100 + 20 x (2 - 1): linear in batch x context
+    assert parts["small ops"] == pytest.approx(220.0) and parts["framework overhead"] == pytest.approx(300.0)
+    assert parts["idle in step"] == pytest.approx(500.0 + 200.0 / 3) and parts["between steps"] == pytest.approx(1100.0)
+    work = n_gemm * 20.0 + 50.0 + 120.0 + 220.0 + 300.0
+    assert pred.period_us == pytest.approx(work + 500.0 + 200.0 / 3 + 1100.0)
+    assert pred.wall_us == pytest.approx(work + 500.0 + 200.0 / 3)
+    lo, hi = pred.band_us
+    assert lo < pred.period_us < hi
+    # at twice the context, attention follows batch x context: 100 + 20 x (2 x 80 / 40 - 1) = 160
+    longer = sm.predict_step(gemm, coll, tiny, 2, 2, "vllm_shm", "back_to_back", samples, context_tokens=80.0)
+    assert {c.name: c.us for c in longer.components}["attention"] == pytest.approx(160.0)
+    # outside the profiled batches the profile's parts are held, and said so
+    far = sm.predict_step(gemm, coll, tiny, 2, 8, "vllm_shm", "back_to_back", samples, context_tokens=40.0)
+    small = next(c for c in far.components if c.name == "small ops")
+    assert small.us == 260.0 and "held at the nearest profiled batch (4)" in small.notes[0]
+
+
+def test_another_tensor_parallel_size_scales_attention_and_extrapolates_collectives(tiny):
+    shapes1 = archmod.gemm_shapes(tiny, 1, 1)
+    gemm1 = pd.DataFrame([{"op": s.op, "batch": 1, "dtype": "bf16", "status": "ok", "time_us": 30.0} for s in shapes1])
+    samples = sm.step_samples({1: _summary(1, 1.0, {0: {"allreduce": 1.0, "attention": 100.0}},
+                                           1000.0, 1500.0, 500.0, 0.0)}, 40.0)
+    pred = sm.predict_step(gemm1, pd.DataFrame(), tiny, 1, 1, "vllm_shm", "back_to_back", samples, 40.0,
+                           measured_world=2, attention_scale=2.0)
+    parts = {c.name: c.us for c in pred.components}
+    assert "collectives" not in parts                               # one rank: nothing to reduce
+    assert parts["attention"] == pytest.approx(200.0)               # twice the heads per rank
+    assert pred.period_us == pytest.approx(sum(s.count for s in shapes1) * 30.0 + 200.0 + 500.0)

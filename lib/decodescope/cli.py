@@ -14,15 +14,18 @@ EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
 
 def _cmd_run(args) -> int:
+    from decodescope.host import HostError
     from decodescope.locks import LockHeld
     from decodescope.runner import ResultsWriteError, RunError, Terminated, run
 
     try:
-        run_dir, ok = run(Path(args.params), phases=args.phases, resume=Path(args.resume) if args.resume else None)
+        overrides = {"workload.repeats": args.repeats} if args.repeats else None
+        run_dir, ok = run(Path(args.params), phases=args.phases, resume=Path(args.resume) if args.resume else None,
+                          overrides=overrides)
     except ResultsWriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_WRITE_FAILED
-    except (ParamsError, RunError, LockHeld) as e:
+    except (ParamsError, RunError, LockHeld, HostError) as e:  # HostError: the ssh host unreachable or unusable
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
@@ -111,6 +114,20 @@ def _cmd_index(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    from decodescope.report.compare import CompareError, build_compare
+
+    try:
+        print(build_compare(args.runs, Path(args.out) if args.out else None))
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"error: could not write the compare page: {e}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
+    return 0
+
+
 def _cmd_analyze_trace(args) -> int:
     from decodescope.trace.cli import analyze_trace_command
 
@@ -126,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("params", help="params YAML, e.g. params/default.yaml")
     run.add_argument("--phases", nargs="+", help="phases to run (default: all notebooks), e.g. 00_host 04_profile")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a run, skipping phases already ok")
+    run.add_argument("--repeats", type=int, metavar="N", help="measure each serving level N times "
+                     "(workload.repeats): medians with a 95%% band")
     run.set_defaults(func=_cmd_run)
 
     params = sub.add_parser("params", help="check or show a params file")
@@ -149,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
                                        "and links to reports and compare pages")
     idx.add_argument("output_dir", nargs="?", help="folder of run directories (default: the repository's outputs/)")
     idx.set_defaults(func=_cmd_index)
+
+    cmp = sub.add_parser("compare", help="two or more runs or variants side by side on one offline page")
+    cmp.add_argument("runs", nargs="+", metavar="RUN",
+                     help="run directories (outputs/<run>), or variants as RUN_DIR/variants/NAME or RUN_DIR:NAME; "
+                          "the first is the base")
+    cmp.add_argument("--out", help="the page (default: <the first run's output folder>/compare/<A>-vs-<B>.html)")
+    cmp.set_defaults(func=_cmd_compare)
 
     at = sub.add_parser("analyze-trace", help="per-rank breakdown of a directory of torch.profiler traces")
     at.add_argument("trace_dir")

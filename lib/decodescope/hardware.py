@@ -5,6 +5,8 @@ Peaks are vendor datasheet figures for dense math (no structured sparsity). A pa
 """
 from __future__ import annotations
 
+import json
+
 import os
 import platform
 import re
@@ -243,6 +245,20 @@ def inventory(gpu_override: Optional[str] = None, peak_overrides: Optional[dict]
         cpu_matmul=[measure_cpu_matmul_peak(dtype="float32"), measure_cpu_matmul_peak(dtype="bfloat16")]
         if not gpus and measure_cpu else None,
     )
+
+
+def inventory_for(params) -> HostInventory:
+    """The inventory of the run's host (params.host): taken here, or on an ssh host by its own
+    decodescope (`python -m decodescope.hostagent inventory`) and sent back as the record's JSON."""
+    from decodescope.host import host_for
+
+    host = host_for(params)
+    gpu, peaks = params.hardware.gpu, params.hardware.peaks.model_dump()
+    if not host.remote:
+        return inventory(gpu_override=gpu, peak_overrides=peaks)
+    r = host.run([host.python, "-m", "decodescope.hostagent", "inventory", json.dumps({"gpu": gpu, "peaks": peaks})],
+                 timeout_s=600, check=True)
+    return HostInventory.model_validate_json(r.stdout.strip().splitlines()[-1])
 
 
 def inventory_tables(inv: HostInventory) -> dict[str, pd.DataFrame]:

@@ -24,14 +24,18 @@ class ProbeError(RuntimeError):
 
 
 def gemm_plan(params) -> list[dict]:
+    """The step's GEMMs at the server's tensor-parallel size in every dtype, then the shapes at each
+    other size of whatif.tensor_parallel in the first dtype (the tensor-parallel what-if)."""
     arch = archmod.normalize_config(params.model_config_dict())
-    tp = params.server.tensor_parallel
+    mb = params.microbench
     rows = []
-    for b in params.microbench.batches:
-        for s in archmod.gemm_shapes(arch, tp, b, params.microbench.expert_parallel, params.microbench.moe_skew):
-            for dt in params.microbench.dtypes:
-                rows.append({"op": s.op, "layer_kind": s.layer_kind, "batch": b, "m": s.m, "n": s.n, "k": s.k,
-                             "count": s.count, "groups": s.groups, "dtype": dt})
+    sizes = [(params.server.tensor_parallel, mb.dtypes)] + [(t, mb.dtypes[:1]) for t in params.projected_tensor_parallel()]
+    for tp, dtypes in sizes:
+        for b in mb.batches:
+            for s in archmod.gemm_shapes(arch, tp, b, mb.expert_parallel, mb.moe_skew):
+                for dt in dtypes:
+                    rows.append({"op": s.op, "layer_kind": s.layer_kind, "batch": b, "m": s.m, "n": s.n, "k": s.k,
+                                 "count": s.count, "groups": s.groups, "dtype": dt, "tp": tp})
     return rows
 
 
@@ -52,25 +56,20 @@ def collectives_plan(params, dtype: str = "bf16") -> dict:
             "all_to_all": [{"tokens_per_gpu": x["tokens_per_gpu"], "dispatch_bytes": x["dispatch_bytes"]} for x in a2a]}
 
 
-def _run(argv: list[str], log_path: Path, timeout_s: float, env: Optional[dict] = None) -> None:
-    """A probe child in its own session and with its own run token, so an interrupt or timeout stops
-    every rank (torchrun's workers included, even re-parented ones)."""
-    from decodescope import procs
+# shared-memory segments of vLLM's shm all-reduce, named after the probe's run token (probes/collectives.py)
+PROBE_SHM_GLOBS = ("decodescope-probe-{token12}*",)
 
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    token = procs.new_run_token()
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {}), procs.RUN_TOKEN_ENV: token})
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except BaseException:
-            procs.terminate(token, [proc.pid], grace_s=5)
-            raise
-        finally:
-            # shared-memory segments of vLLM's shm all-reduce, named after this probe's token
-            for seg in Path("/dev/shm").glob(f"decodescope-probe-{token[:12]}*"):
-                seg.unlink(missing_ok=True)
+
+def _run(argv: list[str], log_path: Path, timeout_s: float, env: Optional[dict] = None, host=None,
+         inputs: tuple = (), outputs: tuple = ()) -> None:
+    """A probe on the run's host (decodescope.host: here or over ssh, inputs copied there and outputs
+    back), in its own session and with its own run token, so an interrupt, a timeout or a dropped link
+    stops every rank (torchrun's workers included, even re-parented ones)."""
+    from decodescope.host import LocalHost
+
+    host = host or LocalHost()
+    rc = host.run_job(argv, log_path, timeout_s, env=env, inputs=inputs, outputs=outputs,
+                      shm_globs=PROBE_SHM_GLOBS)
     if rc != 0:
         from decodescope.server import log_tail
 
@@ -84,14 +83,26 @@ def run_gemm_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.Da
     shapes_path = data / "gemm_shapes.json"
     write_json_atomic(shapes_path, plan)
     out = data / "gemm_raw.json"
-    argv = [sys.executable, "-m", "decodescope.probes.gemm", "--shapes", str(shapes_path), "--out", str(out),
+    from decodescope.host import host_for
+
+    host = host_for(params)
+    argv = [host.python, "-m", "decodescope.probes.gemm", "--shapes", host.path(shapes_path), "--out", host.path(out),
             "--iters", str(params.microbench.iterations), "--warmup", str(params.microbench.warmup)]
     if device:
         argv += ["--device", device]
     if not params.microbench.flush_l2:
         argv.append("--warm-l2")
-    _run(argv, run_dir / "logs" / "gemm_probe.log", params.microbench.probe_timeout_s)
-    return gemm_table(json.loads(out.read_text()), peaks_for(run_dir, params))
+    _run(argv, run_dir / "logs" / "gemm_probe.log", params.microbench.probe_timeout_s, host=host,
+         inputs=(shapes_path,), outputs=(out,))
+    table = gemm_table(json.loads(out.read_text()), peaks_for(run_dir, params))
+    main = table["tp"] == params.server.tensor_parallel
+    if not main.all():
+        # other tensor-parallel sizes feed the verdict's what-if only: their own file
+        write_parquet_atomic(data / GEMM_WHATIF_TP, table[~main].reset_index(drop=True))
+    return table[main].reset_index(drop=True)
+
+
+GEMM_WHATIF_TP = "gemm_whatif_tp.parquet"
 
 
 def peaks_for(run_dir: Path, params) -> Optional[Peaks]:
@@ -208,17 +219,82 @@ def run_collectives_probe(params, run_dir: Path, device: Optional[str] = None) -
     out_dir.mkdir(parents=True, exist_ok=True)
     mb = params.microbench
     world = mb.world_size or params.server.tensor_parallel
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={mb.nnodes}", f"--nproc-per-node={world}"]
-    if mb.nnodes > 1:
-        argv += [f"--node-rank={mb.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={mb.rdzv_endpoint}"]
-    else:
-        argv += ["--standalone"]
-    argv += ["-m", "decodescope.probes.collectives", "--plan", str(plan_path), "--out-dir", str(out_dir)]
-    if device:
-        argv += ["--device", device]
-    env = {"OMP_NUM_THREADS": "1"}
-    _run(argv, run_dir / "logs" / "collectives_probe.log", mb.probe_timeout_s, env)
+    args = ["--plan", plan_path, "--out-dir", out_dir] + (["--device", device] if device else [])
+    run_torchrun_probe(params, run_dir, "decodescope.probes.collectives", args, world, inputs=(plan_path,),
+                       outputs=(out_dir,), log_name="collectives_probe")
     return collectives_table(out_dir)
+
+
+def run_torchrun_probe(params, run_dir: Path, module: str, args: list, world: int, inputs: tuple = (),
+                       outputs: tuple = (), log_name: str = "probe", env: Optional[dict] = None) -> None:
+    """A torchrun probe (collectives, step replay) on the run's host, or across params.host and
+    host.nodes (one torchrun agent per host, launched over ssh, meeting at microbench.rdzv_endpoint
+    through torchrun's c10d rendezvous; `world` ranks split evenly over the hosts). Path arguments
+    (Paths of the run directory) become the host's paths; inputs are copied there, outputs back."""
+    from decodescope.host import node_hosts
+
+    mb = params.microbench
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    hosts = node_hosts(params)
+    log = Path(run_dir) / "logs" / f"{log_name}.log"
+
+    def argv_on(host, nnodes: int, per_node: int, node_rank: int) -> list[str]:
+        argv = [host.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={per_node}"]
+        if nnodes > 1:
+            argv += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={mb.rdzv_endpoint}"]
+            if len(hosts) > 1:  # decodescope launches every agent: the first host holds the rendezvous store
+                argv += [f"--rdzv-id={Path(run_dir).name}-{log_name}",
+                         f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}"]
+        else:
+            argv += ["--standalone"]
+        return argv + ["-m", module] + [host.path(a) if isinstance(a, Path) else str(a) for a in args]
+
+    if len(hosts) == 1:
+        _run(argv_on(hosts[0], mb.nnodes, world, mb.node_rank), log, mb.probe_timeout_s, env, host=hosts[0],
+             inputs=inputs, outputs=outputs)
+        return
+    if world % len(hosts):
+        raise ProbeError(f"microbench.world_size {world} does not split evenly over {len(hosts)} hosts "
+                         f"(host and host.nodes); use a multiple of {len(hosts)}")
+    _run_on_nodes(hosts, [argv_on(h, len(hosts), world // len(hosts), i) for i, h in enumerate(hosts)],
+                  [log.with_name(f"{log_name}.node{i}.log") for i in range(len(hosts))], mb.probe_timeout_s, env,
+                  inputs, outputs)
+
+
+def _run_on_nodes(hosts, argvs, logs, timeout_s: float, env: dict, inputs: tuple, outputs: tuple) -> None:
+    """One agent per host, started together, waited for together; any failure stops all of them."""
+    import time
+
+    handles, failed, timed_out = [], [], []
+    try:
+        for host, argv, log in zip(hosts, argvs, logs):
+            for p in inputs:
+                host.push(p)
+            handles.append(host.start(argv, log, env=env, grace_s=5.0, shm_globs=PROBE_SHM_GLOBS, sync=outputs))
+        deadline = time.monotonic() + timeout_s
+        while any(h.poll() is None for h in handles) and time.monotonic() < deadline:
+            failed = [i for i, h in enumerate(handles) if h.poll() not in (None, 0)]
+            if failed:
+                break
+            time.sleep(0.2)
+        failed = [i for i, h in enumerate(handles) if h.poll() not in (None, 0)]
+        timed_out = [i for i, h in enumerate(handles) if h.poll() is None]
+    finally:
+        for h in handles:
+            h.stop()
+        for host in hosts:
+            for p in outputs:
+                host.pull(p, quiet=True)
+    from decodescope.server import log_tail
+
+    module = argvs[0][argvs[0].index("-m", 3) + 1]
+    for i in failed or range(len(handles)):
+        h, log = handles[i], logs[i]
+        if h.poll() != 0:
+            why = h.dead_reason() or (f"was still running after {timeout_s:.0f} s (microbench.probe_timeout_s) "
+                                      "and was stopped" if i in timed_out else f"exited with {h.poll()}")
+            raise ProbeError(f"{module} on node {i} ({hosts[i].name}) {why}; last lines of {log}:\n"
+                             f"{log_tail(log, 25)}")
 
 
 def collectives_table(out_dir: Path) -> pd.DataFrame:

@@ -5,10 +5,12 @@ makes its own run directory (`<stamp>-<name>-interactive`) so it runs alone.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from decodescope.params import Params, load_params
+from decodescope.params import OVERRIDES_ENV, Params, load_params, with_overrides
 from decodescope.rundir import DATA, ensure_layout
 
 
@@ -29,8 +31,17 @@ class PhaseContext:
         return f"{self.run_dir.name}/{DATA}/{name} (params: {self.params.run_name})"
 
 
-def open_phase(params_path: str, run_dir: str = "") -> PhaseContext:
+def open_phase(params_path: str, run_dir: str = "", variant: str = "") -> PhaseContext:
+    """variant: a name from params.experiments; the phase then runs with that variant's settings (its
+    run directory is the run's variants/<name>/)."""
     params = load_params(params_path)
+    overrides = os.environ.get(OVERRIDES_ENV)
+    if overrides:  # the command line's, set by the runner for every phase
+        params = with_overrides(params, json.loads(overrides))
+    if variant:
+        from decodescope.params import with_experiment
+
+        params = with_experiment(params, variant)
     if run_dir:
         path = Path(run_dir)
     else:

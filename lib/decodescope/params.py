@@ -10,10 +10,10 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PHASES = ("00_host", "01_serving", "02_gemm", "03_collectives", "04_profile", "05_verdict")
 # Secret-looking keys: HF_TOKEN, api_key, AUTH-TOKEN, password... but not input_tokens or tokenizer.
@@ -142,6 +142,9 @@ class SloParams(_Section):
 class WorkloadParams(_Section):
     endpoint: Literal["completions", "chat"] = "completions"
     concurrency: list[int] = Field(default_factory=lambda: [1, 2, 4])
+    repeats: Annotated[int, _at_least(1, "repeats must be")] = Field(
+        1, description="each level measured this many times (the whole sweep, then again): levels then show "
+                       "the median and a 95% band, and compare says whether a difference is above the noise")
     input_tokens: AtLeastOne = 64
     output_tokens: AtLeastOne = 32
     requests_per_level: AtLeastOne = 8
@@ -154,6 +157,16 @@ class WorkloadParams(_Section):
     compare_with: list[str] = Field(default_factory=list, description="`vllm bench serve --save-result` JSON "
                                     "files to show beside our levels (relative to the params file)")
     slo: SloParams = Field(default_factory=SloParams)
+    telemetry_interval_s: float = Field(1.0, description="seconds between samples of the server's /metrics "
+                                        "(and NVML on a GPU host) during each level; 0 turns telemetry off")
+
+    @field_validator("telemetry_interval_s")
+    @classmethod
+    def _telemetry_interval(cls, v: float) -> float:
+        if v != 0 and v < 0.1:
+            raise ValueError(f"telemetry_interval_s must be 0 (off) or at least 0.1 s (each sample costs the "
+                             f"server's API process a /metrics render), got {v}")
+        return v
 
     @field_validator("request_rate")
     @classmethod
@@ -207,16 +220,78 @@ class MicrobenchParams(_Section):
         return batches
 
 
+KNEE = "knee"
+
+
 class ProfileParams(_Section):
     requests: AtLeastOne = 4
-    concurrency: AtLeastOne = 2
+    concurrency: list[Union[int, str]] = Field(
+        default_factory=lambda: [1, KNEE],
+        description="levels to profile, one capture each, so the step's growth with load is measured; "
+                    "'knee' is 01's knee (the level after which throughput grows < 10%; its highest "
+                    "level when throughput still grows; left out when 01 did not run). A single integer is one level")
     input_tokens: AtLeastOne = 32
     output_tokens: AtLeastOne = 16
     warmup_requests: NonNegative = 2
     flush_timeout_s: Positive = 600.0
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _levels(cls, v):
+        levels = v if isinstance(v, list) else [v]
+        if not levels:
+            raise ValueError(f"needs at least one level, e.g. [1, {KNEE}]")
+        for x in levels:
+            if not ((isinstance(x, int) and not isinstance(x, bool) and x >= 1) or x == KNEE):
+                raise ValueError(f"{x!r} is not a level: each must be an integer >= 1 or {KNEE!r}, e.g. [1, {KNEE}]")
+        return levels
+
     # Python stacks in the worker traces: the analysis does not read them, and every spin of a waiting
     # worker becomes events (a 15 s window reached 40 MB gzipped per rank and an OOM kill on 2 cores).
     with_stack: bool = False
+
+
+class WhatIfParams(_Section):
+    """What the verdict projects beyond what the measurements name (05_verdict)."""
+
+    tensor_parallel: list[Annotated[int, _at_least(1)]] = Field(
+        default_factory=list, description="other tensor-parallel sizes to project, with replicas keeping the "
+        "GPU count; 02 also measures their GEMM shapes (first dtype only)")
+    spec_k: list[Annotated[int, _at_least(1)]] = Field(default_factory=lambda: [1, 3],
+                                                       description="draft tokens per verify step")
+    spec_alpha: list[float] = Field(default_factory=lambda: [0.5, 0.7, 0.9],
+                                    description="per-token acceptance rates, each in [0, 1)")
+    allreduce_us: list[Annotated[float, AfterValidator(_positive)]] = Field(
+        default_factory=list, description="given per-call all-reduce latencies to project (e.g. a vendor's figure)")
+
+    @field_validator("spec_alpha")
+    @classmethod
+    def _alphas(cls, v: list[float]) -> list[float]:
+        bad = [a for a in v if not 0.0 <= a < 1.0]
+        if bad:
+            raise ValueError(f"acceptance rates must be in [0, 1), got {bad}")
+        return v
+
+
+class ExperimentParams(_Section):
+    """One variant of the campaign: the server (and optionally the workload) changed, measured by the
+    serving sweep (and the profile when asked) into variants/<name>/ of the same run directory."""
+
+    name: str = Field(..., description="a file name: letters, digits and . _ + -")
+    tensor_parallel: Optional[Annotated[int, _at_least(1, "tensor_parallel must be")]] = None
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="merged over server.engine_args; "
+                                        "a value of null removes the flag")
+    env: dict[str, Optional[str]] = Field(default_factory=dict, description="merged over server.env; null removes")
+    workload: dict[str, Any] = Field(default_factory=dict, description="keys of workload to override")
+    profile: bool = Field(False, description="also profile this variant (04_profile)")
+
+    @field_validator("name")
+    @classmethod
+    def _file_name(cls, name: str) -> str:
+        check_run_name(name)
+        return name
+
+    def server_overrides(self) -> dict:
+        return {"tensor_parallel": self.tensor_parallel, "engine_args": self.engine_args, "env": self.env}
 
 
 class PeakOverrides(_Section):
@@ -235,25 +310,100 @@ class HardwareParams(_Section):
     peaks: PeakOverrides = Field(default_factory=PeakOverrides)
 
 
+SSH_URL = re.compile(r"^ssh://(?:(?P<user>[A-Za-z0-9._][A-Za-z0-9._-]*)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])"
+                     r"(?::(?P<port>\d{1,5}))?/?$")
+
+
+def parse_host_url(url: str) -> Optional[dict]:
+    """'ssh://user@gpu-box:2222' -> {'user': 'user', 'host': 'gpu-box', 'port': 2222}; 'local' -> None.
+    Raises ValueError saying what a valid host is."""
+    if url == "local":
+        return None
+    m = SSH_URL.match(url)
+    if not m:
+        raise ValueError(f"{url!r} is not a host; valid: 'local' or 'ssh://[user@]host[:port]', e.g. "
+                         "'ssh://me@gpu-box' or 'ssh://root@10.0.0.5:2222'")
+    port = int(m.group("port")) if m.group("port") else None
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{url!r}: {port} is not a TCP port; use 1..65535")
+    return {"user": m.group("user"), "host": m.group("host").strip("[]"), "port": port}
+
+
+class HostParams(_Section):
+    """Where the server, the probes and the profile capture run (`host: local`, or `host:
+    ssh://user@gpu-box[:port]` as a shorthand for `host: {url: ...}`); the notebooks, the analysis and
+    the report always run here (decodescope.host)."""
+    url: str = Field("local", description="'local' or ssh://[user@]host[:port]; user and port default to "
+                     "the user's ssh config")
+    python: Optional[str] = Field(None, description="interpreter on the host that has decodescope[gpu]; "
+                                  "default: this one (local) or python3 (ssh)")
+    workdir: str = Field("~/decodescope-runs", description="where run directories are mirrored on an ssh host")
+    identity: Optional[str] = Field(None, description="private key file (ssh -i); default: the user's ssh "
+                                    "config and agent")
+    known_hosts: Optional[str] = Field(None, description="known_hosts file; default: the user's "
+                                       "(~/.ssh/known_hosts). Unknown host keys are refused, never prompted")
+    ssh_config: Optional[str] = Field(None, description="ssh config file (ssh -F); default: ~/.ssh/config")
+    ssh_options: dict[str, str] = Field(default_factory=dict, description="extra ssh -o options, "
+                                        "e.g. {ProxyJump: bastion}")
+    connect_timeout_s: Positive = Field(20.0, description="ssh ConnectTimeout and the wait for the connection")
+    heartbeat_timeout_s: Positive = Field(60.0, description="the host tears down what decodescope started "
+                                          "there when it hears nothing from this side for this long")
+    sync_interval_s: Positive = Field(2.0, description="how often result files are copied back while a "
+                                      "process runs there")
+    loadgen: Literal["local", "remote"] = Field("local", description="where the serving load generator runs: "
+                                                 "here (through the tunnel: the network is measured too) or on "
+                                                 "the host (its records copied back)")
+    nodes: list[str] = Field(default_factory=list, description="more hosts (ssh URLs or 'local') for the "
+                             "multi-node probes: one torchrun agent each, node ranks 1.. in this order; "
+                             "needs microbench.rdzv_endpoint")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"url": data} if isinstance(data, str) else data
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        parse_host_url(url)
+        return url
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, nodes: list[str]) -> list[str]:
+        for n in nodes:
+            parse_host_url(n)
+        return nodes
+
+    @field_validator("ssh_options")
+    @classmethod
+    def _no_prompting(cls, opts: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in opts if k.lower() in ("batchmode", "controlpath", "controlmaster", "controlpersist")]
+        if bad:
+            raise ValueError(f"{bad} are set by decodescope (BatchMode=yes so ssh never prompts; one "
+                             "ControlMaster connection per run); remove them")
+        return opts
+
+    @property
+    def is_remote(self) -> bool:
+        return self.url != "local"
+
+    def __str__(self) -> str:
+        return self.url
+
+
 class Params(_Section):
     run: RunParams = Field(default_factory=RunParams)
-    host: str = "local"
+    host: HostParams = Field(default_factory=HostParams)
     server: ServerParams = Field(default_factory=ServerParams)
     model: ModelParams
     workload: WorkloadParams = Field(default_factory=WorkloadParams)
     microbench: MicrobenchParams = Field(default_factory=MicrobenchParams)
     profile: ProfileParams = Field(default_factory=ProfileParams)
+    whatif: WhatIfParams = Field(default_factory=WhatIfParams)
+    experiments: list[ExperimentParams] = Field(default_factory=list, description="variants measured after the "
+                                                "baseline, each into variants/<name>/")
     hardware: HardwareParams = Field(default_factory=HardwareParams)
-
-    @field_validator("host")
-    @classmethod
-    def _host_kind(cls, host: str) -> str:
-        if host == "local":
-            return host
-        if host.startswith("ssh://"):
-            raise ValueError(f"{host!r}: remote hosts over ssh are not supported yet; use 'local' "
-                             "and run decodescope on the GPU host")
-        raise ValueError(f"{host!r} is not a host; valid: 'local'")
 
     # Paths inside the file are relative to the file; these are filled in by load_params.
     source_path: Optional[str] = Field(None, exclude=True)
@@ -266,6 +416,11 @@ class Params(_Section):
     @property
     def run_name(self) -> str:
         return self.run.name or (Path(self.source_path).stem if self.source_path else "run")
+
+    def projected_tensor_parallel(self) -> list[int]:
+        """Tensor-parallel sizes the verdict projects: whatif.tensor_parallel and every variant's."""
+        sizes = set(self.whatif.tensor_parallel) | {e.tensor_parallel for e in self.experiments if e.tensor_parallel}
+        return sorted(sizes - {self.server.tensor_parallel})
 
     def model_config_dict(self) -> dict:
         return json.loads(self.resolve(self.model.config).read_text())
@@ -287,6 +442,8 @@ _SERVER_PHASES = ("01_serving", "04_profile")  # the runner starts (or attaches 
 READERS: dict[str, tuple[str, ...]] = {
     "run": (RUNNER,),
     "host": (RUNNER,),
+    "host.loadgen": ("01_serving",),
+    "host.nodes": ("03_collectives",),
     "server": _SERVER_PHASES,
     "server.tensor_parallel": (*_SERVER_PHASES, "02_gemm", "03_collectives"),  # the probes' shapes, ranks
     "model.name": _SERVER_PHASES,
@@ -309,6 +466,9 @@ READERS: dict[str, tuple[str, ...]] = {
     "microbench.context_tokens": ("02_gemm",),
     "microbench.moe_skew": ("02_gemm",),
     "microbench.flush_l2": ("02_gemm",),
+    "whatif": ("05_verdict",),
+    "experiments": (RUNNER,),
+    "whatif.tensor_parallel": ("02_gemm", "05_verdict"),
     "microbench.nnodes": ("03_collectives",),
     "microbench.node_rank": ("03_collectives",),
     "microbench.rdzv_endpoint": ("03_collectives",),
@@ -497,6 +657,12 @@ def _semantic_problems(raw: dict, path: Path) -> list[tuple[str, str]]:
         except ValueError as e:
             problems.append(("run.name", f"not set, and the file name stands in for it: {e}"))
 
+    host = raw.get("host") if isinstance(raw.get("host"), dict) else {}
+    micro = raw.get("microbench") if isinstance(raw.get("microbench"), dict) else {}
+    if host.get("nodes") and not micro.get("rdzv_endpoint"):
+        problems.append(("microbench.rdzv_endpoint", "host.nodes runs the probes on several hosts: give the "
+                         "rendezvous endpoint every host reaches, host:port on the first host, e.g. 10.0.0.5:29400"))
+
     if server.get("mode") == "attach" and not server.get("url"):
         problems.append(("server.url", "attach mode needs the URL of a running server, "
                          "e.g. http://127.0.0.1:8000"))
@@ -548,6 +714,9 @@ def load_params(path: str | Path) -> Params:
     except ValidationError as e:
         problems += _pydantic_problems(e)
     problems += _semantic_problems(raw, path)
+    if params is not None and params.experiments:
+        params.source_path = str(path.resolve())
+        problems += _experiment_problems(params, path)
     if problems:
         seen, unique = set(), []
         for p in problems:
@@ -557,6 +726,80 @@ def load_params(path: str | Path) -> Params:
         raise ParamsError(path, unique)
     params.source_path = str(path.resolve())
     return params
+
+
+OVERRIDES_ENV = "DECODESCOPE_OVERRIDES"  # JSON {dotted key: value}: the command line's, for every phase
+
+
+def with_overrides(params: Params, overrides: dict) -> Params:
+    """params with dotted keys replaced (e.g. {"workload.repeats": 3} from `run --repeats 3`), validated
+    again; an error names the key."""
+    if not overrides:
+        return params
+    data = params.model_dump()
+    for key, value in overrides.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    try:
+        out = Params.model_validate(data)
+    except ValidationError as e:
+        raise ParamsError(params.source_path or "params", [(f, f"{m} (from the command line)")
+                                                           for f, m in _pydantic_problems(e)]) from None
+    out.source_path = params.source_path
+    return out
+
+
+def _experiment_problems(params: Params, path: Path) -> list[tuple[str, str]]:
+    """Each variant checked as the params it will run with, before anything starts."""
+    problems: list[tuple[str, str]] = []
+    names = [e.name for e in params.experiments]
+    for n in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(("experiments", f"variant name {n!r} is used {names.count(n)} times; names must be unique"))
+    if "baseline" in names:
+        problems.append(("experiments", "'baseline' names the run itself; choose another variant name"))
+    for e in params.experiments:
+        try:
+            v = with_experiment(params, e.name)
+        except ParamsError as pe:
+            problems += pe.problems
+            continue
+        problems += [(f"experiments[{e.name}].{f}", m) for f, m in _semantic_problems(v.model_dump(mode="json"), path)
+                     if f.startswith(("server", "workload"))]
+    return problems
+
+
+def with_experiment(params: Params, name: str) -> Params:
+    """The params a variant runs with: server.engine_args / env merged (null removes a key),
+    tensor_parallel and workload keys replaced. Validated like a params file; errors name the variant."""
+    exp = next((e for e in params.experiments if e.name == name), None)
+    if exp is None:
+        raise ParamsError(params.source_path or "params", [("experiments", f"no variant named {name!r}; defined: "
+                                                            f"{[e.name for e in params.experiments]}")])
+    data = params.model_dump()
+    server = data["server"]
+    if exp.tensor_parallel is not None:
+        server["tensor_parallel"] = exp.tensor_parallel
+    for key in ("engine_args", "env"):
+        merged = dict(server.get(key) or {})
+        for k, v in getattr(exp, key).items():
+            if v is None:
+                merged.pop(k, None)
+            else:
+                merged[k] = v
+        server[key] = merged
+    data["workload"] = {**data["workload"], **exp.workload}
+    data["experiments"] = []
+    data["run"]["name"] = f"{params.run_name}+{name}"
+    try:
+        out = Params.model_validate(data)
+    except ValidationError as e:
+        raise ParamsError(params.source_path or "params",
+                          [(f"experiments[{name}].{f}", m) for f, m in _pydantic_problems(e)]) from None
+    out.source_path = params.source_path
+    return out
 
 
 def redact(obj: Any) -> Any:

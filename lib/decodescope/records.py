@@ -17,6 +17,7 @@ are declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
 | data/profile_summary.json    | ProfileSummary   | trace.profile.write_profile (04)    |
 | data/verdict.json            | Verdict          | verdict.verdict (05_verdict)        |
 | data/serving_levels.parquet  | ServingLevel row | serving.metrics.level_summary (01)  |
+| data/telemetry/level_*.parquet | TelemetrySample row | serving.telemetry (01)          |
 """
 from __future__ import annotations
 
@@ -207,10 +208,17 @@ class HostInventory(Record):
 
 # ---- serving levels (a row of data/serving_levels.parquet) -----------------------------------------
 class ServingLevel(_Model):
-    """One concurrency level of the serving sweep, as `vllm bench serve` defines its metrics. The
-    SLO's goodput and the client-health fields are columns only when they were measured."""
+    """One concurrency level of the serving sweep (one repeat of it, when levels are repeated), as
+    `vllm bench serve` defines its metrics. The repeat, the SLO's goodput and the client-health fields
+    are columns only when they were measured."""
 
     level: int = Field(description="concurrency: requests in flight at most")
+    repeat: Optional[int] = Field(
+        None, description="which measurement of this level the row is (1, 2, ...) when workload.repeats > 1: "
+                          "serving_levels_repeats.parquet has one row per (level, repeat), serving_requests."
+                          "parquet a `repeat` column; absent when each level is measured once")
+    repeats: Optional[int] = Field(None, description="in serving_levels.parquet with repeats: how many; every "
+                                   "number is then the median over them (requests, ok, failed: the sums)")
     requests: int
     ok: int
     failed: int
@@ -245,6 +253,44 @@ class ServingLevel(_Model):
     inflight_sampled_mean: Optional[float] = Field(None, description="L: in-flight count the client sampled")
     littles_error_pct: Optional[float] = None
     client_suspect: Optional[bool] = Field(None, description="the client's loop lag or CPU may have distorted it")
+    # Server and GPU telemetry over the level's measured requests (serving.telemetry); columns only when
+    # telemetry ran, NaN where the server or the host did not report the figure.
+    telemetry_scrapes: Optional[int] = Field(None, description="/metrics samples taken during the level")
+    telemetry_scrape_failures: Optional[int] = Field(None, description="of which failed (recorded, not raised)")
+    server_running_mean: Optional[float] = Field(None, description="vllm:num_requests_running, mean of samples")
+    server_running_max: Optional[float] = None
+    server_waiting_mean: Optional[float] = Field(None, description="vllm:num_requests_waiting, mean of samples")
+    server_waiting_max: Optional[float] = None
+    server_kv_usage_max_pct: Optional[float] = Field(None, description="vllm:kv_cache_usage_perc x 100, max")
+    server_preemptions: Optional[float] = Field(None, description="vllm:num_preemptions_total over the level")
+    server_ttft_mean_us: Optional[float] = Field(None, description="engine's TTFT histogram: delta sum / delta count")
+    server_tpot_mean_us: Optional[float] = Field(None, description="engine's per-request TPOT histogram mean")
+    server_itl_mean_us: Optional[float] = Field(None, description="engine's inter-token latency histogram mean")
+    server_e2e_mean_us: Optional[float] = None
+    server_queue_mean_us: Optional[float] = Field(None, description="time requests waited in the engine's queue")
+    server_spec_acceptance_pct: Optional[float] = Field(None, description="accepted / draft tokens (spec decode)")
+    server_spec_accept_len: Optional[float] = Field(None, description="1 + accepted tokens per draft")
+    server_api_cpu_pct: Optional[float] = Field(None, description="API server process CPU (process_cpu_seconds_total)")
+    gpu_power_mean_w: Optional[float] = Field(None, description="NVML, per GPU, mean over GPUs and samples")
+    gpu_power_max_w: Optional[float] = None
+    gpu_sm_clock_mean_mhz: Optional[float] = None
+    gpu_sm_clock_min_mhz: Optional[float] = None
+    gpu_util_mean_pct: Optional[float] = None
+    gpu_mem_used_max_mib: Optional[float] = None
+    gpu_temp_max_c: Optional[float] = None
+    gpu_throttle_reasons: Optional[str] = Field(None, description="NVML clock event reasons seen, by name")
+
+    # with repeats (serving_levels.parquet): the 95% band of the median over the repeats (decodescope.stats)
+    tpot_p50_us_low: Optional[float] = None
+    tpot_p50_us_high: Optional[float] = None
+    ttft_p50_us_low: Optional[float] = None
+    ttft_p50_us_high: Optional[float] = None
+    itl_p50_us_low: Optional[float] = None
+    itl_p50_us_high: Optional[float] = None
+    e2e_p50_us_low: Optional[float] = None
+    e2e_p50_us_high: Optional[float] = None
+    output_throughput_tok_s_low: Optional[float] = None
+    output_throughput_tok_s_high: Optional[float] = None
 
     def to_row(self) -> dict:
         """The row for the table: the measured fields, in column order."""
@@ -252,6 +298,21 @@ class ServingLevel(_Model):
 
 
 SERVING_LEVEL_COLUMNS = columns_of(ServingLevel)
+
+
+class TelemetrySample(_Model):
+    """A row of data/telemetry/level_<c>.parquet (serving.telemetry): one sample of one metric."""
+
+    level: int = Field(description="concurrency level the sample was taken during")
+    scrape: int = Field(description="the sample's number within the level (one per interval)")
+    t_s: float = Field(description="CLOCK_MONOTONIC seconds, the clock of the request records' *_ns")
+    source: str = Field(description="server (/metrics), gpu (NVML) or telemetry (the sampler's own rows)")
+    metric: str = Field(description="sample name as exposed (vllm:num_requests_running, ..._sum) or GPU field")
+    labels: str = Field(description="the sample's labels as JSON with sorted keys")
+    value: float
+
+
+TELEMETRY_COLUMNS = columns_of(TelemetrySample)
 
 
 # ---- collective latency fit (data/collectives_fit.json) ---------------------------------------------
@@ -285,6 +346,10 @@ class StepMedians(_Model):
     busy_us_median: Optional[float] = None
     wall_us_median: Optional[float] = None
     idle_us_median: Optional[float] = None
+    period_us_median: Optional[float] = Field(None, description="start of one step to the start of the next: "
+                                              "the step plus the host/scheduler time between steps")
+    between_steps_us_median: Optional[float] = Field(None, description="end of one step to the start of the next")
+    batch_median: Optional[float] = Field(None, description="sequences decoded per step (the trace's step names)")
 
 
 class ProfileSummary(Record):
@@ -294,6 +359,7 @@ class ProfileSummary(Record):
 
     device: str = Field(description="gpu or cpu")
     ranks: list[int]
+    concurrency: Optional[int] = Field(None, description="the level the capture ran at (04_profile)")
     step_kind: str = Field(description="the kind of step the per-step figures describe (decode when found)")
     steps: dict[str, int] = Field(description="steps found per kind")
     allreduce_share_of_time: dict[str, float]
@@ -364,6 +430,23 @@ class ProjectionRow(_Model):
     tpot_high_us: float
     gain_pct: float = Field(description="projected TPOT change against the measured step, % (negative = faster)")
     assumptions: str
+    batch: Optional[float] = Field(None, description="the batch (serving level) the projection is priced at")
+    tok_s_per_gpu: Optional[float] = Field(None, description="output tokens/s per GPU at that batch")
+    gpus_per_replica: Optional[int] = None
+
+
+class CurveRow(_Model):
+    """One point of a TPOT vs output-tokens/s-per-GPU curve: the measured sweep, the step model, or a fix."""
+
+    fix: str = Field(description="'measured (01)', 'step model' or the fix's name")
+    batch: float
+    tpot_us: float
+    tpot_low_us: float
+    tpot_high_us: float
+    tok_s_per_gpu: float
+    model_us: Optional[float] = Field(None, description="the step model's period for this curve at this batch")
+    calibrated: bool = Field(False, description="scaled by measured TPOT / base model at this batch")
+    notes: str = ""
 
 
 class LevelReconcileRow(_Model):
@@ -373,10 +456,43 @@ class LevelReconcileRow(_Model):
     tpot_p50_us: float = Field(description="client TPOT p50 (01)")
     profile_batch: Optional[int] = Field(None, description="the profiled batch nearest this level (04)")
     profile_wall_us: Optional[float] = Field(None, description="median wall-clock decode step there (04)")
-    model_us: Optional[float] = Field(None, description="GEMMs (02) + collectives (03) at this batch (stepmodel)")
+    model_us: Optional[float] = Field(None, description="the step model's period (step + time between steps) at "
+                                      "this batch: GEMMs (02), collectives (03), the rest from 04 (stepmodel)")
+    model_low_us: Optional[float] = None
+    model_high_us: Optional[float] = None
+    model_error: Optional[float] = Field(None, description="model / client TPOT - 1")
+    profile_period_us: Optional[float] = Field(None, description="median step start-to-start at the nearest profiled level")
     residual_us: Optional[float] = Field(None, description="TPOT - profiled step")
     within_tolerance: Optional[bool] = None
     attributed_to: str = Field("", description="what the residual is put down to, from the measurements")
+
+
+class VariantRow(_Model):
+    """One variant (params.experiments) at one serving level: measured against its projection."""
+
+    variant: str
+    status: str = Field(description="ok, failed or not run (the manifest's record of the variant)")
+    error: str = ""
+    level: Optional[int] = None
+    tpot_p50_us: Optional[float] = Field(None, description="the variant's client TPOT p50 (its 01)")
+    baseline_tpot_p50_us: Optional[float] = None
+    measured_gain_pct: Optional[float] = Field(None, description="variant / baseline TPOT - 1, %")
+    tok_s_per_gpu: Optional[float] = None
+    projection: str = Field("", description="the fix of the verdict that projects this variant ('' when none)")
+    projected_tpot_us: Optional[float] = None
+    projected_low_us: Optional[float] = None
+    projected_high_us: Optional[float] = None
+    projection_error_pct: Optional[float] = Field(None, description="projected / measured TPOT - 1, %")
+    notes: str = ""
+
+
+class Finding(_Model):
+    """One sentence of the verdict page, with where it came from."""
+
+    topic: str = Field(description="bottleneck, consistency, fix or no_help")
+    text: str
+    figure: Optional[str] = Field(None, description="the report's anchor id of the figure it reads")
+    files: list[str] = Field(default_factory=list, description="run-directory paths of the files it reads")
 
 
 class Verdict(Record):
@@ -390,8 +506,13 @@ class Verdict(Record):
     what_if: list[WhatIfRow] = Field(default_factory=list)
     reconcile: list[ReconcileRow] = Field(default_factory=list)
     projections: list[ProjectionRow] = Field(default_factory=list)
+    curves: list[CurveRow] = Field(default_factory=list)
+    step_model: list[dict[str, Any]] = Field(default_factory=list, description="the step model's components at "
+                                             "each batch: batch, component, us, low_us, high_us, source, notes")
     levels: list[LevelReconcileRow] = Field(default_factory=list)
     serving: Optional[ServingHeadline] = None
+    findings: list[Finding] = Field(default_factory=list, description="the verdict page, sentence by sentence")
+    variants: list[VariantRow] = Field(default_factory=list, description="each variant measured against its projection")
 
 
 # ---- run manifest (manifest.json) ------------------------------------------------------------------
@@ -440,6 +561,18 @@ class Teardown(_OpenModel):
     left: Any = None
 
 
+class VariantEntry(_OpenModel):
+    """One variant of params.experiments as the runner measured it (variants/<name>/)."""
+
+    status: str = Field("pending", description="pending, running, ok or failed")
+    start: Optional[str] = None
+    end: Optional[str] = None
+    duration_s: Optional[float] = None
+    error: Optional[str] = Field(None, description="why it failed: the server's log tail, or each phase's error")
+    params: dict[str, Any] = Field(default_factory=dict, description="the variant as params.experiments gives it")
+    stray_processes_stopped: Optional[int] = None
+
+
 class RunManifest(Record):
     """manifest.json: the run's params (secrets redacted), versions, host and each phase's status.
     The runner adds keys as the run goes; the file holds exactly the keys set (none filled in)."""
@@ -460,6 +593,9 @@ class RunManifest(Record):
     server: Optional[ServerState] = None
     servers: list[ServerLaunch] = Field(default_factory=list, description="every server this run started")
     teardowns: list[Teardown] = Field(default_factory=list)
+    variants: dict[str, VariantEntry] = Field(default_factory=dict, description="params.experiments, measured")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="params keys the command line replaced "
+                                      "(e.g. workload.repeats from --repeats); --resume applies them again")
     stray_processes_stopped: Optional[int] = None
     error: Optional[str] = None
     finished: Optional[str] = None

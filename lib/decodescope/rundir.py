@@ -10,6 +10,7 @@ NOTEBOOKS = "notebooks"   # the executed notebooks
 DATA = "data"             # each phase's result files
 TRACES = "traces"         # the profiler traces, as the server wrote them
 LOGS = "logs"             # server.log, probe logs
+VARIANTS = "variants"     # variants/<name>/: each variant of params.experiments, laid out like a run
 SUBDIRS = (NOTEBOOKS, DATA, TRACES, LOGS)
 
 

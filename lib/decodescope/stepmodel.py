@@ -18,6 +18,7 @@ order, nothing else), the check of these two components against a measured whole
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -143,3 +144,188 @@ def compare_with_replay(predicted: pd.DataFrame, replay: pd.DataFrame, mode: str
     out = predicted.merge(r.rename(columns={"time_us": "replay_us"}), on="batch")
     out["error"] = out["predicted_us"] / out["replay_us"] - 1.0
     return out
+
+
+# ---- the whole step: what only the profile measures --------------------------------------------------
+# Verdict classes the micro-benchmarks price (02: GEMMs, 03: collectives); the profile prices the rest.
+MICRO_CLASSES = ("gemm", "communication")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One profiled level on its critical rank (the one that waits least in its collectives: its time is
+    the step's own work): each verdict class's time per step, the host's time inside and between
+    steps, and the overlap of its lanes (busy / summed)."""
+
+    batch: float
+    context_tokens: float
+    classes_us: dict
+    idle_us: float
+    between_us: float
+    overlap: float
+    period_us: float
+    source: str
+
+
+def step_samples(summaries: dict, context_tokens: float) -> list[StepSample]:
+    """ProfileSummary per profiled concurrency -> StepSample per level, sorted by batch."""
+    from decodescope.trace.categorize import class_of
+
+    out = []
+    for conc, s in sorted(summaries.items()):
+        cats = pd.DataFrame(s.per_step_categories)
+        ps = s.per_step
+        if cats.empty or not ps.wall_us_median:
+            continue
+        cats["cls"] = cats["category"].map(class_of)
+        by = cats.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
+        rank = by["communication"].idxmin() if "communication" in by else by.index[0]
+        overlap = (ps.busy_us_median / ps.summed_us_median) if ps.summed_us_median and ps.busy_us_median else 1.0
+        out.append(StepSample(batch=float(ps.batch_median or conc), context_tokens=context_tokens,
+                              classes_us={str(k): float(v) for k, v in by.loc[rank].items()},
+                              idle_us=float(ps.idle_us_median or 0.0), between_us=float(ps.between_steps_us_median or 0.0),
+                              overlap=min(1.0, overlap), period_us=float(ps.period_us_median or ps.wall_us_median),
+                              source=f"profile/c{conc}/profile_summary.json (rank {rank})"))
+    return sorted(out, key=lambda x: x.batch)
+
+
+def _across_batches(samples: list[StepSample], batch: float, value) -> tuple[float, float, float, list[str]]:
+    """A profile-sourced value at `batch`: linear between the profiled batches, held at the nearest one
+    outside them (and said so). Band: the smallest and largest value at the profiled batches around it."""
+    xs = np.array([s.batch for s in samples])
+    ys = np.array([value(s) for s in samples])
+    notes = []
+    if len(xs) == 1 or batch <= xs[0] or batch >= xs[-1]:
+        if not (xs[0] <= batch <= xs[-1]):
+            notes.append(f"held at the nearest profiled batch ({xs[0] if batch < xs[0] else xs[-1]:g})")
+        v = float(ys[0] if batch <= xs[0] else ys[-1])
+        return v, float(ys.min()), float(ys.max()), notes
+    v = float(np.interp(batch, xs, ys))
+    i = int(np.searchsorted(xs, batch))
+    return v, float(min(ys[i - 1], ys[i])), float(max(ys[i - 1], ys[i])), notes
+
+
+def attention_component(samples: list[StepSample], batch: float, context_tokens: float) -> Component:
+    """Attention (and KV-cache writes) from the profile, as a + c x (batch x context) through the
+    profiled levels; one level: held at its value."""
+    xs = np.array([s.batch * s.context_tokens for s in samples])
+    ys = np.array([s.classes_us.get("attention", 0.0) for s in samples])
+    x = batch * context_tokens
+    notes = []
+    if len(set(xs)) >= 2:
+        c, a = np.polyfit(xs, ys, 1)
+        v = float(max(a + c * x, 0.0))
+        if not xs.min() <= x <= xs.max():
+            notes.append(f"extrapolated in batch x context ({x:g} outside {xs.min():g}..{xs.max():g})")
+    else:
+        v = float(ys[0])
+        notes.append("one profiled level: held at its value")
+    return Component("attention", v, min(v, float(ys.min())), max(v, float(ys.max())),
+                     "; ".join(s.source for s in samples), notes)
+
+
+@dataclass
+class StepPrediction:
+    batch: float
+    components: list[Component]
+    overlap: float
+
+    def _sum(self, attr: str, host: bool) -> float:
+        work = sum(getattr(c, attr) for c in self.components if c.name not in HOST_PARTS)
+        gaps = sum(getattr(c, attr) for c in self.components if c.name in HOST_PARTS and (host or c.name == "idle in step"))
+        return work * self.overlap + gaps
+
+    @property
+    def period_us(self) -> float:
+        """Step plus the host's time between steps: what one token costs a stream (TPOT)."""
+        return self._sum("us", True)
+
+    @property
+    def band_us(self) -> tuple[float, float]:
+        return self._sum("low_us", True), self._sum("high_us", True)
+
+    @property
+    def wall_us(self) -> float:
+        return self._sum("us", False)
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame([{"component": c.name, "us": c.us, "low_us": c.low_us, "high_us": c.high_us,
+                              "source": c.source, "notes": "; ".join(c.notes)} for c in self.components])
+
+
+HOST_PARTS = ("idle in step", "between steps")
+
+
+def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int,
+                 communicator: str, timing: str, samples: list[StepSample], context_tokens: float,
+                 dtype: str = "bf16", gemm_source: str = "gemm.parquet", measured_world: Optional[int] = None,
+                 attention_scale: float = 1.0, collectives: Optional[Component] = None) -> StepPrediction:
+    """The decode step at `batch`: GEMMs (02) + collectives (03) + attention, small ops and framework
+    time (04, across the profiled levels) on the critical rank, times its lane overlap (busy / summed),
+    plus the host's time inside the step and between steps (04).
+
+    At another tensor-parallel size than 03 measured (measured_world), the collectives are the measured
+    ones scaled by (tp - 1) / (world - 1), a ring's latency term, and labelled extrapolated; attention is
+    scaled by attention_scale (heads per rank). `collectives` replaces the priced collectives (a fix)."""
+    comps = [gemm_component(gemm, arch, tp, batch, dtype, source=gemm_source)]
+    if collectives is not None:
+        comps.append(collectives)
+    elif tp > 1:
+        world = measured_world or tp
+        c = collective_component(coll, arch, tp, batch, communicator, timing, dtype)
+        if world != tp:
+            f = (tp - 1) / max(world - 1, 1)
+            c = Component(c.name, c.us * f, c.low_us * f, c.high_us * f, c.source, c.notes + [
+                f"extrapolated from world size {world} to {tp}: x {f:.2f} ((n - 1) / (world - 1))"])
+        comps.append(c)
+    if samples:
+        a = attention_component(samples, batch, context_tokens)
+        if attention_scale != 1.0:
+            a = Component(a.name, a.us * attention_scale, a.low_us * attention_scale, a.high_us * attention_scale,
+                          a.source, a.notes + [f"x {attention_scale:g}: heads per rank at this tensor-parallel size"])
+        comps.append(a)
+        others = sorted({c for s in samples for c in s.classes_us} - set(MICRO_CLASSES) - {"attention"})
+        for cls in others:
+            v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
+            comps.append(Component(cls, v, lo, hi, "; ".join(s.source for s in samples), notes))
+        for name, get in (("idle in step", lambda s: s.idle_us), ("between steps", lambda s: s.between_us)):
+            v, lo, hi, notes = _across_batches(samples, batch, get)
+            comps.append(Component(name, v, lo, hi, "; ".join(s.source for s in samples), notes))
+        overlap = _across_batches(samples, batch, lambda s: s.overlap)[0]
+    else:
+        overlap = 1.0
+    return StepPrediction(float(batch), comps, overlap)
+
+
+def all_to_all_at(coll: pd.DataFrame, tokens: float) -> tuple[float, float, float, str]:
+    """03's all-to-all (median over ranks of its median) at `tokens` per GPU, log-log between measured
+    token counts, held at the ends: (us, p10, p90, how)."""
+    a = coll[(coll["part"] == "all_to_all") & (coll["status"] == "ok")]
+    g = a.groupby("tokens_per_gpu")[["time_us"] + [c for c in ("p10_us", "p90_us") if c in a]].median().reset_index()
+    xs = g["tokens_per_gpu"].to_numpy(float)
+    out = []
+    for col in ("time_us", "p10_us", "p90_us"):
+        ys = g[col].to_numpy(float) if col in g else g["time_us"].to_numpy(float)
+        out.append(float(np.exp(np.interp(np.log(tokens), np.log(xs), np.log(ys)))))
+    how = "measured range" if xs[0] <= tokens <= xs[-1] else f"held at {xs[0] if tokens < xs[0] else xs[-1]:g} tokens"
+    return out[0], out[1], out[2], how
+
+
+def expert_parallel_collectives(coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int,
+                                communicator: str, timing: str, dtype: str = "bf16") -> Component:
+    """The step's collectives under expert parallelism: each MoE layer's all-reduce replaced by a
+    dispatch and a combine all-to-all at batch x top_k tokens per GPU (03); the rest as measured."""
+    curve = latency_curve(coll, communicator, timing)
+    total = low = high = 0.0
+    for c in archmod.collective_schedule(arch, tp, batch, dtype):
+        if c.where == "moe_out":
+            continue
+        total += c.count * latency_at(curve, c.msg_bytes)[0]
+        low += c.count * latency_at(curve, c.msg_bytes, "p10_us")[0]
+        high += c.count * latency_at(curve, c.msg_bytes, "p90_us")[0]
+    t, lo, hi, how = all_to_all_at(coll, batch * arch.top_k)
+    n = 2 * arch.moe_layers
+    return Component("collectives", total + n * t, low + n * lo, high + n * hi,
+                     f"collectives.parquet ({communicator}, {timing}; all_to_all)",
+                     [f"{arch.moe_layers} MoE all-reduces -> {n} all-to-all at {batch * arch.top_k} tokens per GPU "
+                      f"({t:.1f} us each, {how})"])

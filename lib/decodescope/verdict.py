@@ -5,13 +5,14 @@ result is a records.Verdict, written to data/verdict.json.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import pandas as pd
 
-from decodescope.records import (AttributionRow, Bottleneck, LevelReconcileRow, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
+from decodescope.records import (AttributionRow, Bottleneck, CurveRow, Finding, VariantRow, LevelReconcileRow, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
                                  ServingLevel, Verdict, WhatIfRow, read_record)
 from decodescope.trace import categorize
 
@@ -166,55 +167,41 @@ def measured_step(summary: ProfileSummary, batch: int) -> Optional["whatif.Measu
 LEVEL_TOLERANCE = 0.20  # client TPOT within 20% of the profiled step counts as agreeing
 
 
-def level_reconcile(levels: pd.DataFrame, summary: Optional[ProfileSummary], profile_batch: int,
-                    model_us: dict[int, float]) -> list[dict]:
-    """Per serving level: client TPOT p50 against the profiled step at the nearest profiled batch and
-    the step model; the residual put down to what the measurements show (the profile's idle time per
-    step: scheduler and host; 01's coalesced gaps: the server holding output back)."""
+def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
+                    model: dict[float, tuple[float, float, float]]) -> list[dict]:
+    """Per serving level: client TPOT p50 against the nearest profiled level's step period (start to
+    start: the step plus the host's time between steps) and the step model's period with its band;
+    the residual put down to what the measurements show."""
     rows = []
-    wall = summary.per_step.wall_us_median if summary else None
-    idle = summary.per_step.idle_us_median if summary else None
     for lv in levels.sort_values("level").itertuples():
-        row = {"level": int(lv.level), "tpot_p50_us": float(lv.tpot_p50_us), "model_us": model_us.get(int(lv.level))}
-        if wall:
-            residual = float(lv.tpot_p50_us) - wall
-            ok = abs(residual) <= LEVEL_TOLERANCE * wall
-            causes = []
-            if idle and idle > 0.1 * wall:
-                causes.append(f"scheduler/host time between kernels: {idle:,.0f} us idle per profiled step (04)")
-            coalesced = float(getattr(lv, "itl_coalesced_frac", 0.0) or 0.0)
-            if coalesced > 0.1:
-                causes.append(f"stream delivery: {100 * coalesced:.0f}% of token gaps coalesced (01)")
-            if int(lv.level) != profile_batch:
-                causes.append(f"batch {int(lv.level)} vs the profiled batch {profile_batch}")
-            row.update(profile_batch=profile_batch, profile_wall_us=wall, residual_us=residual, within_tolerance=ok,
-                       attributed_to="; ".join(causes) if not ok else "")
+        level = int(lv.level)
+        tpot = float(lv.tpot_p50_us)
+        row = {"level": level, "tpot_p50_us": tpot}
+        m = model.get(float(level))
+        if m:
+            row.update(model_us=m[0], model_low_us=m[1], model_high_us=m[2], model_error=m[0] / tpot - 1)
+        if summaries:
+            conc = min(summaries, key=lambda c: (abs(c - level), c))
+            ps = summaries[conc].per_step
+            ref = ps.period_us_median or ps.wall_us_median
+            if ref:
+                residual = tpot - ref
+                ok = abs(residual) <= LEVEL_TOLERANCE * ref
+                causes = []
+                if ps.period_us_median is None and ps.idle_us_median and ps.idle_us_median > 0.1 * ref:
+                    causes.append(f"scheduler/host time between kernels: {ps.idle_us_median:,.0f} us idle per step (04)")
+                coalesced = float(getattr(lv, "itl_coalesced_frac", 0.0) or 0.0)
+                if coalesced > 0.1:
+                    causes.append(f"stream delivery: {100 * coalesced:.0f}% of token gaps coalesced (01)")
+                if conc != level:
+                    causes.append(f"batch {level} vs the nearest profiled level {conc}")
+                if not causes:
+                    causes.append("the profiler's own cost inflates the profiled step" if residual < 0 else
+                                  "client and stream overhead beyond the server's step")
+                row.update(profile_batch=conc, profile_wall_us=ps.wall_us_median, profile_period_us=ps.period_us_median,
+                           residual_us=residual, within_tolerance=ok, attributed_to="; ".join(causes) if not ok else "")
         rows.append(row)
     return rows
-
-
-def step_model_by_level(run_dir: Path, params, levels: pd.DataFrame,
-                        summary: Optional[ProfileSummary]) -> dict[int, float]:
-    """GEMMs (02) + collectives (03, the engine's communicator if measured) at each level's batch."""
-    from decodescope import arch as archmod
-    from decodescope import stepmodel as sm
-
-    gemm, coll = _read_parquet(run_dir, "gemm.parquet"), _read_parquet(run_dir, "collectives.parquet")
-    if gemm is None or coll is None or gemm.empty or coll.empty:
-        return {}
-    arch = archmod.normalize_config(params.model_config_dict())
-    comm = categorize.micro_communicator_for(next(iter(summary.allreduce_communicators), "") if summary else "")
-    out = {}
-    for level in levels["level"]:
-        for timing in ("cuda_graph", "back_to_back"):
-            try:
-                g = sm.gemm_component(gemm, arch, params.server.tensor_parallel, int(level))
-                c = sm.collective_component(coll, arch, params.server.tensor_parallel, int(level), comm, timing)
-            except (ValueError, KeyError):
-                continue
-            out[int(level)] = g.us + c.us
-            break
-    return out
 
 
 def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> list[dict]:
@@ -224,7 +211,7 @@ def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> lis
 
     if summary is None:
         return []
-    step = measured_step(summary, params.profile.concurrency)
+    step = measured_step(summary, summary.concurrency or 1)
     coll = _read_parquet(run_dir, "collectives.parquet")
     if step is None or coll is None or coll.empty:
         return []
@@ -256,18 +243,33 @@ def verdict(run_dir: Path, params) -> Verdict:
         out.verdict = (f"{cls} is the largest share of a decode step ({100 * share:.0f}% of op time on the median "
                        f"rank); all-reduce alone is " + ", ".join(f"rank {r} {100 * v:.0f}%" for r, v in ar_share.items())
                        + ".")
+    profile_batch = (summary.concurrency or 1) if summary else 1
     out.reconcile = [ReconcileRow.model_validate(r) for r in
-                     reconcile(run_dir, params.profile.concurrency, summary,
+                     reconcile(run_dir, profile_batch, summary,
                                archmod.normalize_config(params.model_config_dict()),
                                params.server.tensor_parallel).to_dict("records")]
-    out.projections = [ProjectionRow.model_validate(r) for r in projections(run_dir, params, summary)]
+    summaries = profile_summaries(run_dir, params)
+    inp = model_inputs(run_dir, params, summaries)
+    model: dict[float, tuple[float, float, float]] = {}
+    if inp is not None:
+        curve_rows, comp_rows, proj_rows = curves(inp, params, levels)
+        out.curves = [CurveRow.model_validate(r) for r in curve_rows]
+        out.step_model = comp_rows
+        out.projections = [ProjectionRow.model_validate(r) for r in proj_rows]
+        model = {r["batch"]: (r["tpot_us"], r["tpot_low_us"], r["tpot_high_us"]) for r in curve_rows
+                 if r["fix"] == "step model"}
+        out.sources["projections"] = ("the step model: gemm.parquet (02), collectives.parquet (03), "
+                                      "profile/c*/profile_summary.json (04); calibrated by serving_levels.parquet (01)")
+    else:
+        out.projections = [ProjectionRow.model_validate(r) for r in projections(run_dir, params, summary)]
+        if out.projections:
+            out.sources["projections"] = ("profile_summary.json (04) for the measured step; collectives.parquet (03) "
+                                          "and gemm.parquet (02) for the changed pieces")
     if levels is not None and not levels.empty:
-        out.levels = [LevelReconcileRow.model_validate(r) for r in
-                      level_reconcile(levels, summary, params.profile.concurrency,
-                                      step_model_by_level(run_dir, params, levels, summary))]
-    if out.projections:
-        out.sources["projections"] = ("profile_summary.json (04) for the measured step; collectives.parquet (03) "
-                                      "and gemm.parquet (02) for the changed pieces")
+        out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(levels, summaries, model)]
+    if params.experiments:
+        out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels)]
+    out.findings = [Finding.model_validate(f) for f in findings(out, summary, params.server.tensor_parallel)]
     if levels is not None and not levels.empty:
         lv = [ServingLevel.model_validate(r) for r in levels.sort_values("level").to_dict("records")]
         out.serving = ServingHeadline(lowest_level=lv[0].level, tpot_p50_us=lv[0].tpot_p50_us,
@@ -276,3 +278,370 @@ def verdict(run_dir: Path, params) -> Verdict:
                                                            default=float("nan")),
                                       source="serving_levels.parquet (01_serving)")
     return out
+
+
+# ---- the step model at every level, and the fixes as curves --------------------------------------------
+def profile_summaries(run_dir: Path, params) -> dict[int, ProfileSummary]:
+    """Every profiled level's summary (data/profile/c<N>/), or the one in data/ for a run profiled at
+    one level before levels existed."""
+    from decodescope.params import KNEE
+
+    out = {}
+    for p in sorted((Path(run_dir) / "data" / "profile").glob("c*/profile_summary.json")):
+        s = read_record(p, ProfileSummary)
+        out[int(s.concurrency or p.parent.name[1:])] = s
+    if not out:
+        s = _profile_summary(run_dir)
+        if s is not None:
+            first = next((c for c in params.profile.concurrency if c != KNEE), 1)
+            out[int(s.concurrency or first)] = s
+    return out
+
+
+@dataclass
+class ModelInputs:
+    gemm: pd.DataFrame
+    gemm_tp: Optional[pd.DataFrame]
+    coll: pd.DataFrame
+    arch: object
+    tp: int
+    communicator: str
+    timing: str
+    samples: list
+    serving_context_tokens: float
+
+    def predict(self, batch: float, **kw):
+        from decodescope import stepmodel as sm
+
+        return sm.predict_step(self.gemm, self.coll, self.arch, self.tp, int(round(batch)), self.communicator,
+                               self.timing, self.samples, self.serving_context_tokens, **kw)
+
+
+def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary]) -> Optional[ModelInputs]:
+    """What the step model needs from 02, 03 and 04; None when 02 or 03 did not run, or 03 did not
+    measure an all-reduce the model can use."""
+    from decodescope import arch as archmod
+    from decodescope import stepmodel as sm
+    from decodescope.microbench import GEMM_WHATIF_TP
+
+    gemm, coll = _read_parquet(run_dir, "gemm.parquet"), _read_parquet(run_dir, "collectives.parquet")
+    tp = params.server.tensor_parallel
+    if gemm is None or gemm.empty or ((coll is None or coll.empty) and tp > 1):
+        return None
+    primary = summaries[min(summaries)] if summaries else None
+    engine_comm = categorize.micro_communicator_for(next(iter(primary.allreduce_communicators), "")
+                                                    if primary else "")
+    comm, timing = engine_comm, "back_to_back"
+    if coll is not None and not coll.empty:
+        measured = [c for c in sorted(set(coll["communicator"].dropna()))]
+        comm = engine_comm if engine_comm in measured else (measured[0] if measured else engine_comm)
+        timing = next((t for t in ("cuda_graph", "back_to_back") if not sm.latency_curve(coll, comm, t).empty), "")
+        if not timing:
+            return None
+    prof, wl = params.profile, params.workload
+    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2)
+    return ModelInputs(gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
+                       else pd.DataFrame(), arch=archmod.normalize_config(params.model_config_dict()), tp=tp,
+                       communicator=comm, timing=timing, samples=samples,
+                       serving_context_tokens=wl.input_tokens + wl.output_tokens / 2)
+
+
+@dataclass
+class Fix:
+    name: str
+    prediction: object          # stepmodel.StepPrediction
+    tokens_per_step: float = 1.0
+    gpus_per_replica: int = 1
+    assumptions: list = field(default_factory=list)
+
+
+def fixes_at(inp: ModelInputs, batch: float, params) -> list[Fix]:
+    """Every fix the measured inputs price at `batch`, each as a whole predicted step."""
+    from decodescope import stepmodel as sm
+    from decodescope import whatif
+
+    from decodescope import arch as archmod
+
+    out = []
+    tp = inp.tp
+    calls = [c for c in archmod.collective_schedule(inp.arch, tp, int(batch)) if c.op == "all_reduce"]
+    n_ar = sum(c.count for c in calls)
+    if tp > 1 and not inp.coll.empty:
+        for comm in sorted(set(inp.coll["communicator"].dropna()) - {inp.communicator}):
+            timing = next((t for t in ("cuda_graph", "back_to_back") if not sm.latency_curve(inp.coll, comm, t).empty), None)
+            if timing is None:
+                continue
+            c = sm.collective_component(inp.coll, inp.arch, tp, int(batch), comm, timing)
+            out.append(Fix(f"all-reduce through {comm}", inp.predict(batch, collectives=c), 1.0, tp,
+                           [f"every collective priced from 03's {comm} curve ({timing})"]))
+        for lat in params.whatif.allreduce_us:
+            c = sm.Component("collectives", n_ar * lat, n_ar * lat, n_ar * lat, "whatif.allreduce_us (params)")
+            out.append(Fix(f"all-reduce at {lat:g} us per call", inp.predict(batch, collectives=c), 1.0, tp,
+                           [f"{n_ar} all-reduces per step at {lat:g} us each (given)"]))
+        a2a = inp.coll[(inp.coll["part"] == "all_to_all") & (inp.coll["status"] == "ok")]
+        if inp.arch.moe_layers and not a2a.empty:
+            c = sm.expert_parallel_collectives(inp.coll, inp.arch, tp, int(batch), inp.communicator, inp.timing)
+            out.append(Fix("expert parallelism", inp.predict(batch, collectives=c), 1.0, tp, c.notes + [
+                "expert GEMMs unchanged (the same tokens reach the same experts); balanced load assumed"]))
+    for k in params.whatif.spec_k:
+        verify = inp.predict(batch * (k + 1))
+        for alpha in params.whatif.spec_alpha:
+            tokens = whatif.expected_tokens_per_verify(k, alpha)
+            out.append(Fix(f"speculative decoding k={k}, alpha={alpha:g}", verify, tokens, tp, [
+                f"verify step = the step model at batch {batch:g} x {k + 1}; {tokens:.2f} tokens per verify step "
+                "((1 - a^(k+1)) / (1 - a)); n-gram drafting, cost ~0"]))
+    g = inp.predict(batch).components[0]
+    half = sm.Component("gemm", g.us / 2, g.low_us / 2, g.high_us / 2, g.source, ["every GEMM twice as fast"])
+    out.append(Fix("GEMMs 2x faster", _with_component(inp.predict(batch), half), 1.0, tp,
+                   ["every GEMM of the step at half its measured time (02); nothing else changes"]))
+    for t in params.projected_tensor_parallel():
+        if t == tp or inp.gemm_tp is None or inp.gemm_tp.empty or t not in set(inp.gemm_tp["tp"]):
+            continue
+        pred = sm.predict_step(inp.gemm_tp[inp.gemm_tp["tp"] == t], inp.coll, inp.arch, t, int(batch),
+                               inp.communicator, inp.timing, inp.samples, inp.serving_context_tokens,
+                               measured_world=tp, attention_scale=tp / t, gemm_source=f"gemm_whatif_tp.parquet (tp {t})")
+        replicas = max(tp // t, 1)
+        out.append(Fix(f"tensor-parallel {t} x {replicas} replicas", pred, 1.0, t, [
+            f"GEMMs at tp {t} shapes (02); attention x {tp / t:g} (heads per rank); small ops, framework and host "
+            f"time as profiled at tp {tp}; each replica serves the batch"]))
+    return out
+
+
+def _with_component(pred, comp):
+    """The prediction with one component (by name) replaced."""
+    from dataclasses import replace as dc_replace
+
+    return dc_replace(pred, components=[comp if c.name == comp.name else c for c in pred.components])
+
+
+def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame]) -> tuple[list[dict], list[dict], list[dict]]:
+    """TPOT vs output tokens/s per GPU: the measured sweep, the step model, and every fix, at each
+    serving level (and profiled batch). A fix's TPOT is calibrated where the sweep measured the batch:
+    measured TPOT x fix / base model, so the model's own error cancels; elsewhere it is the model's.
+    Returns (curve rows, step-model component rows, projection rows at the lowest level)."""
+    tp = inp.tp
+    measured = {}
+    if levels is not None and not levels.empty:
+        for lv in levels.sort_values("level").itertuples():
+            measured[float(lv.level)] = float(lv.tpot_p50_us)
+    batches = sorted(set(measured) | {s.batch for s in inp.samples}) or [1.0]
+    rows, comps, proj = [], [], []
+    for b, t in measured.items():
+        rows.append({"fix": "measured (01)", "batch": b, "tpot_us": t, "tpot_low_us": t, "tpot_high_us": t,
+                     "tok_s_per_gpu": b * 1e6 / t / tp})
+    lowest = min(measured) if measured else batches[0]
+    for b in batches:
+        base = inp.predict(b)
+        lo, hi = base.band_us
+        rows.append({"fix": "step model", "batch": b, "tpot_us": base.period_us, "tpot_low_us": lo, "tpot_high_us": hi,
+                     "tok_s_per_gpu": b * 1e6 / base.period_us / tp, "model_us": base.period_us})
+        comps += [{"batch": b, **r} for r in base.table().to_dict("records")]
+        scale = measured.get(b, base.period_us) / base.period_us
+        for f in fixes_at(inp, b, params):
+            flo, fhi = f.prediction.band_us
+            tpot = f.prediction.period_us / f.tokens_per_step * scale
+            row = {"fix": f.name, "batch": b, "tpot_us": tpot, "tpot_low_us": flo / f.tokens_per_step * scale,
+                   "tpot_high_us": fhi / f.tokens_per_step * scale,
+                   "tok_s_per_gpu": b * 1e6 / tpot / f.gpus_per_replica, "model_us": f.prediction.period_us,
+                   "calibrated": b in measured, "notes": "; ".join(f.assumptions)}
+            rows.append(row)
+            if b == lowest:
+                ref = measured.get(b, base.period_us)
+                proj.append({"fix": f.name, "step_us": f.prediction.period_us * scale, "low_us": flo * scale,
+                             "high_us": fhi * scale, "tokens_per_step": f.tokens_per_step, "tpot_us": tpot,
+                             "tpot_low_us": row["tpot_low_us"], "tpot_high_us": row["tpot_high_us"],
+                             "gain_pct": 100 * (tpot / ref - 1), "batch": b, "tok_s_per_gpu": row["tok_s_per_gpu"],
+                             "gpus_per_replica": f.gpus_per_replica,
+                             "assumptions": "; ".join(f.assumptions + ([f"calibrated: x {scale:.2f} (measured TPOT / "
+                                                                        "base model at this level)"] if b in measured else []))})
+    return rows, comps, sorted(proj, key=lambda r: r["gain_pct"])
+
+
+RECONCILE_TOLERANCE = 0.30  # micro-benchmark vs profile per step: within 30% counts as agreeing
+NO_HELP_PCT = -5.0          # a fix projected to gain less than 5% of TPOT "would not help"
+
+
+def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dict]:
+    """The campaign's reasoning, sentence by sentence, each with the figure and files it reads."""
+    out = []
+    prof = ["data/profile_summary.json"]
+    if v.bottleneck and summary:
+        ar = ", ".join(f"rank {r} {100 * x:.0f}%" for r, x in summary.allreduce_share_of_time.items())
+        out.append({"topic": "bottleneck", "figure": "profile-breakdown", "files": prof, "text":
+                    f"The largest share of a decode step is {v.bottleneck.cls}: {100 * v.bottleneck.share:.0f}% of op time "
+                    f"on the median rank; all-reduce alone takes {ar} of all op time."})
+        exp = pd.DataFrame(summary.expected_vs_observed)
+        if not exp.empty and "observed_per_step" in exp:
+            for r in exp[exp["rank"] == exp["rank"].min()].itertuples():
+                op, observed, expected = r.collective, r.observed_per_step, r.expected_per_step
+                if expected is not None and expected == expected:
+                    per_call = summary.allreduce_mean_us.get(str(getattr(r, "rank", 0)))
+                    out.append({"topic": "bottleneck", "figure": "profile-expected", "files": prof, "text":
+                                f"{op}: {observed:g} calls per step against {expected:g} the architecture issues at "
+                                f"tensor-parallel {tp}" + (f"; {per_call:.1f} us per call in the step" if per_call and
+                                                            op == "all_reduce" else "") + "."})
+        ps = summary.per_step
+        if ps.summed_us_median and ps.wall_us_median:
+            out.append({"topic": "bottleneck", "figure": "profile-summed-wall", "files": prof + ["data/kernels.parquet"],
+                        "text": f"Summed op time per step {ps.summed_us_median / 1e3:.2f} ms against a wall-clock step of "
+                                f"{ps.wall_us_median / 1e3:.2f} ms" + (f" and a period of {ps.period_us_median / 1e3:.2f} ms "
+                                "between step starts" if ps.period_us_median else "") +
+                                (": streams overlap." if ps.summed_us_median > ps.wall_us_median else
+                                 ": the step is not overlapped; the rest is host time.")})
+    for r in v.reconcile:
+        ratio = r.profile_over_micro
+        if ratio != ratio:  # NaN: not comparable
+            text = f"{r.piece}: not compared ({r.note})."
+        elif abs(ratio - 1) <= RECONCILE_TOLERANCE:
+            text = (f"{r.piece}: micro-benchmark {r.micro_benchmark_us:,.0f} us vs profile {r.profile_us:,.0f} us per step "
+                    f"({ratio:.2f}), within {100 * RECONCILE_TOLERANCE:.0f}%.")
+        else:
+            text = (f"{r.piece}: micro-benchmark {r.micro_benchmark_us:,.0f} us vs profile {r.profile_us:,.0f} us per step "
+                    f"({ratio:.2f}), outside {100 * RECONCILE_TOLERANCE:.0f}%" + (f": {r.note}." if r.note else "."))
+        out.append({"topic": "consistency", "figure": "verdict-reconcile", "files": [
+            f"data/{r.micro_source.split(' ')[0].rstrip(',')}", "data/profile_summary.json"], "text": text})
+    if v.levels:
+        with_model = [lv for lv in v.levels if lv.model_error is not None]
+        if with_model:
+            ok = [lv for lv in with_model if abs(lv.model_error) <= LEVEL_TOLERANCE]
+            first = with_model[0]
+            out.append({"topic": "consistency", "figure": "verdict-levels", "files": [
+                "data/serving_levels.parquet", "data/gemm.parquet", "data/collectives.parquet", "data/profile/"],
+                "text": f"The step model is within {100 * LEVEL_TOLERANCE:.0f}% of client TPOT at {len(ok)} of "
+                        f"{len(with_model)} serving levels; at concurrency {first.level}: {first.model_us / 1e3:.2f} ms "
+                        f"predicted vs {first.tpot_p50_us / 1e3:.2f} ms measured ({100 * first.model_error:+.0f}%)."})
+    measured = {}
+    for r in v.variants:
+        if r.status != "ok" or r.measured_gain_pct is None:
+            continue
+        if r.variant not in measured or (r.level or 0) < (measured[r.variant].level or 0):
+            measured[r.variant] = r  # the lowest level each variant shares with the baseline
+    for r in sorted(measured.values(), key=lambda r: r.measured_gain_pct):
+        proj = (f"; projected {r.projected_tpot_us / 1e3:.2f} ms ({r.projection}), {r.projection_error_pct:+.0f}% off"
+                if r.projected_tpot_us else f"; no projection ({r.notes})" if r.notes else "")
+        out.append({"topic": "measured", "figure": "verdict-variants", "files": [f"variants/{r.variant}/data/serving_levels.parquet"],
+                    "text": f"Variant {r.variant}, measured: TPOT {r.measured_gain_pct:+.0f}% at concurrency {r.level} "
+                            f"({r.tpot_p50_us / 1e3:.2f} ms vs {r.baseline_tpot_p50_us / 1e3:.2f} ms){proj}."})
+    for r in [r for r in v.variants if r.status != "ok" and r.level is None]:
+        out.append({"topic": "measured", "figure": "verdict-variants", "files": ["manifest.json"],
+                    "text": f"Variant {r.variant} {r.status}: {r.error}"})
+    helps = [p for p in v.projections if p.gain_pct < NO_HELP_PCT]
+    for p in helps[:3]:
+        out.append({"topic": "fix", "figure": "verdict-fixes", "files": ["data/verdict.json"], "text":
+                    f"{p.fix}: TPOT {p.gain_pct:+.0f}% ({p.tpot_low_us / 1e3:.2f}-{p.tpot_high_us / 1e3:.2f} ms) at "
+                    f"batch {p.batch or 1:g}."})
+    for p in [p for p in v.projections if p.gain_pct >= NO_HELP_PCT]:
+        out.append({"topic": "no_help", "figure": "verdict-fixes", "files": ["data/verdict.json"],
+                    "text": f"Would not help: {p.fix}: {p.gain_pct:+.0f}%."})
+    return out
+
+
+# ---- the variants (params.experiments), measured against their projections ----------------------------
+def _spec_config(engine_args: dict) -> Optional[dict]:
+    import json as _json
+
+    raw = engine_args.get("speculative-config") or engine_args.get("speculative_config")
+    if raw is None:
+        return None
+    try:
+        return raw if isinstance(raw, dict) else _json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _acceptance(levels: pd.DataFrame) -> tuple[Optional[float], bool]:
+    """(per drafted token acceptance, anything drafted) from the variant's server telemetry (01):
+    vllm:spec_decode_num_accepted_tokens / num_draft_tokens over each level, median over levels."""
+    col = "server_spec_acceptance_pct"
+    if col not in levels:
+        return None, False
+    v = levels[col].dropna()
+    return (float(v.median()) / 100.0, True) if len(v) else (None, False)
+
+
+def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance: tuple) -> tuple[Optional[Fix], str]:
+    """The verdict's projection of what this variant changes, at `batch`; (None, why) when there is none."""
+    from decodescope import stepmodel as sm
+    from decodescope import whatif
+
+    ea = vparams.server.engine_args
+    tp, vtp = inp.tp, vparams.server.tensor_parallel
+    if vtp != tp:
+        if inp.gemm_tp is None or vtp not in set(inp.gemm_tp.get("tp", pd.Series(dtype=int))):
+            return None, f"02 did not measure the GEMMs at tensor-parallel {vtp}"
+        pred = sm.predict_step(inp.gemm_tp[inp.gemm_tp["tp"] == vtp], inp.coll, inp.arch, vtp, int(batch),
+                               inp.communicator, inp.timing, inp.samples, inp.serving_context_tokens,
+                               measured_world=tp, attention_scale=tp / vtp)
+        return Fix(f"tensor-parallel {vtp} x {max(tp // vtp, 1)} replicas", pred, 1.0, vtp), ""
+    spec = _spec_config(ea)
+    if spec is not None:
+        k = int(spec.get("num_speculative_tokens", 1))
+        alpha, drafted = acceptance
+        if alpha is None:
+            # nothing was drafted (e.g. n-gram on text that never repeats): every step is a plain step
+            return Fix(f"speculative decoding k={k}, nothing drafted (measured)", inp.predict(batch), 1.0, tp,
+                       ["the server's vllm:spec_decode_* metrics show no draft tokens: the step is the base step"]), ""
+        tokens = whatif.expected_tokens_per_verify(k, min(alpha, 0.999))
+        return Fix(f"speculative decoding k={k}, alpha={alpha:.2f} (measured)", inp.predict(batch * (k + 1)),
+                   tokens, tp, ["acceptance i.i.d. per drafted token; a draft at every step"]), ""
+    if ea.get("enable-expert-parallel") or ea.get("enable_expert_parallel"):
+        if inp.coll.empty or inp.coll[(inp.coll["part"] == "all_to_all") & (inp.coll["status"] == "ok")].empty:
+            return None, "03 measured no all-to-all"
+        c = sm.expert_parallel_collectives(inp.coll, inp.arch, tp, int(batch), inp.communicator, inp.timing)
+        return Fix("expert parallelism", inp.predict(batch, collectives=c), 1.0, tp), ""
+    return None, "no projection for this change"
+
+
+def _gist(error: str) -> str:
+    """An error's first line and, when it quotes a log tail, the tail's last line (where vLLM says why)."""
+    lines = [x.strip() for x in error.splitlines() if x.strip()]
+    if not lines:
+        return ""
+    return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:400]
+
+
+def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Optional[pd.DataFrame]) -> list[dict]:
+    """Per variant and serving level: its TPOT against the baseline's and against its projection
+    (calibrated like the fixes: measured baseline TPOT x fix / base model)."""
+    from decodescope.io import read_json
+    from decodescope.params import with_experiment
+    from decodescope.rundir import VARIANTS
+
+    manifest_path = Path(run_dir) / "manifest.json"
+    states = (read_json(manifest_path).get("variants", {}) if manifest_path.is_file() else {})
+    base = {int(r.level): float(r.tpot_p50_us) for r in levels.itertuples()} if levels is not None else {}
+    rows = []
+    for exp in params.experiments:
+        state = states.get(exp.name, {})
+        vlev = _read_parquet(Path(run_dir) / VARIANTS / exp.name, "serving_levels.parquet")
+        status = state.get("status", "not run")
+        if vlev is None or vlev.empty:
+            rows.append({"variant": exp.name, "status": status if status != "ok" else "failed",
+                         "error": _gist(state.get("error") or "no serving levels measured")})
+            continue
+        vparams = with_experiment(params, exp.name)
+        acceptance = _acceptance(vlev)
+        for lv in vlev.sort_values("level").itertuples():
+            b, tpot = float(lv.level), float(lv.tpot_p50_us)
+            row = {"variant": exp.name, "status": status, "error": (state.get("error") or "").splitlines()[0][:300]
+                   if state.get("error") else "", "level": int(lv.level), "tpot_p50_us": tpot,
+                   "tok_s_per_gpu": float(lv.output_throughput_tok_s) / vparams.server.tensor_parallel}
+            if int(lv.level) in base:
+                row.update(baseline_tpot_p50_us=base[int(lv.level)], measured_gain_pct=100 * (tpot / base[int(lv.level)] - 1))
+            if inp is not None:
+                fix, why = variant_fix(inp, params, vparams, exp, b, acceptance)
+                if fix is None:
+                    row["notes"] = why
+                else:
+                    model = inp.predict(b).period_us
+                    scale = base.get(int(lv.level), model) / model
+                    lo, hi = fix.prediction.band_us
+                    proj = fix.prediction.period_us / fix.tokens_per_step * scale
+                    row.update(projection=fix.name, projected_tpot_us=proj,
+                               projected_low_us=lo / fix.tokens_per_step * scale,
+                               projected_high_us=hi / fix.tokens_per_step * scale,
+                               projection_error_pct=100 * (proj / tpot - 1),
+                               notes=("calibrated by the baseline's TPOT at this level" if int(lv.level) in base else
+                                      "the model's own value (the baseline did not measure this level)"))
+            rows.append(row)
+    return rows

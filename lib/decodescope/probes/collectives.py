@@ -117,7 +117,9 @@ def communicators(device, world: int, rank: int) -> tuple[list[Communicator], di
     comms = [Communicator(f"torch_{dist.get_backend()}", lambda t: dist.all_reduce(t),
                           graphable=device.type == "cuda")]
     skipped: dict[str, str] = {}
-    if device.type == "cpu":
+    if device.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        skipped["vllm_shm"] = "the ranks span several hosts (shared memory reaches only one)"
+    elif device.type == "cpu":
         try:
             comms.append(vllm_shm_communicator(world, rank))
         except Exception as e:  # no vllm, or not its CPU build: measured without it, and said so

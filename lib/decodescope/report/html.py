@@ -81,6 +81,21 @@ def without_stderr(cell: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return out
 
 
+def _failed_box(error: str) -> str:
+    return (f"<div class='ds-failed' style='border-left:4px solid #cf222e;padding:4px 12px;background:#fff5f5'>"
+            f"<b>This phase failed.</b><pre>{html_text(error or 'no error text')}</pre></div>")
+
+
+def _executed_cells(nb_path: Path) -> list:
+    """An executed notebook's cells for the report: without the parameters cells and stderr."""
+    try:
+        nb = nbformat.read(nb_path, as_version=4)
+    except (OSError, ValueError) as e:  # e.g. cut short by a full disk
+        return [nbformat.v4.new_markdown_cell(f"*The executed notebook could not be read ({html_text(e)}).*")]
+    return [without_stderr(c) for c in nb.cells
+            if not {"parameters", "injected-parameters"} & set(c.metadata.get("tags", []))]
+
+
 def combined_notebook(run_dir: Path, manifest: dict) -> nbformat.NotebookNode:
     cells = [nbformat.v4.new_markdown_cell(header_html(manifest, run_dir))]
     # the verdict is the report's front page: right after the header
@@ -93,23 +108,21 @@ def combined_notebook(run_dir: Path, manifest: dict) -> nbformat.NotebookNode:
             f"<h2 id='phase-{html_text(phase)}'>{html_text(phase)} &middot; {html_text(PHASE_TITLES.get(phase, phase))} "
             f"{_status_badge(status)}</h2>"))
         if status == "failed":
-            cells.append(nbformat.v4.new_markdown_cell(
-                f"<div class='ds-failed' style='border-left:4px solid #cf222e;padding:4px 12px;background:#fff5f5'>"
-                f"<b>This phase failed.</b><pre>{html_text(info.get('error') or 'no error text')}</pre></div>"))
+            cells.append(nbformat.v4.new_markdown_cell(_failed_box(info.get("error"))))
         nb_path = run_dir / "notebooks" / f"{phase}.ipynb"
         if nb_path.is_file() and status in ("ok", "failed"):
-            try:
-                nb = nbformat.read(nb_path, as_version=4)
-            except (OSError, ValueError) as e:  # e.g. cut short by a full disk
-                cells.append(nbformat.v4.new_markdown_cell(
-                    f"*The executed notebook could not be read ({html_text(e)}).*"))
-                continue
-            for cell in nb.cells:
-                if "parameters" in cell.metadata.get("tags", []) or "injected-parameters" in cell.metadata.get("tags", []):
-                    continue
-                cells.append(without_stderr(cell))
+            cells += _executed_cells(nb_path)
         elif status in ("pending", "skipped"):
             cells.append(nbformat.v4.new_markdown_cell(f"*Not run ({status}).*"))
+    for name, info in (manifest.get("variants") or {}).items():
+        status = info.get("status", "pending")
+        cells.append(nbformat.v4.new_markdown_cell(
+            f"<h2 id='variant-{html_text(name)}'>variant {html_text(name)} {_status_badge(status)}</h2>"))
+        if status == "failed":
+            cells.append(nbformat.v4.new_markdown_cell(_failed_box(info.get("error"))))
+        for nb_path in sorted((run_dir / "variants" / name / "notebooks").glob("*.ipynb")):
+            cells.append(nbformat.v4.new_markdown_cell(f"<h3>{html_text(name)} &middot; {html_text(nb_path.stem)}</h3>"))
+            cells += _executed_cells(nb_path)
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata["title"] = f"decodescope {manifest.get('run_id', '')}"
     return nb
@@ -121,20 +134,24 @@ def plotly_js() -> str:
     return get_plotlyjs()
 
 
-def build_report(run_dir: Path) -> Path:
+def notebook_html(nb: nbformat.NotebookNode) -> str:
+    """A notebook as one self-contained page (the report's shell: code hidden, nothing from a network,
+    plotly.js inlined once); the compare pages use it too."""
     from nbconvert import HTMLExporter
 
-    run_dir = Path(run_dir)
-    manifest = read_json(run_dir / "manifest.json")
-    nb = combined_notebook(run_dir, manifest)
     exporter = HTMLExporter(template_name="lab", exclude_input=True, exclude_input_prompt=True,
                             exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(nb)
     body = _EXTERNAL.sub("", body)  # require.js / MathJax from CDNs: the report must work offline
     # Inline the library once, in <head>, so it is defined before any figure's script runs.
     script = "<script type=\"text/javascript\">" + plotly_js() + "</script>"
-    body = body.replace("</head>", script + "\n</head>", 1) if "</head>" in body else script + body
+    return body.replace("</head>", script + "\n</head>", 1) if "</head>" in body else script + body
+
+
+def build_report(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    manifest = read_json(run_dir / "manifest.json")
     out = run_dir / "report.html"
-    write_text_atomic(out, body)
+    write_text_atomic(out, notebook_html(combined_notebook(run_dir, manifest)))
     return out
 

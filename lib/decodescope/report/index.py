@@ -28,6 +28,7 @@ from decodescope.report.escape import html_text
 INDEX_NAME = "index.html"
 MISSING = "–"  # what a number that could not be read is shown as
 COMPARE_GLOB = "compare*.html"
+COMPARE_DIR = "compare"  # decodescope compare's default folder (report.compare.COMPARE_DIR)
 
 INDEX_COLUMNS = ["run_id", "dir", "params_name", "model", "host", "status", "created",
                  "peak_output_tok_s", "tpot_p50_us", "tpot_level", "bottleneck", "bottleneck_share", "report"]
@@ -83,6 +84,8 @@ def _serving_headline(run_dir: Path) -> tuple[Optional[float], Optional[float], 
         levels = pd.read_parquet(path)
     except Exception:  # missing, cut short, not parquet: the numbers are shown as missing
         return None, None, None
+    if "repeat" in levels.columns and "level" in levels.columns:  # repeated levels: the median per level
+        levels = levels.groupby("level", as_index=False).median(numeric_only=True)
     peak = tpot = level = None
     if "output_throughput_tok_s" in levels.columns:
         peak = _number(pd.to_numeric(levels["output_throughput_tok_s"], errors="coerce").max())
@@ -221,11 +224,15 @@ def collect_rows(output_dir: Path) -> pd.DataFrame:
 
 
 def compare_pages(output_dir: Path) -> list[str]:
-    """compare*.html files of output_dir, by name."""
+    """compare*.html files of output_dir, then the pages of its compare/ folder (where `decodescope
+    compare` writes by default), as paths relative to output_dir, by name."""
     try:
-        return sorted(p.name for p in Path(output_dir).glob(COMPARE_GLOB) if p.is_file())
+        top = sorted(p.name for p in Path(output_dir).glob(COMPARE_GLOB) if p.is_file())
+        sub = sorted(f"{COMPARE_DIR}/{p.name}" for p in (Path(output_dir) / COMPARE_DIR).glob("*.html")
+                     if p.is_file())
     except OSError:
         return []
+    return top + sub
 
 
 # ---- HTML ------------------------------------------------------------------------------------------

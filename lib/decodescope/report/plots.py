@@ -90,6 +90,49 @@ def failures_per_level(levels: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def telemetry_over_time(server: pd.DataFrame, gpu: pd.DataFrame):
+    """The server's running and waiting requests and KV-cache usage over the sweep, and per GPU its power
+    and SM clock when NVML was sampled; each level shaded and named (serving.telemetry.timeseries's tables,
+    x = sweep_s). None when nothing was sampled."""
+    from plotly.subplots import make_subplots
+
+    if server.empty and gpu.empty:
+        return None
+    panels = [("requests", [("running", "running"), ("waiting", "waiting")]),
+              ("KV cache used (%)", [("kv_usage_pct", "KV cache")])]
+    panels = [(t, [(c, n) for c, n in cols if c in server]) for t, cols in panels]
+    panels = [(t, cols, server, None) for t, cols in panels if cols]
+    panels += [(title, [(col, None)], gpu, "gpu") for col, title in (("power_w", "GPU power (W)"),
+                                                                     ("sm_clock_mhz", "SM clock (MHz)"))
+               if col in gpu and gpu[col].notna().any()]
+    if not panels:
+        return None
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=[p[0] for p in panels])
+    for row, (title, cols, df, per) in enumerate(panels, start=1):
+        for col, name in cols:
+            groups = df.groupby(per) if per else [(None, df)]
+            for key, g in groups:
+                label = name or f"GPU {key}"
+                # one legend entry per line: the server's once each, each GPU once (first GPU panel)
+                first_gpu_panel = per is not None and all(p[3] is None for p in panels[:row - 1])
+                fig.add_trace(go.Scatter(x=g["sweep_s"], y=g[col], mode="lines", name=label, legendgroup=label,
+                                         showlegend=per is None or first_gpu_panel,
+                                         hovertemplate=f"{label}: %{{y:.1f}} at %{{x:.1f}} s<extra></extra>"),
+                              row=row, col=1)
+        fig.update_yaxes(title_text=title, row=row, col=1)
+    spans = pd.concat([server[["level", "sweep_s"]], gpu[["level", "sweep_s"]]]).groupby("level")["sweep_s"]
+    for i, (level, lo) in enumerate(spans.min().sort_values().items()):
+        hi = spans.max()[level]
+        fig.add_vrect(x0=lo, x1=hi, fillcolor="#636efa" if i % 2 else "#00cc96", opacity=0.07, line_width=0,
+                      row="all", col=1)
+        fig.add_annotation(x=(lo + hi) / 2, y=1.0, xref="x", yref="y domain", yanchor="top", showarrow=False,
+                           text=f"c={level}")
+    fig.update_xaxes(title_text="seconds into the sweep (levels end to end)", row=len(panels), col=1)
+    fig.update_layout(title="Server and GPU telemetry during the sweep", height=220 * len(panels) + 120)
+    return fig
+
+
 # ---- profile -----------------------------------------------------------------------------------
 def category_stacked_bars(per_step: pd.DataFrame, step_kind: str) -> go.Figure:
     """Time per step by category, one bar per rank."""
@@ -146,6 +189,22 @@ def summed_vs_wall(busy: pd.DataFrame, step_kind: str) -> go.Figure:
                                       ("wall_us", "wall-clock step"), ("idle_us", "idle"))])
     fig.update_layout(barmode="group", title=f"Summed vs wall time per {step_kind} step (median)",
                       xaxis_title="rank", yaxis_title="ms")
+    return fig
+
+
+def step_growth(growth: pd.DataFrame) -> go.Figure:
+    """Per profiled level: each class's time per step stacked, with the wall step and the period
+    (step + the host's time between steps) as lines."""
+    g = growth.sort_values("concurrency")
+    x = g["concurrency"].astype(str)
+    classes = [c for c in g.columns if c.endswith("_us") and c not in
+               ("wall_us", "period_us", "between_steps_us", "summed_us", "busy_us")]
+    fig = go.Figure([go.Bar(x=x, y=g[c].fillna(0) / 1e3, name=c[:-3]) for c in classes])
+    for col, label in (("wall_us", "wall-clock step"), ("period_us", "period (step + time between steps)")):
+        if col in g and g[col].notna().any():
+            fig.add_trace(go.Scatter(x=x, y=g[col] / 1e3, mode="lines+markers", name=label))
+    fig.update_layout(barmode="stack", title="The decode step at each profiled level (median rank)",
+                      xaxis_title="concurrency", yaxis_title="ms per step")
     return fig
 
 
@@ -258,6 +317,52 @@ def projection_bars(proj: pd.DataFrame, wall_us: float) -> go.Figure:
     fig.update_layout(title="Each fix priced on the measured step (TPOT, band from the step's overlap)",
                       xaxis_title="ms per output token", yaxis_autorange="reversed",
                       height=max(360, 28 * len(proj) + 120))
+    return fig
+
+
+def tpot_vs_throughput(curves: pd.DataFrame, measured_band: pd.DataFrame | None = None) -> go.Figure:
+    """TPOT vs output tokens/s per GPU: the measured sweep (with its repeat band when there is one), the
+    step model, and each fix as a curve with its band (shaded). Speculative-decoding curves beyond the
+    first acceptance are hidden until clicked in the legend."""
+    fig = go.Figure()
+    seen_spec = 0
+    for fix, g in curves.groupby("fix", sort=False):
+        g = g.sort_values("batch")
+        measured = fix == "measured (01)"
+        visible = True
+        if fix.startswith("speculative"):
+            seen_spec += 1
+            visible = True if seen_spec == 1 else "legendonly"
+        fig.add_trace(go.Scatter(x=g["tok_s_per_gpu"], y=g["tpot_us"] / 1e3, mode="lines+markers", name=fix,
+                                 legendgroup=fix, visible=visible,
+                                 line=dict(width=4 if measured else 2, dash=None if measured or fix != "step model" else "dot"),
+                                 text=[f"batch {b:g}" for b in g["batch"]],
+                                 hovertemplate="%{text}: %{y:.2f} ms/token, %{x:.1f} tok/s/GPU"))
+        if (g["tpot_high_us"] > g["tpot_low_us"]).any():
+            xs = list(g["batch"] * 1e6 / g["tpot_high_us"] * g["tok_s_per_gpu"] * g["tpot_us"] / (g["batch"] * 1e6))
+            xs_low = list(g["batch"] * 1e6 / g["tpot_low_us"] * g["tok_s_per_gpu"] * g["tpot_us"] / (g["batch"] * 1e6))
+            fig.add_trace(go.Scatter(x=xs + xs_low[::-1], y=list(g["tpot_high_us"] / 1e3) + list(g["tpot_low_us"][::-1] / 1e3),
+                                     fill="toself", opacity=0.15, line=dict(width=0), name=f"{fix} band",
+                                     legendgroup=fix, showlegend=False, visible=visible, hoverinfo="skip"))
+    fig.update_layout(title="TPOT vs output tokens/s per GPU: measured, step model and each fix (bands shaded)",
+                      xaxis_title="output tokens/s per GPU", yaxis_title="ms per output token (TPOT)",
+                      height=520)
+    return fig
+
+
+def variant_bars(variants: pd.DataFrame) -> go.Figure:
+    """Per variant and level: measured TPOT, the baseline's, and the projection with its band."""
+    d = variants[variants["tpot_p50_us"].notna()]
+    x = [f"{r.variant} @ c={r.level}" for r in d.itertuples()]
+    fig = go.Figure([go.Bar(x=x, y=d["baseline_tpot_p50_us"] / 1e3, name="baseline (measured)"),
+                     go.Bar(x=x, y=d["tpot_p50_us"] / 1e3, name="variant (measured)")])
+    if d["projected_tpot_us"].notna().any():
+        fig.add_trace(go.Bar(x=x, y=d["projected_tpot_us"] / 1e3, name="variant (projected)",
+                             error_y=dict(type="data", symmetric=False,
+                                          array=(d["projected_high_us"] - d["projected_tpot_us"]) / 1e3,
+                                          arrayminus=(d["projected_tpot_us"] - d["projected_low_us"]) / 1e3)))
+    fig.update_layout(barmode="group", title="Variants: measured TPOT against the baseline and the projection",
+                      yaxis_title="TPOT p50 (ms)")
     return fig
 
 

@@ -87,6 +87,54 @@ def verdict_projections(v: Verdict) -> None:
                caption="fixes priced on the measured step - verdict.json")
 
 
+def verdict_curves(v: Verdict) -> None:
+    """TPOT vs tokens/s per GPU for the sweep, the step model and each fix; the model's components."""
+    if not v.curves:
+        show_note("*No step model in this run: it needs 02 (GEMMs) and, above one GPU, 03 (collectives).*")
+        return
+    from decodescope.records import CurveRow
+
+    show(plots.tpot_vs_throughput(frame(v.curves, CurveRow)))
+    if v.step_model:
+        comps = pd.DataFrame(v.step_model)
+        wide = comps.pivot_table(index="component", columns="batch", values="us", aggfunc="first")
+        show_table(wide.reset_index(), caption="the step model's components, us per step at each batch - verdict.json "
+                                               "(sources: " + "; ".join(sorted(set(comps["source"]))) + ")")
+
+
+def verdict_findings(v: Verdict) -> None:
+    """The verdict page: each sentence with a link to its figure and its files."""
+    if not v.findings:
+        return
+    titles = {"bottleneck": "Where the step goes", "consistency": "Do the measurements agree?",
+              "measured": "Fixes measured as variants (ranked by measured gain)",
+              "fix": "What would move it (projected, ranked)", "no_help": "What would not help"}
+    lines = []
+    for topic, title in titles.items():
+        mine = [f for f in v.findings if f.topic == topic]
+        if not mine:
+            continue
+        lines.append(f"**{title}**\n")
+        for f in mine:
+            links = ([f"[figure](#{f.figure})"] if f.figure else []) + [f"[{p}]({p})" for p in f.files]
+            lines.append(f"- {f.text} ({', '.join(links)})")
+        lines.append("")
+    show_note("\n".join(lines))
+
+
+def verdict_variants(v: Verdict) -> None:
+    """Each variant measured against the baseline and against its projection."""
+    if not v.variants:
+        show_note("*No variants in this run (params `experiments:`).*")
+        return
+    from decodescope.records import VariantRow
+
+    df = frame(v.variants, VariantRow)
+    show(plots.variant_bars(df))
+    show_table(df, caption="variants: measured (their 01) vs baseline and vs projection - verdict.json, "
+                           "variants/<name>/data/serving_levels.parquet")
+
+
 def verdict_serving(v: Verdict) -> None:
     s = v.serving
     if s:

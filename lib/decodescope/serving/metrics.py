@@ -61,10 +61,15 @@ def _pcts(values, prefix: str) -> dict:
     return out
 
 
-def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, health: Optional[dict] = None) -> dict:
+def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, health: Optional[dict] = None,
+                  repeat: Optional[int] = None, telemetry: Optional[dict] = None) -> dict:
     """One row of serving_levels (a records.ServingLevel, as the table's row): counts, throughputs,
-    percentiles, goodput, client health."""
+    percentiles, goodput, client health. With `repeat`, the row of that repeat of the level (from the
+    requests whose `repeat` column holds it). With `telemetry`, the level's server/GPU telemetry summary
+    (serving.telemetry.summarize) as columns too."""
     measured = req[(req["level"] == level) & (~req["warmup"])]
+    if repeat is not None:
+        measured = measured[measured["repeat"] == repeat]
     ok = measured[measured["ok"]]
     t0 = measured["send_ns"].min()
     t1 = measured["end_ns"].max()
@@ -83,6 +88,8 @@ def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, hea
         "failure_reasons": "; ".join(f"{k}: {v}" for k, v in
                                      measured.loc[~measured["ok"], "error_class"].value_counts().items()),
     }
+    if repeat is not None:
+        row["repeat"] = int(repeat)
     row.update(littles_law(measured))
     if slo:
         good = ok
@@ -96,6 +103,8 @@ def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, hea
         row["littles_error_pct"] = 100.0 * abs(l_sampled - lw) / lw if lw and l_sampled == l_sampled else np.nan
         row["client_suspect"] = bool(health.get("loop_lag_p99_ms", 0) > LOOP_LAG_P99_LIMIT_MS
                                      or health.get("client_cpu_pct", 0) > CLIENT_CPU_LIMIT_PCT)
+    if telemetry:
+        row.update(telemetry)
     return ServingLevel(**row).to_row()
 
 

@@ -77,3 +77,67 @@ def comparison_table(levels: pd.DataFrame, params) -> pd.DataFrame:
     for c in [c for c in t.columns if c.endswith("_us")]:
         t[c.replace("_us", "_ms")] = t.pop(c) / 1e3
     return t
+
+
+def server_vs_client_table(levels: pd.DataFrame) -> pd.DataFrame:
+    """Per level, the engine's own TPOT and TTFT (its /metrics histograms, serving.telemetry) beside the
+    client's means (ms): the difference is what the API server, the stream and the client add. Empty
+    when no level has server telemetry."""
+    if "server_tpot_mean_us" not in levels or levels["server_tpot_mean_us"].isna().all():
+        return pd.DataFrame()
+    lv = levels.sort_values("level")
+    t = pd.DataFrame({"concurrency": lv["level"],
+                      "client TPOT mean ms": lv["tpot_mean_us"] / 1e3,
+                      "server TPOT mean ms": lv["server_tpot_mean_us"] / 1e3})
+    t["client - server ms"] = t["client TPOT mean ms"] - t["server TPOT mean ms"]
+    t["of client TPOT %"] = 100.0 * t["client - server ms"] / t["client TPOT mean ms"]
+    if "server_ttft_mean_us" in lv:
+        t["client TTFT mean ms"] = lv["ttft_mean_us"] / 1e3
+        t["server TTFT mean ms"] = lv["server_ttft_mean_us"] / 1e3
+        t["TTFT client - server ms"] = t["client TTFT mean ms"] - t["server TTFT mean ms"]
+    return t.reset_index(drop=True)
+
+
+def telemetry_table(levels: pd.DataFrame) -> pd.DataFrame:
+    """The telemetry summary per level (units in the headers; latencies in ms). Empty without telemetry."""
+    cols = {"level": "concurrency", "server_running_mean": "running mean", "server_running_max": "running max",
+            "server_waiting_mean": "waiting mean", "server_waiting_max": "waiting max",
+            "server_kv_usage_max_pct": "KV cache max %", "server_preemptions": "preemptions",
+            "server_queue_mean_us": "queue mean ms", "server_api_cpu_pct": "API server CPU %",
+            "server_spec_acceptance_pct": "spec acceptance %", "server_spec_accept_len": "spec accept length",
+            "gpu_power_mean_w": "GPU power mean W", "gpu_power_max_w": "GPU power max W",
+            "gpu_sm_clock_mean_mhz": "SM clock mean MHz", "gpu_sm_clock_min_mhz": "SM clock min MHz",
+            "gpu_util_mean_pct": "GPU util mean %", "gpu_mem_used_max_mib": "GPU mem max MiB",
+            "gpu_temp_max_c": "GPU temp max °C", "gpu_throttle_reasons": "clock event reasons",
+            "telemetry_scrapes": "samples", "telemetry_scrape_failures": "failed samples"}
+    if "telemetry_scrapes" not in levels:
+        return pd.DataFrame()
+    t = levels.sort_values("level")[[c for c in cols if c in levels]].copy()
+    t = t[[c for c in t.columns if c == "level" or t[c].notna().any()]]
+    for c in t.columns:
+        if c.endswith("_us"):
+            t[c] = t[c] / 1e3
+    return t.rename(columns=cols).reset_index(drop=True)
+
+
+def telemetry_note(telemetry: pd.DataFrame) -> str:
+    """What the telemetry sampled and what it could not: failed /metrics samples (by error) and why there
+    are no GPU samples."""
+    from decodescope.serving.telemetry import failures, gpu_unavailable
+
+    if telemetry.empty:
+        return ("**Telemetry:** none recorded (`workload.telemetry_interval_s: 0`, or the levels were measured "
+                "before telemetry existed).")
+    ok = telemetry[(telemetry["source"] == "telemetry") & (telemetry["metric"] == "scrape_ok")]
+    n, bad = len(ok), int((ok["value"] == 0).sum())
+    parts = [f"**Telemetry:** {n} samples of the server's `/metrics` over {telemetry['level'].nunique()} level(s)"]
+    if bad:
+        worst = "; ".join(f"c={lv}: {err} (x{k})" for lv, err, k in failures(telemetry)[:4])
+        parts.append(f"{bad} failed and are left out of the figures ({worst})")
+    n_gpu = telemetry.loc[(telemetry["source"] == "gpu") & (telemetry["metric"] == "power_w"), "labels"].nunique()
+    reason = gpu_unavailable(telemetry)
+    if reason:
+        parts.append(f"no GPU samples: {reason}")
+    elif n_gpu:
+        parts.append(f"NVML sampled {n_gpu} GPU(s)")
+    return "; ".join(parts) + "."

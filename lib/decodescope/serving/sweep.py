@@ -23,6 +23,7 @@ from decodescope.io import write_json_atomic, write_parquet_atomic
 from decodescope.serving.client import LoopHealth, RequestRecord, RequestSpec, make_prompts, run_async
 from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import level_summary, per_request
+from decodescope.serving.telemetry import NoTelemetry, Telemetry, level_telemetry
 
 REQUEST_COLUMNS = ["level", "index", "warmup", "ok", "error_class", "error_text", "send_ns", "first_chunk_ns",
                    "end_ns", "chunk_ns", "n_out_usage", "n_out_chunks", "n_in_usage", "n_in_sent", "connect_us"]
@@ -44,6 +45,9 @@ class SweepConfig:
     slo: Optional[dict] = None
     request_rate: Optional[float] = None
     burstiness: float = 1.0
+    telemetry_interval_s: float = 1.0     # 0: no server/GPU telemetry (serving.telemetry)
+    telemetry_gpu: bool = True            # NVML on this host too (when the server is on it)
+    repeats: int = 1                      # each level measured this many times (the sweep, again and again)
 
     @classmethod
     def from_params(cls, params, base_url: str, model: Optional[str] = None) -> "SweepConfig":
@@ -52,12 +56,22 @@ class SweepConfig:
                    levels=list(w.concurrency), input_tokens=w.input_tokens, output_tokens=w.output_tokens,
                    requests_per_level=w.requests_per_level, warmup_requests=w.warmup_requests,
                    timeout_s=w.request_timeout_s, seed=w.seed, api_key=params.server.api_key,
-                   slo=w.slo.model_dump(), request_rate=w.request_rate, burstiness=w.burstiness)
+                   slo=w.slo.model_dump(), request_rate=w.request_rate, burstiness=w.burstiness,
+                   telemetry_interval_s=w.telemetry_interval_s, telemetry_gpu=_server_on_this_host(params),
+                   repeats=w.repeats)
+
+
+def _server_on_this_host(params) -> bool:
+    """Whether the server's GPUs are this host's (NVML is sampled here only then)."""
+    host = getattr(params, "host", "local")
+    return getattr(host, "url", host) == "local"
 
 
 async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int], str]],
-                    n_requests: Optional[int] = None, warmup: Optional[int] = None) -> tuple[list[RequestRecord], dict]:
-    """Warm-up then measured requests, at most `level` in flight. Returns records and client health."""
+                    n_requests: Optional[int] = None, warmup: Optional[int] = None,
+                    on_measured_start: Optional[Callable[[], None]] = None) -> tuple[list[RequestRecord], dict]:
+    """Warm-up then measured requests, at most `level` in flight. Returns records and client health.
+    `on_measured_start` runs (blocking, with nothing in flight) between the two: telemetry's mark."""
     n_requests = cfg.requests_per_level if n_requests is None else n_requests
     warmup = cfg.warmup_requests if warmup is None else warmup
     records: list[RequestRecord] = []
@@ -76,6 +90,8 @@ async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int],
             async with sem:
                 return await one(i, True)
         records += await asyncio.gather(*(gated_warm(i) for i in range(warmup)))
+    if on_measured_start is not None:
+        on_measured_start()
 
     inflight = 0
     sem = asyncio.Semaphore(level)
@@ -114,8 +130,10 @@ def records_frame(records: list[RequestRecord]) -> pd.DataFrame:
     return pd.DataFrame([r.to_row() for r in records], columns=REQUEST_COLUMNS)
 
 
-def level_path(data_dir: Path, level: int) -> Path:
-    return data_dir / "serving" / f"level_{level:05d}.parquet"
+def level_path(data_dir: Path, level: int, repeat: int = 1) -> Path:
+    """data/serving/level_<c>.parquet; a repeat after the first: level_<c>_r<n>.parquet."""
+    name = f"level_{level:05d}.parquet" if repeat == 1 else f"level_{level:05d}_r{repeat}.parquet"
+    return data_dir / "serving" / name
 
 
 # Failures that say the server (not the request) was at fault: a level that has them is measured again
@@ -123,10 +141,13 @@ def level_path(data_dir: Path, level: int) -> Path:
 SERVER_FAILURE_CLASSES = ("server_down", "connection_reset")
 
 
-def load_finished_levels(data_dir: Path) -> dict[int, pd.DataFrame]:
+def load_finished_levels(data_dir: Path) -> dict[tuple[int, int], pd.DataFrame]:
+    """(level, repeat) -> its requests, each frame with a `repeat` column (1 for the first)."""
     out = {}
     for p in sorted((data_dir / "serving").glob("level_*.parquet")):
-        out[int(p.stem.split("_")[1])] = pd.read_parquet(p)
+        parts = p.stem.split("_")
+        key = (int(parts[1]), int(parts[2][1:]) if len(parts) > 2 else 1)
+        out[key] = pd.read_parquet(p).assign(repeat=key[1])
     return out
 
 
@@ -134,25 +155,65 @@ def failed_for_server_reasons(level_df: pd.DataFrame) -> bool:
     return bool(level_df["error_class"].isin(SERVER_FAILURE_CLASSES).any())
 
 
-def levels_to_measure(levels: list[int], data_dir: Path) -> list[int]:
-    """Levels not on disk, and levels on disk whose requests failed because the server did."""
+def levels_to_measure(levels: list[int], data_dir: Path, repeats: int = 1) -> list[tuple[int, int]]:
+    """(level, repeat) not on disk, or on disk with requests the server failed; repeat by repeat (the
+    whole sweep, then again), so slow drift spreads over every level instead of biasing one."""
     finished = load_finished_levels(data_dir)
-    return [lvl for lvl in levels if lvl not in finished or failed_for_server_reasons(finished[lvl])]
+    return [(lvl, r) for r in range(1, repeats + 1) for lvl in levels
+            if (lvl, r) not in finished or failed_for_server_reasons(finished[(lvl, r)])]
+
+
+# level columns whose spread across repeats is worth a band (decodescope.stats)
+BAND_COLUMNS = ("tpot_p50_us", "ttft_p50_us", "itl_p50_us", "e2e_p50_us", "output_throughput_tok_s")
+
+
+def merge_repeats(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per level from its repeats: the median of every number, the first of anything else,
+    `repeats`, and a 95% band (bootstrap of the median, decodescope.stats) for BAND_COLUMNS."""
+    from decodescope.stats import band
+
+    out = []
+    for level, g in rows.groupby("level", sort=True):
+        row = {}
+        for col in g.columns:
+            if col in ("level", "repeat"):
+                continue
+            vals = g[col]
+            row[col] = (float(vals.median()) if pd.api.types.is_numeric_dtype(vals) and not pd.api.types.is_bool_dtype(vals)
+                        else (bool(vals.any()) if pd.api.types.is_bool_dtype(vals) else vals.iloc[0]))
+        for col in BAND_COLUMNS:
+            if col in g:
+                b = band(g[col])
+                row[f"{col}_low"], row[f"{col}_high"] = b.low, b.high
+        for col in ("requests", "ok", "failed"):
+            if col in g:
+                row[col] = int(g[col].sum())  # every request measured at this level, all repeats
+        out.append({"level": int(level), "repeats": int(g["repeat"].nunique()), **row})
+    return pd.DataFrame(out)
 
 
 def combine(data_dir: Path, slo: Optional[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Rebuild serving_requests.parquet and serving_levels.parquet from the finished levels."""
+    """Rebuild serving_requests.parquet and serving_levels.parquet from the finished levels. With
+    repeats, serving_levels_repeats.parquet holds one row per (level, repeat) and serving_levels one
+    per level (merge_repeats)."""
     finished = load_finished_levels(data_dir)
     if not finished:
         return pd.DataFrame(columns=REQUEST_COLUMNS), pd.DataFrame()
+    repeated = any(r > 1 for _, r in finished)
     raw = pd.concat([df for df in finished.values()], ignore_index=True)
+    if not repeated:
+        raw = raw.drop(columns=["repeat"])
     req = per_request(raw.drop(columns=[c for c in raw.columns if c.startswith("health_")]))
     rows = []
-    for level, df in sorted(finished.items()):
+    for (level, rep), df in sorted(finished.items()):
         health = {c.removeprefix("health_"): df[c].iloc[0] for c in df.columns if c.startswith("health_")}
-        rows.append(level_summary(req, level, slo, health))
+        rows.append(level_summary(req, level, slo, health, repeat=rep if repeated else None,
+                                  telemetry=level_telemetry(data_dir, level, rep)))
     levels = pd.DataFrame(rows)
     write_parquet_atomic(data_dir / "serving_requests.parquet", req)
+    if repeated:
+        write_parquet_atomic(data_dir / "serving_levels_repeats.parquet", levels)
+        levels = merge_repeats(levels)
     write_parquet_atomic(data_dir / "serving_levels.parquet", levels)
     return req, levels
 
@@ -182,9 +243,11 @@ class SweepProgress:
     """One plain line per finished level with its time, the time so far and an estimate of what is left
     (the mean time of a finished level times the levels to go)."""
 
-    def __init__(self, levels: list[int], stream: Optional[TextIO] = None, enabled: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, levels: list, stream: Optional[TextIO] = None, enabled: bool = True,
+                 clock: Callable[[], float] = time.monotonic, repeats: int = 1):
+        # levels: concurrency levels, or (level, repeat) pairs when each level is repeated
         self.levels, self.stream, self.enabled, self.clock = levels, stream, enabled, clock
+        self.repeats = repeats
         self.t0 = self.t_level = clock()
         self.done = 0
 
@@ -200,16 +263,19 @@ class SweepProgress:
     def start(self, level: int) -> None:
         self.t_level = self.clock()
         if self.done == 0:
-            self._print(f"serving sweep: {len(self.levels)} level(s) to measure: "
-                        f"concurrency {', '.join(map(str, self.levels))}")
+            shown = sorted({x[0] if isinstance(x, tuple) else x for x in self.levels})
+            self._print(f"serving sweep: {len(self.levels)} level(s) to measure: concurrency "
+                        f"{', '.join(map(str, shown))}" + (f", {self.repeats} repeats each" if self.repeats > 1 else ""))
 
-    def end(self, level: int) -> str:
+    def end(self, level) -> str:
+        level, rep = level if isinstance(level, tuple) else (level, 1)
         now = self.clock()
         self.done += 1
         elapsed = now - self.t0
         left = len(self.levels) - self.done
         eta = f"about {elapsed / self.done * left:.0f} s left" if left else "done"
-        line = (f"serving sweep: level {self.done}/{len(self.levels)} (concurrency {level}) done in "
+        which = f"concurrency {level}" + (f", repeat {rep} of {self.repeats}" if self.repeats > 1 else "")
+        line = (f"serving sweep: level {self.done}/{len(self.levels)} ({which}) done in "
                 f"{now - self.t_level:.1f} s, elapsed {elapsed:.1f} s, {eta}")
         self._print(line)
         return line
@@ -221,23 +287,40 @@ def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
     written as it finishes; then `check_server(during)` raises if the server died, so a sweep never
     goes on measuring a dead server. Progress lines go to the console (`console()`), not the notebook."""
     data_dir = Path(data_dir)
-    todo = levels_to_measure(cfg.levels, data_dir)
+    todo = levels_to_measure(cfg.levels, data_dir, cfg.repeats)
     n_prompts = max(cfg.requests_per_level + cfg.warmup_requests, 1)
     prompts = run_async(build_prompts(cfg, n_prompts))
-    bar = SweepProgress(todo, enabled=bool(progress))
-    for level in todo:
-        bar.start(level)
-        records, health = run_async(run_level(cfg, level, prompts))
-        df = records_frame(records)
-        for k, v in health.items():
-            df[f"health_{k}"] = v
-        write_parquet_atomic(level_path(data_dir, level), df)
-        combine(data_dir, cfg.slo)
-        bar.end(level)
-        if check_server is not None:
-            check_server(f"the serving sweep (concurrency {level})")
+    bar = SweepProgress(todo, enabled=bool(progress), repeats=cfg.repeats)
+    with telemetry_for(cfg, data_dir) as tel:
+        for level, rep in todo:
+            bar.start(level)
+            with tel.level(level, rep):    # sampled from here to the last request (also on failure or Ctrl-C)
+                records, health = run_async(run_level(cfg, level, prompts, on_measured_start=tel.mark))
+            df = records_frame(records)
+            for k, v in health.items():
+                df[f"health_{k}"] = v
+            write_parquet_atomic(level_path(data_dir, level, rep), df)
+            combine(data_dir, cfg.slo)
+            bar.end((level, rep))
+            if check_server is not None:
+                check_server(f"the serving sweep (concurrency {level})")
     write_json_atomic(data_dir / "serving_config.json", {**cfg.__dict__, "api_key": None})
     return combine(data_dir, cfg.slo)
+
+
+def telemetry_for(cfg: SweepConfig, data_dir: Path):
+    """The sweep's telemetry sampler (serving.telemetry), or the stand-in that samples nothing when
+    `telemetry_interval_s` is 0. Its problems go to the console; the sweep never stops for them."""
+    if not cfg.telemetry_interval_s:
+        return NoTelemetry(data_dir)
+
+    def log(line: str) -> None:
+        try:
+            print(line, file=console(), flush=True)
+        except (OSError, ValueError):
+            pass
+    return Telemetry(cfg.base_url, data_dir, interval_s=cfg.telemetry_interval_s, api_key=cfg.api_key,
+                     gpu=cfg.telemetry_gpu, log=log, stderr=console())
 
 
 def _reader_note(text: str) -> None:
@@ -279,5 +362,9 @@ def sweep_for_phase(ctx, progress=True) -> tuple[pd.DataFrame, pd.DataFrame]:
 
     with phase_server(ctx.params, ctx.run_dir) as server:
         server.raise_if_dead("the start of the serving sweep")
+        if ctx.params.host.is_remote and ctx.params.host.loadgen == "remote":
+            from decodescope.serving.remote import sweep_on_host  # the client beside the server, over ssh
+
+            return sweep_on_host(ctx, server)
         return run_sweep(SweepConfig.from_params(ctx.params, server.base_url), ctx.data_dir, progress,
                          check_server=server.raise_if_dead)

@@ -38,6 +38,7 @@ class CaptureResult:
     flush_wait_s: float
     expected_ranks: int = 0
     problems: list[str] = field(default_factory=list)
+    concurrency: int = 0
 
     def raise_if_incomplete(self) -> None:
         """After the traces that arrived were analysed: a capture that lost ranks fails the phase."""
@@ -94,20 +95,22 @@ def wait_for_traces(trace_dir: Path, before: set[Path], expected_ranks: int, tim
 
 
 def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[int] = None,
-                    records_path: Optional[Path] = None) -> CaptureResult:
-    """Warm up, profile a decode workload, stop, and wait for the traces."""
+                    records_path: Optional[Path] = None, concurrency: Optional[int] = None) -> CaptureResult:
+    """Warm up, profile a decode workload at one concurrency, stop, and wait for the traces."""
     prof = params.profile
+    concurrency = concurrency or next(c for c in prof.concurrency if isinstance(c, int))
+    n_requests = max(prof.requests, concurrency)  # a level gets at least one full batch
     trace_dir = Path(trace_dir)
     trace_dir.mkdir(parents=True, exist_ok=True)
     expected_ranks = expected_ranks or params.server.tensor_parallel
     cfg = SweepConfig(base_url=server.base_url, model=params.model.name, endpoint="completions",
-                      levels=[prof.concurrency], input_tokens=prof.input_tokens, output_tokens=prof.output_tokens,
-                      requests_per_level=prof.requests, warmup_requests=prof.warmup_requests,
+                      levels=[concurrency], input_tokens=prof.input_tokens, output_tokens=prof.output_tokens,
+                      requests_per_level=n_requests, warmup_requests=prof.warmup_requests,
                       timeout_s=params.workload.request_timeout_s, seed=params.workload.seed + 1,
                       api_key=params.server.api_key)
-    prompts = run_async(build_prompts(cfg, prof.requests + prof.warmup_requests))
+    prompts = run_async(build_prompts(cfg, n_requests + prof.warmup_requests))
     if prof.warmup_requests:
-        run_async(run_level(cfg, prof.concurrency, prompts, n_requests=prof.warmup_requests, warmup=0))
+        run_async(run_level(cfg, concurrency, prompts, n_requests=prof.warmup_requests, warmup=0))
     before = set(p for group in find_trace_files(trace_dir) for p in group)
     problems: list[str] = []
     t0 = time.monotonic()
@@ -122,7 +125,7 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
         server.raise_if_dead("the profile (/start_profile)")
         raise
     t1 = time.monotonic()
-    records, _ = run_async(run_level(cfg, prof.concurrency, prompts, n_requests=prof.requests, warmup=0))
+    records, _ = run_async(run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0))
     t2 = time.monotonic()
     df = records_frame(records)
     if records_path is not None:
@@ -150,7 +153,7 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     return CaptureResult(trace_dir=trace_dir, rank_files=ranks, frontend_files=front, tables=tables,
                          requests_ok=int(df["ok"].sum()), requests_failed=int((~df["ok"]).sum()),
                          start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2, flush_wait_s=t4 - t3,
-                         expected_ranks=expected_ranks, problems=problems)
+                         expected_ranks=expected_ranks, problems=problems, concurrency=concurrency)
 
 
 def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:
@@ -165,16 +168,94 @@ def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:
                         "cause: keep profile.requests small and profile.with_stack false); " + where)
 
 
-def capture_for_phase(ctx) -> CaptureResult:
-    """Profile through the run's server, launched with traces/ as its profiler directory (or a server
-    started here for this notebook alone, with the same directory)."""
+def profile_levels(params, serving_levels_path: Optional[Path]) -> tuple[list[int], list[str]]:
+    """profile.concurrency resolved against 01's levels: ('knee' -> 01's knee, or its highest level
+    when throughput still grows), duplicates dropped, in the order given; and notes on what changed."""
+    import pandas as pd
+
+    from decodescope.params import KNEE
+    from decodescope.serving.metrics import knee
+
+    out: list[int] = []
+    notes: list[str] = []
+    for c in params.profile.concurrency:
+        if c == KNEE:
+            if serving_levels_path is None or not Path(serving_levels_path).is_file():
+                notes.append("profile.concurrency 'knee' left out: 01_serving did not run")
+                continue
+            lv = pd.read_parquet(serving_levels_path)
+            lv = lv[lv["output_throughput_tok_s"].notna()] if "output_throughput_tok_s" in lv else lv.iloc[0:0]
+            if lv.empty:
+                notes.append("profile.concurrency 'knee' left out: 01 measured no throughput")
+                continue
+            k = knee(lv)
+            c = int(k) if k is not None else int(lv["level"].max())
+            why = "throughput grows < 10% past it" if k is not None else "throughput still grows; its highest level"
+            above = sorted(int(x) for x in lv["level"] if int(x) > c)
+            if c in out and above:
+                # the knee is a level already profiled: the next level up still shows the step's growth
+                c, why = above[0], f"the knee ({c}) is profiled already; the next level up"
+            notes.append(f"'knee' is concurrency {c} (01: {why})")
+        if c not in out:
+            out.append(int(c))
+    if not out:
+        raise CaptureError("profile.concurrency resolves to no level: " + "; ".join(notes)
+                           + ". Give an integer level, e.g. [1, knee]")
+    return out, notes
+
+
+def level_dir_name(concurrency: int) -> str:
+    return f"c{concurrency}"
+
+
+def _file_level(result: CaptureResult, trace_dir: Path) -> CaptureResult:
+    """Move one capture's files into traces/c<N>/ (an earlier capture there is replaced), so each level
+    is its own trace directory."""
+    import shutil
+
+    dest = trace_dir / level_dir_name(result.concurrency)
+    from decodescope.host import mirror_move
+
+    # on an ssh host the same move there first, or copying traces/ back would bring the files back here
+    mirror_move([*result.rank_files, *result.frontend_files, *(p for p in result.tables if p.parent == trace_dir)],
+                dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+
+    def move(paths: list[Path]) -> list[Path]:
+        return [Path(shutil.move(str(p), dest / p.name)) for p in paths]
+
+    result.rank_files = move(result.rank_files)
+    result.frontend_files = move(result.frontend_files)
+    result.tables = move([p for p in result.tables if p.parent == trace_dir])
+    result.trace_dir = dest
+    return result
+
+
+def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str]]:
+    """Profile every level of profile.concurrency through the run's server, launched with traces/ as
+    its profiler directory (or a server started here for this notebook alone, with the same
+    directory); each level's files end in traces/c<N>/ and its records in data/profile/c<N>/. A level
+    whose capture loses ranks is kept (its problems say so); one with no trace at all stops the phase."""
     from decodescope.io import write_json_atomic
     from decodescope.server import phase_server
 
     trace_dir = ctx.run_dir / "traces"
+    levels, notes = profile_levels(ctx.params, ctx.data("serving_levels.parquet"))
+    results = []
     with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server:
-        result = capture_profile(server, ctx.params, trace_dir, records_path=ctx.data("profile_requests.parquet"))
-    write_json_atomic(ctx.data("profile_capture.json"), result.to_dict())
-    if not result.rank_files:
-        result.raise_if_incomplete()
-    return result
+        for i, c in enumerate(levels):
+            print(f"profile: concurrency {c} ({i + 1} of {len(levels)})", flush=True)
+            level_data = ctx.data_dir / "profile" / level_dir_name(c)
+            level_data.mkdir(parents=True, exist_ok=True)
+            result = capture_profile(server, ctx.params, trace_dir, concurrency=c,
+                                     records_path=level_data / "profile_requests.parquet")
+            result = _file_level(result, trace_dir)
+            write_json_atomic(level_data / "profile_capture.json", result.to_dict())
+            if not result.rank_files:
+                result.raise_if_incomplete()
+            results.append(result)
+    write_json_atomic(ctx.data("profile_capture.json"), {"levels": levels, "notes": notes,
+                                                         "captures": [r.to_dict() for r in results]})
+    return results, notes

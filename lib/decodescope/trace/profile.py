@@ -59,6 +59,7 @@ class ProfileResult:
                 busy_us_median=float(kind_busy["busy_us"].median()) if len(kind_busy) else None,
                 wall_us_median=float(kind_busy["wall_us"].median()) if len(kind_busy) else None,
                 idle_us_median=float(kind_busy["idle_us"].median()) if len(kind_busy) else None,
+                **step_periods(self.steps, self.step_kind),
             ),
             expected_vs_observed=self.expected.to_dict("records"),
             per_step_categories=self.per_step.assign(
@@ -116,14 +117,78 @@ def analyze_traces(loaded: LoadedTraces, model_config: Optional[dict] = None, tp
         unknown=an.unknown_ops(ops), schedule=schedule, warnings=list(loaded.warnings), step_kind=step_kind)
 
 
-def write_profile(result: ProfileResult, data_dir: Path) -> ProfileSummary:
+def step_periods(steps: pd.DataFrame, kind: str) -> dict:
+    """Medians over steps of `kind` that another step follows on the same rank: start-to-start period,
+    end-to-start gap (what the host does between steps), and the decoded batch."""
+    out = {"period_us_median": None, "between_steps_us_median": None, "batch_median": None}
+    if steps.empty or "start_us" not in steps:
+        return out
+    s = steps.sort_values(["rank", "start_us"])
+    nxt = s.groupby("rank")["start_us"].shift(-1)
+    mine = (s["kind"] == kind) & nxt.notna()
+    if mine.any():
+        out["period_us_median"] = float((nxt - s["start_us"])[mine].median())
+        out["between_steps_us_median"] = float((nxt - s["end_us"])[mine].clip(lower=0).median())
+    if "gen_reqs" in s and (s["kind"] == kind).any():
+        out["batch_median"] = float(s.loc[s["kind"] == kind, "gen_reqs"].median())
+    return out
+
+
+def write_profile(result: ProfileResult, data_dir: Path, concurrency: Optional[int] = None) -> ProfileSummary:
     data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
     kernels = result.ops[[c for c in KERNEL_COLUMNS if c in result.ops.columns]].copy()
     for c in ("category", "name", "coll_name"):
         if c in kernels:
             kernels[c] = kernels[c].astype(str)
     write_parquet_atomic(data_dir / "kernels.parquet", kernels)
     write_parquet_atomic(data_dir / "profile_steps.parquet", result.steps)
-    summary = result.summary()
+    summary = result.summary().model_copy(update={"concurrency": concurrency})
     write_record(data_dir / "profile_summary.json", summary)
     return summary
+
+
+@dataclass
+class ProfiledLevel:
+    capture: "CaptureResult"
+    result: ProfileResult
+    summary: ProfileSummary
+
+
+def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
+    """04_profile's work: capture every level of profile.concurrency, analyse each level's traces and
+    write its files to data/profile/c<N>/; the first level is also written to data/ (the detailed
+    sections of 04 and the verdict's reconciliation read it there)."""
+    from decodescope.trace.capture import capture_for_phase, level_dir_name
+    from decodescope.trace.load import load_trace_dir
+
+    captures, notes = capture_for_phase(ctx)
+    out = []
+    for cap in captures:
+        loaded = load_trace_dir(cap.trace_dir)
+        result = analyze_traces(loaded, ctx.params.model_config_dict(), ctx.params.server.tensor_parallel,
+                                batch=cap.concurrency)
+        summary = write_profile(result, ctx.data_dir / "profile" / level_dir_name(cap.concurrency), cap.concurrency)
+        out.append(ProfiledLevel(cap, result, summary))
+    write_profile(out[0].result, ctx.data_dir, out[0].capture.concurrency)
+    return out, notes
+
+
+def growth_table(levels: list[ProfiledLevel]) -> pd.DataFrame:
+    """The step at each profiled level, median rank: batch, wall, period (with the host's time
+    between steps), and the time per step of each verdict class."""
+    from decodescope.trace.categorize import class_of
+
+    rows = []
+    for lv in levels:
+        ps = lv.summary.per_step
+        row = {"concurrency": lv.capture.concurrency, "batch": ps.batch_median, "wall_us": ps.wall_us_median,
+               "period_us": ps.period_us_median, "between_steps_us": ps.between_steps_us_median,
+               "summed_us": ps.summed_us_median, "busy_us": ps.busy_us_median}
+        cats = pd.DataFrame(lv.summary.per_step_categories)
+        if not cats.empty:
+            by = (cats.assign(cls=cats["category"].map(class_of)).groupby(["rank", "cls"])["time_per_step_us"].sum()
+                  .groupby("cls").median())
+            row.update({f"{c}_us": float(v) for c, v in by.items()})
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,259 @@
+"""The embedded default end to end with `host: ssh://root@127.0.0.1:PORT` (a real sshd standing in for the
+GPU host: tests/test_host_ssh.Sshd), and the faults of a remote run injected for real: the ssh link
+killed mid-sweep and mid-profile (then --resume), the remote vLLM server killed. Each starts the real
+vLLM CPU server (only one at a time on a 2-core machine), so they are `integration` tests.
+
+The whole-run test also makes a local run of the same params and checks the two reports have the same
+sections (figure titles, table captions) and the two runs' data files the same columns and keys.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from decodescope import procs
+from decodescope.cli import EXIT_PHASE_FAILED
+from decodescope.host import HOST_RUN_ID_ENV
+from decodescope.runner import RUN_ID_ENV
+from tests.test_faults import Run, digests, manifest, record_fault, wait_until
+from tests.test_host_ssh import SSHD, Sshd
+from tests.test_integration_vllm import DECODESCOPE, _params
+
+pytestmark = [pytest.mark.integration, pytest.mark.ssh,
+              pytest.mark.skipif(not Path(SSHD).exists(), reason="needs Debian's openssh-server (make test installs it)")]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    d = Sshd(tmp_path_factory.mktemp("sshd"))
+    yield d
+    d.stop()
+
+
+def ssh_params(tmp: Path, port: int, name: str, sshd: Sshd, replace: dict | None = None) -> Path:
+    path = _params(REPO, tmp, port, name=name)
+    text = path.read_text()
+    assert "host: local\n" in text
+    text = text.replace("host: local\n", f"host:\n  url: {sshd.url}\n  python: {sys.executable}\n"
+                                         f"  workdir: {tmp / 'remote'}\n  identity: {sshd.identity}\n"
+                                         f"  known_hosts: {sshd.known_hosts}\n")
+    for old, new in (replace or {}).items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    return path
+
+
+def left_on_host(run_dir: Path) -> list[int]:
+    """Processes the run started on the host (the stand-in is this machine): by its run id there and by
+    each server's run token."""
+    m = manifest(run_dir)
+    pids = set(procs.run_processes(run_dir.name, env_name=HOST_RUN_ID_ENV))
+    pids |= set(procs.run_processes(run_dir.name, env_name=RUN_ID_ENV))
+    for s in m.get("servers", []):
+        pids |= set(procs.run_processes(s.get("run_token")))
+    return sorted(pids)
+
+
+def shm_left(run_dir: Path) -> list[Path]:
+    m = manifest(run_dir)
+    return procs.shm_files_of(procs.shm_idents(Path(f) for s in m.get("servers", []) for f in s.get("shm_files", [])))
+
+
+def assert_nothing_left(run_dir: Path) -> tuple[int, int]:
+    deadline = time.monotonic() + 20  # the host's supervisor tears down on its own after a dropped link
+    while (left_on_host(run_dir) or shm_left(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left_on_host(run_dir) == [] and shm_left(run_dir) == []
+    return 0, 0
+
+
+def kill_link(run: Run) -> int:
+    """SIGKILL the run's ssh connection (its ControlMaster): the link drops."""
+    for p in psutil.Process(run.proc.pid).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:
+            continue
+        if cmd and cmd[0] == "ssh" and "ControlMaster=yes" in cmd and "-N" in cmd:
+            p.kill()
+            return p.pid
+    pytest.fail("no ssh ControlMaster under the run")
+
+
+# ---- the whole embedded default over ssh --------------------------------------------------------------
+def _run(params: Path, tmp: Path, label: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out, err = tmp / f"{label}.stdout", tmp / f"{label}.stderr"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.run(DECODESCOPE + ["run", str(params)], stdout=o, stderr=e, text=True, cwd=REPO, timeout=2400)
+    stdout = out.read_text()
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, err.read_text())
+    return result, Path(stdout.strip().splitlines()[-1]).parent if stdout.strip() else None
+
+
+@pytest.fixture(scope="module")
+def over_ssh(sshd, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e-ssh")
+    t0 = time.monotonic()
+    proc, run_dir = _run(ssh_params(tmp, 8821, "e2essh", sshd), tmp, "ssh")
+    return {"proc": proc, "run_dir": run_dir, "wall_s": time.monotonic() - t0, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def local(over_ssh, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e-local")
+    proc, run_dir = _run(_params(REPO, tmp, 8822, name="e2elocal"), tmp, "local")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_the_embedded_default_runs_end_to_end_over_ssh(over_ssh):
+    proc, run_dir = over_ssh["proc"], over_ssh["run_dir"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = manifest(run_dir)
+    assert {p: v["status"] for p, v in m["phases"].items()} == {p: "ok" for p in m["phases"]}
+    assert m["host"]["kind"].startswith("ssh://root@127.0.0.1:")
+    assert (run_dir / "report.html").is_file()
+    server = json.loads((run_dir / "data/server.json").read_text())
+    assert server["host"].startswith("root@127.0.0.1") and server["pid"] is None and server["host_pid"]
+    link = json.loads((run_dir / "data/link.json").read_text())
+    assert link["via_tunnel_p50_ms"] > 0 and "added_p50_ms" in link
+    # what ran there came back: the server's log, the probes' logs and outputs, every rank's trace
+    assert "Uvicorn running" in (run_dir / "logs/server.log").read_text(errors="replace") or \
+        "Application startup complete" in (run_dir / "logs/server.log").read_text(errors="replace")
+    for name in ("logs/gemm_probe.log", "logs/collectives_probe.log", "data/gemm_raw.json",
+                 "data/collectives_ranks/collectives_rank1.json"):
+        assert (run_dir / name).is_file(), name
+    assert len(list((run_dir / "traces").rglob("*.json.gz"))) >= 2
+    assert "ssh tunnel" in (run_dir / "report.html").read_text(errors="replace")
+    assert_nothing_left(run_dir)
+    print(f"embedded default over ssh: wall {over_ssh['wall_s']:.0f} s, tunnel adds {link['added_p50_ms']:.2f} ms")
+
+
+def outline(run_dir: Path) -> dict:
+    """Per phase: the figure titles and table captions (without the run-specific source) it shows."""
+    out = {}
+    for nb_path in sorted((run_dir / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(nb_path, as_version=4)
+        items = set()
+        for cell in nb.cells:
+            for o in cell.get("outputs", []):
+                data = o.get("data", {})
+                if "application/vnd.plotly.v1+json" in data:
+                    title = ((data["application/vnd.plotly.v1+json"].get("layout") or {}).get("title") or {})
+                    items.add(("figure", title.get("text") if isinstance(title, dict) else str(title)))
+                elif "<table" in str(data.get("text/html", "")):
+                    html = str(data["text/html"])
+                    cap = html.split("<caption>")[1].split("</caption>")[0] if "<caption>" in html else ""
+                    items.add(("table", cap.split(" - ")[0]))
+        out[nb_path.stem] = items
+    return out
+
+
+def data_shapes(run_dir: Path) -> dict:
+    import pandas as pd
+
+    shapes = {}
+    for p in sorted((run_dir / "data").glob("*")):
+        if p.suffix == ".parquet":
+            shapes[p.name] = sorted(pd.read_parquet(p).columns)
+        elif p.suffix == ".json" and p.name not in ("server.json", "link.json"):
+            doc = json.loads(p.read_text())
+            shapes[p.name] = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+    return shapes
+
+
+def test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run(over_ssh, local):
+    ssh_run = over_ssh["run_dir"]
+    assert over_ssh["proc"].returncode == 0
+    assert outline(ssh_run) == outline(local)
+    ours, theirs = data_shapes(ssh_run), data_shapes(local)
+    assert set(theirs) <= set(ours) and set(ours) - set(theirs) <= {"link.json"}
+    assert {k: ours[k] for k in theirs} == theirs
+
+
+# ---- faults over ssh ----------------------------------------------------------------------------------
+def test_link_dropped_mid_sweep_keeps_the_finished_levels_and_resume_finishes(sshd, tmp_path):
+    params = ssh_params(tmp_path, 8823, "sshsweep", sshd, {"concurrency: [1, 2, 4]": "concurrency: [1, 2, 4, 8]"})
+    run = Run(tmp_path, params, "--phases", "01_serving")
+    run_dir = run.run_dir()
+    level2 = run_dir / "data/serving/level_00002.parquet"
+    wait_until(level2.is_file, 900, "level 2 of the sweep", run)
+    kept = digests([run_dir / "data/serving/level_00001.parquet", level2])
+    kill_link(run)
+    t_kill = time.monotonic()
+    rc = run.wait(300)
+    detect_s = time.monotonic() - t_kill
+    assert rc == EXIT_PHASE_FAILED, run.stderr[-3000:]
+    error = manifest(run_dir)["phases"]["01_serving"]["error"]
+    assert "server_died" in error and ("ssh link" in error or "did not answer" in error), error
+    n_procs, n_shm = assert_nothing_left(run_dir)
+    assert digests(kept) == kept
+    t_resume = time.monotonic()
+    resumed = Run(tmp_path, params, "--resume", str(run_dir), "--phases", "01_serving", label="resume")
+    assert resumed.wait(1200) == 0, resumed.stderr[-3000:]
+    recover_s = time.monotonic() - t_resume
+    assert digests(kept) == kept
+    import pandas as pd
+
+    levels = pd.read_parquet(run_dir / "data/serving_levels.parquet").set_index("level")
+    assert sorted(levels.index) == [1, 2, 4, 8] and (levels["failed"] == 0).all()
+    assert_nothing_left(run_dir)
+    record_fault("ssh link dropped mid-sweep (ssh killed)",
+                 "phase fails (server_died: the link dropped); the host's supervisor tears the server down alone; "
+                 "finished levels kept; --resume re-measures the spoiled levels", rc=rc,
+                 results_lost="none (levels 1, 2 byte-identical)", processes_left=n_procs, shm_files_left=n_shm,
+                 detect_and_stop_s=round(detect_s, 1), recover_s=round(recover_s, 1))
+
+
+def test_link_dropped_mid_profile_tears_down_there_and_resume_finishes(sshd, tmp_path):
+    params = ssh_params(tmp_path, 8824, "sshprof", sshd, {"  requests: 4\n": "  requests: 8\n"})
+    run = Run(tmp_path, params, "--phases", "04_profile")
+    run_dir = run.run_dir()
+    log = run_dir / "logs/server.log"
+    wait_until(lambda: log.is_file() and "POST /start_profile HTTP" in log.read_text(errors="replace"), 900,
+               "the profile to start", run)
+    kill_link(run)
+    t_kill = time.monotonic()
+    rc = run.wait(300)
+    detect_s = time.monotonic() - t_kill
+    assert rc == EXIT_PHASE_FAILED, run.stderr[-3000:]
+    n_procs, n_shm = assert_nothing_left(run_dir)
+    t_resume = time.monotonic()
+    resumed = Run(tmp_path, params, "--resume", str(run_dir), "--phases", "04_profile", label="resume")
+    assert resumed.wait(1200) == 0, resumed.stderr[-3000:]
+    recover_s = time.monotonic() - t_resume
+    assert json.loads((run_dir / "data/profile_summary.json").read_text())["ranks"] == [0, 1]
+    assert_nothing_left(run_dir)
+    record_fault("ssh link dropped mid-profile (ssh killed)",
+                 "phase fails; server, engine core and workers there torn down by the host's supervisor; "
+                 "--resume profiles again", rc=rc, results_lost="the capture in flight", processes_left=n_procs,
+                 shm_files_left=n_shm, detect_and_stop_s=round(detect_s, 1), recover_s=round(recover_s, 1))
+
+
+def test_remote_server_killed_fails_the_phase_and_leaves_nothing_there(sshd, tmp_path):
+    params = ssh_params(tmp_path, 8825, "sshkill", sshd, {"concurrency: [1, 2, 4]": "concurrency: [1, 2, 4, 8]"})
+    run = Run(tmp_path, params, "--phases", "01_serving")
+    run_dir = run.run_dir()
+    wait_until((run_dir / "data/serving/level_00001.parquet").is_file, 900, "level 1", run)
+    os.kill(json.loads((run_dir / "data/server.json").read_text())["host_pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    rc = run.wait(300)
+    detect_s = time.monotonic() - t_kill
+    assert rc == EXIT_PHASE_FAILED, run.stderr[-3000:]
+    assert "server_died" in manifest(run_dir)["phases"]["01_serving"]["error"]
+    n_procs, n_shm = assert_nothing_left(run_dir)
+    record_fault("server on the ssh host killed (SIGKILL to the API server there)",
+                 "phase fails with server_died and the log tail (copied back); engine core and workers there "
+                 "torn down by the host's supervisor, their shm files removed", rc=rc, results_lost="none",
+                 processes_left=n_procs, shm_files_left=n_shm, detect_and_stop_s=round(detect_s, 1))
