@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -63,7 +62,7 @@ while time.monotonic() < t_end:
     row = {"round": r, "n": len(df), "ok": int(df["ok"].sum()), "wall_s": time.monotonic() - t0,
            "ttft_p50_ms": float(np.percentile(ttft, 50)) / 1e3 if len(ttft) else None,
            "itl_p99_ms": float(np.percentile(itl, 99)) / 1e3 if len(itl) else None,
-           "loop_lag_p99_ms": health.get("loop_lag_p99_ms"), "errors": df.loc[~df["ok"], "error_class"].value_counts().to_dict()}
+           "loop_lag_p99_ms": health.get("loop_lag_p99_ms"), "client_cpu_pct": health.get("client_cpu_pct"), "errors": df.loc[~df["ok"], "error_class"].value_counts().to_dict()}
     del recs, df, ok, ttft, itl
     gc.collect()
     row["rss_kib"] = rss_kib()
@@ -127,7 +126,8 @@ def main() -> int:
             print(f"round {row['round']:3d} t={row['t_s']:6.0f}s ok {row['ok']}/{row['n']} "
                   f"TTFT p50 {row['ttft_p50_ms']:.2f} ms (truth {tr['ttft_p50_ms']:.2f}, err {row['ttft_p50_err_ms']:+.2f}) "
                   f"ITL p99 {row['itl_p99_ms']:.2f} ms (truth {tr['itl_p99_ms']:.2f}, err {row['itl_p99_err_ms']:+.2f}) "
-                  f"RSS {row['rss_kib'] / 1024:.1f} MiB fds {row['fds']} loop lag p99 {row['loop_lag_p99_ms']}",
+                  f"RSS {row['rss_kib'] / 1024:.1f} MiB fds {row['fds']} loop lag p99 {row['loop_lag_p99_ms']:.1f} ms "
+                  f"client CPU {row['client_cpu_pct']:.0f}%",
                   flush=True)
             client.stdin.write("next\n")
             client.stdin.flush()

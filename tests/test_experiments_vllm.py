@@ -50,7 +50,7 @@ def test_every_variant_is_measured_or_recorded_failed_and_the_run_goes_on(campai
         assert sorted(levels["level"]) == [1, 2, 4] and (levels["failed"] == 0).all()
     # baseline 01, baseline 04, then each variant once: a server per settings, none reused across changes
     assert len(m["servers"]) == 2 + 2  # bad-flag never came up, so it is not among the servers started
-    assert "variant bad-flag (3 of 3) ... failed" in proc.stderr
+    assert "variant bad-flag (3 of 3) ... failed: server did not start" in proc.stderr
     assert port_is_free("127.0.0.1", PORT)
     print(f"experiments run: {campaign['wall_s']:.0f} s")
 
@@ -93,6 +93,12 @@ def test_the_report_shows_the_verdict_the_variants_and_draws_offline(campaign):
                    "TPOT against tokens per second per GPU", "How the step grows with load"):
         assert needle in text, needle
     assert all(n >= 1 for n in seen["figures"]), seen["figures"]
+    # every sentence of the verdict page links to a figure that is in the page and to files that exist
+    html = campaign["report"].read_text()
+    for f in campaign["verdict"]["findings"]:
+        assert f'id="{f["figure"]}"' in html, f
+        for rel in f["files"]:
+            assert (campaign["run_dir"] / rel).exists(), (rel, f["text"])
 
 
 def test_compare_and_index_pages_are_built(campaign):

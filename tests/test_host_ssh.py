@@ -685,3 +685,70 @@ def test_the_probe_phases_run_over_ssh_from_the_cli_over_one_connection(sshd, tm
     assert (run_dir / "report.html").is_file() and not (remote_run / "report.html").exists()
     assert procs.run_processes(run_dir.name, env_name=HOST_RUN_ID_ENV) == []
     assert _ssh_processes_of(run_dir.name) == [] and not any(psutil.pid_exists(p) for p in masters)
+
+
+def test_an_attached_servers_traces_come_back_from_every_node_and_stay_moved(sshd, tmp_path, session):
+    """server.mode attach across nodes: each node's profiler directory (host.trace_dir) is copied into
+    traces/node<i>/ while the profile runs; a file is copied until it is whole, and once filed elsewhere
+    here (traces/c<N>/) it does not come back."""
+    import gzip
+
+    from decodescope.host import node_traces
+
+    remote_traces = tmp_path / "their_traces"
+    remote_traces.mkdir()
+    text = _params_text(sshd, tmp_path, extra_host=f"  trace_dir: {remote_traces}\n  nodes: [{sshd.url}]\n"
+                                                   f"  sync_interval_s: 0.3")
+    text = text.replace("server:\n", "server:\n  mode: attach\n  url: http://127.0.0.1:9\n")
+    text = text.replace("  all_to_all_tokens: [1, 2]\n", "  all_to_all_tokens: [1, 2]\n  rdzv_endpoint: 127.0.0.1:29999\n")
+    params = load_params(_write(tmp_path, text))
+    run_dir = _run_dir(params)
+    session.append(host_for(params))
+    trace_dir = run_dir / "traces"
+    whole = gzip.compress(b'{"traceEvents": []}' * 1000)
+    with node_traces(params, trace_dir):
+        (remote_traces / "rank0.pt.trace.json.gz").write_bytes(whole[: len(whole) // 2])  # still being written
+        time.sleep(1.0)
+        (remote_traces / "rank0.pt.trace.json.gz").write_bytes(whole)
+        time.sleep(1.5)
+        for node in ("node0", "node1"):
+            assert (trace_dir / node / "rank0.pt.trace.json.gz").read_bytes() == whole
+        filed = trace_dir / "c1"
+        filed.mkdir()
+        (trace_dir / "node0" / "rank0.pt.trace.json.gz").rename(filed / "rank0.pt.trace.json.gz")
+        time.sleep(1.0)
+    assert not (trace_dir / "node0" / "rank0.pt.trace.json.gz").exists()
+    assert (filed / "rank0.pt.trace.json.gz").read_bytes() == whole
+
+
+def test_start_for_params_on_an_ssh_host_pushes_the_model_and_records_the_link(sshd, tmp_path, session):
+    """The server phase's own entry point with an ssh host (a stand-in server behind server.python):
+    the dummy-weights model dir built here is copied there, the profiler directory is the run's traces/
+    there, the tunnel's added latency is measured (data/link.json) and server.json says where it runs."""
+    from decodescope.server import start_for_params
+
+    python = tmp_path / "server-python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'
+                      f'exec {sys.executable} {FAKE_SERVER} "$@"\n')
+    python.chmod(0o755)
+    port = free_port()
+    text = _params_text(sshd, tmp_path).replace("server:\n", f"server:\n  python: {python}\n  port: {port}\n"
+                                                              "  api_key: sk-fake-1111\n")
+    params = load_params(_write(tmp_path, text))
+    run_dir = _run_dir(params)
+    session.append(host_for(params))
+    server = start_for_params(params, run_dir, profiler_dir=run_dir / "traces")
+    try:
+        info = json.loads((run_dir / "data/server.json").read_text())
+        assert info["pid"] is None and info["host"] == sshd.url.removeprefix("ssh://") and info["host_pid"]
+        assert info["base_url"] == server.base_url != f"http://127.0.0.1:{port}"
+        link = json.loads((run_dir / "data/link.json").read_text())
+        assert link["added_p50_ms"] is not None
+        argv = server.spec.argv
+        model = argv[argv.index("--model") + 1]
+        assert model.startswith(str(tmp_path / "remote")) and (Path(model) / "tokenizer.json").is_file()
+        assert str(tmp_path / "remote" / run_dir.name / "traces") in " ".join(argv)  # the profiler writes there
+        assert "sk-fake-1111" not in " ".join(argv)
+    finally:
+        server.stop()
+    assert token_processes(server.run_token) == []

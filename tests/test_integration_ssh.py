@@ -141,7 +141,12 @@ def test_the_embedded_default_runs_end_to_end_over_ssh(over_ssh):
 
 
 def outline(run_dir: Path) -> dict:
-    """Per phase: the figure titles and table captions (without the run-specific source) it shows."""
+    """Per phase: the figure titles and table captions it shows, without the run-specific source and with
+    numbers as N (the profiled levels follow each run's own knee)."""
+    import re
+
+    def norm(text) -> str:
+        return re.sub(r"\d+(\.\d+)?", "N", str(text or ""))
     out = {}
     for nb_path in sorted((run_dir / "notebooks").glob("*.ipynb")):
         nb = nbformat.read(nb_path, as_version=4)
@@ -151,11 +156,11 @@ def outline(run_dir: Path) -> dict:
                 data = o.get("data", {})
                 if "application/vnd.plotly.v1+json" in data:
                     title = ((data["application/vnd.plotly.v1+json"].get("layout") or {}).get("title") or {})
-                    items.add(("figure", title.get("text") if isinstance(title, dict) else str(title)))
+                    items.add(("figure", norm(title.get("text") if isinstance(title, dict) else title)))
                 elif "<table" in str(data.get("text/html", "")):
                     html = str(data["text/html"])
                     cap = html.split("<caption>")[1].split("</caption>")[0] if "<caption>" in html else ""
-                    items.add(("table", cap.split(" - ")[0]))
+                    items.add(("table", norm(cap.split(" - ")[0])))
         out[nb_path.stem] = items
     return out
 

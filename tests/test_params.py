@@ -341,3 +341,12 @@ def test_knee_resolves_against_the_serving_levels(write_params, tmp_path):
     # no sweep: the knee is left out, with a note
     levels, notes = profile_levels(p, tmp_path / "absent.parquet")
     assert levels == [1] and "01_serving did not run" in notes[0]
+
+
+def test_a_variant_cannot_change_a_server_it_does_not_start(write_params, tmp_path):
+    doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
+    doc["server"].update(mode="attach", url="http://127.0.0.1:9")
+    doc["experiments"] = [{"name": "tp1", "tensor_parallel": 1}, {"name": "more", "workload": {"concurrency": [8]}}]
+    with pytest.raises(ParamsError) as e:
+        load_params(write_params(yaml.safe_dump(doc)))
+    assert [f for f, _ in e.value.problems] == ["experiments[tp1]"] and "server.mode is attach" in str(e.value)

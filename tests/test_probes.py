@@ -97,7 +97,12 @@ def test_gemm_probe_on_cpu_measures_every_shape_and_skips_fp8_with_a_reason(para
     w13 = bf16[bf16["op"] == "moe_w13"]
     assert (w13["groups"] >= arch.top_k).all() and (w13["count"] == arch.moe_layers).all()
     raw = json.loads((run_dir / "data/gemm_raw.json").read_text())
-    assert len(raw) == len(g)
+    # the raw file also holds the tensor-parallel what-if shapes (whatif.tensor_parallel: [1], first dtype
+    # only), which go to their own table
+    whatif = pd.read_parquet(run_dir / "data/gemm_whatif_tp.parquet")
+    assert len(raw) == len(g) + len(whatif)
+    assert set(whatif["tp"]) == {1} and set(whatif["dtype"]) == {"bf16"}
+    assert set(zip(whatif["op"], whatif["batch"])) == {(s.op, b) for b in (1, 4) for s in archmod.gemm_shapes(arch, 1, b)}
 
 
 @pytest.mark.gpu

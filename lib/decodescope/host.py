@@ -648,6 +648,14 @@ class SshHost:
                                                         str(local) + ("/" if is_dir else "")]
         return self._rsync(argv, f"copying {self.name}:{remote} back to {local}", quiet)
 
+    def pull_from(self, remote_dir: str, local_dir: Path, quiet: bool = True, extra: Sequence[str] = ()) -> bool:
+        """Copy a folder of the host that is not part of the run directory (an attached server's
+        profiler directory) into local_dir."""
+        local_dir = Path(local_dir)
+        local_dir.mkdir(parents=True, exist_ok=True)
+        argv = self._rsync_base(local_dir) + list(extra) + [f"{self.hostname}:{remote_dir.rstrip('/')}/", f"{local_dir}/"]
+        return self._rsync(argv, f"copying {self.name}:{remote_dir} back to {local_dir}", quiet)
+
     # -- commands
     def run(self, argv: Sequence[str], timeout_s: float = 60.0, check: bool = False,
             cwd: Optional[str] = None) -> subprocess.CompletedProcess:
@@ -821,14 +829,62 @@ def preflight(params, resume: Optional[Path] = None, phases: Optional[Sequence[s
     return host
 
 
-def mirror_move(paths: Sequence[Path], dest: Path) -> None:
-    """Before moving files of a run directory into `dest` here: the same move on the ssh host whose run
-    directories these are (its copy-back would bring them back otherwise); nothing for a local run."""
-    dest = Path(dest).resolve()
-    with _HOSTS_LOCK:
-        hosts = [h for h in _HOSTS.values() if h.remote and dest.is_relative_to(h.output_root)]
-    for h in hosts:
-        h.mirror_move(paths, dest)
+def mirror_move(params, paths: Sequence[Path], dest: Path) -> None:
+    """Before moving files of a run directory into `dest` here: the same move on the run's ssh host
+    (copying the folder back would bring them back otherwise); nothing for a local run."""
+    host = host_for(params)
+    if host.remote:
+        host.mirror_move(paths, dest)
+
+
+@contextlib.contextmanager
+def node_traces(params, trace_dir: Path):
+    """While an attached server is profiled: the traces its ranks write on the ssh host and on each of
+    host.nodes (in host.trace_dir there, its --profiler-config torch_profiler_dir) copied into
+    trace_dir/node<i>/ every host.sync_interval_s, and once more at the end. A file is copied again
+    until it is whole (a complete gzip stream, or a size that stopped changing), then never again, so
+    moving it here (traces/c<N>/) does not bring it back. Nothing for a launched server (its profiler
+    directory is the run's traces/) or a local host."""
+    if params.server.mode != "attach" or not params.host.trace_dir:
+        yield
+        return
+    from decodescope.trace.capture import gzip_complete
+
+    nodes = [(i, h) for i, h in enumerate(node_hosts(params)) if h.remote]
+    done = {i: set() for i, _ in nodes}
+    sizes: dict[Path, int] = {}
+    stop = threading.Event()
+
+    def pull_all() -> None:
+        for i, h in nodes:
+            local = Path(trace_dir) / f"node{i}"
+            local.mkdir(parents=True, exist_ok=True)
+            fd, excl = tempfile.mkstemp(suffix=".exclude")
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(f"/{name}\n" for name in sorted(done[i])))
+            try:
+                h.pull_from(params.host.trace_dir, local, extra=[f"--exclude-from={excl}"])
+            finally:
+                os.unlink(excl)
+            for p in local.rglob("*"):
+                if p.is_file():
+                    size = p.stat().st_size
+                    whole = gzip_complete(p) if p.suffix == ".gz" else sizes.get(p) == size
+                    sizes[p] = size
+                    if whole:
+                        done[i].add(str(p.relative_to(local)))
+
+    def loop() -> None:
+        while not stop.wait(float(params.host.sync_interval_s)):
+            pull_all()
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=RSYNC_TIMEOUT_S)
+        pull_all()
 
 
 def close_all() -> None:

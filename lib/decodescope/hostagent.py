@@ -60,9 +60,14 @@ class _Stop(Exception):
 
 
 def supervise() -> int:
-    line = sys.stdin.readline()
-    if not line:
-        return 2
+    fd = sys.stdin.fileno()
+    buf = b""
+    while b"\n" not in buf:  # the spec line, read unbuffered: what follows it is read from fd below
+        data = os.read(fd, 65536)
+        if not data:
+            return 2
+        buf += data
+    line, buf = buf.split(b"\n", 1)
     spec = json.loads(line)
     token = spec["token"]
     log = Path(spec["log"])
@@ -103,8 +108,6 @@ def supervise() -> int:
     shm: set[Path] = set()
     last_seen = last_scan = time.monotonic()
     reason, rc = "", None
-    buf = b""
-    fd = sys.stdin.fileno()
     try:
         while True:
             rc = child.poll()

@@ -105,6 +105,16 @@ def run_gemm_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.Da
 GEMM_WHATIF_TP = "gemm_whatif_tp.parquet"
 
 
+def rank_cpus(params) -> Optional[str]:
+    """On a CPU host, the cores vLLM binds its first rank to (VLLM_CPU_OMP_THREADS_BIND '0|1' -> '0'):
+    02 times the GEMMs with the threads one rank has, like for like; None when the server does not
+    bind (a GPU host, or no binding given)."""
+    bind = params.server.env.get("VLLM_CPU_OMP_THREADS_BIND")
+    if not bind or bind in ("auto", "all"):
+        return None
+    return bind.split("|")[0].strip() or None
+
+
 def peaks_for(run_dir: Path, params) -> Optional[Peaks]:
     """Peaks from the host phase's file (GPU datasheet or the measured CPU matmul), else from the params;
     None when nothing is known."""

@@ -353,6 +353,10 @@ class HostParams(_Section):
     loadgen: Literal["local", "remote"] = Field("local", description="where the serving load generator runs: "
                                                  "here (through the tunnel: the network is measured too) or on "
                                                  "the host (its records copied back)")
+    trace_dir: Optional[str] = Field(None, description="server.mode attach: where the attached server writes "
+                                     "its profiler traces on the host and on each of host.nodes (its "
+                                     "--profiler-config torch_profiler_dir); copied into traces/node<i>/ during "
+                                     "the profile")
     nodes: list[str] = Field(default_factory=list, description="more hosts (ssh URLs or 'local') for the "
                              "multi-node probes: one torchrun agent each, node ranks 1.. in this order; "
                              "needs microbench.rdzv_endpoint")
@@ -443,7 +447,8 @@ READERS: dict[str, tuple[str, ...]] = {
     "run": (RUNNER,),
     "host": (RUNNER,),
     "host.loadgen": ("01_serving",),
-    "host.nodes": ("03_collectives",),
+    "host.nodes": ("03_collectives", "04_profile"),
+    "host.trace_dir": ("04_profile",),
     "server": _SERVER_PHASES,
     "server.tensor_parallel": (*_SERVER_PHASES, "02_gemm", "03_collectives"),  # the probes' shapes, ranks
     "model.name": _SERVER_PHASES,
@@ -761,6 +766,10 @@ def _experiment_problems(params: Params, path: Path) -> list[tuple[str, str]]:
     if "baseline" in names:
         problems.append(("experiments", "'baseline' names the run itself; choose another variant name"))
     for e in params.experiments:
+        if params.server.mode == "attach" and (e.tensor_parallel is not None or e.engine_args or e.env):
+            problems.append((f"experiments[{e.name}]", "changes the server, but server.mode is attach (a server "
+                             "decodescope does not start); use server.mode: launch, or vary only `workload`"))
+            continue
         try:
             v = with_experiment(params, e.name)
         except ParamsError as pe:

@@ -511,6 +511,7 @@ def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "
     from decodescope.server import write_server_info
 
     key = None  # the baseline's server: its settings (and profiler) are the baseline's, not a variant's
+    t_start, done = time.monotonic(), []
     variants = manifest.data.setdefault("variants", {})
     for n, exp in enumerate(params.experiments, 1):
         entry = variants.setdefault(exp.name, {"status": "pending"})
@@ -538,7 +539,8 @@ def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "
                 entry.update(status="failed", end=utc_now(), error=f"server did not start: {err}"[:4000],
                              duration_s=time.monotonic() - t0)
                 manifest.save()
-                progress.note(f"{label} ... failed: server did not start")
+                done.append(entry["duration_s"])
+                progress.note(f"{label} ... failed: server did not start ({entry['duration_s']:.1f} s)")
                 continue
         else:
             write_server_info(vdir, server, vparams)
@@ -556,7 +558,11 @@ def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "
         entry.update(status="failed" if errors else "ok", end=utc_now(), duration_s=time.monotonic() - t0,
                      error="; ".join(f"{k}: {v}" for k, v in errors.items())[:4000] if errors else None)
         manifest.save()
-        progress.note(f"{label} ... {entry['status']} ({entry['duration_s']:.1f} s)"
+        done.append(entry["duration_s"])
+        left = len(params.experiments) - n
+        eta = f"about {sum(done) / len(done) * left:.0f} s left" if left else "done"
+        progress.note(f"{label} ... {entry['status']} ({entry['duration_s']:.1f} s; variants elapsed "
+                      f"{time.monotonic() - t_start:.0f} s, {eta})"
                       + (f" - {next(iter(errors.values())).splitlines()[0][:200]}" if errors else ""))
     return server
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Callable, Optional
@@ -290,6 +291,15 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
     return row
 
 
+def _parse_cpus(spec: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8}."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", required=True, help="JSON list of shapes")
@@ -299,7 +309,13 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--warm-l2", action="store_true", help="do not flush L2 between calls")
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--cpus", help="CPU host: the cores one engine rank is bound to, e.g. '0' or '0-3' "
+                    "(VLLM_CPU_OMP_THREADS_BIND's first rank): the probe runs on them with that many threads")
     args = ap.parse_args(argv)
+    if args.cpus and args.device == "cpu":
+        cores = _parse_cpus(args.cpus)
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
     shapes = json.load(open(args.shapes))
     device = torch.device(args.device)
     flush = Flusher(device) if device.type == "cuda" and not args.warm_l2 else None

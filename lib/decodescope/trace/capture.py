@@ -208,17 +208,17 @@ def level_dir_name(concurrency: int) -> str:
     return f"c{concurrency}"
 
 
-def _file_level(result: CaptureResult, trace_dir: Path) -> CaptureResult:
+def _file_level(result: CaptureResult, trace_dir: Path, params=None) -> CaptureResult:
     """Move one capture's files into traces/c<N>/ (an earlier capture there is replaced), so each level
     is its own trace directory."""
     import shutil
 
     dest = trace_dir / level_dir_name(result.concurrency)
-    from decodescope.host import mirror_move
+    if params is not None:  # on an ssh host the same move there first, or copying traces/ back brings them back
+        from decodescope.host import mirror_move
 
-    # on an ssh host the same move there first, or copying traces/ back would bring the files back here
-    mirror_move([*result.rank_files, *result.frontend_files, *(p for p in result.tables if p.parent == trace_dir)],
-                dest)
+        mirror_move(params, [*result.rank_files, *result.frontend_files,
+                             *(p for p in result.tables if p.parent == trace_dir)], dest)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
@@ -244,14 +244,17 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str]]:
     trace_dir = ctx.run_dir / "traces"
     levels, notes = profile_levels(ctx.params, ctx.data("serving_levels.parquet"))
     results = []
-    with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server:
+    from decodescope.host import node_traces
+
+    # node_traces: an attached server's traces on the ssh host(s) (host.trace_dir) copied into traces/node<i>/
+    with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server, node_traces(ctx.params, trace_dir):
         for i, c in enumerate(levels):
             print(f"profile: concurrency {c} ({i + 1} of {len(levels)})", flush=True)
             level_data = ctx.data_dir / "profile" / level_dir_name(c)
             level_data.mkdir(parents=True, exist_ok=True)
             result = capture_profile(server, ctx.params, trace_dir, concurrency=c,
                                      records_path=level_data / "profile_requests.parquet")
-            result = _file_level(result, trace_dir)
+            result = _file_level(result, trace_dir, ctx.params)
             write_json_atomic(level_data / "profile_capture.json", result.to_dict())
             if not result.rank_files:
                 result.raise_if_incomplete()

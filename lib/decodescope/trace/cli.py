@@ -1,4 +1,8 @@
-"""`decodescope analyze-trace DIR`: the per-rank breakdown of any directory of traces."""
+"""`decodescope analyze-trace DIR`: the per-rank breakdown of any directory of traces.
+
+Start-up is kept to what parsing needs (numpy, orjson): pandas, the analyses and the typed records
+(pydantic) are imported once the traces are read, when the results are built.
+"""
 from __future__ import annotations
 
 import json
@@ -6,14 +10,18 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
-
 from decodescope.trace.load import load_trace_dir
 from decodescope.trace.parse import TraceError
-from decodescope.trace.profile import analyze_traces, write_profile
 
 
 def analyze_trace_command(args) -> int:
+    from decodescope.trace.parse import small_pages
+
+    with small_pages():  # for the whole command: its analyses allocate as much again as the parse
+        return _analyze(args)
+
+
+def _analyze(args) -> int:
     t0 = time.monotonic()
     try:
         loaded = load_trace_dir(Path(args.trace_dir), workers=args.workers)
@@ -32,6 +40,10 @@ def analyze_trace_command(args) -> int:
         except (OSError, json.JSONDecodeError) as e:
             print(f"error: --model-config {args.model_config}: {e}", file=sys.stderr)
             return 2
+    import pandas as pd
+
+    from decodescope.trace.profile import analyze_traces, write_profile
+
     result = analyze_traces(loaded, config, args.tp)
     out = Path(args.out) if args.out else Path(args.trace_dir) / "analysis"
     summary = write_profile(result, out)
