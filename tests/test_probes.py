@@ -90,6 +90,8 @@ def test_gemm_probe_on_cpu_measures_every_shape_and_skips_fp8_with_a_reason(para
     bf16 = g[g["dtype"] == "bf16"]
     assert set(zip(bf16["op"], bf16["batch"])) == expected
     assert (bf16["status"] == "ok").all() and (bf16["time_us"] > 0).all()
+    # one engine rank's cores and threads (VLLM_CPU_OMP_THREADS_BIND "0|1": core 0), like for like
+    assert bf16["method"].str.contains(r"\(1 threads\)").all(), bf16["method"].iloc[0]
     fp8 = g[g["dtype"] == "fp8"]
     assert (fp8["status"] == "skipped").all()
     assert fp8["skip_reason"].str.contains("CUDA|grouped").all()

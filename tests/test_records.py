@@ -360,3 +360,17 @@ def test_each_serving_level_is_set_against_the_nearest_profiled_level_and_flagge
     assert rows[1]["model_us"] == 4_620.0 and rows[1]["model_error"] == pytest.approx(0.10)
     assert rows[2].get("model_us") is None
     assert level_reconcile(levels, {}, {})[0].get("profile_wall_us") is None  # no profile: nothing divided
+
+
+def test_a_level_whose_tokens_arrived_in_bursts_is_set_against_the_engines_own_tpot():
+    from types import SimpleNamespace
+
+    from decodescope.verdict import level_tpot
+
+    steady = SimpleNamespace(tpot_p50_us=3_000.0, itl_coalesced_frac=0.1, server_tpot_mean_us=2_900.0)
+    assert level_tpot(steady) == (3_000.0, "client TPOT p50")
+    bursts = SimpleNamespace(tpot_p50_us=7.4, itl_coalesced_frac=0.99, server_tpot_mean_us=2_876.0)
+    tpot, why = level_tpot(bursts)
+    assert tpot == 2_876.0 and "99% of the client's token gaps coalesced" in why
+    no_metrics = SimpleNamespace(tpot_p50_us=7.4, itl_coalesced_frac=0.99, server_tpot_mean_us=float("nan"))
+    assert level_tpot(no_metrics)[0] == 7.4   # nothing better measured: the client's, as it is

@@ -199,3 +199,41 @@ def test_another_tensor_parallel_size_scales_attention_and_extrapolates_collecti
     assert "collectives" not in parts                               # one rank: nothing to reduce
     assert parts["attention"] == pytest.approx(200.0)               # twice the heads per rank
     assert pred.period_us == pytest.approx(sum(s.count for s in shapes1) * 30.0 + 200.0 + 500.0)
+
+
+def test_fixes_are_calibrated_by_the_measured_tpot_and_ranked(tiny, repo):
+    """A fix's TPOT at a measured level = measured TPOT x fix / base model, so the model's own error
+    cancels; GEMMs 2x faster is priced by halving the GEMM component."""
+    from decodescope.params import load_params
+    from decodescope.verdict import ModelInputs, curves
+
+    params = load_params(repo / "params/default.yaml")
+    shapes2, shapes1 = archmod.gemm_shapes(tiny, 2, 1), archmod.gemm_shapes(tiny, 1, 1)
+    gemm = pd.DataFrame([{"op": s.op, "batch": b, "dtype": "bf16", "status": "ok", "time_us": 10.0}
+                         for s in shapes2 for b in (1, 4)])
+    gemm_tp = pd.DataFrame([{"op": s.op, "batch": b, "dtype": "bf16", "status": "ok", "time_us": 15.0, "tp": 1}
+                            for s in shapes1 for b in (1, 4)])
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": c, "timing": "back_to_back",
+                          "inplace": True, "rank": 0, "bytes": n, "time_us": t, "p10_us": t, "p90_us": t}
+                         for c, t in (("vllm_shm", 5.0), ("torch_gloo", 50.0)) for n in (256, 65536)])
+    samples = sm.step_samples({1: _summary(1, 1.0, {0: {"allreduce": 1.0, "attention": 100.0, "framework_overhead": 400.0}},
+                                           1500.0, 2500.0, 1000.0, 0.0)}, 40.0)
+    inp = ModelInputs(gemm=gemm, gemm_tp=gemm_tp, coll=coll, arch=tiny, tp=2, communicator="vllm_shm",
+                      timing="back_to_back", samples=samples, serving_context_tokens=40.0)
+    levels = pd.DataFrame({"level": [1], "tpot_p50_us": [3_000.0], "output_throughput_tok_s": [330.0]})
+    rows, comps, proj = curves(inp, params, levels)
+    by = {(r["fix"], r["batch"]): r for r in rows}
+    n2, n1 = sum(s.count for s in shapes2), sum(s.count for s in shapes1)
+    base = n2 * 10.0 + 10 * 5.0 + 100.0 + 400.0 + 1000.0        # GEMMs, 9 AR + gather, attention, framework, between
+    assert by[("step model", 1.0)]["tpot_us"] == pytest.approx(base)
+    assert by[("measured (01)", 1.0)]["tok_s_per_gpu"] == pytest.approx(1e6 / 3_000.0 / 2)
+    tp1 = n1 * 15.0 + 200.0 + 400.0 + 1000.0                     # no collectives, attention x 2
+    fix = by[("tensor-parallel 1 x 2 replicas", 1.0)]
+    assert fix["calibrated"] and fix["tpot_us"] == pytest.approx(3_000.0 * tp1 / base)
+    assert fix["tok_s_per_gpu"] == pytest.approx(1e6 / fix["tpot_us"] / 1)   # one GPU per replica
+    gloo = by[("all-reduce through torch_gloo", 1.0)]
+    assert gloo["tpot_us"] == pytest.approx(3_000.0 * (base + 10 * 45.0) / base)
+    half = by[("GEMMs 2x faster", 1.0)]
+    assert half["tpot_us"] == pytest.approx(3_000.0 * (base - n2 * 5.0) / base)
+    assert [p["gain_pct"] for p in proj] == sorted(p["gain_pct"] for p in proj)   # ranked, best first
+    assert {c["component"] for c in comps} >= {"gemm", "collectives", "attention", "framework overhead", "between steps"}

@@ -92,6 +92,9 @@ def run_gemm_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.Da
         argv += ["--device", device]
     if not params.microbench.flush_l2:
         argv.append("--warm-l2")
+    cpus = rank_cpus(params)
+    if cpus:
+        argv += ["--cpus", cpus]
     _run(argv, run_dir / "logs" / "gemm_probe.log", params.microbench.probe_timeout_s, host=host,
          inputs=(shapes_path,), outputs=(out,))
     table = gemm_table(json.loads(out.read_text()), peaks_for(run_dir, params))
@@ -233,6 +236,37 @@ def run_collectives_probe(params, run_dir: Path, device: Optional[str] = None) -
     run_torchrun_probe(params, run_dir, "decodescope.probes.collectives", args, world, inputs=(plan_path,),
                        outputs=(out_dir,), log_name="collectives_probe")
     return collectives_table(out_dir)
+
+
+STEP_REPLAY = "step_replay.parquet"
+
+
+def step_plan(params, dtype: str = "bf16") -> dict:
+    """The step replay probe's plan (probes/step.py): the step's program in model order per batch."""
+    arch = archmod.normalize_config(params.model_config_dict())
+    tp, mb = params.server.tensor_parallel, params.microbench
+    return {"dtype": dtype, "iters": mb.iterations, "warmup": mb.warmup,
+            "steps": [{"batch": b, "program": archmod.step_program(arch, tp, b, mb.expert_parallel)} for b in mb.batches]}
+
+
+def run_step_replay(params, run_dir: Path, device: Optional[str] = None) -> pd.DataFrame:
+    """The decode step's skeleton replayed on the tensor-parallel ranks (GEMMs and collectives in model
+    order, nothing else): per (batch, variant, mode) the slowest rank's median (stepmodel.replay_table)."""
+    from decodescope.stepmodel import replay_table
+
+    data = run_dir / "data"
+    plan_path = data / "step_plan.json"
+    dtype = "bf16" if "bf16" in params.microbench.dtypes else params.microbench.dtypes[0]
+    write_json_atomic(plan_path, step_plan(params, dtype))
+    out_dir = data / "step_ranks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    args = ["--plan", plan_path, "--out-dir", out_dir] + (["--device", device] if device else [])
+    run_torchrun_probe(params, run_dir, "decodescope.probes.step", args, params.server.tensor_parallel,
+                       inputs=(plan_path,), outputs=(out_dir,), log_name="step_probe")
+    rows = [r for p in sorted(out_dir.glob("step_rank*.json")) for r in json.loads(p.read_text())["rows"]]
+    table = replay_table(rows)
+    write_parquet_atomic(data / STEP_REPLAY, table)
+    return table
 
 
 def run_torchrun_probe(params, run_dir: Path, module: str, args: list, world: int, inputs: tuple = (),

@@ -454,6 +454,9 @@ class LevelReconcileRow(_Model):
 
     level: int
     tpot_p50_us: float = Field(description="client TPOT p50 (01)")
+    reference_tpot_us: Optional[float] = Field(None, description="the TPOT the step is set against: the client's "
+                                               "p50, or the engine's own (vllm metrics) when delivery coalesced")
+    reference: str = Field("", description="which TPOT that is, and why")
     profile_batch: Optional[int] = Field(None, description="the profiled batch nearest this level (04)")
     profile_wall_us: Optional[float] = Field(None, description="median wall-clock decode step there (04)")
     model_us: Optional[float] = Field(None, description="the step model's period (step + time between steps) at "
@@ -467,6 +470,19 @@ class LevelReconcileRow(_Model):
     attributed_to: str = Field("", description="what the residual is put down to, from the measurements")
 
 
+class ReplayRow(_Model):
+    """The step replay (03) at one batch against the step model's GEMMs + collectives."""
+
+    batch: int
+    mode: str = Field(description="eager or cuda_graph")
+    replay_us: float = Field(description="the replayed step, slowest rank's median (03, step_replay.parquet)")
+    predicted_us: float = Field(description="GEMMs (02) + collectives (03, the replay's communicator)")
+    low_us: float
+    high_us: float
+    error: float = Field(description="predicted / replayed - 1")
+    communicator: str
+
+
 class VariantRow(_Model):
     """One variant (params.experiments) at one serving level: measured against its projection."""
 
@@ -474,7 +490,9 @@ class VariantRow(_Model):
     status: str = Field(description="ok, failed or not run (the manifest's record of the variant)")
     error: str = ""
     level: Optional[int] = None
-    tpot_p50_us: Optional[float] = Field(None, description="the variant's client TPOT p50 (its 01)")
+    tpot_p50_us: Optional[float] = Field(None, description="the variant's TPOT at this level (its 01): the client's "
+                                         "p50, or the engine's own when delivery coalesced (see reference)")
+    reference: str = ""
     baseline_tpot_p50_us: Optional[float] = None
     measured_gain_pct: Optional[float] = Field(None, description="variant / baseline TPOT - 1, %")
     tok_s_per_gpu: Optional[float] = None
@@ -513,6 +531,7 @@ class Verdict(Record):
     serving: Optional[ServingHeadline] = None
     findings: list[Finding] = Field(default_factory=list, description="the verdict page, sentence by sentence")
     variants: list[VariantRow] = Field(default_factory=list, description="each variant measured against its projection")
+    replay: list[ReplayRow] = Field(default_factory=list, description="the step replay against the step model")
 
 
 # ---- run manifest (manifest.json) ------------------------------------------------------------------

@@ -496,6 +496,9 @@ def write_server_info(run_dir: Path, server: VllmServer, params: Params) -> None
     """What later phases (and a kernel in JupyterLab) need to reach the run's server."""
     from decodescope.io import write_json_atomic
 
+    if getattr(server, "link", None):
+        # the tunnel's measured cost, beside the numbers of whichever run directory uses this server
+        write_json_atomic(Path(run_dir) / "data" / "link.json", server.link)
     write_json_atomic(server_info_path(run_dir), {
         "base_url": server.base_url,
         "model": params.model.name,
@@ -538,9 +541,6 @@ def start_for_params(params: Params, run_dir: Path, profiler_dir: Optional[Path]
         on_host = (params.server.url.rstrip("/") if params.server.mode == "attach" else
                    f"http://{_loopback(params.server.bind_host)}:{params.server.port}")
         server.link = host.measure_link(server.base_url + "/health", on_host + "/health")
-        from decodescope.io import write_json_atomic
-
-        write_json_atomic(Path(run_dir) / "data" / "link.json", server.link)
     write_server_info(run_dir, server, params)
     return server
 

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.records import (AttributionRow, Bottleneck, CurveRow, Finding, VariantRow, LevelReconcileRow, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
+from decodescope.records import (AttributionRow, Bottleneck, CurveRow, Finding, ReplayRow, VariantRow, LevelReconcileRow, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
                                  ServingLevel, Verdict, WhatIfRow, read_record)
 from decodescope.trace import categorize
 
@@ -165,6 +165,19 @@ def measured_step(summary: ProfileSummary, batch: int) -> Optional["whatif.Measu
 
 
 LEVEL_TOLERANCE = 0.20  # client TPOT within 20% of the profiled step counts as agreeing
+COALESCED_LIMIT = 0.5   # above this share of coalesced token gaps, client TPOT describes delivery, not steps
+
+
+def level_tpot(lv) -> tuple[float, str]:
+    """A level's TPOT for setting against the step: the client's p50, unless the server released most
+    tokens in bursts (01's coalesced gaps), which makes the client's TPOT describe delivery; then the
+    engine's own mean TPOT from its metrics (vllm:request_time_per_output_token, 01's telemetry)."""
+    coalesced = float(getattr(lv, "itl_coalesced_frac", 0.0) or 0.0)
+    server = getattr(lv, "server_tpot_mean_us", None)
+    if coalesced > COALESCED_LIMIT and server is not None and server == server and server > 0:
+        return float(server), (f"server TPOT (vllm metrics): {100 * coalesced:.0f}% of the client's token gaps "
+                               "coalesced, so its TPOT describes stream delivery")
+    return float(lv.tpot_p50_us), "client TPOT p50"
 
 
 def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
@@ -175,8 +188,8 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
     rows = []
     for lv in levels.sort_values("level").itertuples():
         level = int(lv.level)
-        tpot = float(lv.tpot_p50_us)
-        row = {"level": level, "tpot_p50_us": tpot}
+        tpot, basis = level_tpot(lv)
+        row = {"level": level, "tpot_p50_us": float(lv.tpot_p50_us), "reference_tpot_us": tpot, "reference": basis}
         m = model.get(float(level))
         if m:
             row.update(model_us=m[0], model_low_us=m[1], model_high_us=m[2], model_error=m[0] / tpot - 1)
@@ -269,6 +282,7 @@ def verdict(run_dir: Path, params) -> Verdict:
         out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(levels, summaries, model)]
     if params.experiments:
         out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels)]
+    out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
     out.findings = [Finding.model_validate(f) for f in findings(out, summary, params.server.tensor_parallel)]
     if levels is not None and not levels.empty:
         lv = [ServingLevel.model_validate(r) for r in levels.sort_values("level").to_dict("records")]
@@ -423,7 +437,7 @@ def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame]) -> tuple[li
     measured = {}
     if levels is not None and not levels.empty:
         for lv in levels.sort_values("level").itertuples():
-            measured[float(lv.level)] = float(lv.tpot_p50_us)
+            measured[float(lv.level)] = level_tpot(lv)[0]
     batches = sorted(set(measured) | {s.batch for s in inp.samples}) or [1.0]
     rows, comps, proj = [], [], []
     for b, t in measured.items():
@@ -500,6 +514,15 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
                     f"({ratio:.2f}), outside {100 * RECONCILE_TOLERANCE:.0f}%" + (f": {r.note}." if r.note else "."))
         out.append({"topic": "consistency", "figure": "verdict-reconcile", "files": [
             f"data/{r.micro_source.split(' ')[0].rstrip(',')}", "data/profile_summary.json"], "text": text})
+    if v.replay:
+        ok = [r for r in v.replay if abs(r.error) <= REPLAY_TOLERANCE]
+        worst = max(v.replay, key=lambda r: abs(r.error))
+        out.append({"topic": "consistency", "figure": "verdict-replay", "files": [
+            "data/step_replay.parquet", "data/gemm.parquet", "data/collectives.parquet"],
+            "text": f"The step replayed without the framework (03) against the step model's GEMMs + collectives: "
+                    f"within {100 * REPLAY_TOLERANCE:.0f}% at {len(ok)} of {len(v.replay)} (batch, mode); the "
+                    f"worst, batch {worst.batch} {worst.mode}: {worst.predicted_us / 1e3:.2f} ms predicted vs "
+                    f"{worst.replay_us / 1e3:.2f} ms replayed ({100 * worst.error:+.0f}%)."})
     if v.levels:
         with_model = [lv for lv in v.levels if lv.model_error is not None]
         if with_model:
@@ -507,9 +530,10 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
             first = with_model[0]
             out.append({"topic": "consistency", "figure": "verdict-levels", "files": [
                 "data/serving_levels.parquet", "data/gemm.parquet", "data/collectives.parquet", "data/profile/"],
-                "text": f"The step model is within {100 * LEVEL_TOLERANCE:.0f}% of client TPOT at {len(ok)} of "
+                "text": f"The step model is within {100 * LEVEL_TOLERANCE:.0f}% of the measured TPOT at {len(ok)} of "
                         f"{len(with_model)} serving levels; at concurrency {first.level}: {first.model_us / 1e3:.2f} ms "
-                        f"predicted vs {first.tpot_p50_us / 1e3:.2f} ms measured ({100 * first.model_error:+.0f}%)."})
+                        f"predicted vs {(first.reference_tpot_us or first.tpot_p50_us) / 1e3:.2f} ms measured "
+                        f"({100 * first.model_error:+.0f}%; {first.reference or 'client TPOT p50'})."})
     measured = {}
     for r in v.variants:
         if r.status != "ok" or r.measured_gain_pct is None:
@@ -609,7 +633,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
 
     manifest_path = Path(run_dir) / "manifest.json"
     states = (read_json(manifest_path).get("variants", {}) if manifest_path.is_file() else {})
-    base = {int(r.level): float(r.tpot_p50_us) for r in levels.itertuples()} if levels is not None else {}
+    base = {int(r.level): level_tpot(r)[0] for r in levels.itertuples()} if levels is not None else {}
     rows = []
     for exp in params.experiments:
         state = states.get(exp.name, {})
@@ -622,9 +646,9 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
         vparams = with_experiment(params, exp.name)
         acceptance = _acceptance(vlev)
         for lv in vlev.sort_values("level").itertuples():
-            b, tpot = float(lv.level), float(lv.tpot_p50_us)
+            b, (tpot, basis) = float(lv.level), level_tpot(lv)
             row = {"variant": exp.name, "status": status, "error": (state.get("error") or "").splitlines()[0][:300]
-                   if state.get("error") else "", "level": int(lv.level), "tpot_p50_us": tpot,
+                   if state.get("error") else "", "level": int(lv.level), "tpot_p50_us": tpot, "reference": basis,
                    "tok_s_per_gpu": float(lv.output_throughput_tok_s) / vparams.server.tensor_parallel}
             if int(lv.level) in base:
                 row.update(baseline_tpot_p50_us=base[int(lv.level)], measured_gain_pct=100 * (tpot / base[int(lv.level)] - 1))
@@ -644,4 +668,32 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                                notes=("calibrated by the baseline's TPOT at this level" if int(lv.level) in base else
                                       "the model's own value (the baseline did not measure this level)"))
             rows.append(row)
+    return rows
+
+
+REPLAY_TOLERANCE = 0.10  # the step model's GEMMs + collectives against the replayed step
+
+
+def replay_rows(run_dir: Path, params, inp: Optional[ModelInputs]) -> list[dict]:
+    """03's step replay (GEMMs and collectives in model order through torch.distributed, nothing else)
+    against the step model's GEMMs (02) + collectives (03, the communicator the replay ran: torch's)."""
+    from decodescope import stepmodel as sm
+    from decodescope.microbench import STEP_REPLAY
+
+    replay = _read_parquet(run_dir, STEP_REPLAY)
+    if inp is None or replay is None or replay.empty:
+        return []
+    rows = []
+    for mode in sorted(set(replay["mode"])):
+        comm, timing = (("torch_nccl", "cuda_graph") if mode == "cuda_graph" else
+                        ("torch_nccl", "back_to_back") if inp.timing == "cuda_graph" else ("torch_gloo", "back_to_back"))
+        batches = sorted(int(b) for b in replay.loc[replay["mode"] == mode, "batch"].unique())
+        try:
+            pred = sm.predict_replay(inp.gemm, inp.coll, inp.arch, inp.tp, batches, comm, timing)
+        except (ValueError, KeyError):
+            continue
+        for r in sm.compare_with_replay(pred, replay, mode=mode).itertuples():
+            rows.append({"batch": int(r.batch), "mode": mode, "replay_us": float(r.replay_us),
+                         "predicted_us": float(r.predicted_us), "low_us": float(r.low_us), "high_us": float(r.high_us),
+                         "error": float(r.error), "communicator": comm})
     return rows

@@ -350,6 +350,34 @@ def tpot_vs_throughput(curves: pd.DataFrame, measured_band: pd.DataFrame | None 
     return fig
 
 
+def step_replay_bars(replay: pd.DataFrame) -> go.Figure:
+    """The replayed step per batch: full, GEMMs only and collectives only, per mode."""
+    fig = go.Figure()
+    for (variant, mode), g in replay.groupby(["variant", "mode"]):
+        g = g.sort_values("batch")
+        fig.add_trace(go.Bar(x=g["batch"].astype(str), y=g["time_us"] / 1e3, name=f"{variant} ({mode})",
+                             error_y=dict(type="data", symmetric=False, array=(g["p90_us"] - g["time_us"]) / 1e3,
+                                          arrayminus=(g["time_us"] - g["p10_us"]) / 1e3)))
+    fig.update_layout(barmode="group", title="The decode step replayed: full, GEMMs only, collectives only",
+                      xaxis_title="batch", yaxis_title="ms per step (slowest rank, p10-p90)")
+    return fig
+
+
+def replay_vs_model(replay: pd.DataFrame) -> go.Figure:
+    """Replayed step (03) and the step model's GEMMs + collectives per batch, per mode; model band as error bars."""
+    fig = go.Figure()
+    for mode, g in replay.groupby("mode"):
+        g = g.sort_values("batch")
+        fig.add_trace(go.Scatter(x=g["batch"], y=g["replay_us"] / 1e3, mode="lines+markers", name=f"replayed ({mode})"))
+        fig.add_trace(go.Scatter(x=g["batch"], y=g["predicted_us"] / 1e3, mode="lines+markers", line=dict(dash="dot"),
+                                 name=f"step model ({mode})",
+                                 error_y=dict(type="data", symmetric=False, array=(g["high_us"] - g["predicted_us"]) / 1e3,
+                                              arrayminus=(g["predicted_us"] - g["low_us"]) / 1e3)))
+    fig.update_layout(title="The step replayed without the framework against the step model (GEMMs + collectives)",
+                      xaxis_title="batch", yaxis_title="ms per step", xaxis_type="log")
+    return fig
+
+
 def variant_bars(variants: pd.DataFrame) -> go.Figure:
     """Per variant and level: measured TPOT, the baseline's, and the projection with its band."""
     d = variants[variants["tpot_p50_us"].notna()]

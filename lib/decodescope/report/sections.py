@@ -122,6 +122,18 @@ def verdict_findings(v: Verdict) -> None:
     show_note("\n".join(lines))
 
 
+def verdict_replay(v: Verdict) -> None:
+    """The step replay (03) against the step model's GEMMs + collectives."""
+    if not v.replay:
+        show_note("*No step replay in this run (03 runs it), or no GEMMs (02) to price it.*")
+        return
+    from decodescope.records import ReplayRow
+
+    df = frame(v.replay, ReplayRow)
+    show(plots.replay_vs_model(df))
+    show_table(df, caption="step replay vs step model - verdict.json (step_replay.parquet, gemm.parquet, collectives.parquet)")
+
+
 def verdict_variants(v: Verdict) -> None:
     """Each variant measured against the baseline and against its projection."""
     if not v.variants:
