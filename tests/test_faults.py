@@ -56,7 +56,18 @@ class Run:
         self.t0 = time.monotonic()
 
     def wait(self, timeout: float = 900) -> int:
-        return self.proc.wait(timeout=timeout)
+        """The exit status; a run still going after `timeout` is stopped (SIGTERM, then SIGKILL to its
+        group) so a failing test leaves nothing running, and the test fails."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            pytest.fail(f"decodescope run did not end within {timeout:.0f} s; stderr:\n{self.stderr[-3000:]}")
 
     @property
     def stderr(self) -> str:

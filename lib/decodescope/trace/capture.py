@@ -68,12 +68,19 @@ def gzip_complete(path: Path) -> bool:
 
 
 def wait_for_traces(trace_dir: Path, before: set[Path], expected_ranks: int, timeout_s: float,
-                    poll_s: float = 2.0, partial_ok: bool = False) -> tuple[list[Path], list[Path]]:
+                    poll_s: float = 2.0, partial_ok: bool = False, check=None,
+                    check_every_s: float = 10.0) -> tuple[list[Path], list[Path]]:
     """New rank traces (at least expected_ranks), each complete; on timeout raises CaptureError, or
-    with partial_ok returns the complete ones that arrived."""
+    with partial_ok returns the complete ones that arrived. `check()` runs every check_every_s and
+    raises when the traces can no longer come (the server, or the link to its host, is gone), so a
+    dead server does not cost the whole flush timeout."""
     deadline = time.monotonic() + timeout_s
+    next_check = time.monotonic() + check_every_s
     sizes: dict[Path, int] = {}
     while True:
+        if check is not None and time.monotonic() >= next_check:
+            check()
+            next_check = time.monotonic() + check_every_s
         ranks, front = find_trace_files(trace_dir)
         new = [p for p in ranks if p not in before]
         new_front = [p for p in front if p not in before]
@@ -145,7 +152,11 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     t3 = time.monotonic()
     # after a /stop_profile that never completed, wait only briefly for files still being written
     wait_s = min(prof.flush_timeout_s, 30.0) if problems else prof.flush_timeout_s
-    ranks, front = wait_for_traces(trace_dir, before, expected_ranks, wait_s, partial_ok=bool(problems))
+    ranks, front = wait_for_traces(trace_dir, before, expected_ranks, wait_s, partial_ok=bool(problems),
+                                   # after a /stop_profile that failed the server may be stuck but alive:
+                                   # then the short wait above is the limit, not its health
+                                   check=None if problems else
+                                   (lambda: server.raise_if_dead("the wait for the profiler's traces")))
     if len(ranks) < expected_ranks:
         problems.append(f"{len(ranks)} of {expected_ranks} rank traces arrived complete in {trace_dir}")
     t4 = time.monotonic()
