@@ -1,20 +1,21 @@
-"""A directory of per-rank traces -> one table, ranks parsed in parallel processes.
+"""A directory of per-rank traces -> one table: rank files parsed in parallel processes when they are
+big enough to gain from it, else in this one.
 
 Damaged files, missing ranks and traces of two runs in one directory give warnings naming the
-files; the other ranks are still analysed.
+files; the other ranks are still analysed. pandas is imported only to build the table.
 """
 from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import pandas as pd
+from decodescope.trace.parse import TraceError, TraceMeta, _Columns, json_size, parse_columns, small_pages
 
-from decodescope.trace.parse import TraceError, TraceMeta, parse_trace
+if TYPE_CHECKING:
+    import pandas as pd
 
 TRACE_FILE = re.compile(r"\.json(\.gz)?$")
 FRONTEND_TRACE = re.compile(r"async_llm|api_server|frontend", re.I)
@@ -22,7 +23,7 @@ FRONTEND_TRACE = re.compile(r"async_llm|api_server|frontend", re.I)
 
 @dataclass
 class LoadedTraces:
-    events: pd.DataFrame
+    events: "pd.DataFrame"
     metas: list[TraceMeta]
     warnings: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -39,23 +40,81 @@ def find_trace_files(trace_dir: Path) -> tuple[list[Path], list[Path]]:
     return [p for p in files if p not in front], front
 
 
-# A decoding process costs its own baseline memory: one per this much decompressed JSON, no more.
-JSON_BYTES_PER_WORKER = 96 << 20
+# When to use more processes: from the crossover measured on this project's 2-core machine
+# (benchmarks/trace_crossover.py, benchmarks/results/cpu_trace_crossover.txt). A forked worker costs its
+# start and a copy of its columns through a pipe; a rank file reads at ~110-170 MB/s of JSON a core, its
+# decompression already overlapped by a thread. So:
+# - rank files in processes of their own (one rank stays in this process) once the files handed to the
+#   others hold this much JSON: about even at 4 MB handed over, 1.2x at 10 MB, 1.3-1.7x from 25 MB;
+FILES_IN_PROCESSES_MIN_BYTES = 8 << 20
+# - one file's chunks spread over worker processes (a file read alone) from this much JSON: a loss up to
+#   25 MB, even at 50 MB, 1.2x at 100 MB (each chunk crosses two pipes, and only an idle core gains).
+FILE_POOL_MIN_BYTES = 96 << 20
 
 
 def workers_for(path: Path, workers: int) -> int:
-    size = Path(path).stat().st_size * (8 if str(path).endswith(".gz") else 1)  # gzip ~8x on traces
-    return max(1, min(workers, size // JSON_BYTES_PER_WORKER))
+    """Processes to read one file's chunks in when it is read alone: 1 (this process, its decompression
+    in a thread) below FILE_POOL_MIN_BYTES of JSON, else up to `workers`."""
+    return workers if workers > 1 and json_size(Path(path)) >= FILE_POOL_MIN_BYTES else 1
 
 
-def _parse_one(path: str, workers: int = 1):
+def plan_processes(sizes: list[int], workers: int) -> list[int]:
+    """Which process reads each file: 0 is this one, 1.. forked workers. Files are spread largest first
+    onto the least loaded process (this one included); one process when the files the others would
+    take hold less than FILES_IN_PROCESSES_MIN_BYTES in all."""
+    n = min(workers, len(sizes))
+    if n < 2:
+        return [0] * len(sizes)
+    load = [0] * n
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        p = min(range(n), key=lambda p: (load[p], p))
+        owner[i] = p
+        load[p] += sizes[i]
+    if sum(load[1:]) < FILES_IN_PROCESSES_MIN_BYTES:
+        return [0] * len(sizes)
+    return owner
+
+
+def _parse_one(path: str, workers: int = 1, as_payload: bool = False):
+    """(path, columns, meta, error) of one file; the columns as plain arrays when sent back from a worker."""
     try:
-        df, meta = parse_trace(path, workers=workers_for(Path(path), workers))
-        return path, df, meta, None
+        cols, meta = parse_columns(path, workers=workers_for(Path(path), workers))
+        return path, (cols.payload() if as_payload else cols), meta, None
     except TraceError as e:
         return path, None, None, str(e)
     except Exception as e:  # any other damage: name the file, keep going with the other ranks
         return path, None, None, f"{path}: {type(e).__name__}: {e}"
+
+
+def _parse_all(files: list[Path], workers: int) -> list:
+    """Every file parsed, in order: this process reads its share while forked workers read theirs."""
+    owner = plan_processes([json_size(f) for f in files], workers)
+    n_workers = max(owner)
+    if not n_workers:
+        return [_parse_one(str(f), workers) for f in files]
+    from decodescope.trace.parse import _process_pool
+
+    results: list = [None] * len(files)
+    pool = _process_pool(n_workers)
+    try:
+        futures = {i: pool.submit(_parse_one, str(f), 1, True) for i, f in enumerate(files) if owner[i]}
+        for i, f in enumerate(files):  # this process's share, while the workers read theirs
+            if not owner[i]:
+                results[i] = _parse_one(str(f), 1)
+        for i, fut in futures.items():
+            try:
+                path, payload, meta, err = fut.result()
+            except Exception as e:  # the worker itself died (killed, out of memory): name its file
+                path, payload, meta, err = str(files[i]), None, None, f"{files[i]}: {type(e).__name__}: {e}"
+            cols = None
+            if payload is not None:
+                cols = _Columns()
+                cols.merge(payload)
+            results[i] = (path, cols, meta, err)
+    finally:
+        pool.shutdown()
+    return results
 
 
 def _lone_trace_as_rank0(results: list, trace_dir: Path) -> Optional[str]:
@@ -63,44 +122,41 @@ def _lone_trace_as_rank0(results: list, trace_dir: Path) -> Optional[str]:
     rank 0: there is no other rank it could be. Returns the warning saying so, or None."""
     if len(results) != 1:
         return None
-    path, df, meta, err = results[0]
+    path, _, meta, err = results[0]
     if err or meta.rank is not None:
         return None
     meta.rank, meta.rank_source = 0, "single trace"
-    df["rank"] = 0
     return (f"{path}: no rank in distributedInfo or the file name; the only trace in {trace_dir}, "
             "so it is read as rank 0")
 
 
 def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTraces:
-    trace_dir = Path(trace_dir)
+    with small_pages():
+        return _load_trace_dir(Path(trace_dir), workers)
+
+
+def _load_trace_dir(trace_dir: Path, workers: Optional[int]) -> LoadedTraces:
     if not trace_dir.is_dir():
         raise FileNotFoundError(f"{trace_dir}: not a directory of traces")
     files, front = find_trace_files(trace_dir)
     if not files:
         raise TraceError(f"{trace_dir}: no *.json or *.json.gz trace files (rank traces) found")
     workers = workers or (os.cpu_count() or 1)
-    if len(files) > 1 and 2 * len(files) >= workers:
-        # enough files to keep most cores busy: one process per rank file
-        with ProcessPoolExecutor(max_workers=min(workers, len(files))) as pool:
-            results = list(pool.map(_parse_one, map(str, files)))
-    else:
-        # fewer files than cores: one file at a time, its chunks decoded by every core
-        results = [_parse_one(str(f), workers) for f in files]
+    results = _parse_all(files, workers)
     warnings = [f"{p}: front-end (API server) trace, not a rank: not analysed" for p in front]
     lone = _lone_trace_as_rank0(results, trace_dir)
     if lone:
         warnings.append(lone)
-    by_rank: dict[int, list[tuple[Path, pd.DataFrame, TraceMeta]]] = {}
-    for path, df, meta, err in results:
+    by_rank: dict[int, list[tuple[Path, _Columns, TraceMeta]]] = {}
+    for path, cols, meta, err in results:
         if err:
             warnings.append(err)
             continue
         if meta.rank is None:
             warnings.append(f"{path}: no rank in distributedInfo or the file name: not analysed")
             continue
-        by_rank.setdefault(meta.rank, []).append((Path(path), df, meta))
-    frames, metas, skipped = [], [], []
+        by_rank.setdefault(meta.rank, []).append((Path(path), cols, meta))
+    tables, metas, skipped = [], [], []
     for rank, items in sorted(by_rank.items()):
         if len(items) > 1:
             # two runs in one directory: keep the newest file of each rank
@@ -109,8 +165,8 @@ def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTrac
                 skipped.append(str(p))
             warnings.append(f"rank {rank}: {len(items)} traces ({', '.join(p.name for p, _, _ in items)}); "
                             f"traces of several runs are mixed in {trace_dir}: using the newest, {items[-1][0].name}")
-        _, df, meta = items[-1]
-        frames.append(df)
+        _, cols, meta = items[-1]
+        tables.append(cols)
         metas.append(meta)
         warnings += meta.warnings
     world = max((m.world_size or 0 for m in metas), default=0)
@@ -118,15 +174,24 @@ def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTrac
     if missing:
         warnings.append(f"{trace_dir}: world size {world} but no usable trace for rank(s) {missing}; "
                         "analysing the ranks present")
-    if len(frames) > 1:
-        # union the string dictionaries so the columns stay categorical (no per-row strings)
-        from pandas.api.types import union_categoricals
+    return LoadedTraces(events=_table(tables, metas), metas=metas, warnings=warnings, skipped=skipped)
 
-        cat_cols = ("name", "cat", "coll_name", "coll_dtype", "pg_name")
-        combined = {c: union_categoricals([f[c] for f in frames]) for c in cat_cols}
-        events = pd.concat([f.drop(columns=list(cat_cols)) for f in frames], ignore_index=True)
-        for c in cat_cols:
-            events[c] = combined[c]
-    else:
-        events = frames[0] if frames else pd.DataFrame()
-    return LoadedTraces(events=events, metas=metas, warnings=warnings, skipped=skipped)
+
+def _table(parts: list[_Columns], metas: list[TraceMeta]) -> "pd.DataFrame":
+    """One table of every rank's columns, built once (no per-rank tables to concatenate): the string
+    dictionaries are united in rank order, as pandas' union_categoricals would."""
+    import numpy as np
+    import pandas as pd
+
+    if not parts:
+        return pd.DataFrame()
+    if len(parts) == 1:
+        return parts[0].frame(rank=metas[0].rank)
+    rank = np.concatenate([np.full(cols.rows, m.rank, dtype=np.int64) for cols, m in zip(parts, metas)])
+    table = _Columns()
+    for cols in parts:
+        table.take(cols)  # each rank's columns are handed over, not copied
+    df = table.frame(rank=rank)
+    # the column order of the tables this function used to concatenate: strings last
+    strings = list(_Columns.STR)
+    return df[[c for c in df.columns if c not in strings] + strings]

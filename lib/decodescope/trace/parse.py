@@ -1,37 +1,57 @@
-"""Kineto / Chrome traces (.json or .json.gz) -> a columnar table, streamed.
+"""Kineto / Chrome traces (.json or .json.gz) -> a columnar table, in one streamed pass.
 
-The file is decompressed and scanned in chunks; each event object is cut out of the text and only the
-events we need are decoded (`python_function` events, most of a with_stack trace, are skipped by
-looking at their first bytes). Kept fields go into typed arrays, so memory is bounded by the kept
-events, not by the trace's size. Torch's Kineto writer puts one key per line and closes each event
-with "\\n  }"; traces formatted otherwise fall back to a streaming `raw_decode` over the same chunks.
+A reader thread decompresses the file chunk by chunk (zlib releases the GIL, so decompression runs on
+one core while the events are found on another) and hands the chunks over through a queue of two; the
+parser cuts each chunk at its last complete event and carries the rest over. Memory is the chunks in
+flight (CHUNK_BYTES each, at most four) and one chunk's index arrays (some 20 bytes a byte of text)
+plus the kept columns, whatever the file's size; there is no second copy of the decompressed text.
+
+Torch's Kineto writer lays every event out as "\\n  {" ... "\\n  }", its keys as '"key": value'. On that
+layout nothing is decoded into Python objects but the names of the kept events: numpy finds the quotes,
+the keys and the event starts in the chunk's bytes, tells the keys apart, and reads the values of the
+kept events from their offsets (numbers parsed in numpy, names sliced once and interned). `python_function`
+events, most of a with_stack trace, and everything else not kept cost only those array passes. A chunk
+that layout reading cannot take whole (an escaped quote, a key without its space, a name that is not a
+string) is decoded with orjson, its kept events only; traces laid out otherwise (compact JSON from
+other tools) fall back to a streaming `raw_decode`.
+
+Only numpy and orjson are imported here; pandas when the table is built (`_Columns.frame`).
 """
 from __future__ import annotations
 
-import gzip
-import io
+import codecs
 import json
+import queue
 import re
-from zlib import error as zlib_error
+import threading
+import zlib
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
-import pandas as pd
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 try:  # 2-3x faster decoding of the kept events; the stdlib decoder is the fallback
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover
     _loads = json.loads
 
-CHUNK_BYTES = 4 << 20
+# Decompressed bytes per chunk. CPU time to read 50 MB of a vLLM CPU trace with 1, 2, 4, 8 MiB chunks:
+# 0.46, 0.45, 0.54, 0.69 s (25 MB of the GPU step replay: 0.15, 0.15, 0.16, 0.19 s): a chunk and its
+# index arrays stay in the caches up to ~2 MiB; below 1 MiB the fixed cost per chunk (~0.4 ms) shows.
+CHUNK_BYTES = 1 << 20
 EVENT_END = "\n  }"
 EVENT_START = "\n  {"
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
 # CPU ops kept on a GPU trace: those that describe communication (their args carry message sizes);
-# runtime calls kept: those that launch work. Each is written once and used twice: on decoded events
-# (_wanted) and, as a lookahead, on the raw text (_keep_pattern).
+# runtime calls kept: those that launch work. Each is written once and used on decoded events
+# (_wanted), as a lookahead on the raw text (_keep_pattern), and on the names the layout reader slices.
 COMM_NAME = (r"nccl|gloo|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
              r"broadcast|send|recv|barrier")
 LAUNCH_NAME = r"Launch|GraphLaunch|Memcpy|Memset"
@@ -60,105 +80,147 @@ class TraceMeta:
     warnings: list[str] = field(default_factory=list)
 
 
+# ---- the kept columns --------------------------------------------------------------------------------
 class _Columns:
-    """Typed, append-only columns; strings are interned into per-column dictionaries."""
+    """Typed columns, kept as numpy parts until the table is built; strings are interned into
+    per-column dictionaries (code -1: missing)."""
 
     NUM = ("ts", "dur")
     INT = ("pid", "tid", "stream", "correlation", "in_nelems", "out_nelems", "group_size", "external_id")
     STR = ("name", "cat", "coll_name", "coll_dtype", "pg_name")
+    DTYPE = {**{k: np.float64 for k in NUM}, **{k: np.int64 for k in INT}, **{k: np.int32 for k in STR}}
 
     def __init__(self):
-        self.num = {k: array("d") for k in self.NUM}
-        self.int = {k: array("q") for k in self.INT}
-        self.codes = {k: array("i") for k in self.STR}
-        self.dicts: dict[str, dict[str, int]] = {k: {} for k in self.STR}
+        self.parts: dict[str, list[np.ndarray]] = {k: [] for k in self.DTYPE}
+        self.dicts: dict[str, dict] = {k: {} for k in self.STR}
+        self.raw: dict[str, dict[bytes, int]] = {k: {} for k in self.STR}  # undecoded text -> code
+        self.rows = 0
 
-    def _code(self, col: str, value) -> int:
+    def code(self, col: str, value) -> int:
         if value is None:
             return -1
         d = self.dicts[col]
-        s = str(value)
-        c = d.get(s)
+        c = d.get(value)
         if c is None:
-            c = d[s] = len(d)
+            c = d[value] = len(d)
         return c
 
+    def code_raw(self, col: str, texts: list[bytes]) -> np.ndarray:
+        """Codes of JSON string contents as they are in the file (escapes undone only for new ones)."""
+        raw = self.raw[col]
+        get = raw.get
+        codes = [get(t, -2) for t in texts]
+        if -2 in codes:
+            for i, t in enumerate(texts):
+                if codes[i] == -2:
+                    c = get(t)
+                    if c is None:
+                        c = raw[t] = self.code(col, _json_string(t))
+                    codes[i] = c
+        return np.array(codes, dtype=np.int32)
+
+    def add(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        """Append n rows; a column not given is missing (-1) in them."""
+        if not n:
+            return
+        for k, dt in self.DTYPE.items():
+            a = arrays.get(k)
+            if a is None:
+                a = np.full(n, 0.0 if dt is np.float64 else -1, dtype=dt)
+            self.parts[k].append(np.asarray(a, dtype=dt))
+        self.rows += n
+
     def extend(self, evs: list[dict]) -> None:
+        """Append decoded events (the orjson and generic paths)."""
         if not evs:
             return
         args = [ev.get("args") or {} for ev in evs]
-        for col, key in (("ts", "ts"), ("dur", "dur")):
-            values = [ev.get(key, 0.0) for ev in evs]
-            try:
-                self.num[col].extend(values)
-            except TypeError:
-                self.num[col].extend([_as_float(v) for v in values])
-        ints = self.int
-        _extend_ints(ints["pid"], [ev.get("pid", -1) for ev in evs])
-        _extend_ints(ints["tid"], [ev.get("tid", -1) for ev in evs])
-        for col, key in (("stream", "stream"), ("correlation", "correlation"), ("external_id", "External id"),
-                         ("in_nelems", "In msg nelems"), ("out_nelems", "Out msg nelems"), ("group_size", "Group size")):
-            _extend_ints(ints[col], [a.get(key, -1) for a in args])
-        for col, values in (("name", [ev.get("name") for ev in evs]), ("cat", [ev.get("cat") for ev in evs]),
-                            ("coll_name", [a.get("Collective name") for a in args]),
-                            ("coll_dtype", [a.get("dtype") for a in args]),
-                            ("pg_name", [a.get("Process Group Name") for a in args])):
-            d = self.dicts[col]
-            codes = []
-            for v in values:
-                if v is None:
-                    codes.append(-1)
-                    continue
-                c = d.get(v)
-                if c is None:
-                    c = d[v] = len(d)
-                codes.append(c)
-            self.codes[col].extend(codes)
+        arrays = {}
+        for col in self.NUM:
+            arrays[col] = _floats([ev.get(col, 0.0) for ev in evs])
+        arrays["pid"] = _ints([ev.get("pid", -1) for ev in evs])
+        arrays["tid"] = _ints([ev.get("tid", -1) for ev in evs])
+        for col, key in ARG_INT.items():
+            arrays[col] = _ints([a.get(key, -1) for a in args])
+        code = self.code
+        arrays["name"] = np.array([code("name", ev.get("name")) for ev in evs], dtype=np.int32)
+        arrays["cat"] = np.array([code("cat", ev.get("cat")) for ev in evs], dtype=np.int32)
+        for col, key in ARG_STR.items():
+            arrays[col] = np.array([code(col, a.get(key)) for a in args], dtype=np.int32)
+        self.add(arrays, len(evs))
 
     def payload(self) -> dict:
-        return {"num": {k: a.tobytes() for k, a in self.num.items()},
-                "int": {k: a.tobytes() for k, a in self.int.items()},
-                "codes": {k: a.tobytes() for k, a in self.codes.items()},
-                "dicts": {k: list(d) for k, d in self.dicts.items()}}
+        """What a worker process sends back: each column as one array (its parts let go as it is
+        joined), the dictionaries as lists."""
+        cols = {}
+        for k, parts in self.parts.items():
+            cols[k] = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.empty(0, self.DTYPE[k]))
+            parts.clear()
+        return {"rows": self.rows, "cols": cols, "dicts": {k: list(d) for k, d in self.dicts.items()}}
 
     def merge(self, payload: dict) -> None:
         """Append a worker's columns, re-coding its strings into this table's dictionaries."""
-        import numpy as np
+        arrays = dict(payload["cols"])
+        for k in self.STR:
+            remap = np.array([self.code(k, v) for v in payload["dicts"][k]] + [-1], dtype=np.int32)
+            arrays[k] = remap[arrays[k]]
+        self.add(arrays, payload["rows"])
 
-        for k, b in payload["num"].items():
-            self.num[k].frombytes(b)
-        for k, b in payload["int"].items():
-            self.int[k].frombytes(b)
-        for k, b in payload["codes"].items():
-            local = payload["dicts"][k]
-            remap = np.array([self._code(k, v) for v in local] + [-1], dtype=np.int32)
-            codes = np.frombuffer(b, dtype=np.int32)
-            self.codes[k].frombytes(remap[codes].astype(np.int32).tobytes())
+    def take(self, other: "_Columns") -> None:
+        """Append another table's columns (handed over, not copied), re-coding its strings."""
+        for k in self.STR:
+            remap = np.array([self.code(k, v) for v in other.dicts[k]] + [-1], dtype=np.int32)
+            other.parts[k] = [remap[a] for a in other.parts[k]]
+        for k, parts in other.parts.items():
+            self.parts[k].extend(parts)
+            parts.clear()
+        self.rows += other.rows
+        other.rows = 0
 
-    def frame(self) -> pd.DataFrame:
-        import numpy as np
+    def frame(self, rank: "Optional[int | np.ndarray]" = None) -> "pd.DataFrame":
+        """The table; each column's parts are joined and let go one column at a time, so building it
+        costs one column of memory more than the table. With `rank`, a rank column is appended (an int
+        for all rows, or an array)."""
+        import pandas as pd
 
         data = {}
-        # np.frombuffer views the arrays' memory: no copy while the table is built
-        for k, a in self.num.items():
-            data[k] = np.frombuffer(a, dtype=np.float64) if len(a) else np.array([], dtype=np.float64)
-        for k, a in self.int.items():
-            data[k] = np.frombuffer(a, dtype=np.int64) if len(a) else np.array([], dtype=np.int64)
-        for k, a in self.codes.items():
-            cats = list(self.dicts[k])
-            codes = np.frombuffer(a, dtype=np.int32) if len(a) else np.array([], dtype=np.int32)
-            data[k] = pd.Categorical.from_codes(codes, categories=cats) if cats else \
-                pd.Categorical([None] * len(codes))
-        df = pd.DataFrame(data)
+        for k, parts in self.parts.items():
+            a = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.empty(0, self.DTYPE[k]))
+            parts.clear()
+            if k in self.STR:
+                cats = list(self.dicts[k])
+                # no strings at all: the dtype pd.Categorical([None] * n) has (float64 categories), built
+                # without the list
+                data[k] = pd.Categorical.from_codes(a, categories=cats) if cats else \
+                    pd.Categorical.from_codes(a, dtype=pd.CategoricalDtype(pd.Index([], dtype="float64")))
+            else:
+                data[k] = a
+        df = pd.DataFrame(data, copy=False)
         df = df.rename(columns={"ts": "ts_us", "dur": "dur_us"})
+        if rank is not None:
+            df["rank"] = rank
         return df
 
 
-def _extend_ints(arr: array, values: list) -> None:
+ARG_INT = {"stream": "stream", "correlation": "correlation", "external_id": "External id",
+           "in_nelems": "In msg nelems", "out_nelems": "Out msg nelems", "group_size": "Group size"}
+ARG_STR = {"coll_name": "Collective name", "coll_dtype": "dtype", "pg_name": "Process Group Name"}
+
+
+def _floats(values: list) -> np.ndarray:
+    """Numbers as float64; anything else one at a time (_as_float: a numeric string read, else 0.0)."""
     try:
-        arr.extend(values)
-    except (TypeError, OverflowError):  # a string pid ("Spans") or a float: convert one by one
-        arr.extend([_as_int(v) for v in values])
+        return np.frombuffer(array("d", values), dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        return np.array([_as_float(v) for v in values], dtype=np.float64)
+
+
+def _ints(values: list) -> np.ndarray:
+    """Integers as int64; anything else one at a time (_as_int: converted where it can be, else -1)."""
+    try:
+        return np.frombuffer(array("q", values), dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return np.array([_as_int(v) for v in values], dtype=np.int64)
 
 
 def _as_float(v) -> float:
@@ -170,17 +232,21 @@ def _as_float(v) -> float:
 
 def _as_int(v) -> int:
     if type(v) is int:
-        return v
+        return v if -(1 << 63) <= v < (1 << 63) else -1
     try:
         return int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return -1
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, "r", encoding="utf-8", errors="replace")
+def _json_string(raw: bytes) -> str:
+    """The contents of a JSON string as the file holds them -> the string."""
+    if b"\\" in raw:
+        try:
+            return json.loads(b'"' + raw + b'"')
+        except ValueError:
+            pass
+    return raw.decode("utf-8", "replace")
 
 
 def _rank_from_name(path: Path) -> Optional[int]:
@@ -199,209 +265,638 @@ def _wanted(ev: dict, is_gpu: bool) -> bool:
     return False
 
 
-class _Scanner:
-    """Cuts the traceEvents array into event texts, chunk by chunk."""
+# ---- memory: small pages ------------------------------------------------------------------------------
+@contextmanager
+def small_pages() -> Iterator[None]:
+    """numpy asks the kernel for 2 MiB pages on its big arrays (madvise). Where transparent huge pages
+    are on for madvised memory with direct compaction (defrag 'madvise', a common default), each such
+    page fault can stall for hundreds of microseconds while the kernel compacts memory: here, building
+    and analysing a 4M-row table took 2.5 s + 3.6 s of system time with them, 0.9 s + 0.35 s without.
+    So they are off while the table is made, and restored after."""
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage
+    except ImportError:  # pragma: no cover  (numpy 1.x)
+        try:
+            from numpy.core.multiarray import _set_madvise_hugepage
+        except ImportError:
+            yield
+            return
+    before = _set_madvise_hugepage(False)
+    try:
+        yield
+    finally:
+        _set_madvise_hugepage(before)
 
-    def __init__(self, f: io.TextIOBase):
-        self.f = f
-        self.buf = ""
-        self.eof = False
-        self.bytes_read = 0
 
-    def more(self) -> bool:
-        if self.eof:
-            return False
-        chunk = self.f.read(CHUNK_BYTES)
-        if not chunk:
-            self.eof = True
-            return False
-        self.bytes_read += len(chunk)
-        self.buf += chunk
-        return True
+# ---- reading: decompression in a thread ------------------------------------------------------------
+def json_size(path: Path) -> int:
+    """The file's decompressed size: a .gz file's own record of it (ISIZE, the size modulo 4 GiB), or a
+    guess from the compressed size where that record has wrapped."""
+    path = Path(path)
+    size = path.stat().st_size
+    if path.suffix != ".gz":
+        return size
+    try:
+        with open(path, "rb") as f:
+            f.seek(-4, 2)
+            isize = int.from_bytes(f.read(4), "little")
+    except OSError:
+        return 8 * size
+    while isize < size:  # wrapped past 4 GiB: at least the compressed size, traces compress ~8x
+        isize += 1 << 32
+    return isize
 
 
-def _read_header(sc: _Scanner, path: Path) -> tuple[dict, int]:
-    """Everything before the traceEvents array, as JSON; returns (header, index after '[')."""
+def _gunzip(f, chunk_bytes: int) -> Iterator[bytes]:
+    """A gzip stream (several members too) as decompressed chunks of about chunk_bytes."""
+    d = zlib.decompressobj(31)
+    fed = False  # has the current member had any input
+    parts: list[bytes] = []
+    n = 0
     while True:
-        i = sc.buf.find('"traceEvents"')
+        data = f.read(1 << 18)
+        if not data:
+            break
+        while data:
+            if not fed and not data.strip(b"\0"):  # zero padding after the last member
+                break
+            fed = True
+            out = d.decompress(data, chunk_bytes)
+            data = d.unconsumed_tail
+            if out:
+                parts.append(out)
+                n += len(out)
+                if n >= chunk_bytes:
+                    yield b"".join(parts) if len(parts) > 1 else parts[0]
+                    parts, n = [], 0
+            if d.eof:  # a member ends: what follows it (all in unused_data) starts the next one
+                data = d.unused_data
+                d = zlib.decompressobj(31)
+                fed = False
+    if fed and not d.eof:
+        raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+    if parts:
+        yield b"".join(parts)
+
+
+class _Reader:
+    """The file's decompressed bytes, chunk by chunk, produced by a thread a couple of chunks ahead."""
+
+    def __init__(self, path: Path, chunk_bytes: Optional[int] = None):
+        self.path = Path(path)
+        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
+        self.q: queue.Queue = queue.Queue(maxsize=2)
+        self.stop = threading.Event()
+        self.bytes_read = 0
+        self.thread = threading.Thread(target=self._run, name=f"trace-reader:{self.path.name}", daemon=True)
+        self.thread.start()
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                if self.path.suffix == ".gz":
+                    chunks = _gunzip(f, self.chunk_bytes)
+                else:
+                    chunks = iter(lambda: f.read(self.chunk_bytes), b"")
+                for chunk in chunks:
+                    if not self._put(chunk):
+                        return
+            self._put(None)
+        except BaseException as e:  # handed to the parser, which raises it as a TraceError
+            self._put(e)
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            self.bytes_read += len(item)
+            yield item
+
+    def close(self) -> None:
+        self.stop.set()
+        while self.thread.is_alive():
+            try:
+                self.q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self.thread.join()
+
+
+# ---- the Kineto layout, read with numpy ------------------------------------------------------------
+NUM_WINDOW = 21  # bytes read for a number: 18 digits, a sign, a dot and what ends it
+PAD = b" " * 64  # after a chunk's text, so that every window read stays inside the buffer
+_DELIMS = np.zeros(256, bool)
+_DELIMS[list(b",\n\r\t }]")] = True
+_POW10 = 10.0 ** np.arange(19)
+_TWO53 = 1 << 53
+# the kept categories, in a fixed order: the layout reader's category ids
+KEPT_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "user_annotation", "cpu_op",
+             "cuda_runtime", "cuda_driver")
+_CPU_OP, _RUNTIME, _DRIVER = 5, 6, 7
+# the keys read: top level (before "args") and inside args
+TOP_KEYS = ("ph", "cat", "name", "pid", "tid", "ts", "dur", "args")
+ARG_KEYS = tuple(ARG_INT.values()) + tuple(ARG_STR.values())
+_KEYS = TOP_KEYS + ARG_KEYS
+_KEY_ID = {k: i for i, k in enumerate(_KEYS)}
+
+
+_TAIL_BYTES = 7  # a key's last bytes a fingerprint holds; longer keys are then compared whole
+_TAIL_MASK = np.array([~((1 << (8 * (8 - min(n, _TAIL_BYTES)))) - 1) & ((1 << 64) - 1) for n in range(256)],
+                      dtype=np.uint64)
+
+
+def _fingerprint(A: np.ndarray, end: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Of each string ending before `end` (its closing quote) and `length` bytes long: its last seven
+    bytes and its length, as one uint64 (the whole string up to seven bytes)."""
+    tail = sliding_window_view(A, 8)[np.maximum(end - 8, 0)].view(np.uint64).ravel()
+    n = np.minimum(length, 255).astype(np.uint64)
+    return (tail & _TAIL_MASK[n]) | n
+
+
+def _fingerprints(words) -> np.ndarray:
+    text = b"".join(b" " * 8 + b'"' + w.encode() + b'"' for w in words)
+    ends = np.cumsum([10 + len(w) for w in words]) - 1
+    return _fingerprint(np.frombuffer(text, np.uint8), ends, np.array([len(w) for w in words]))
+
+
+_KEY_FP = _fingerprints(_KEYS)
+assert len(set(_KEY_FP.tolist())) == len(_KEYS), "two keys read share a fingerprint"
+_FP_ORDER = np.argsort(_KEY_FP).astype(np.int8)
+_FP_SORTED = _KEY_FP[_FP_ORDER]
+
+
+_CAT_FP = _fingerprints(KEPT_CATS)
+_CAT_FP_ORDER = np.argsort(_CAT_FP).astype(np.int8)
+_CAT_FP_SORTED = _CAT_FP[_CAT_FP_ORDER]
+
+
+class _NotLayout(Exception):
+    """This chunk is not one the layout reader can take whole: decode it instead."""
+
+
+def _parse_numbers(A: np.ndarray, starts: np.ndarray, width: int = NUM_WINDOW
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The JSON numbers starting at `starts`: (mantissa as int64, digits after the dot, negative, ok).
+    ok is False where the text is not a plain decimal of at most 18 digits ending inside `width` bytes
+    (an exponent, a string, null, a longer number): the caller reads those another way. One byte
+    column of all the numbers at a time, until every number has ended."""
+    n = len(starts)
+    neg = A[starts] == 45
+    at = starts + neg  # past the sign; moved one byte a column
+    num = np.zeros(n, np.int64)
+    dot_at = np.full(n, -1, np.int64)  # column of the dot
+    dots = np.zeros(n, np.int8)
+    end_at = np.zeros(n, np.int64)  # column of the byte that ends the number
+    end_byte = np.zeros(n, np.uint8)
+    alive = np.ones(n, bool)
+    step, tmp, digit, dot, end = np.empty(n, bool), np.empty(n, np.int64), np.empty(n, bool), \
+        np.empty(n, bool), np.empty(n, bool)
+    for c in range(width - 1):
+        col = A[at]
+        d = col - np.uint8(48)
+        np.less_equal(d, np.uint8(9), out=digit)
+        np.logical_and(alive, digit, out=step)
+        np.multiply(num, 10, out=tmp)
+        tmp += d
+        np.putmask(num, step, tmp)
+        np.equal(col, 46, out=dot)
+        np.logical_or(digit, dot, out=end)
+        dot &= alive
+        np.putmask(dot_at, dot, c)
+        dots += dot
+        np.logical_not(end, out=end)
+        end &= alive
+        np.putmask(end_at, end, c)
+        np.putmask(end_byte, end, col)
+        alive &= ~end
+        if not alive.any():
+            break
+        at += 1
+    frac = np.where(dot_at >= 0, end_at - dot_at - 1, 0)
+    ndig = end_at - (dot_at >= 0)
+    ok = (~alive & _DELIMS[end_byte] & (dots <= 1) & (ndig > 0) & (ndig <= 18) & (dot_at != 0)
+          & ((dot_at < 0) | (frac > 0)))
+    return num, frac, neg, ok
+
+
+def _token(buf: bytes, start: int):
+    """The JSON value at start (a number, string, literal) decoded one at a time: the rare values
+    the vectorised reading leaves."""
+    m = _TOKEN.match(buf, start)
+    try:
+        return _loads(m.group(0)) if m else None
+    except ValueError:
+        return None
+
+
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[^,\s}\]]+')
+
+
+def _layout_chunk(buf: bytes, lo: int, hi: int, is_gpu: bool, cols: _Columns, name_ok: dict) -> int:
+    """The events in buf[lo:hi] (a run of whole Kineto events) read into cols; returns the number of
+    events seen. Raises _NotLayout where the chunk must be decoded instead (nothing added then)."""
+    if buf.find(b"\\", lo, hi) >= 0 and buf.find(b'\\"', lo, hi) >= 0:
+        raise _NotLayout  # an escaped quote: quotes no longer delimit strings alone
+    A = np.frombuffer(buf, np.uint8)
+    R = A[lo:hi]
+    Q = np.flatnonzero(R == 34) + lo  # every quote
+    B = np.flatnonzero(R == 123) + lo  # every "{"
+    E = B[(A[B - 1] == 32) & (A[B - 2] == 32) & (A[B - 3] == 10)]  # events: "\n  {"
+    del B, R  # (temporaries are let go as soon as they are used: memory is a few chunks' worth)
+    n_ev = len(E)
+    if not n_ev:
+        return 0
+    kq = np.flatnonzero(A[Q + 1] == 58)  # quotes closing a key: followed by ':'
+    if not len(kq) or kq[0] == 0:
+        raise _NotLayout
+    K = Q[kq]
+    Kopen = Q[kq - 1]
+    fp = _fingerprint(A, K, K - Kopen - 1)
+    pos = np.searchsorted(_FP_SORTED, fp)
+    np.minimum(pos, len(_FP_SORTED) - 1, out=pos)
+    hit = np.flatnonzero(_FP_SORTED[pos] == fp)
+    kid = _FP_ORDER[pos[hit]]
+    K, Kopen, kqh = K[hit], Kopen[hit], kq[hit]
+    del kq, fp, pos, hit
+    # the fingerprint decides keys of up to seven bytes; longer ones are compared whole
+    for i in np.unique(kid):
+        key = _KEYS[i].encode()
+        if len(key) <= _TAIL_BYTES:
+            continue
+        sel = np.flatnonzero(kid == i)
+        same = (sliding_window_view(A, len(key))[Kopen[sel] + 1] == np.frombuffer(key, np.uint8)).all(1)
+        kid[sel[~same]] = -1
+    keep = kid >= 0
+    K, kid, kqh = K[keep], kid[keep], kqh[keep]
+    del keep, Kopen
+    if (A[K + 2] != 32).any():  # '"key": value' with its one space, as Kineto writes it
+        raise _NotLayout
+    # the event each key belongs to: the last event start before it
+    ev = np.cumsum(np.bincount(np.searchsorted(K, E), minlength=len(K) + 1)[:len(K)]) - 1
+    if (ev < 0).any():
+        raise _NotLayout
+    # "args" splits the event: keys before it are the event's own, keys after it are its args
+    is_args = kid == _KEY_ID["args"]
+    args_at = np.full(n_ev, np.iinfo(np.int64).max)
+    ia = np.flatnonzero(is_args)
+    ia = ia[np.r_[True, ev[ia][1:] != ev[ia][:-1]]] if len(ia) else ia
+    args_at[ev[ia]] = K[ia]  # the first "args" of each event
+    top = K < args_at[ev]
+    n_top = len(TOP_KEYS)
+    field_ok = np.where(kid < n_top, top, ~top) & ~is_args
+    rows = {}
+    valid = np.flatnonzero(field_ok)
+    by_key = valid[np.argsort(kid[valid], kind="stable")]  # grouped by key, in file order within each
+    bounds = np.searchsorted(kid[by_key], np.arange(len(_KEYS) + 1))
+    for name, i in _KEY_ID.items():
+        r = by_key[bounds[i]:bounds[i + 1]]
+        if len(r) > 1:  # the first of each event
+            r = r[np.r_[True, ev[r][1:] != ev[r][:-1]]]
+        rows[name] = r
+    V = K + 3  # where each value starts: after '": '
+    # ph == "X"
+    r = rows["ph"]
+    vx = V[r]
+    is_x = np.zeros(n_ev, bool)
+    is_x[ev[r]] = (A[vx] == 34) & (A[vx + 1] == 88) & (A[vx + 2] == 34)
+    # cat: one of the kept categories, or -1
+    r = rows["cat"]
+    cat = np.full(n_ev, -1, np.int16)
+    r = r[is_x[ev[r]] & (A[V[r]] == 34)]
+    if len(r):
+        start = V[r] + 1
+        stop = Q[np.minimum(kqh[r] + 2, len(Q) - 1)]
+        fp = _fingerprint(A, stop, stop - start)
+        pos = np.minimum(np.searchsorted(_CAT_FP_SORTED, fp), len(KEPT_CATS) - 1)
+        m = np.flatnonzero(_CAT_FP_SORTED[pos] == fp)
+        ci = _CAT_FP_ORDER[pos[m]]
+        for c in np.unique(ci):  # the fingerprint narrows, the bytes decide
+            cb = KEPT_CATS[c].encode()
+            sel = m[ci == c]
+            sel = sel[(sliding_window_view(A, len(cb))[start[sel]] == np.frombuffer(cb, np.uint8)).all(1)]
+            cat[ev[r[sel]]] = c
+    cand = np.flatnonzero(cat >= 0)
+    if not len(cand):
+        return n_ev
+    # names of the candidates, sliced once; on a GPU trace CPU ops and runtime calls are kept by name
+    where = np.full(n_ev, -1, np.int64)
+    r = rows["name"]
+    where[ev[r]] = r
+    nr = where[cand]
+    has_name = nr >= 0
+    nr = nr[has_name]
+    if (A[V[nr]] != 34).any():
+        raise _NotLayout
+    texts = [buf[a:b] for a, b in zip((V[nr] + 1).tolist(), Q[kqh[nr] + 2].tolist())]
+    if is_gpu:
+        keep = np.ones(len(cand), bool)
+        for ci, pattern in ((_CPU_OP, COMM_CPU_OP), (_RUNTIME, LAUNCH_RUNTIME), (_DRIVER, LAUNCH_RUNTIME)):
+            sel = np.flatnonzero(cat[cand] == ci)
+            if not len(sel):
+                continue
+            seen = name_ok.setdefault(ci, {})
+            text_at = np.cumsum(has_name) - 1  # position in texts of each candidate with a name
+            for j in sel:
+                t = texts[text_at[j]] if has_name[j] else b""
+                ok = seen.get(t)
+                if ok is None:
+                    ok = seen[t] = bool(pattern.search(_json_string(t)))
+                keep[j] = ok
+        if not keep.all():
+            texts = [t for t, k in zip(texts, keep[has_name].tolist()) if k]
+            cand, has_name = cand[keep], has_name[keep]
+    n = len(cand)
+    if not n:
+        return n_ev
+    kept_at = np.full(n_ev, -1, np.int64)
+    kept_at[cand] = np.arange(n)
+    arg_rows = {}
+    for col, key in ARG_STR.items():  # strings in args (collectives only); checked before anything is interned
+        r = rows[key]
+        r = r[kept_at[ev[r]] >= 0]
+        if (A[V[r]] != 34).any():
+            raise _NotLayout
+        arg_rows[col] = r
+    out: dict[str, np.ndarray] = {}
+    name_codes = np.full(n, -1, np.int32)
+    name_codes[has_name] = cols.code_raw("name", texts)
+    out["name"] = name_codes
+    cat_of = cat[cand]
+    present, first = np.unique(cat_of, return_index=True)
+    cat_codes = np.full(len(KEPT_CATS), -1, np.int32)
+    for ci in present[np.argsort(first)]:  # interned in order of appearance, as the decoder would
+        cat_codes[ci] = cols.code("cat", KEPT_CATS[ci])
+    out["cat"] = cat_codes[cat_of]
+    # numbers: every field of every kept event parsed at once
+    num_fields = [("ts", "ts", True), ("dur", "dur", True), ("pid", "pid", False), ("tid", "tid", False)]
+    num_fields += [(col, key, False) for col, key in ARG_INT.items()]
+    at = [rows[key][kept_at[ev[rows[key]]] >= 0] for _, key, _ in num_fields]
+    parsed = {}
+    for is_float in (True, False):  # apart: the integers are shorter, their loop ends sooner
+        group = [r for (_, _, f), r in zip(num_fields, at) if f == is_float]
+        parsed[is_float] = _parse_numbers(A, V[np.concatenate(group)])
+    offset = {True: 0, False: 0}
+    for (col, key, is_float), r in zip(num_fields, at):
+        num, frac, neg, ok = parsed[is_float]
+        sl = slice(offset[is_float], offset[is_float] + len(r))
+        offset[is_float] += len(r)
+        dest = kept_at[ev[r]]
+        if is_float:
+            good = ok[sl] & (num[sl] <= _TWO53)  # exact in a double, then one rounding: as float() reads it
+            v = num[sl] / _POW10[np.minimum(frac[sl], 18)]
+            a = np.zeros(n, np.float64)
+            conv = _as_float
+        else:
+            good = ok[sl] & (frac[sl] == 0)
+            v = num[sl]
+            a = np.full(n, -1, np.int64)
+            conv = _as_int
+        a[dest] = np.where(neg[sl], -v, v)
+        for j in np.flatnonzero(~good):  # the rare values not plain decimals: one at a time
+            a[dest[j]] = conv(_token(buf, int(V[r[j]])))
+        out[col] = a
+    for col, r in arg_rows.items():
+        if len(r):
+            a = np.full(n, -1, np.int32)
+            a[kept_at[ev[r]]] = cols.code_raw(col, [buf[s + 1:e] for s, e in zip(V[r].tolist(), Q[kqh[r] + 2].tolist())])
+            out[col] = a
+    cols.add(out, n)
+    return n_ev
+
+
+# ---- the Kineto layout, decoded (the chunks the layout reader leaves) --------------------------------
+def _keep_pattern(is_gpu: bool) -> re.Pattern:
+    """The head of every Kineto event parse_trace keeps, on the raw text: GPU work and annotations,
+    runtime calls that launch something, and CPU ops (on a GPU trace only those that communicate)."""
+    comm = r'|cpu_op",\s*"name": "(?=[^"]*(?i:' + COMM_NAME + "))" if is_gpu else '|cpu_op"'
+    return re.compile((r'\n  \{\s*"ph": "X",\s*"cat": "(?:kernel"|gpu_memcpy"|gpu_memset"|gpu_user_annotation"'
+                       r'|user_annotation"|cuda_(?:runtime|driver)",\s*"name": "(?=[^"]*(?i:' + LAUNCH_NAME + "))"
+                       + comm + ")").encode())
+
+
+_KEEP = {True: _keep_pattern(True), False: _keep_pattern(False)}
+
+
+def decode_body(body: "bytes | str", is_gpu: bool, lo: int = 0, hi: Optional[int] = None) -> list[dict]:
+    """The kept events of a Kineto text body (body[lo:hi]), decoded in one call; the text prefilter
+    already applied the same rules as _wanted, so these need no second filter."""
+    if isinstance(body, str):
+        body = body.encode("utf-8", "surrogatepass")
+    hi = len(body) if hi is None else hi
+    find = body.find
+    end = EVENT_END.encode()
+    kept = [body[p:find(end, p) + 4] for p in (m.start() for m in _KEEP[is_gpu].finditer(body, lo, hi))]
+    if not kept:
+        return []
+    text = b"[" + b",".join(kept) + b"]"
+    try:
+        return _loads(text)
+    except ValueError:  # not UTF-8: read as the decoder would have after replacing the bad bytes
+        return json.loads(text.decode("utf-8", "replace"))
+
+
+def _chunk_columns(buf: bytes, lo: int, hi: int, is_gpu: bool) -> tuple[dict, int, int]:
+    """One chunk read in a worker process: (payload, events seen, events kept)."""
+    cols = _Columns()
+    seen = _read_chunk(buf, lo, hi, is_gpu, cols, {})
+    return cols.payload(), seen, cols.rows
+
+
+def _read_chunk(buf: bytes, lo: int, hi: int, is_gpu: bool, cols: _Columns, name_ok: dict) -> int:
+    """The events of buf[lo:hi] into cols, by layout where it can, else decoded; returns events seen."""
+    try:
+        return _layout_chunk(buf, lo, hi, is_gpu, cols, name_ok)
+    except _NotLayout:
+        cols.extend(decode_body(buf, is_gpu, lo, hi))
+        return buf.count(EVENT_START.encode(), lo, hi)
+
+
+# ---- one file --------------------------------------------------------------------------------------
+def _read_header(chunks: Iterator[bytes], path: Path) -> tuple[dict, bytes]:
+    """Everything before the traceEvents array, as JSON, and the bytes after its '['."""
+    buf = b""
+    for chunk in chunks:
+        buf += chunk
+        i = buf.find(b'"traceEvents"')
         if i >= 0:
-            j = sc.buf.find("[", i)
+            j = buf.find(b"[", i)
             if j >= 0:
                 break
-        if not sc.more():
-            raise TraceError(f"{path}: not a Chrome/Kineto trace (no traceEvents array)")
-    head_text = sc.buf[:i].rstrip().rstrip(",")
+    else:
+        raise TraceError(f"{path}: not a Chrome/Kineto trace (no traceEvents array)")
+    head_text = buf[:i].decode("utf-8", "replace").rstrip().rstrip(",")
     header = {}
     if head_text.lstrip().startswith("{"):
         try:
             header = json.loads(head_text + "}")
         except json.JSONDecodeError:
             header = {}
-    return header, j + 1
+    return header, buf[j + 1:]
 
 
-def iter_event_batches(path: Path, meta: TraceMeta) -> Iterator["str | list[dict]"]:
-    """A chunk's worth of events at a time: Kineto text bodies (str) to be decoded by decode_body,
-    or, for traces laid out otherwise, lists of decoded events.
-
-    Kineto's layout: one event per "\n  {" ... "\n  }", "ph" and "cat" first. A chunk is cut at its
-    last complete event; a regex finds the heads of the kept events in C, and only those are decoded,
-    in one call per chunk."""
-    try:
-        f = _open_text(path)
-        sc = _Scanner(f)
-        header, pos = _read_header(sc, path)
-    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
-        raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
-    meta.header = header  # type: ignore[attr-defined]
-    try:
-        while len(sc.buf) - pos < 64 and sc.more():
-            pass
-        rest = sc.buf[pos:].lstrip(" \t\r\n")
-        if rest.startswith("]"):
-            meta.trailer = rest[1:] + sc.f.read()  # type: ignore[attr-defined]
-            return
-        if rest.startswith("{\n"):
-            for body in _kineto_bodies(sc, pos, path, meta):
-                yield body
+def _kineto(rest: bytes, chunks: Iterator[bytes], path: Path, meta: TraceMeta) -> Iterator[tuple[bytes, int, int]]:
+    """(buffer, lo, hi): runs of whole events, cut at the last complete event of each chunk; the part
+    event waits for the next chunk. Sets meta.trailer (the text after the array)."""
+    tail = b"\n  " + rest.lstrip(b" \t\r\n,")
+    it = iter(chunks)
+    done = False
+    while not done:
+        chunk = next(it, None)
+        if chunk is None:
+            done = True
+            chunk = b""
+        buf = b"".join((tail, chunk, PAD))
+        hi = len(buf) - len(PAD)
+        close = buf.find(b"\n  ]", 0, hi)  # Kineto closes the array at the events' indent
+        last = buf.rfind(EVENT_END.encode(), 0, close) if close >= 0 else -1
+        if last >= 0 and not buf[last + 4:close].strip():  # the array closes here: the rest is the trailer
+            end = last + 4
+            trailer = buf[close + 4:hi] + b"".join(it)
+            meta.trailer = trailer.decode("utf-8", "replace")  # type: ignore[attr-defined]
+            done = True
         else:
-            yield from _generic_batches(sc, pos, path, meta)
-    except (OSError, EOFError, gzip.BadGzipFile, zlib_error) as e:
-        raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); the file is damaged or truncated") from None
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{path}: invalid JSON in an event ({e})") from None
-    finally:
-        meta.bytes_json = sc.bytes_read
-        f.close()
-
-
-def _keep_pattern(is_gpu: bool) -> re.Pattern:
-    """The head of every Kineto event parse_trace keeps. The regex engine finds them in C, so Python
-    touches only kept events: GPU work and annotations, runtime calls that launch something, and CPU
-    ops (on a GPU trace only those that communicate)."""
-    comm = r'|cpu_op",\s*"name": "(?=[^"]*(?i:' + COMM_NAME + "))" if is_gpu else '|cpu_op"'
-    return re.compile(r'\n  \{\s*"ph": "X",\s*"cat": "(?:kernel"|gpu_memcpy"|gpu_memset"|gpu_user_annotation"'
-                      r'|user_annotation"|cuda_(?:runtime|driver)",\s*"name": "(?=[^"]*(?i:' + LAUNCH_NAME + "))"
-                      + comm + ")")
-
-
-_KEEP = {True: _keep_pattern(True), False: _keep_pattern(False)}
-
-
-def _kineto_bodies(sc: "_Scanner", pos: int, path: Path, meta: TraceMeta) -> Iterator[str]:
-    """The chunk's complete events as text ("\n  {...\n  },..."); the rest waits for the next chunk."""
-    sc.buf = sc.buf[pos:]
-    while True:
-        more = sc.more()
-        buf = sc.buf
-        cut = buf.rfind(EVENT_END)
-        if not more:
-            tail_start = cut + len(EVENT_END) if cut >= 0 else 0
-            tail = buf[tail_start:].lstrip(" \t\r\n")
-            if not tail.startswith("]"):
-                raise TraceError(f"{path}: truncated: the traceEvents array never closes")
-            meta.trailer = tail[1:]  # type: ignore[attr-defined]
-        if cut < 0:
-            if not more:
+            cut = buf.rfind(EVENT_END.encode(), 0, hi)
+            if done:
+                if not buf[cut + 4 if cut >= 0 else 0:hi].strip(b" \t\r\n,").startswith(b"]"):
+                    raise TraceError(f"{path}: truncated: the traceEvents array never closes")
+                meta.trailer = buf[buf.index(b"]", cut + 4 if cut >= 0 else 0) + 1:hi].decode("utf-8", "replace")  # type: ignore[attr-defined]
+            if cut < 0:
+                tail = buf[:hi]
+                continue
+            end = cut + 4
+        lo = buf.find(EVENT_START.encode(), 0, end)
+        if lo < 0:
+            if done:
                 return
+            tail = buf[end:hi]
             continue
-        body = "\n  " + buf[:cut + len(EVENT_END)].lstrip(" \t\r\n,")
-        sc.buf = buf[cut + len(EVENT_END):]
-        meta.events_seen += body.count(EVENT_START)
-        yield body
-        if not more:
-            return
+        if buf[:lo].strip(b" \t\r\n,"):
+            raise TraceError(f"{path}: invalid JSON between two events")
+        yield buf, lo, end
+        tail = buf[end:hi]
 
 
-def decode_body(body: str, is_gpu: bool) -> list[dict]:
-    """The kept events of a Kineto text body, decoded in one call; the text prefilter already applied
-    the same rules as _wanted, so these need no second filter."""
-    find = body.find
-    kept = [body[p:find(EVENT_END, p) + 4] for p in (m.start() for m in _KEEP[is_gpu].finditer(body))]
-    return _loads("[" + ",".join(kept) + "]") if kept else []
+def _generic(rest: bytes, chunks: Iterator[bytes], path: Path, meta: TraceMeta) -> Iterator[list[dict]]:
+    """Traces laid out otherwise: a streaming raw_decode, batch by batch."""
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    buf = utf8.decode(rest)
+    it = iter(chunks)
 
+    def more() -> bool:
+        nonlocal buf
+        chunk = next(it, None)
+        if chunk is None:
+            return False
+        buf += utf8.decode(chunk)
+        return True
 
-def _body_payload(body: str, is_gpu: bool) -> tuple[dict, int]:
-    """What a worker process sends back: typed columns as bytes, string dictionaries as lists."""
-    cols = _Columns()
-    kept = decode_body(body, is_gpu)
-    cols.extend(kept)
-    return cols.payload(), len(kept)
-
-
-def _generic_batches(sc: "_Scanner", pos: int, path: Path, meta: TraceMeta) -> Iterator[list[dict]]:
     decoder = json.JSONDecoder()
     batch: list[dict] = []
+    pos = 0
     while True:
         while True:
-            while pos < len(sc.buf) and sc.buf[pos] in " \t\r\n,":
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
                 pos += 1
-            if pos < len(sc.buf) or not sc.more():
+            if pos < len(buf) or not more():
                 break
-        if pos >= len(sc.buf):
+        if pos >= len(buf):
             raise TraceError(f"{path}: truncated: the traceEvents array never closes")
-        if sc.buf[pos] == "]":
-            meta.trailer = sc.buf[pos + 1:] + sc.f.read()  # type: ignore[attr-defined]
+        if buf[pos] == "]":
+            meta.trailer = buf[pos + 1:] + "".join(utf8.decode(c) for c in it)  # type: ignore[attr-defined]
             break
         while True:
             try:
-                ev, new_pos = decoder.raw_decode(sc.buf, pos)
+                ev, new_pos = decoder.raw_decode(buf, pos)
                 break
             except json.JSONDecodeError:
-                if not sc.more():
-                    raise TraceError(f"{path}: truncated or invalid JSON near byte {sc.bytes_read}") from None
+                if not more():
+                    raise TraceError(f"{path}: truncated or invalid JSON near character {pos}") from None
         pos = new_pos
         meta.events_seen += 1
-        if ev.get("cat") != "python_function":
+        if isinstance(ev, dict) and ev.get("cat") != "python_function":
             batch.append(ev)
         if pos > CHUNK_BYTES:
-            sc.buf, pos = sc.buf[pos:], 0
+            buf, pos = buf[pos:], 0
             yield batch
             batch = []
     if batch:
         yield batch
 
 
-def parse_trace(path: str | Path, workers: int = 1) -> tuple[pd.DataFrame, TraceMeta]:
-    """One rank's trace -> (events table, metadata). Raises TraceError naming the file.
+def parse_columns(path: "str | Path", workers: int = 1) -> tuple[_Columns, TraceMeta]:
+    """One rank's trace -> (kept columns, metadata), in one pass; raises TraceError naming the file.
 
-    With workers > 1, chunks are decoded in that many processes while this one decompresses and cuts
-    the next ones; at most 2 x workers chunks are in flight, so memory stays bounded."""
+    With workers > 1 the chunks are read in that many processes while this one decompresses and cuts
+    the next ones (at most 2 x workers chunks in flight); worth it only for big files (load.py)."""
     path = Path(path)
     meta = TraceMeta(path=str(path), rank=None, rank_source="", world_size=None, backend=None,
                      is_gpu=False, trace_id=None, base_time_ns=None)
     cols = _Columns()
-    is_gpu: Optional[bool] = None
-    pool = None
-    pending: list = []
+    # the workers are forked before the reader thread starts: a fork copies no thread, nor its locks
+    pool = _process_pool(workers) if workers > 1 else None
     try:
-        for batch in iter_event_batches(path, meta):
-            if is_gpu is None:
-                is_gpu = bool(getattr(meta, "header", {}).get("deviceProperties"))
-            if isinstance(batch, str):
-                if workers > 1:
-                    if pool is None:
-                        from concurrent.futures import ProcessPoolExecutor
-
-                        pool = ProcessPoolExecutor(max_workers=workers)
-                    pending.append(pool.submit(_body_payload, batch, is_gpu))
+        reader = _Reader(path)
+    except OSError as e:
+        if pool is not None:
+            pool.shutdown()
+        raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+    chunks = iter(reader)
+    try:
+        try:
+            header, rest = _read_header(chunks, path)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+        meta.header = header  # type: ignore[attr-defined]
+        is_gpu = bool(header.get("deviceProperties"))
+        while len(rest.lstrip()) < 2:
+            more = next(chunks, None)
+            if more is None:
+                break
+            rest += more
+        head = rest.lstrip(b" \t\r\n")
+        if head.startswith(b"]"):
+            meta.trailer = (head[1:] + b"".join(chunks)).decode("utf-8", "replace")  # type: ignore[attr-defined]
+        elif head.startswith(b"{\n"):
+            name_ok: dict = {}
+            pending: list = []
+            for buf, lo, hi in _kineto(rest, chunks, path, meta):
+                if pool is not None:
+                    pending.append(pool.submit(_chunk_columns, buf[:hi + len(PAD)], lo, hi, is_gpu))
                     while len(pending) >= 2 * workers:
-                        payload, n = pending.pop(0).result()
+                        payload, seen, _ = pending.pop(0).result()
                         cols.merge(payload)
-                        meta.events_kept += n
+                        meta.events_seen += seen
                     continue
-                kept = decode_body(batch, is_gpu)
-            else:  # decoded by the generic path, unfiltered
-                kept = [ev for ev in batch if ev.get("ph") == "X" and _wanted(ev, is_gpu)]
-            cols.extend(kept)
-            meta.events_kept += len(kept)
-        for fut in pending:
-            payload, n = fut.result()
-            cols.merge(payload)
-            meta.events_kept += n
+                meta.events_seen += _read_chunk(buf, lo, hi, is_gpu, cols, name_ok)
+            for fut in pending:
+                payload, seen, _ = fut.result()
+                cols.merge(payload)
+                meta.events_seen += seen
+        else:
+            for batch in _generic(rest, chunks, path, meta):
+                cols.extend([ev for ev in batch if ev.get("ph") == "X" and _wanted(ev, is_gpu)])
+    except (OSError, EOFError, zlib.error) as e:
+        raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); the file is damaged or truncated") from None
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{path}: invalid JSON in an event ({e})") from None
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
+        reader.close()
+        meta.bytes_json = reader.bytes_read
+    meta.events_kept = cols.rows
     header = getattr(meta, "header", {})
     trailer = _parse_trailer(getattr(meta, "trailer", ""))
     info = header.get("distributedInfo") or trailer.get("distributedInfo") or {}
@@ -417,9 +912,26 @@ def parse_trace(path: str | Path, workers: int = 1) -> tuple[pd.DataFrame, Trace
         meta.rank, meta.rank_source = _rank_from_name(path), "file name"
     if not header and not trailer and meta.events_seen == 0:
         raise TraceError(f"{path}: no events: not a Kineto trace")
-    df = cols.frame()
-    df["rank"] = meta.rank if meta.rank is not None else -1
-    return df, meta
+    return cols, meta
+
+
+def parse_trace(path: "str | Path", workers: int = 1) -> tuple["pd.DataFrame", TraceMeta]:
+    """One rank's trace -> (events table, metadata). Raises TraceError naming the file."""
+    cols, meta = parse_columns(path, workers)
+    return cols.frame(rank=meta.rank if meta.rank is not None else -1), meta
+
+
+def _process_pool(workers: int):
+    """`workers` processes, started now. Forked where the platform can (they need no imports); so
+    call this before starting threads."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    methods = mp.get_all_start_methods()
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork" if "fork" in methods else None))
+    for f in [pool.submit(int) for _ in range(workers)]:  # every worker started before we go on
+        f.result()
+    return pool
 
 
 def _parse_trailer(text: str) -> dict:
