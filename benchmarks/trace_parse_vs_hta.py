@@ -219,7 +219,7 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
 
-WAIT_LOAD = [None, 180.0]  # (--wait-load, the longest wait): other work on a 2-core machine skews timings
+WAIT_LOAD = [None, 60.0]  # (--wait-load, the longest wait): other work on a 2-core machine skews timings
 
 
 def settle() -> float:
@@ -337,7 +337,7 @@ def main() -> int:
     ap.add_argument("--hta-repeat", type=int, default=1)
     ap.add_argument("--lib", default=str(REPO / "lib"), help="import decodescope from here (to time another version)")
     ap.add_argument("--label", default="", help="a line saying what was measured, for the table file")
-    ap.add_argument("--wait-load", type=float, help="before each timing, wait (3 min at most) for the 1-min load "
+    ap.add_argument("--wait-load", type=float, help="before each timing, wait (1 min at most) for the 1-min load "
                     "average to fall below this")
     args = ap.parse_args()
     WAIT_LOAD[0] = args.wait_load
@@ -356,8 +356,9 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     notes = [args.label] if args.label else []
     notes += [f"{os.cpu_count()} cores; load = the highest 1-min load average seen before a timing of the row"
-              + (f" (each timing waited, 3 min at most, for it to fall below {args.wait_load})." if args.wait_load else "."),
-              "ours s, start-up s: median of the runs; mem = peak summed PSS of the process tree (MB);",
+              + (f" (each timing waited, 1 min at most, for it to fall below {args.wait_load})." if args.wait_load else "."),
+              f"ours s, start-up s: median of {args.repeat} runs; HTA s: median of {args.hta_repeat} (HTA's own time varies"
+              " most on the big traces); mem = peak summed PSS of the process tree (MB);",
               "gunzip s: zcat of every rank file, as many at once as there are cores; x gunzip = ours s / gunzip s.",
               "start-up: spawn to the end of the imports parsing needs (load_trace_dir), median; "
               f"`decodescope analyze-trace` itself to where it reads the first file: {cli_s:.3f} s (median of 5).",
