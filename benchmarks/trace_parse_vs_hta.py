@@ -9,8 +9,7 @@ from the files' sizes) and, as `decodescope analyze-trace` does, numpy's huge-pa
 - wall: from spawning the child to its exit, median of --repeat runs (HTA: --hta-repeat runs);
 - MB/s: decompressed JSON bytes of the rank files / wall;
 - peak memory: the peak of the summed PSS (proportional set size: pages shared by forked workers are
-  split between them) of the child's whole process tree, sampled every 50 ms (PSS_SAMPLE_S), and the
-  kernel's peak RSS of its largest process;
+  split between them) of the child's whole process tree, sampled every 50 ms (PSS_SAMPLE_S);
 - start-up: from spawning our child to the end of its imports, before a byte is parsed (median), and,
   once per session, `python -X importtime` of the same imports (the heaviest modules in the JSON);
 - the gunzip limit: `zcat FILE > /dev/null` of every rank file, as many at once as there are cores
@@ -113,8 +112,9 @@ PSS_SAMPLE_S = 0.05  # reading smaps_rollup walks the page tables under the mm l
 
 
 def run_child(python: str, code: str, args: list[str]) -> dict:
-    """Wall time, peak summed PSS of the whole process tree (sampled every PSS_SAMPLE_S) and the peak
-    RSS of its largest process (the kernel's own count, from wait4), for one tool's run."""
+    """Wall time and peak summed PSS of the whole process tree (sampled every PSS_SAMPLE_S) of one
+    tool's run. (Not the kernel's peak RSS from wait4: a child forked from this process, grown by the
+    json.load reference, starts with this process's high-water mark.)"""
     import tempfile
     import threading
 
@@ -132,7 +132,7 @@ def run_child(python: str, code: str, args: list[str]) -> dict:
                 return
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    _, status, rusage = os.wait4(proc.pid, 0)
+    _, status, _ = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     done.set()
@@ -141,8 +141,7 @@ def run_child(python: str, code: str, args: list[str]) -> dict:
     err.seek(0)
     if proc.returncode != 0:
         raise RuntimeError(f"child failed: {err.read().decode()[-2000:]}")
-    return {"wall_s": wall, "spawn": spawn, "peak_tree_pss_mb": peak_tree[0],
-            "peak_rss_largest_mb": rusage.ru_maxrss / 1024, "stdout": out.read().decode()}
+    return {"wall_s": wall, "spawn": spawn, "peak_tree_pss_mb": peak_tree[0], "stdout": out.read().decode()}
 
 
 def import_profile(python: str, lib: str, top: int = 8) -> list[tuple[str, float]]:
@@ -260,7 +259,6 @@ def bench(trace_dir: Path, hta_python: str | None, repeat: int, hta_repeat: int,
            "ours_wall_s": wall, "ours_wall_s_runs": [r["wall_s"] for r in runs],
            "ours_startup_s": _median([r["startup_s"] for r in runs]),
            "ours_peak_tree_pss_mb": max(r["peak_tree_pss_mb"] for r in runs),
-           "ours_peak_rss_largest_mb": max(r["peak_rss_largest_mb"] for r in runs),
            "ours_mb_s": json_bytes / 1e6 / wall, "gunzip_s": _median(gz), "gunzip_mb_s": json_bytes / 1e6 / _median(gz),
            "x_of_gunzip": wall / _median(gz),
            "names_checked": len(ref), "names_mismatched": len(mismatched), "other_share": result["other_share"]}
@@ -273,7 +271,6 @@ def bench(trace_dir: Path, hta_python: str | None, repeat: int, hta_repeat: int,
         hmem = max(h["peak_tree_pss_mb"] for h in hruns)
         row.update({"hta_wall_s": hwall, "hta_wall_s_runs": [h["wall_s"] for h in hruns],
                     "hta_peak_tree_pss_mb": hmem, "hta_mb_s": json_bytes / 1e6 / hwall,
-                    "hta_peak_rss_largest_mb": max(h["peak_rss_largest_mb"] for h in hruns),
                     "speedup_x": hwall / wall, "memory_pct_of_hta": 100 * row["ours_peak_tree_pss_mb"] / hmem})
     return row
 
