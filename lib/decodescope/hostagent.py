@@ -185,18 +185,9 @@ def info(workdir: str = "") -> int:
 
 def http_rtt(url: str, n: int) -> int:
     """Round trips of GET url on this host, in ms (a fresh connection each, as the client opens)."""
-    import urllib.request
+    from decodescope.host import http_rtt_ms
 
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        try:
-            with urllib.request.urlopen(url, timeout=10) as r:
-                r.read()
-        except OSError:
-            continue
-        times.append((time.perf_counter() - t0) * 1e3)
-    print(json.dumps(times))
+    print(json.dumps(http_rtt_ms(url, n)))
     return 0
 
 
