@@ -69,20 +69,30 @@ def test_the_tensor_parallel_1_projection_is_set_against_the_real_tp1_server(cam
 
 
 def test_the_step_model_and_the_allreduces_are_set_against_what_was_measured(campaign):
-    """The issue's targets are 20% (model vs TPOT at concurrency 1) and 30% (all-reduce micro vs
-    profile). On the 2-core CI machine they were not met (session note): model +28% at concurrency 1
-    (-16% at 2, -4% at 4; +42% at 1 in another run), the profile's shm all-reduce 2.0x the
-    micro-benchmark's; the profile-sourced parts carry torch.profiler's own cost on a CPU. These bounds
-    catch a model or a pairing that is wrong beyond that spread."""
+    """The issue's targets: all-reduce micro vs profile within 30% (like for like: vLLM's shm op, the
+    late rank's own time against each call's least time over the ranks), and the step model within 20%
+    of TPOT at concurrency 1. On this 2-core host the step itself moves between measurements: the
+    engine's inter-token latency at one concurrency differs between 01 and 04 (another server start,
+    minutes later; host_drift) and between two runs of one workload a second apart (window_noise),
+    each by up to ~40% in the session's runs. The model is held to 20% beyond what the run measured of
+    that movement, and the run's figures are printed for the note."""
     v = campaign["verdict"]
-    level1 = next(r for r in v["levels"] if r["level"] == 1)
-    print("step model vs TPOT at concurrency 1:", level1["model_us"], level1["reference_tpot_us"], level1["model_error"],
-          level1["reference"])
-    assert abs(level1["model_error"]) <= 0.60
-    assert all(abs(r["model_error"]) <= 0.60 for r in v["levels"]), v["levels"]
     ar = next(r for r in v["reconcile"] if r["piece"].startswith("all-reduces"))
     print("all-reduce per step, micro vs profile:", ar["micro_benchmark_us"], ar["profile_us"], ar["profile_over_micro"])
-    assert "vllm_shm" in ar["piece"] and 0.5 <= ar["profile_over_micro"] <= 2.5
+    assert "vllm_shm" in ar["piece"] and "late_rank" in ar["micro_source"]
+    assert 0.7 <= ar["profile_over_micro"] <= 1.3
+    for r in v["levels"]:
+        print("level", r["level"], {k: r.get(k) for k in ("model_us", "reference_tpot_us", "model_error", "engine_itl_us",
+                                                           "profile_engine_itl_us", "host_drift", "window_noise",
+                                                           "model_error_same_server")})
+    profiled = [r for r in v["levels"] if r.get("host_drift") is not None]
+    assert 1 in {r["level"] for r in profiled}
+    noise = max(abs(r["host_drift"]) + r["window_noise"] for r in profiled)
+    for r in profiled:
+        assert abs(r["model_error_same_server"]) <= 0.20 + r["window_noise"], r
+        assert abs(r["model_error"]) <= 0.20 + abs(r["host_drift"]) + r["window_noise"], r
+    # levels 04 did not profile are priced between the profiled ones
+    assert all(abs(r["model_error"]) <= 0.20 + noise for r in v["levels"]), (noise, v["levels"])
     # profiled at 1 and at the knee: two levels, two trace directories
     assert len(list((campaign["run_dir"] / "data/profile").glob("c*/profile_summary.json"))) == 2
 

@@ -544,3 +544,20 @@ def test_nvml_on_a_gpu_host_reports_power_clock_and_reasons_for_every_gpu():
         assert len([r for r in rows if r[0] == name]) == len(gpus), name
     assert all(v > 0 for n, _, v in rows if n in ("power_w", "sm_clock_mhz", "mem_used_mib"))
     sampler.close()
+
+
+def test_a_histograms_mean_between_two_scrapes_is_its_new_observations_only():
+    reg = CollectorRegistry()
+    h = Histogram("vllm:inter_token_latency_seconds", "itl", ["engine"], registry=reg)
+    for v in (0.010, 0.030):
+        h.labels(engine="0").observe(v)
+    before = T.parse_metrics(generate_latest(reg).decode())
+    for v in (0.002, 0.004):                   # the window's observations, on two engines
+        h.labels(engine="0").observe(v)
+    h.labels(engine="1").observe(0.006)
+    after = T.parse_metrics(generate_latest(reg).decode())
+    names = T.HISTOGRAM_MEANS["server_itl_mean_us"]
+    assert T.histogram_mean_between(before, after, names) == pytest.approx(0.004)
+    assert T.histogram_mean_between(after, after, names) is None      # nothing observed
+    assert T.histogram_mean_between(None, after, names) is None       # a failed scrape
+    assert T.histogram_mean_between(before, after, ("vllm:absent_seconds",)) is None

@@ -367,6 +367,9 @@ class ProfileSummary(Record):
     allreduce_mean_us: dict[str, float]
     allreduce_communicators: dict[str, float] = Field(
         default_factory=dict, description="communicator (from op/kernel names) -> its share of all-reduce time")
+    allreduce_transfer_us_per_step: Optional[float] = Field(
+        None, description="median per step of the all-reduces each at its least time over the ranks: the "
+                          "collectives' own time, without waiting for a late rank")
     per_step: StepMedians
     expected_vs_observed: list[dict[str, Any]] = Field(default_factory=list)
     per_step_categories: list[dict[str, Any]] = Field(
@@ -468,6 +471,17 @@ class LevelReconcileRow(_Model):
     residual_us: Optional[float] = Field(None, description="TPOT - profiled step")
     within_tolerance: Optional[bool] = None
     attributed_to: str = Field("", description="what the residual is put down to, from the measurements")
+    engine_itl_us: Optional[float] = Field(None, description="the engine's mean inter-token latency during this "
+                                           "level (vllm metrics, 01's telemetry)")
+    profile_engine_itl_us: Optional[float] = Field(None, description="the same, over 04's unprofiled run of the "
+                                                   "profile workload at this concurrency (04's server)")
+    host_drift: Optional[float] = Field(None, description="profile_engine_itl_us / engine_itl_us - 1: how much the "
+                                        "host's step changed between 01 and 04 (another server start, minutes later)")
+    model_error_same_server: Optional[float] = Field(None, description="model / profile_engine_itl_us - 1: the model "
+                                                     "against the step measured where its 04 inputs were")
+    window_noise: Optional[float] = Field(None, description="|the engine's inter-token latency under the profiler / "
+                                          "without it - 1| in 04: two runs of one workload a second apart on one "
+                                          "server (the profiler's own share of it is ~0.3 us per op)")
 
 
 class ReplayRow(_Model):

@@ -26,6 +26,12 @@ import pandas as pd
 from decodescope import arch as archmod
 
 
+# Which of 03's timings prices a step's collectives, first measured wins: in a CUDA graph on GPUs; on
+# CPUs the late rank's own time (the profile's wait for the last rank is its own component), else back
+# to back.
+STEP_TIMINGS = ("cuda_graph", "late_rank", "back_to_back")
+
+
 @dataclass
 class Component:
     name: str
@@ -165,10 +171,38 @@ class StepSample:
     overlap: float
     period_us: float
     source: str
+    profiler_cost_us: Optional[float] = None
+    allreduce_wait_us: float = 0.0
+
+    @property
+    def rest_us(self) -> float:
+        """The profiled period less its parts (work x overlap, idle, between steps): medians of parts do
+        not add up to the median period, and the model must reproduce what was measured."""
+        return self.period_us - (sum(self.classes_us.values()) * self.overlap + self.idle_us + self.between_us)
 
 
-def step_samples(summaries: dict, context_tokens: float) -> list[StepSample]:
-    """ProfileSummary per profiled concurrency -> StepSample per level, sorted by batch."""
+def _ops_times_event_cost(cats: pd.DataFrame, rank, event_cost_us: Optional[float]) -> Optional[float]:
+    if event_cost_us is None:
+        return None
+    return float(cats[cats["rank"] == rank]["calls_per_step"].sum()) * float(event_cost_us)
+
+
+def allreduce_wait_us(cats: pd.DataFrame, rank, transfer_us: Optional[float]) -> float:
+    """A rank's all-reduce time per step beyond the collectives' own (transfer, least time over ranks):
+    its wait for the last rank to arrive, which a micro-benchmark issuing calls in lock-step never sees."""
+    from decodescope.trace.categorize import ALLREDUCE_CATEGORIES
+
+    if transfer_us is None:
+        return 0.0
+    mine = cats[(cats["rank"] == rank) & cats["category"].isin(ALLREDUCE_CATEGORIES)]["time_per_step_us"].sum()
+    return max(0.0, float(mine) - float(transfer_us))
+
+
+def step_samples(summaries: dict, context_tokens: float,
+                 event_costs_us: Optional[dict] = None) -> list[StepSample]:
+    """ProfileSummary per profiled concurrency -> StepSample per level, sorted by batch. event_costs_us
+    (concurrency -> what the profiler adds to one recorded op, 04's capture) prices the profiler's own
+    cost of a step: the critical rank's ops per step x that."""
     from decodescope.trace.categorize import class_of
 
     out = []
@@ -185,7 +219,9 @@ def step_samples(summaries: dict, context_tokens: float) -> list[StepSample]:
                               classes_us={str(k): float(v) for k, v in by.loc[rank].items()},
                               idle_us=float(ps.idle_us_median or 0.0), between_us=float(ps.between_steps_us_median or 0.0),
                               overlap=min(1.0, overlap), period_us=float(ps.period_us_median or ps.wall_us_median),
-                              source=f"profile/c{conc}/profile_summary.json (rank {rank})"))
+                              source=f"profile/c{conc}/profile_summary.json (rank {rank})",
+                              profiler_cost_us=_ops_times_event_cost(cats, rank, (event_costs_us or {}).get(conc)),
+                              allreduce_wait_us=allreduce_wait_us(cats, rank, s.allreduce_transfer_us_per_step)))
     return sorted(out, key=lambda x: x.batch)
 
 
@@ -253,16 +289,22 @@ class StepPrediction:
                               "source": c.source, "notes": "; ".join(c.notes)} for c in self.components])
 
 
-HOST_PARTS = ("idle in step", "between steps")
+PROFILER_COST = "profiler's own cost"
+WAIT = "all-reduce wait for the last rank"
+REST = "rest of the profiled period"
+# Host parts are added after the lanes' overlap; the profiler's cost (negative) and the rest of the profiled
+# period count in the period (TPOT, measured without a profiler) but not in the wall of a profiled step.
+HOST_PARTS = ("idle in step", "between steps", PROFILER_COST, REST)
 
 
 def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int,
                  communicator: str, timing: str, samples: list[StepSample], context_tokens: float,
                  dtype: str = "bf16", gemm_source: str = "gemm.parquet", measured_world: Optional[int] = None,
                  attention_scale: float = 1.0, collectives: Optional[Component] = None) -> StepPrediction:
-    """The decode step at `batch`: GEMMs (02) + collectives (03) + attention, small ops and framework
-    time (04, across the profiled levels) on the critical rank, times its lane overlap (busy / summed),
-    plus the host's time inside the step and between steps (04).
+    """The decode step at `batch`: GEMMs (02) + collectives (03) + the ranks' wait for each other in
+    the all-reduces + attention, small ops and framework time (04, across the profiled levels) on the
+    critical rank, times its lane overlap (busy / summed), plus the host's time inside the step and
+    between steps (04), less what the profiler itself cost the step (04, measured).
 
     At another tensor-parallel size than 03 measured (measured_world), the collectives are the measured
     ones scaled by (tp - 1) / (world - 1), a ring's latency term, and labelled extrapolated; attention is
@@ -278,6 +320,10 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
             c = Component(c.name, c.us * f, c.low_us * f, c.high_us * f, c.source, c.notes + [
                 f"extrapolated from world size {world} to {tp}: x {f:.2f} ((n - 1) / (world - 1))"])
         comps.append(c)
+    if samples and tp > 1 and any(s.allreduce_wait_us for s in samples):
+        v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.allreduce_wait_us)
+        comps.append(Component(WAIT, v, lo, hi, "; ".join(s.source for s in samples) + " (all-reduce time on the rank "
+                               "minus the transfer: least time over ranks per call)", notes))
     if samples:
         a = attention_component(samples, batch, context_tokens)
         if attention_scale != 1.0:
@@ -288,13 +334,32 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
         for cls in others:
             v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
             comps.append(Component(cls, v, lo, hi, "; ".join(s.source for s in samples), notes))
-        for name, get in (("idle in step", lambda s: s.idle_us), ("between steps", lambda s: s.between_us)):
+        for name, get in (("idle in step", lambda s: s.idle_us), ("between steps", lambda s: s.between_us),
+                          (REST, lambda s: s.rest_us)):
             v, lo, hi, notes = _across_batches(samples, batch, get)
             comps.append(Component(name, v, lo, hi, "; ".join(s.source for s in samples), notes))
         overlap = _across_batches(samples, batch, lambda s: s.overlap)[0]
+        comps += _profiler_cost(samples, batch, comps, overlap)
     else:
         overlap = 1.0
     return StepPrediction(float(batch), comps, overlap)
+
+
+def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Component], overlap: float) -> list[Component]:
+    """The profiler's measured cost at `batch` (across the profiled levels that measured it), taken off
+    the profile-sourced parts it inflated and never more than they add up to."""
+    measured = [s for s in samples if s.profiler_cost_us is not None]
+    if not measured:
+        return []
+    v, lo, hi, notes = _across_batches(measured, batch, lambda s: s.profiler_cost_us)
+    profiled = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps
+                   if c.name not in ("gemm", "collectives", WAIT))
+    if v > profiled:
+        notes.append(f"capped at the profile-sourced parts ({profiled:.0f} us of {v:.0f})")
+        v, lo, hi = profiled, min(lo, profiled), min(hi, profiled)
+    src = "; ".join(s.source.split(" (")[0].replace("profile_summary", "profile_capture") for s in measured)
+    return [Component(PROFILER_COST, -v, -hi, -lo, f"{src} (ops per step x the profiler's cost per recorded op)",
+                      notes)]
 
 
 def all_to_all_at(coll: pd.DataFrame, tokens: float) -> tuple[float, float, float, str]:

@@ -5,6 +5,7 @@ result is a records.Verdict, written to data/verdict.json.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -62,17 +63,20 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
     rows = []
     summary = summary if summary is not None else _profile_summary(run_dir)
     per_step = pd.DataFrame(summary.per_step_categories) if summary else pd.DataFrame()
-    observed_ar = observed_gemm = None
+    observed_ar = observed_gemm = observed_wait = None
     if not per_step.empty:
         att = per_step.assign(cls=per_step["category"].map(class_of))
         by_rank = att.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
         # the rank that arrives last at each all-reduce waits least: its time is closest to the transfer
         observed_ar = float(att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)]
                             .groupby("rank")["time_per_step_us"].sum().min())
+        transfer = summary.allreduce_transfer_us_per_step
+        if transfer is not None:  # per call, the least time over the ranks: no waiting at all
+            observed_wait, observed_ar = max(0.0, observed_ar - transfer), float(transfer)
         observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
     coll = _read_parquet(run_dir, "collectives.parquet")
     if coll is not None and not coll.empty and observed_ar is not None:
-        rows.append(allreduce_reconcile_row(coll, summary, observed_ar, profile_batch, arch, tp))
+        rows.append(allreduce_reconcile_row(coll, summary, observed_ar, profile_batch, arch, tp, observed_wait))
     gemm = _read_parquet(run_dir, "gemm.parquet")
     if gemm is not None and not gemm.empty:
         ok = gemm[gemm["status"] == "ok"]
@@ -93,10 +97,11 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
 
 
 def allreduce_reconcile_row(coll: pd.DataFrame, summary: ProfileSummary, observed_us: float, batch: int,
-                            arch=None, tp: int = 1) -> dict:
+                            arch=None, tp: int = 1, wait_us: Optional[float] = None) -> dict:
     """The step's all-reduces from the micro-benchmark of the communicator the profile saw, like for
     like: calls per step x the latency at the step's message size, timed as a step issues them (CUDA
-    graph on GPUs, back to back on CPUs), from 03's size sweep; the barrier-aligned burst when the sweep
+    graph on GPUs; on CPUs the late rank's own time, set against the profile's per-call least time over
+    the ranks, else back to back), from 03's size sweep; the barrier-aligned burst when the sweep
     lacks it. When the probe did not measure that communicator the row says so and divides nothing."""
     from decodescope import arch as archmod
     from decodescope import stepmodel as sm
@@ -106,13 +111,16 @@ def allreduce_reconcile_row(coll: pd.DataFrame, summary: ProfileSummary, observe
     profile_comm = next(iter(comms), "unknown")
     micro_comm = categorize.micro_communicator_for(profile_comm)
     row = {"piece": f"all-reduces per step ({profile_comm})", "profile_us": observed_us,
-           "profile_source": "profile_summary.json per_step_categories (fastest rank: transfer, least wait)"}
+           "profile_source": ("profile_summary.json allreduce_transfer_us_per_step (each call at its least time over "
+                              f"the ranks; the fastest rank also waited {wait_us:,.0f} us per step for the last one)"
+                              if wait_us is not None else
+                              "profile_summary.json per_step_categories (fastest rank: transfer, least wait)")}
     measured = sorted(set(with_timing_columns(coll)["communicator"].dropna()))
     if micro_comm not in measured:
         return {**row, "micro_benchmark_us": float("nan"), "micro_source": "collectives.parquet",
                 "note": f"the profile ran {profile_comm}; the probe measured {measured}, not it: not compared"}
     calls = [c for c in archmod.collective_schedule(arch, tp, batch) if c.op == "all_reduce"] if arch else []
-    for timing in ("cuda_graph", "back_to_back") if calls and "op" in coll else ():
+    for timing in sm.STEP_TIMINGS if calls and "op" in coll else ():
         curve = sm.latency_curve(coll, micro_comm, timing)
         if not curve.empty:
             us = sum(c.count * sm.latency_at(curve, c.msg_bytes)[0] for c in calls)
@@ -181,10 +189,13 @@ def level_tpot(lv) -> tuple[float, str]:
 
 
 def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
-                    model: dict[float, tuple[float, float, float]]) -> list[dict]:
+                    model: dict[float, tuple[float, float, float]],
+                    captures: Optional[dict[int, dict]] = None) -> list[dict]:
     """Per serving level: client TPOT p50 against the nearest profiled level's step period (start to
     start: the step plus the host's time between steps) and the step model's period with its band;
-    the residual put down to what the measurements show."""
+    the residual put down to what the measurements show. Where 04 profiled this concurrency, the
+    engine's inter-token latency of its unprofiled run (captures: profile_capture.json per concurrency)
+    is set against 01's: the host's drift between the two phases, and the model on 04's own server."""
     rows = []
     for lv in levels.sort_values("level").itertuples():
         level = int(lv.level)
@@ -193,6 +204,16 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
         m = model.get(float(level))
         if m:
             row.update(model_us=m[0], model_low_us=m[1], model_high_us=m[2], model_error=m[0] / tpot - 1)
+        itl01 = _positive(getattr(lv, "server_itl_mean_us", None))
+        cap = (captures or {}).get(level, {})
+        itl04, itl04_profiled = _positive(cap.get("engine_itl_unprofiled_us")), _positive(cap.get("engine_itl_profiled_us"))
+        row.update(engine_itl_us=itl01, profile_engine_itl_us=itl04)
+        if itl04 and itl04_profiled:
+            row["window_noise"] = abs(itl04_profiled / itl04 - 1)
+        if itl01 and itl04:
+            row["host_drift"] = itl04 / itl01 - 1
+        if m and itl04:
+            row["model_error_same_server"] = m[0] / itl04 - 1
         if summaries:
             conc = min(summaries, key=lambda c: (abs(c - level), c))
             ps = summaries[conc].per_step
@@ -208,6 +229,9 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
                     causes.append(f"stream delivery: {100 * coalesced:.0f}% of token gaps coalesced (01)")
                 if conc != level:
                     causes.append(f"batch {level} vs the nearest profiled level {conc}")
+                if abs(row.get("host_drift") or 0.0) > LEVEL_TOLERANCE:
+                    causes.append(f"the host's step drifted {100 * row['host_drift']:+.0f}% between 01 and 04 (engine "
+                                  f"inter-token latency {itl01:,.0f} vs {itl04:,.0f} us)")
                 if not causes:
                     causes.append("the profiler's own cost inflates the profiled step" if residual < 0 else
                                   "client and stream overhead beyond the server's step")
@@ -279,7 +303,8 @@ def verdict(run_dir: Path, params) -> Verdict:
             out.sources["projections"] = ("profile_summary.json (04) for the measured step; collectives.parquet (03) "
                                           "and gemm.parquet (02) for the changed pieces")
     if levels is not None and not levels.empty:
-        out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(levels, summaries, model)]
+        out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(levels, summaries, model,
+                                                                                      profile_captures(run_dir))]
     if params.experiments:
         out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels)]
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
@@ -310,6 +335,25 @@ def profile_summaries(run_dir: Path, params) -> dict[int, ProfileSummary]:
             first = next((c for c in params.profile.concurrency if c != KNEE), 1)
             out[int(s.concurrency or first)] = s
     return out
+
+
+def _positive(x) -> Optional[float]:
+    return float(x) if x is not None and x == x and x > 0 else None
+
+
+def profile_captures(run_dir: Path) -> dict[int, dict]:
+    """Concurrency -> each profiled level's profile_capture.json."""
+    out = {}
+    for p in sorted((Path(run_dir) / "data" / "profile").glob("c*/profile_capture.json")):
+        cap = json.loads(p.read_text())
+        out[int(cap.get("concurrency") or p.parent.name[1:])] = cap
+    return out
+
+
+def profiler_event_costs(run_dir: Path) -> dict[int, float]:
+    """Concurrency -> what the profiler added to one recorded op (us), where 04's capture measured it."""
+    return {c: float(cap["profiler_event_cost_us"]) for c, cap in profile_captures(run_dir).items()
+            if cap.get("profiler_event_cost_us") is not None}
 
 
 @dataclass
@@ -349,11 +393,11 @@ def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary]) ->
     if coll is not None and not coll.empty:
         measured = [c for c in sorted(set(coll["communicator"].dropna()))]
         comm = engine_comm if engine_comm in measured else (measured[0] if measured else engine_comm)
-        timing = next((t for t in ("cuda_graph", "back_to_back") if not sm.latency_curve(coll, comm, t).empty), "")
+        timing = next((t for t in sm.STEP_TIMINGS if not sm.latency_curve(coll, comm, t).empty), "")
         if not timing:
             return None
     prof, wl = params.profile, params.workload
-    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2)
+    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2, profiler_event_costs(run_dir))
     return ModelInputs(gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
                        else pd.DataFrame(), arch=archmod.normalize_config(params.model_config_dict()), tp=tp,
                        communicator=comm, timing=timing, samples=samples,
@@ -382,7 +426,7 @@ def fixes_at(inp: ModelInputs, batch: float, params) -> list[Fix]:
     n_ar = sum(c.count for c in calls)
     if tp > 1 and not inp.coll.empty:
         for comm in sorted(set(inp.coll["communicator"].dropna()) - {inp.communicator}):
-            timing = next((t for t in ("cuda_graph", "back_to_back") if not sm.latency_curve(inp.coll, comm, t).empty), None)
+            timing = next((t for t in sm.STEP_TIMINGS if not sm.latency_curve(inp.coll, comm, t).empty), None)
             if timing is None:
                 continue
             c = sm.collective_component(inp.coll, inp.arch, tp, int(batch), comm, timing)
@@ -533,7 +577,12 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
                 "text": f"The step model is within {100 * LEVEL_TOLERANCE:.0f}% of the measured TPOT at {len(ok)} of "
                         f"{len(with_model)} serving levels; at concurrency {first.level}: {first.model_us / 1e3:.2f} ms "
                         f"predicted vs {(first.reference_tpot_us or first.tpot_p50_us) / 1e3:.2f} ms measured "
-                        f"({100 * first.model_error:+.0f}%; {first.reference or 'client TPOT p50'})."})
+                        f"({100 * first.model_error:+.0f}%; {first.reference or 'client TPOT p50'})"
+                        + (f"; against the engine's step on 04's own server, where the model's profile inputs were "
+                           f"measured ({first.profile_engine_itl_us / 1e3:.2f} ms): {100 * first.model_error_same_server:+.0f}%, "
+                           f"the host's step having drifted {100 * first.host_drift:+.0f}% between 01 and 04"
+                           if first.model_error_same_server is not None and first.host_drift is not None else "")
+                        + "."})
     measured = {}
     for r in v.variants:
         if r.status != "ok" or r.measured_gain_pct is None:

@@ -16,7 +16,10 @@ tensor parallelism) when vllm is importable. Rows carry `communicator`.
 Timing (`timing` column): `back_to_back` issues `calls` all-reduces (up to 50, fewer for slow ones so
 that one repetition lasts ~20 ms) one after the other between one timer pair and divides, the way a decode step issues them (and nccl-tests and vLLM's
 benchmark_device_communicators.py time them); on GPUs the same calls are also replayed as one CUDA
-graph (`cuda_graph`). `isolated` aligns the ranks with a barrier before each single call: it adds the
+graph (`cuda_graph`). On CPUs `late_rank` has the last rank arrive LATE_US after the others at every
+call and reads the op's own duration with torch.profiler, as a profiled engine step records it: the
+collective's own cost, which is what a profiled step's per-call least time over the ranks measures
+(the rest of a step's all-reduce time is waiting for the last rank). `isolated` aligns the ranks with a barrier before each single call: it adds the
 barrier's wake-up and launch cost to every call, so it overstates what a step pays for small messages.
 `warmup` untimed then `iters` timed repetitions, median and p10/p90 reported; GPU timed with CUDA
 events, CPU with perf_counter. Each rank writes collectives_rank<r>.json (atomically, after each part),
@@ -135,6 +138,63 @@ def back_to_back(timer: "Timer", fn, calls: int, iters: int, warmup: int) -> lis
     return [t / calls for t in timer.run(many, iters, warmup)]
 
 
+LATE_US = 100.0  # how late the last rank arrives at each call in the `late_rank` timing
+
+
+def late_rank(fn, calls: int, iters: int, warmup: int, world: int, rank: int) -> list[float]:
+    """Per-call microseconds on the last rank when it arrives LATE_US after the others at every call
+    (it spins first), read as torch.profiler reads an engine's op: the op's own duration, without the
+    Python call around it (which a profiled step books to the host's time, not the collective). That
+    is the collective's own cost when no one waits for it, as a profiled step's per-call least time
+    over the ranks is. The other ranks spend the interval waiting inside each call. Every rank
+    returns the last rank's figures (the median call of each repetition)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    last = rank == world - 1
+    out: list[float] = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        if not last:
+            for _ in range(calls):
+                fn()
+            continue
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                t_spin = time.perf_counter() + LATE_US * 1e-6
+                _evict_caches()  # a step runs a layer's GEMMs between its all-reduces
+                while time.perf_counter() < t_spin:
+                    pass
+                fn()
+        if i >= warmup:
+            out.append(_median_top_level_op_us(prof.events()))
+    box = [out]
+    dist.broadcast_object_list(box, src=world - 1)
+    return box[0]
+
+
+_SCRATCH: list = []
+
+
+def _evict_caches() -> None:
+    """Write 2 MB (more than this core's L2) without a recorded op: the next call meets cold caches,
+    as a step's all-reduce does after the layer's weights went through."""
+    if not _SCRATCH:
+        _SCRATCH.append(bytearray(2 << 20))
+    buf = _SCRATCH[0]
+    buf[::64] = bytes(len(buf[::64]))
+
+
+def _median_top_level_op_us(events) -> float:
+    """The median duration of the calls of the op that took the most time among the top-level ops
+    (one per call: the collective itself)."""
+    top = [e for e in events if e.cpu_parent is None]
+    by: dict[str, list[float]] = {}
+    for e in top:
+        by.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    durs = sorted(max(by.values(), key=sum))
+    return float(durs[len(durs) // 2])
+
+
 def graph_of(fn, calls: int):
     """`calls` calls captured into one CUDA graph (warmed up on a side stream first); its replay."""
     s = torch.cuda.Stream()
@@ -241,6 +301,9 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
             dist.broadcast_object_list(calls, src=0)  # every rank must issue the same number of calls
             calls = calls[0]
             timings = [("back_to_back", "eager", lambda: back_to_back(timer, fn, calls, plan["iters"], plan["warmup"]))]
+            if not comm.graphable and world > 1:
+                timings.append(("late_rank", "eager",
+                                lambda: late_rank(fn, calls, plan["iters"], plan["warmup"], world, rank)))
             if comm.graphable:
                 def graphed(fn=fn, calls=calls):
                     g = graph_of(fn, calls)

@@ -8,7 +8,9 @@ shapes.json is a list of {op, layer_kind, batch, m, n, k, count, dtype}. Method,
 result: the L2 cache flushed before each call (a 2 x L2 buffer zeroed) unless --warm-l2; eager: `warmup`
 untimed calls, then `iters` calls each alone between CUDA events; graph: CUDA graphs of 16 calls
 replayed between events, the flushes timed alone and subtracted (events resolve ~0.5 us, too coarse for
-one microsecond GEMM); both recorded, medians with p10/p90, time_us is the graph's. On a CPU the same loop uses perf_counter, no flush.
+one microsecond GEMM); both recorded, medians with p10/p90, time_us is the graph's. On a CPU the same loop uses perf_counter, no flush,
+and, when vllm is importable, the kernels vLLM's CPU build runs: its linear dispatch (oneDNN with a
+prepacked weight) and its fused MoE kernel, timed whole and split between w13 and w2 by FLOPs.
 W4A16 goes through vLLM's Marlin op when vllm is importable, else the row is recorded as skipped.
 Results are appended to --out after every shape (atomically), so a crash keeps what was measured.
 """
@@ -184,6 +186,56 @@ def time_cpu(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
     return out
 
 
+def _vllm_cpu_linear(m: int, n: int, k: int, dt: torch.dtype) -> Optional[Callable]:
+    """The linear vLLM's CPU build runs for an unquantized [n, k] weight (its own dispatch: oneDNN with a
+    prepacked weight, or sgl's packed kernel for small weights), or None when vllm is not importable."""
+    try:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    except Exception:
+        return None
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(n, k, dtype=dt), requires_grad=False)
+    a = torch.randn(m, k, dtype=dt)
+    try:
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        layer.cpu_linear(a, layer.weight, None)
+    except Exception:
+        return None
+    return lambda: layer.cpu_linear(a, layer.weight, None)
+
+
+def vllm_cpu_fused_moe(shape: dict, dt: torch.dtype) -> Optional[tuple[Callable, float]]:
+    """vLLM's CPU MoE kernel (`cpu_fused_moe`: w13, the activation and w2 of every hit expert in one
+    call) for a moe_w13/moe_w2 shape: (callable, this GEMM's share of the call's FLOPs), or None when
+    vllm is not importable. The decode step's tokens (`batch`) each pick top_k of the `groups` hit
+    experts, top_k = m x groups / batch (the shape's tokens per expert times the experts hit)."""
+    try:
+        from vllm import _custom_ops as ops
+        if not hasattr(torch.ops._C, "cpu_fused_moe"):
+            return None
+    except Exception:
+        return None
+    groups, batch = int(shape.get("groups", 1)), int(shape.get("batch") or shape["m"])
+    top_k = max(1, min(groups, round(shape["m"] * groups / batch)))
+    if shape["op"] == "moe_w13":
+        hidden, inter = shape["k"], shape["n"] // 2
+    else:
+        hidden, inter = shape["n"], shape["k"]
+    isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"  # as the engine picks its experts class
+    try:
+        w13 = ops.cpu_prepack_moe_weight(torch.randn(groups, 2 * inter, hidden, dtype=dt), isa)
+        w2 = ops.cpu_prepack_moe_weight(torch.randn(groups, hidden, inter, dtype=dt), isa)
+        x, out = torch.randn(batch, hidden, dtype=dt), torch.empty(batch, hidden, dtype=dt)
+        ids = torch.tensor([[(t * top_k + j) % groups for j in range(top_k)] for t in range(batch)], dtype=torch.int32)
+        weights = torch.full((batch, top_k), 1.0 / top_k, dtype=torch.float32)
+        fn = lambda: ops.cpu_fused_moe(out, x, w13, w2, None, None, weights, ids, "silu", isa)  # noqa: E731
+        fn()
+    except Exception:  # a dtype or shape this build's kernel refuses: the torch.bmm stand-in is timed
+        return None
+    # FLOPs: w13 2 x batch x top_k x 2 inter x hidden, w2 half of that
+    return fn, (2.0 / 3.0 if shape["op"] == "moe_w13" else 1.0 / 3.0)
+
+
 def make_gemm(m: int, n: int, k: int, dtype: str, device: torch.device,
               groups: int = 1) -> tuple[Optional[Callable], str, float]:
     """(callable, skip reason, bytes moved). The callable computes A[m,k] @ W[n,k]^T, or with groups > 1
@@ -191,6 +243,10 @@ def make_gemm(m: int, n: int, k: int, dtype: str, device: torch.device,
     if dtype in ("bf16", "fp16", "fp32"):
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
         elt = torch.tensor([], dtype=dt).element_size()
+        if device.type == "cpu" and groups == 1:
+            fn = _vllm_cpu_linear(m, n, k, dt)
+            if fn is not None:
+                return fn, "", float((m * k + n * k + m * n) * elt)
         if groups > 1:
             a = torch.randn(groups, m, k, device=device, dtype=dt)
             w = torch.randn(groups, n, k, device=device, dtype=dt)
@@ -254,7 +310,20 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
     row = {**shape, "device": str(device), "iters": iters, "warmup": warmup,
            "l2": "flushed" if flush else "warm", "status": "ok", "skip_reason": ""}
     groups = int(shape.get("groups", 1))
-    fn, reason, nbytes = make_gemm(m, n, k, dtype, device, groups)
+    share, kernel = 1.0, ""
+    moe = (vllm_cpu_fused_moe(shape, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
+           if device.type == "cpu" and groups > 1 and shape["op"] in ("moe_w13", "moe_w2")
+           and dtype in ("bf16", "fp16", "fp32") else None)
+    if moe is not None:
+        (fn, share), reason = moe, ""
+        nbytes = float(groups * n * k * torch.tensor([], dtype={"bf16": torch.bfloat16, "fp16": torch.float16,
+                                                                "fp32": torch.float32}[dtype]).element_size())
+        kernel = (f"vLLM's cpu_fused_moe (w13, activation and w2 in one call) timed whole; this GEMM's "
+                  f"{100 * share:.0f}% of its FLOPs. ")
+    else:
+        fn, reason, nbytes = make_gemm(m, n, k, dtype, device, groups)
+        if device.type == "cpu" and groups == 1 and _vllm_importable():
+            kernel = "vLLM's CPU linear (dispatch_cpu_unquantized_gemm: oneDNN or packed weights). "
     if fn is None:
         row.update(status="skipped", skip_reason=reason)
         return row
@@ -280,15 +349,24 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
                          f"replays of {f'{GRAPH_CALLS} calls minus the flushes alone' if flush else f'{2 * GRAPH_CALLS} calls minus replays of {GRAPH_CALLS}'}, "
                          f"median of {graph_replays(iters)}; time_us = " + ("graph" if graph and "graph_time_us" in row else "eager"))
     else:
-        eager = median_spread(time_cpu(fn, iters, warmup))
+        eager = median_spread([t * share for t in time_cpu(fn, iters, warmup)])
         row.update({f"eager_{k2}": v for k2, v in eager.items()})
         best = eager["time_us"]
-        row["method"] = f"perf_counter around each call on the CPU ({torch.get_num_threads()} threads), median of {iters}"
+        row["method"] = (kernel + f"perf_counter around each call on the CPU ({torch.get_num_threads()} threads), "
+                         f"median of {iters}")
     row["time_us"] = best
     row["tflops"] = flops / (best * 1e-6) / 1e12
     row["gbps"] = nbytes / (best * 1e-6) / 1e9
     row["bytes"] = nbytes
     return row
+
+
+def _vllm_importable() -> bool:
+    try:
+        import vllm.model_executor.layers.utils  # noqa: F401
+        return True
+    except Exception:
+        return False
 
 
 def _parse_cpus(spec: str) -> set[int]:

@@ -22,13 +22,14 @@ import argparse
 import json
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
 from decodescope.probes.collectives import Timer, _elems, graph_of, init_ranks
-from decodescope.probes.gemm import make_gemm
+from decodescope.probes.gemm import make_gemm, vllm_cpu_fused_moe
 from decodescope.probes.timing import median_spread
 
 VARIANTS = ("full", "gemm_only", "comm_only")
@@ -42,20 +43,32 @@ def weight_budget_bytes(plan: dict, device) -> float:
     return 4e9
 
 
-def build_step(program: list[dict], dtype: str, device, world: int, budget_bytes: float):
+def build_step(program: list[dict], dtype: str, device, world: int, budget_bytes: float,
+               batch: Optional[int] = None):
     """Callables for the step's GEMMs and collectives, in order. Every GEMM gets its own weights until
     budget_bytes are allocated; past it, GEMMs of one shape reuse earlier ones in turn (a layer's weights
     are far larger than L2, so a reused weight is still read from memory). Returns the callables, the
-    GEMMs that cannot run here (with why) and how many GEMMs reuse weights."""
+    GEMMs that cannot run here (with why) and how many GEMMs reuse weights. On a CPU with vllm
+    importable the MoE experts run as the engine runs them, one cpu_fused_moe call per layer (at moe_w13;
+    moe_w2 is inside it), as the GEMM probe times them."""
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     items, skipped = [], {}
     made: dict[tuple, list] = {}
     allocated, reused = 0.0, 0
+    fused_moe_used = False
     for op in program:
         if op["kind"] == "gemm":
             key = (op["m"], op["n"], op["k"], op.get("groups", 1))
+            fused = (device.type == "cpu" and op["op"] in ("moe_w13", "moe_w2") and op.get("groups", 1) > 1
+                     and batch is not None)
+            moe = vllm_cpu_fused_moe({**op, "batch": batch}, tdtype) if fused and op["op"] == "moe_w13" else None
+            if fused and op["op"] == "moe_w2" and fused_moe_used:
+                continue
             pool = made.setdefault(key, [])
-            if pool and allocated >= budget_bytes:
+            if moe is not None:
+                fused_moe_used = True
+                fn = moe[0]
+            elif pool and allocated >= budget_bytes:
                 fn = pool[reused % len(pool)]
                 reused += 1
             else:
@@ -135,7 +148,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for step in plan["steps"]:
         items, skipped, reused = build_step(step["program"], plan["dtype"], device, world,
-                                            weight_budget_bytes(plan, device))
+                                            weight_budget_bytes(plan, device), step.get("batch"))
         for variant in [v for v in args.variants.split(",") if v]:
             fn, n_ops = variant_fn(items, variant)
             modes = [("eager", fn)]

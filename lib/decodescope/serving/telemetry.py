@@ -145,6 +145,23 @@ class Scraper:
         return (t0 + t1) / 2, t1 - t0, None, _redact(err, self.api_key)[:500]
 
 
+def histogram_mean_between(before: Optional[list], after: Optional[list], names) -> Optional[float]:
+    """The mean of the first of `names` (histogram bases) the server exposes, over the observations
+    made between two scrapes (parse_metrics samples): delta of _sum over delta of _count, all label sets
+    together; None when a scrape failed, the histogram is absent or nothing was observed."""
+    if not before or not after:
+        return None
+    for base in names:
+        def total(samples, suffix):
+            vals = [v for n, _, v in samples if n == base + suffix]
+            return sum(vals) if vals else None
+        s0, s1, c0, c1 = total(before, "_sum"), total(after, "_sum"), total(before, "_count"), total(after, "_count")
+        if None in (s0, s1, c0, c1):
+            continue
+        return (s1 - s0) / (c1 - c0) if c1 > c0 else None
+    return None
+
+
 # ---- NVML ------------------------------------------------------------------------------------------
 def _is_local(base_url: str) -> bool:
     host = urlsplit(base_url).hostname or ""

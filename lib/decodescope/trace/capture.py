@@ -4,6 +4,11 @@ The server must have been started with a profiler directory (`--profiler-config`
 VLLM_TORCH_PROFILER_DIR): the runner does this for launched servers. After warm-up, /start_profile,
 a controlled decode workload, /stop_profile, we wait until every rank's file is complete (its size
 stable and, for .gz, a gzip stream that decompresses to the end).
+
+The same workload runs once more just before /start_profile, unprofiled; the engine's inter-token
+latency over each run (from /metrics) is the step as the server ran it there and then, which the
+verdict sets the step model against beside 01's TPOT. What the profiler adds to each recorded op is
+measured here too (profiler_event_cost_us): the step model takes ops per step x that off.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Optional
 
 from decodescope.server import ServerHTTPError, ServerUnreachable
 from decodescope.serving.client import run_async
+from decodescope.serving.telemetry import Scraper
 from decodescope.serving.sweep import SERVER_FAILURE_CLASSES, SweepConfig, build_prompts, records_frame, run_level
 from decodescope.trace.load import find_trace_files
 
@@ -39,6 +45,13 @@ class CaptureResult:
     expected_ranks: int = 0
     problems: list[str] = field(default_factory=list)
     concurrency: int = 0
+    # the engine's mean time between a request's tokens (vLLM's inter-token latency histogram, stamped in
+    # the engine core), over the same workload run once without and once under the profiler: the step
+    # as the server ran it where and when 04 measured (one window each: on a busy host their difference
+    # is mostly noise, so the profiler's cost is measured per event instead)
+    engine_itl_unprofiled_us: Optional[float] = None
+    engine_itl_profiled_us: Optional[float] = None
+    profiler_event_cost_us: Optional[float] = None
 
     def raise_if_incomplete(self) -> None:
         """After the traces that arrived were analysed: a capture that lost ranks fails the phase."""
@@ -116,8 +129,11 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
                       timeout_s=params.workload.request_timeout_s, seed=params.workload.seed + 1,
                       api_key=params.server.api_key)
     prompts = run_async(build_prompts(cfg, n_requests + prof.warmup_requests))
-    if prof.warmup_requests:
-        run_async(run_level(cfg, concurrency, prompts, n_requests=prof.warmup_requests, warmup=0))
+    if prof.warmup_requests:  # at least one full batch: a batch size's first step is not a decode step's cost
+        run_async(run_level(cfg, concurrency, prompts, n_requests=max(prof.warmup_requests, concurrency), warmup=0))
+    scraper = Scraper(server.base_url, params.server.api_key)
+    itl_unprofiled_us = _engine_itl_us(scraper, lambda: run_async(
+        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)))
     before = set(p for group in find_trace_files(trace_dir) for p in group)
     problems: list[str] = []
     t0 = time.monotonic()
@@ -132,7 +148,10 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
         server.raise_if_dead("the profile (/start_profile)")
         raise
     t1 = time.monotonic()
-    records, _ = run_async(run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0))
+    ran: dict = {}
+    itl_profiled_us = _engine_itl_us(scraper, lambda: ran.update(out=run_async(
+        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0))))
+    records, _ = ran["out"]
     t2 = time.monotonic()
     df = records_frame(records)
     if records_path is not None:
@@ -164,7 +183,46 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     return CaptureResult(trace_dir=trace_dir, rank_files=ranks, frontend_files=front, tables=tables,
                          requests_ok=int(df["ok"].sum()), requests_failed=int((~df["ok"]).sum()),
                          start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2, flush_wait_s=t4 - t3,
-                         expected_ranks=expected_ranks, problems=problems, concurrency=concurrency)
+                         expected_ranks=expected_ranks, problems=problems, concurrency=concurrency,
+                         engine_itl_unprofiled_us=itl_unprofiled_us, engine_itl_profiled_us=itl_profiled_us,
+                         profiler_event_cost_us=profiler_event_cost_us())
+
+
+def profiler_event_cost_us(n_ops: int = 20000, repeats: int = 3) -> Optional[float]:
+    """What torch.profiler (CPU activity, no stacks or shapes: how the server is started) adds to one
+    recorded op: a tiny op timed n_ops times with and without it, the least difference of `repeats`."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:
+        return None
+    a = torch.ones(8)
+
+    def per_op_us() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n_ops):
+            torch.add(a, a)
+        return (time.perf_counter() - t0) / n_ops * 1e6
+
+    diffs = []
+    for _ in range(repeats):
+        plain = per_op_us()
+        with profile(activities=[ProfilerActivity.CPU]):
+            profiled = per_op_us()
+        diffs.append(profiled - plain)
+    return max(0.0, min(diffs))
+
+
+def _engine_itl_us(scraper, workload) -> Optional[float]:
+    """The engine's mean inter-token latency (us) over `workload()`, from /metrics before and after it
+    (None when the server does not expose it or a scrape failed)."""
+    from decodescope.serving.telemetry import HISTOGRAM_MEANS, SETTLE_S, histogram_mean_between
+
+    before = scraper.scrape()[2]
+    workload()
+    time.sleep(SETTLE_S)  # the engine records the last iteration's stats after its output went out
+    mean_s = histogram_mean_between(before, scraper.scrape()[2], HISTOGRAM_MEANS["server_itl_mean_us"])
+    return None if mean_s is None else mean_s * 1e6
 
 
 def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:

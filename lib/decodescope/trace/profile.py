@@ -68,11 +68,25 @@ class ProfileResult:
             other_share=float(self.breakdown.loc[self.breakdown["category"].astype(str) == "other", "time_us"].sum()
                               / max(self.breakdown["time_us"].sum(), 1e-9)),
             top_unknown=self.unknown.assign(category=self.unknown["category"].astype(str)).to_dict("records"),
+            allreduce_transfer_us_per_step=allreduce_transfer_per_step(self.skew, self.steps, self.step_kind),
             collective_wait=self.skew_summary.assign(
                 category=self.skew_summary["category"].astype(str)).to_dict("records"),
             schedule=self.schedule.to_dict("records"),
             warnings=self.warnings,
         )
+
+
+def allreduce_transfer_per_step(skew: pd.DataFrame, steps: pd.DataFrame, kind: str) -> Optional[float]:
+    """Median over `kind` steps of the step's all-reduces each at its least time over the ranks (the
+    rank that arrives last waits for no one: its time is the collective's own); None with one rank."""
+    ar = skew[skew["category"].astype(str).isin(an.ALLREDUCE_CATEGORIES)] if not skew.empty else skew
+    if ar.empty or steps.empty:
+        return None
+    first = ar[ar["rank"] == ar["rank"].min()]       # an instance's transfer is the same on every rank
+    kinds = steps[steps["rank"] == first["rank"].iloc[0]][["step", "kind"]]
+    per_step = first.groupby("step")["transfer_us"].sum().reset_index().merge(kinds, on="step")
+    per_step = per_step[per_step["kind"] == kind]
+    return float(per_step["transfer_us"].median()) if len(per_step) else None
 
 
 def allreduce_communicators(ops: pd.DataFrame) -> dict[str, float]:
