@@ -165,3 +165,23 @@ def test_timeline_step_of_real_traces_is_a_decode_step(cpu_traces):
     assert set(result.steps.loc[result.steps["step"] == step, "kind"]) == {"decode"}, why
     why, fig = timeline_figure(result)
     assert fig is not None and fig.layout.title.text.startswith(f"Step {step}:")
+
+
+def test_the_all_reduces_own_time_per_step_is_the_median_call_at_its_least_time_over_ranks():
+    from decodescope.trace.profile import allreduce_transfer_per_step
+
+    # two decode steps of 3 all-reduces and a prefill; per call the least time over the two ranks is
+    # 2, 2, 3 | 2, 40 (a preempted rank: both waited), 2 | prefill 9, 9, 9
+    least = [2.0, 2.0, 3.0, 2.0, 40.0, 2.0, 9.0, 9.0, 9.0]
+    rows = []
+    for rank in (0, 1):
+        for i, t in enumerate(least):
+            rows.append({"category": "allreduce", "instance": i, "rank": rank, "step": i // 3,
+                         "dur_us": t + (50.0 if rank == 0 else 0.0), "transfer_us": t})
+    skew = pd.DataFrame(rows)
+    steps = pd.DataFrame([{"rank": r, "step": s, "kind": "prefill" if s == 2 else "decode"}
+                          for r in (0, 1) for s in range(3)])
+    # median of 2, 2, 3, 2, 40, 2 = 2, x 3 calls per step; the preempted call is the host's, not the op's
+    assert allreduce_transfer_per_step(skew, steps, "decode") == pytest.approx(6.0)
+    assert allreduce_transfer_per_step(skew, steps, "prefill") == pytest.approx(27.0)
+    assert allreduce_transfer_per_step(skew.iloc[0:0], steps, "decode") is None

@@ -368,7 +368,7 @@ class ProfileSummary(Record):
     allreduce_communicators: dict[str, float] = Field(
         default_factory=dict, description="communicator (from op/kernel names) -> its share of all-reduce time")
     allreduce_transfer_us_per_step: Optional[float] = Field(
-        None, description="median per step of the all-reduces each at its least time over the ranks: the "
+        None, description="the median all-reduce call at its least time over the ranks x calls per step: the "
                           "collectives' own time, without waiting for a late rank")
     per_step: StepMedians
     expected_vs_observed: list[dict[str, Any]] = Field(default_factory=list)

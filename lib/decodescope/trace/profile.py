@@ -77,16 +77,20 @@ class ProfileResult:
 
 
 def allreduce_transfer_per_step(skew: pd.DataFrame, steps: pd.DataFrame, kind: str) -> Optional[float]:
-    """Median over `kind` steps of the step's all-reduces each at its least time over the ranks (the
-    rank that arrives last waits for no one: its time is the collective's own); None with one rank."""
+    """The all-reduces' own time per `kind` step: the median call at its least time over the ranks (the
+    rank that arrives last waits for no one: its time is the collective's own) x the median calls per
+    step. Per call, not per step: a step's sum takes in every call a preempted rank stretched, which
+    is the host's time, booked to the wait. None with one rank."""
     ar = skew[skew["category"].astype(str).isin(an.ALLREDUCE_CATEGORIES)] if not skew.empty else skew
     if ar.empty or steps.empty:
         return None
     first = ar[ar["rank"] == ar["rank"].min()]       # an instance's transfer is the same on every rank
     kinds = steps[steps["rank"] == first["rank"].iloc[0]][["step", "kind"]]
-    per_step = first.groupby("step")["transfer_us"].sum().reset_index().merge(kinds, on="step")
-    per_step = per_step[per_step["kind"] == kind]
-    return float(per_step["transfer_us"].median()) if len(per_step) else None
+    calls = first.merge(kinds, on="step")
+    calls = calls[calls["kind"] == kind]
+    if calls.empty:
+        return None
+    return float(calls["transfer_us"].median() * calls.groupby("step").size().median())
 
 
 def allreduce_communicators(ops: pd.DataFrame) -> dict[str, float]:
