@@ -199,7 +199,7 @@ def test_server_killed_mid_sweep_fails_the_phase_tears_down_and_resume_remeasure
 
 
 def test_server_killed_mid_profile_fails_the_phase_and_tears_down(tmp_path):
-    params = fault_params(tmp_path, 8802, "killprof", {"  requests: 4\n": "  requests: 8\n"})
+    params = fault_params(tmp_path, 8802, "killprof", {"  requests: 12\n": "  requests: 24\n"})
     run = Run(tmp_path, params, "--phases", "04_profile")
     run_dir = run.run_dir()
     log = run_dir / "logs/server.log"

@@ -222,7 +222,7 @@ def test_link_dropped_mid_sweep_keeps_the_finished_levels_and_resume_finishes(ss
 
 
 def test_link_dropped_mid_profile_tears_down_there_and_resume_finishes(sshd, tmp_path):
-    params = ssh_params(tmp_path, 8824, "sshprof", sshd, {"  requests: 4\n": "  requests: 8\n"})
+    params = ssh_params(tmp_path, 8824, "sshprof", sshd, {"  requests: 12\n": "  requests: 24\n"})
     run = Run(tmp_path, params, "--phases", "04_profile")
     run_dir = run.run_dir()
     log = run_dir / "logs/server.log"

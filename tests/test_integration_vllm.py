@@ -247,8 +247,11 @@ def test_report_draws_every_figure_offline(e2e):
 
 def test_ctrl_c_leaves_no_vllm_process_and_keeps_what_was_written(repo, tmp_path):
     params = _params(repo, tmp_path, 8793, name="interrupt")
+    # started with SIGINT ignored, as a shell script's background job is (`decodescope run ... &`): the
+    # run must still stop on it
     proc = subprocess.Popen(DECODESCOPE + ["run", str(params)], cwd=repo, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     out = tmp_path / "out"
     manifest_path, pids = None, []
     deadline = time.monotonic() + 600

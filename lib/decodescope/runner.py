@@ -198,17 +198,21 @@ class Manifest:
 
 @contextmanager
 def sigterm_as_interrupt():
-    """SIGTERM ends a run the way Ctrl-C does: finally blocks run and the server tree is torn down."""
+    """SIGTERM ends a run the way Ctrl-C does: finally blocks run and the server tree is torn down. SIGINT
+    interrupts the run even when it was started with SIGINT ignored (a shell script's background job
+    inherits that), so `kill -INT` from a script or a scheduler stops it as Ctrl-C would."""
     def handler(signum, frame):
         raise Terminated(f"signal {signum}")
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, handler)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 class Progress:
