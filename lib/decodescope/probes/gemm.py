@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -30,6 +31,7 @@ from decodescope.io import write_json_atomic
 from decodescope.probes.timing import median_spread
 
 FP8_MIN_DIM = 16
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MARLIN_GROUP = 128  # int4 weights' group size in the W4A16 probe (one fp16 scale per 128 weights)
 
 
@@ -134,7 +136,7 @@ def rotating_weights(m: int, n: int, k: int, dtype: str, device: torch.device, g
     """Calls of one GEMM that share the activations and output but each read their own weight copy
     (enough copies to span COLD_WEIGHTS_BYTES): in a decode step every layer reads its own weights from
     memory while the activations stay in L2. None for dtypes without a plain torch matmul."""
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
+    dt = TORCH_DTYPES.get(dtype)
     if dt is None or device.type != "cuda":
         return None
     elt = torch.tensor([], dtype=dt).element_size()
@@ -204,7 +206,7 @@ def _vllm_cpu_linear(m: int, n: int, k: int, dt: torch.dtype) -> Optional[Callab
     return lambda: layer.cpu_linear(a, layer.weight, None)
 
 
-def vllm_cpu_fused_moe(shape: dict, dt: torch.dtype) -> Optional[tuple[Callable, float]]:
+def _vllm_cpu_fused_moe(shape: dict, dt: torch.dtype) -> Optional[tuple[Callable, float]]:
     """vLLM's CPU MoE kernel (`cpu_fused_moe`: w13, the activation and w2 of every hit expert in one
     call) for a moe_w13/moe_w2 shape: (callable, this GEMM's share of the call's FLOPs), or None when
     vllm is not importable. The decode step's tokens (`batch`) each pick top_k of the `groups` hit
@@ -236,17 +238,48 @@ def vllm_cpu_fused_moe(shape: dict, dt: torch.dtype) -> Optional[tuple[Callable,
     return fn, (2.0 / 3.0 if shape["op"] == "moe_w13" else 1.0 / 3.0)
 
 
+@dataclass
+class EngineKernel:
+    """A GEMM as vLLM's CPU build runs it: the callable, this GEMM's share of what one call computes,
+    the bytes it moves and how it was made (for the method column)."""
+    fn: Callable[[], None]
+    share: float
+    nbytes: float
+    kernel: str
+
+
+def cpu_engine_kernel(shape: dict, dtype: str) -> Optional[EngineKernel]:
+    """The kernel vLLM's CPU build runs for this GEMM shape (its linear dispatch, or its fused MoE for
+    moe_w13/moe_w2 with several experts), or None when vllm is not importable or refuses the shape:
+    then torch's stand-in (make_gemm) is timed."""
+    dt = TORCH_DTYPES.get(dtype)
+    if dt is None:
+        return None
+    elt = torch.tensor([], dtype=dt).element_size()
+    m, n, k, groups = shape["m"], shape["n"], shape["k"], int(shape.get("groups", 1))
+    if groups == 1:
+        fn = _vllm_cpu_linear(m, n, k, dt)
+        return None if fn is None else EngineKernel(
+            fn, 1.0, float((m * k + n * k + m * n) * elt),
+            "vLLM's CPU linear (dispatch_cpu_unquantized_gemm: oneDNN or packed weights). ")
+    if shape["op"] not in ("moe_w13", "moe_w2"):
+        return None
+    moe = _vllm_cpu_fused_moe(shape, dt)
+    if moe is None:
+        return None
+    fn, share = moe
+    return EngineKernel(fn, share, float(groups * n * k * elt),
+                        f"vLLM's cpu_fused_moe (w13, activation and w2 in one call) timed whole; this GEMM's "
+                        f"{100 * share:.0f}% of its FLOPs. ")
+
+
 def make_gemm(m: int, n: int, k: int, dtype: str, device: torch.device,
               groups: int = 1) -> tuple[Optional[Callable], str, float]:
     """(callable, skip reason, bytes moved). The callable computes A[m,k] @ W[n,k]^T, or with groups > 1
     one batched product over that many experts' weights (torch.bmm, one kernel), as fused MoE runs."""
     if dtype in ("bf16", "fp16", "fp32"):
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        dt = TORCH_DTYPES[dtype]
         elt = torch.tensor([], dtype=dt).element_size()
-        if device.type == "cpu" and groups == 1:
-            fn = _vllm_cpu_linear(m, n, k, dt)
-            if fn is not None:
-                return fn, "", float((m * k + n * k + m * n) * elt)
         if groups > 1:
             a = torch.randn(groups, m, k, device=device, dtype=dt)
             w = torch.randn(groups, n, k, device=device, dtype=dt)
@@ -310,20 +343,11 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
     row = {**shape, "device": str(device), "iters": iters, "warmup": warmup,
            "l2": "flushed" if flush else "warm", "status": "ok", "skip_reason": ""}
     groups = int(shape.get("groups", 1))
-    share, kernel = 1.0, ""
-    moe = (vllm_cpu_fused_moe(shape, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
-           if device.type == "cpu" and groups > 1 and shape["op"] in ("moe_w13", "moe_w2")
-           and dtype in ("bf16", "fp16", "fp32") else None)
-    if moe is not None:
-        (fn, share), reason = moe, ""
-        nbytes = float(groups * n * k * torch.tensor([], dtype={"bf16": torch.bfloat16, "fp16": torch.float16,
-                                                                "fp32": torch.float32}[dtype]).element_size())
-        kernel = (f"vLLM's cpu_fused_moe (w13, activation and w2 in one call) timed whole; this GEMM's "
-                  f"{100 * share:.0f}% of its FLOPs. ")
+    engine = cpu_engine_kernel(shape, dtype) if device.type == "cpu" else None
+    if engine is not None:
+        fn, reason, nbytes, share, kernel = engine.fn, "", engine.nbytes, engine.share, engine.kernel
     else:
-        fn, reason, nbytes = make_gemm(m, n, k, dtype, device, groups)
-        if device.type == "cpu" and groups == 1 and _vllm_importable():
-            kernel = "vLLM's CPU linear (dispatch_cpu_unquantized_gemm: oneDNN or packed weights). "
+        (fn, reason, nbytes), share, kernel = make_gemm(m, n, k, dtype, device, groups), 1.0, ""
     if fn is None:
         row.update(status="skipped", skip_reason=reason)
         return row
@@ -359,14 +383,6 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
     row["gbps"] = nbytes / (best * 1e-6) / 1e9
     row["bytes"] = nbytes
     return row
-
-
-def _vllm_importable() -> bool:
-    try:
-        import vllm.model_executor.layers.utils  # noqa: F401
-        return True
-    except Exception:
-        return False
 
 
 def _parse_cpus(spec: str) -> set[int]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
 from decodescope.probes.collectives import Timer, _elems, graph_of, init_ranks
-from decodescope.probes.gemm import make_gemm, vllm_cpu_fused_moe
+from decodescope.probes.gemm import TORCH_DTYPES, cpu_engine_kernel, make_gemm
 from decodescope.probes.timing import median_spread
 
 VARIANTS = ("full", "gemm_only", "comm_only")
@@ -51,7 +51,7 @@ def build_step(program: list[dict], dtype: str, device, world: int, budget_bytes
     GEMMs that cannot run here (with why) and how many GEMMs reuse weights. On a CPU with vllm
     importable the MoE experts run as the engine runs them, one cpu_fused_moe call per layer (at moe_w13;
     moe_w2 is inside it), as the GEMM probe times them."""
-    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    tdtype = TORCH_DTYPES[dtype]
     items, skipped = [], {}
     made: dict[tuple, list] = {}
     allocated, reused = 0.0, 0
@@ -59,23 +59,23 @@ def build_step(program: list[dict], dtype: str, device, world: int, budget_bytes
     for op in program:
         if op["kind"] == "gemm":
             key = (op["m"], op["n"], op["k"], op.get("groups", 1))
-            fused = (device.type == "cpu" and op["op"] in ("moe_w13", "moe_w2") and op.get("groups", 1) > 1
-                     and batch is not None)
-            moe = vllm_cpu_fused_moe({**op, "batch": batch}, tdtype) if fused and op["op"] == "moe_w13" else None
-            if fused and op["op"] == "moe_w2" and fused_moe_used:
-                continue
+            if fused_moe_used and op["op"] == "moe_w2":
+                continue  # inside the layer's cpu_fused_moe call
             pool = made.setdefault(key, [])
-            if moe is not None:
-                fused_moe_used = True
-                fn = moe[0]
-            elif pool and allocated >= budget_bytes:
+            if pool and allocated >= budget_bytes:
                 fn = pool[reused % len(pool)]
                 reused += 1
             else:
-                fn, reason, nbytes = make_gemm(op["m"], op["n"], op["k"], dtype, device, op.get("groups", 1))
-                if fn is None:
-                    skipped[op["op"]] = reason
-                    continue
+                engine = (cpu_engine_kernel({**op, "batch": batch}, dtype)
+                          if device.type == "cpu" and batch is not None and op["op"] != "moe_w2" else None)
+                if engine is not None:
+                    fn, nbytes = engine.fn, engine.nbytes
+                    fused_moe_used = fused_moe_used or op["op"] == "moe_w13"
+                else:
+                    fn, reason, nbytes = make_gemm(op["m"], op["n"], op["k"], dtype, device, op.get("groups", 1))
+                    if fn is None:
+                        skipped[op["op"]] = reason
+                        continue
                 pool.append(fn)
                 allocated += nbytes
             items.append(("gemm", fn))

@@ -132,7 +132,7 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     if prof.warmup_requests:  # at least one full batch: a batch size's first step is not a decode step's cost
         run_async(run_level(cfg, concurrency, prompts, n_requests=max(prof.warmup_requests, concurrency), warmup=0))
     scraper = Scraper(server.base_url, params.server.api_key)
-    itl_unprofiled_us = _engine_itl_us(scraper, lambda: run_async(
+    _, itl_unprofiled_us = _with_engine_itl_us(scraper, lambda: run_async(
         run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)))
     before = set(p for group in find_trace_files(trace_dir) for p in group)
     problems: list[str] = []
@@ -148,10 +148,8 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
         server.raise_if_dead("the profile (/start_profile)")
         raise
     t1 = time.monotonic()
-    ran: dict = {}
-    itl_profiled_us = _engine_itl_us(scraper, lambda: ran.update(out=run_async(
-        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0))))
-    records, _ = ran["out"]
+    (records, _), itl_profiled_us = _with_engine_itl_us(scraper, lambda: run_async(
+        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)))
     t2 = time.monotonic()
     df = records_frame(records)
     if records_path is not None:
@@ -213,16 +211,16 @@ def profiler_event_cost_us(n_ops: int = 20000, repeats: int = 3) -> Optional[flo
     return max(0.0, min(diffs))
 
 
-def _engine_itl_us(scraper, workload) -> Optional[float]:
-    """The engine's mean inter-token latency (us) over `workload()`, from /metrics before and after it
-    (None when the server does not expose it or a scrape failed)."""
+def _with_engine_itl_us(scraper, workload):
+    """(what `workload()` returned, the engine's mean inter-token latency over it in us, from /metrics
+    before and after it: None when the server does not expose it or a scrape failed)."""
     from decodescope.serving.telemetry import HISTOGRAM_MEANS, SETTLE_S, histogram_mean_between
 
     before = scraper.scrape()[2]
-    workload()
+    result = workload()
     time.sleep(SETTLE_S)  # the engine records the last iteration's stats after its output went out
     mean_s = histogram_mean_between(before, scraper.scrape()[2], HISTOGRAM_MEANS["server_itl_mean_us"])
-    return None if mean_s is None else mean_s * 1e6
+    return result, None if mean_s is None else mean_s * 1e6
 
 
 def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:
