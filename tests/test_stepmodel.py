@@ -230,7 +230,7 @@ def test_the_profilers_measured_cost_comes_off_the_period_not_the_profiled_wall(
         return s
     summaries = {1: summary(1, 100.0), 4: summary(4, 200.0)}
     plain = sm.predict_step(gemm, pd.DataFrame(), tiny, 1, 2, "", "", sm.step_samples(summaries, 40.0), 40.0)
-    samples = sm.step_samples(summaries, 40.0, {1: 0.5, 4: 0.5})
+    samples = sm.step_samples(summaries, 40.0, {c: {"profiler_event_cost_us": 0.5} for c in (1, 4)})
     assert [s.profiler_cost_us for s in samples] == [150.0, 300.0]
     pred = sm.predict_step(gemm, pd.DataFrame(), tiny, 1, 2, "", "", samples, 40.0)
     cost = next(c for c in pred.components if c.name == sm.PROFILER_COST)
@@ -239,9 +239,71 @@ def test_the_profilers_measured_cost_comes_off_the_period_not_the_profiled_wall(
     assert pred.wall_us == pytest.approx(plain.wall_us)            # the profiled wall carries the profiler
     # never more than the profile-sourced parts, which add up to the profiled period (3,000 us)
     big = sm.predict_step(gemm, pd.DataFrame(), tiny, 1, 1, "", "",
-                          sm.step_samples(summaries, 40.0, {1: 100.0}), 40.0)
+                          sm.step_samples(summaries, 40.0, {1: {"profiler_event_cost_us": 100.0}}), 40.0)
     capped = next(c for c in big.components if c.name == sm.PROFILER_COST)
     assert capped.us == pytest.approx(-3000.0) and "capped" in capped.notes[-1]
+
+
+def test_the_profilers_cost_is_the_inter_token_latency_it_added_with_the_unprofiled_runs_spread(tiny):
+    from decodescope.trace.capture import itl_window_noise, profiler_step_cost_us, unprofiled_itl_us
+
+    # two unprofiled runs at 3,000 and 3,300 us, the profiled one at 4,900: the profiler added 1,750 us
+    # a step; the two unprofiled windows differ by 300 us (9.5% of their mean): the band is 1,750 -/+ 300
+    runs = [3000.0, 3300.0]
+    cap = {"engine_itl_unprofiled_us": unprofiled_itl_us(runs), "window_noise": itl_window_noise(runs),
+           "profiler_step_cost_us": profiler_step_cost_us(runs, 4900.0), "profiler_event_cost_us": 0.5}
+    assert cap["engine_itl_unprofiled_us"] == 3150.0 and cap["window_noise"] == pytest.approx(300 / 3150)
+    s = _summary(1, 1.0, {0: {"attention": 1000.0, "elementwise_other": 500.0}}, 4000.0, 4900.0, 1500.0, 1000.0)
+    (sample,) = sm.step_samples({1: s}, 40.0, {1: cap})
+    assert sample.profiler_cost_us == pytest.approx(1750.0)        # not 2 ops x 0.5 us: the per-op floor
+    assert sample.profiler_cost_band_us == pytest.approx((1450.0, 2050.0))
+    gemm = pd.DataFrame([{"op": x.op, "batch": 1, "dtype": "bf16", "status": "ok", "time_us": 0.0}
+                         for x in archmod.gemm_shapes(tiny, 1, 1)])
+    pred = sm.predict_step(gemm, pd.DataFrame(), tiny, 1, 1, "", "", [sample], 40.0)
+    cost = next(c for c in pred.components if c.name == sm.PROFILER_COST)
+    assert (cost.us, cost.low_us, cost.high_us) == pytest.approx((-1750.0, -2050.0, -1450.0))
+    assert "inter-token latency profiled - unprofiled" in cost.source
+    assert pred.period_us == pytest.approx(4900.0 - 1750.0)         # the unprofiled step, as measured
+    # a profiled run faster than the unprofiled ones is noise: the profiler costs nothing, not less
+    (faster,) = sm.step_samples({1: s}, 40.0, {1: {**cap, "profiler_step_cost_us": -100.0}})
+    assert faster.profiler_cost_us == 0.0
+    # one unprofiled run measured: no spread to give
+    assert itl_window_noise([3000.0, None]) is None and profiler_step_cost_us([None, None], 4900.0) is None
+
+
+def test_workers_preempted_by_the_host_come_out_of_the_idle_and_go_where_a_core_is_left_free(tiny):
+    gemm2 = pd.DataFrame([{"op": x.op, "batch": 1, "dtype": "bf16", "status": "ok", "time_us": 0.0}
+                          for x in archmod.gemm_shapes(tiny, 2, 1)])
+    gemm1 = pd.DataFrame([{"op": x.op, "batch": 1, "dtype": "bf16", "status": "ok", "time_us": 0.0}
+                          for x in archmod.gemm_shapes(tiny, 1, 1)])   # free GEMMs: only the host parts count
+    # idle 1,000 us in the step, of which the workers waited 800 for a core (schedstat run-queue wait)
+    s = _summary(1, 1.0, {0: {"attention": 100.0}}, 1100.0, 2100.0, 1000.0, 1000.0)
+    cap = {"host_cpu_per_step": {"worker": {"cpu_us": 2000.0, "runq_wait_us": 800.0, "processes": 2}}}
+    (sample,) = sm.step_samples({1: s}, 40.0, {1: cap})
+    assert sample.preempted_us == 800.0
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "vllm_shm",
+                          "timing": "back_to_back", "inplace": True, "rank": 0, "bytes": n, "time_us": 0.0,
+                          "p10_us": 0.0, "p90_us": 0.0} for n in (256, 65536)])
+    at2 = sm.predict_step(gemm2, coll, tiny, 2, 1, "vllm_shm", "back_to_back", [sample], 40.0, host_cores=2)
+    parts = {c.name: c.us for c in at2.components}
+    assert parts[sm.PREEMPTED] == 800.0 and parts["idle in step"] == 200.0
+    assert at2.period_us == pytest.approx(2100.0) and at2.wall_us == pytest.approx(1100.0)   # only split
+    # tensor-parallel 1 on two cores: one worker, a core for the engine core and the API server
+    at1 = sm.predict_step(gemm1, pd.DataFrame(), tiny, 1, 1, "", "", [sample], 40.0, measured_world=2,
+                          attention_scale=2.0, host_cores=2)
+    pre = next(c for c in at1.components if c.name == sm.PREEMPTED)
+    assert pre.us == 0.0 and "leave 1 of the host's 2 cores" in pre.notes[-1]
+    assert at1.period_us == pytest.approx(2100.0 - 800.0 + 100.0)   # attention x 2
+    # a host with cores to spare at both sizes (or not known): the measured wait is held
+    for cores in (None, 64):
+        kept = sm.predict_step(gemm1, pd.DataFrame(), tiny, 1, 1, "", "", [sample], 40.0, measured_world=2,
+                               host_cores=cores)
+        assert {c.name: c.us for c in kept.components}[sm.PREEMPTED] == 800.0
+    # more waiting than idle (the rest fell between steps): capped at the idle, and said so
+    (big,) = sm.step_samples({1: s}, 40.0, {1: {"host_cpu_per_step": {"worker": {"runq_wait_us": 1500.0}}}})
+    capped = next(c for c in sm.predict_step(gemm2, coll, tiny, 2, 1, "vllm_shm", "back_to_back", [big], 40.0).components
+                  if c.name == sm.PREEMPTED)
+    assert capped.us == 1000.0 and "capped" in capped.notes[0]
 
 
 def test_another_tensor_parallel_size_scales_attention_and_extrapolates_collectives(tiny):

@@ -561,3 +561,48 @@ def test_a_histograms_mean_between_two_scrapes_is_its_new_observations_only():
     assert T.histogram_mean_between(after, after, names) is None      # nothing observed
     assert T.histogram_mean_between(None, after, names) is None       # a failed scrape
     assert T.histogram_mean_between(before, after, ("vllm:absent_seconds",)) is None
+
+
+def test_the_engines_steps_between_two_scrapes_are_its_iteration_histograms_new_count():
+    reg = CollectorRegistry()
+    h = Histogram("vllm:iteration_tokens_total", "tokens per engine step", ["engine"], registry=reg)
+    for n in (4, 4, 1):
+        h.labels(engine="0").observe(n)
+    before = T.parse_metrics(generate_latest(reg).decode())
+    for n in (2, 3, 3, 3):
+        h.labels(engine="0").observe(n)
+    h.labels(engine="1").observe(1)
+    after = T.parse_metrics(generate_latest(reg).decode())
+    assert T.counter_delta(before, after, T.ENGINE_STEPS) == 5.0
+    assert T.counter_delta(None, after, T.ENGINE_STEPS) is None               # a failed scrape
+    assert T.counter_delta(before, after, "vllm:absent_total") is None       # not exposed
+
+
+def test_a_process_cpu_time_and_run_queue_wait_are_read_per_step_from_proc():
+    """Two busy loops pinned to one core: each is always ready to run, so its CPU time and its run-queue
+    wait add up to the window, and with the core shared it waits a good part of it."""
+    import subprocess
+    import sys
+    import time
+
+    from decodescope import procs
+
+    code = ("import os, sys, time\nos.sched_setaffinity(0, {0})\nprint('spinning', flush=True)\n"
+            "t = time.time()\nwhile time.time() - t < 3: pass")
+    kids = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        assert all(k.stdout.readline().strip() == "spinning" for k in kids)
+        before, t0 = procs.cpu_schedstat([k.pid for k in kids] + [999_999_999]), time.monotonic()  # gone: left out
+        time.sleep(1.0)
+        after, window_us = procs.cpu_schedstat([k.pid for k in kids]), (time.monotonic() - t0) * 1e6
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+    assert set(before) == {k.pid for k in kids} and {r for r, _, _ in after.values()} == {"api server"}
+    p = procs.cpu_per_step(before, after, steps=1000)              # per step of a thousandth of the window
+    assert p["api server"]["processes"] == 2
+    step_us = window_us / 1000
+    assert 0.7 * step_us <= p["api server"]["cpu_us"] + p["api server"]["runq_wait_us"] <= 1.3 * step_us, p
+    assert p["api server"]["cpu_us"] > 0 and p["api server"]["runq_wait_us"] >= 0.2 * step_us, p
+    assert procs.process_role("VLLM::Worker_TP0") == "worker" and procs.process_role("VLLM::EngineCore") == "engine core"

@@ -184,3 +184,38 @@ def shm_files_of(idents: Iterable[str]) -> list[Path]:
         return sorted(p for p in SHM_DIR.iterdir() if any(i in p.name for i in idents))
     except OSError:
         return []
+
+
+# vLLM names its processes (setproctitle): the engine core and the workers; the API server keeps its own.
+_ROLES = (("VLLM::Worker", "worker"), ("VLLM::EngineCor", "engine core"))
+
+
+def process_role(comm: str) -> str:
+    """A vLLM server process's part, from its name: worker, engine core, or api server (the rest)."""
+    return next((role for prefix, role in _ROLES if comm.startswith(prefix)), "api server")
+
+
+def cpu_schedstat(pids: Iterable[int]) -> dict[int, tuple[str, int, int]]:
+    """pid -> (role, CPU time ns, run-queue wait ns) of each process's main thread (the one running its
+    loop: a worker's step, the engine core's scheduler), from /proc/<pid>/schedstat: the wait is time
+    the thread was ready to run and another held its core. Processes that are gone are left out."""
+    out = {}
+    for pid in pids:
+        try:
+            cpu_ns, wait_ns, _ = (int(x) for x in Path(f"/proc/{pid}/schedstat").read_text().split()[:3])
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        out[pid] = (process_role(comm), cpu_ns, wait_ns)
+    return out
+
+
+def cpu_per_step(before: dict, after: dict, steps: float) -> dict[str, dict]:
+    """role -> {cpu_us, runq_wait_us: per engine step, the mean over that role's processes; processes}."""
+    by: dict[str, list[tuple[float, float]]] = {}
+    for pid, (role, cpu_ns, wait_ns) in after.items():
+        if pid in before and steps > 0:
+            by.setdefault(role, []).append(((cpu_ns - before[pid][1]) / 1e3 / steps,
+                                            (wait_ns - before[pid][2]) / 1e3 / steps))
+    return {role: {"cpu_us": sum(c for c, _ in v) / len(v), "runq_wait_us": sum(w for _, w in v) / len(v),
+                   "processes": len(v)} for role, v in by.items()}

@@ -473,15 +473,15 @@ class LevelReconcileRow(_Model):
     attributed_to: str = Field("", description="what the residual is put down to, from the measurements")
     engine_itl_us: Optional[float] = Field(None, description="the engine's mean inter-token latency during this "
                                            "level (vllm metrics, 01's telemetry)")
-    profile_engine_itl_us: Optional[float] = Field(None, description="the same, over 04's unprofiled run of the "
+    profile_engine_itl_us: Optional[float] = Field(None, description="the same, over 04's unprofiled runs of the "
                                                    "profile workload at this concurrency (04's server)")
     host_drift: Optional[float] = Field(None, description="profile_engine_itl_us / engine_itl_us - 1: how much the "
                                         "host's step changed between 01 and 04 (another server start, minutes later)")
     model_error_same_server: Optional[float] = Field(None, description="model / profile_engine_itl_us - 1: the model "
                                                      "against the step measured where its 04 inputs were")
-    window_noise: Optional[float] = Field(None, description="|the engine's inter-token latency under the profiler / "
-                                          "without it - 1| in 04: two runs of one workload a second apart on one "
-                                          "server (the profiler's own share of it is ~0.3 us per op)")
+    window_noise: Optional[float] = Field(None, description="|a - b| / mean of the engine's inter-token latency over "
+                                          "04's two unprofiled runs of the profile workload, a second apart on one "
+                                          "server: how much the host's step moves between two windows")
 
 
 class ReplayRow(_Model):

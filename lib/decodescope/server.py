@@ -410,14 +410,15 @@ class VllmServer:
     # ---- teardown -----------------------------------------------------------------------------
     @property
     def pgid(self) -> Optional[int]:
-        # started with setsid: the API server leads its own process group, which its children keep
-        return self.proc.pid if self.proc is not None else None
+        # started with setsid: the API server leads its own process group, which its children keep; a
+        # server another process of this run started is known by its pid (server.json)
+        return self.proc.pid if self.proc is not None else self.pid
 
     def process_tree(self) -> list[int]:
         if self.remote is not None:
             return self.remote.tree()  # pids on its host, by process group and run token, as its supervisor sees them
-        if self.proc is None:
-            return []
+        if self.pgid is None or self.run_token is None:
+            return []   # attached by URL: its processes are not ours to find
         return procs.run_processes(self.run_token, [self.pgid])
 
     def stop(self) -> None:

@@ -173,6 +173,9 @@ class StepSample:
     source: str
     profiler_cost_us: Optional[float] = None
     allreduce_wait_us: float = 0.0
+    profiler_cost_band_us: tuple = ()
+    profiler_cost_how: str = ""
+    preempted_us: float = 0.0
 
     @property
     def rest_us(self) -> float:
@@ -181,10 +184,21 @@ class StepSample:
         return self.period_us - (sum(self.classes_us.values()) * self.overlap + self.idle_us + self.between_us)
 
 
-def _ops_times_event_cost(cats: pd.DataFrame, rank, event_cost_us: Optional[float]) -> Optional[float]:
-    if event_cost_us is None:
-        return None
-    return float(cats[cats["rank"] == rank]["calls_per_step"].sum()) * float(event_cost_us)
+def profiler_cost(cap: dict, cats: pd.DataFrame, rank) -> tuple[Optional[float], tuple, str]:
+    """What the profiler added to a step at one profiled level (04's profile_capture.json): the engine's
+    inter-token latency under the profiler less without it, the same workload on the same server a
+    second apart, with a band of the two unprofiled runs' difference; where /metrics had no inter-token
+    latency, the critical rank's ops per step x the profiler's cost per recorded op (a floor: it misses
+    the trace writers and the profiled front end sharing the host's cores)."""
+    step, base = cap.get("profiler_step_cost_us"), cap.get("engine_itl_unprofiled_us")
+    if step is not None and base:
+        noise_us = float(cap.get("window_noise") or 0.0) * float(base)
+        v = max(float(step), 0.0)   # the profiler cannot speed a step up: a negative reading is noise
+        return v, (max(v - noise_us, 0.0), v + noise_us), "inter-token latency profiled - unprofiled"
+    if cap.get("profiler_event_cost_us") is None:
+        return None, (), ""
+    v = float(cats[cats["rank"] == rank]["calls_per_step"].sum()) * float(cap["profiler_event_cost_us"])
+    return v, (v, v), "ops per step x the profiler's cost per recorded op"
 
 
 def allreduce_wait_us(cats: pd.DataFrame, rank, transfer_us: Optional[float]) -> float:
@@ -198,11 +212,10 @@ def allreduce_wait_us(cats: pd.DataFrame, rank, transfer_us: Optional[float]) ->
     return max(0.0, float(mine) - float(transfer_us))
 
 
-def step_samples(summaries: dict, context_tokens: float,
-                 event_costs_us: Optional[dict] = None) -> list[StepSample]:
-    """ProfileSummary per profiled concurrency -> StepSample per level, sorted by batch. event_costs_us
-    (concurrency -> what the profiler adds to one recorded op, 04's capture) prices the profiler's own
-    cost of a step: the critical rank's ops per step x that."""
+def step_samples(summaries: dict, context_tokens: float, captures: Optional[dict] = None) -> list[StepSample]:
+    """ProfileSummary per profiled concurrency -> StepSample per level, sorted by batch. captures
+    (concurrency -> 04's profile_capture.json) give the profiler's own cost of a step (profiler_cost)
+    and the workers' run-queue wait per step: the time the host's other processes held their cores."""
     from decodescope.trace.categorize import class_of
 
     out = []
@@ -214,13 +227,17 @@ def step_samples(summaries: dict, context_tokens: float,
         cats["cls"] = cats["category"].map(class_of)
         by = cats.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
         rank = by["communication"].idxmin() if "communication" in by else by.index[0]
+        cap = (captures or {}).get(conc, {})
+        cost, band, how = profiler_cost(cap, cats, rank)
+        worker = (cap.get("host_cpu_per_step") or {}).get("worker") or {}
         overlap = (ps.busy_us_median / ps.summed_us_median) if ps.summed_us_median and ps.busy_us_median else 1.0
         out.append(StepSample(batch=float(ps.batch_median or conc), context_tokens=context_tokens,
                               classes_us={str(k): float(v) for k, v in by.loc[rank].items()},
                               idle_us=float(ps.idle_us_median or 0.0), between_us=float(ps.between_steps_us_median or 0.0),
                               overlap=min(1.0, overlap), period_us=float(ps.period_us_median or ps.wall_us_median),
                               source=f"profile/c{conc}/profile_summary.json (rank {rank})",
-                              profiler_cost_us=_ops_times_event_cost(cats, rank, (event_costs_us or {}).get(conc)),
+                              profiler_cost_us=cost, profiler_cost_band_us=band, profiler_cost_how=how,
+                              preempted_us=float(worker.get("runq_wait_us") or 0.0),
                               allreduce_wait_us=allreduce_wait_us(cats, rank, s.allreduce_transfer_us_per_step)))
     return sorted(out, key=lambda x: x.batch)
 
@@ -268,7 +285,7 @@ class StepPrediction:
 
     def _sum(self, attr: str, host: bool) -> float:
         work = sum(getattr(c, attr) for c in self.components if c.name not in HOST_PARTS)
-        gaps = sum(getattr(c, attr) for c in self.components if c.name in HOST_PARTS and (host or c.name == "idle in step"))
+        gaps = sum(getattr(c, attr) for c in self.components if c.name in HOST_PARTS and (host or c.name in IN_STEP))
         return work * self.overlap + gaps
 
     @property
@@ -292,15 +309,25 @@ class StepPrediction:
 PROFILER_COST = "profiler's own cost"
 WAIT = "all-reduce wait for the last rank"
 REST = "rest of the profiled period"
+PREEMPTED = "workers preempted by the host's processes"
+IN_STEP = ("idle in step", PREEMPTED)
 # Host parts are added after the lanes' overlap; the profiler's cost (negative) and the rest of the profiled
 # period count in the period (TPOT, measured without a profiler) but not in the wall of a profiled step.
-HOST_PARTS = ("idle in step", "between steps", PROFILER_COST, REST)
+HOST_PARTS = IN_STEP + ("between steps", PROFILER_COST, REST)
+
+
+def host_processes_get_a_core(tp: int, measured_tp: int, host_cores: Optional[int]) -> bool:
+    """Whether the workers' preemption measured at measured_tp goes away at tp: the workers held every
+    core there (one each, as the CPU build binds them) and at tp they leave one to the engine core and
+    the API server."""
+    return bool(host_cores) and measured_tp >= host_cores > tp
 
 
 def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int,
                  communicator: str, timing: str, samples: list[StepSample], context_tokens: float,
                  dtype: str = "bf16", gemm_source: str = "gemm.parquet", measured_world: Optional[int] = None,
-                 attention_scale: float = 1.0, collectives: Optional[Component] = None) -> StepPrediction:
+                 attention_scale: float = 1.0, collectives: Optional[Component] = None,
+                 host_cores: Optional[int] = None) -> StepPrediction:
     """The decode step at `batch`: GEMMs (02) + collectives (03) + the ranks' wait for each other in
     the all-reduces + attention, small ops and framework time (04, across the profiled levels) on the
     critical rank, times its lane overlap (busy / summed), plus the host's time inside the step and
@@ -308,7 +335,10 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
 
     At another tensor-parallel size than 03 measured (measured_world), the collectives are the measured
     ones scaled by (tp - 1) / (world - 1), a ring's latency term, and labelled extrapolated; attention is
-    scaled by attention_scale (heads per rank). `collectives` replaces the priced collectives (a fix)."""
+    scaled by attention_scale (heads per rank). `collectives` replaces the priced collectives (a fix).
+    The workers' run-queue wait (04: the host's other processes holding their cores mid-step) is taken
+    out of the idle in the step as its own part; at a tensor-parallel size whose workers leave the host
+    (host_cores) a core, it is priced at zero."""
     comps = [gemm_component(gemm, arch, tp, batch, dtype, source=gemm_source)]
     if collectives is not None:
         comps.append(collectives)
@@ -334,10 +364,24 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
         for cls in others:
             v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
             comps.append(Component(cls, v, lo, hi, "; ".join(s.source for s in samples), notes))
-        for name, get in (("idle in step", lambda s: s.idle_us), ("between steps", lambda s: s.between_us),
+        def preempted(s):
+            return min(s.preempted_us, s.idle_us)
+
+        src = "; ".join(s.source for s in samples)
+        if any(s.preempted_us for s in samples):
+            v, lo, hi, notes = _across_batches(samples, batch, preempted)
+            if any(s.preempted_us > s.idle_us for s in samples):
+                notes.append("capped at the idle in the step")
+            if host_processes_get_a_core(tp, measured_world or tp, host_cores):
+                notes.append(f"0 at tensor-parallel {tp}: its workers leave {host_cores - tp} of the host's "
+                             f"{host_cores} cores to the engine core and the API server")
+                v = lo = hi = 0.0
+            comps.append(Component(PREEMPTED, v, lo, hi, _capture_sources(samples) +
+                                   " (workers' run-queue wait per step, /proc schedstat)", notes))
+        for name, get in (("idle in step", lambda s: s.idle_us - preempted(s)), ("between steps", lambda s: s.between_us),
                           (REST, lambda s: s.rest_us)):
             v, lo, hi, notes = _across_batches(samples, batch, get)
-            comps.append(Component(name, v, lo, hi, "; ".join(s.source for s in samples), notes))
+            comps.append(Component(name, v, lo, hi, src, notes))
         overlap = _across_batches(samples, batch, lambda s: s.overlap)[0]
         comps += _profiler_cost(samples, batch, comps, overlap)
     else:
@@ -351,15 +395,21 @@ def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Componen
     measured = [s for s in samples if s.profiler_cost_us is not None]
     if not measured:
         return []
-    v, lo, hi, notes = _across_batches(measured, batch, lambda s: s.profiler_cost_us)
+    v, _, _, notes = _across_batches(measured, batch, lambda s: s.profiler_cost_us)
+    lo = _across_batches(measured, batch, lambda s: (s.profiler_cost_band_us or (s.profiler_cost_us,))[0])[1]
+    hi = _across_batches(measured, batch, lambda s: (s.profiler_cost_band_us or (0, s.profiler_cost_us))[-1])[2]
     profiled = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps
                    if c.name not in ("gemm", "collectives", WAIT))
     if v > profiled:
         notes.append(f"capped at the profile-sourced parts ({profiled:.0f} us of {v:.0f})")
         v, lo, hi = profiled, min(lo, profiled), min(hi, profiled)
-    src = "; ".join(s.source.split(" (")[0].replace("profile_summary", "profile_capture") for s in measured)
-    return [Component(PROFILER_COST, -v, -hi, -lo, f"{src} (ops per step x the profiler's cost per recorded op)",
-                      notes)]
+    how = sorted({s.profiler_cost_how for s in measured})
+    return [Component(PROFILER_COST, -v, -hi, -lo, f"{_capture_sources(measured)} ({'; '.join(how)})", notes)]
+
+
+def _capture_sources(samples: list[StepSample]) -> str:
+    """The profile_capture.json files (04's capture record) of the levels sampled."""
+    return "; ".join(s.source.split(" (")[0].replace("profile_summary", "profile_capture") for s in samples)
 
 
 def all_to_all_at(coll: pd.DataFrame, tokens: float) -> tuple[float, float, float, str]:

@@ -206,10 +206,8 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
             row.update(model_us=m[0], model_low_us=m[1], model_high_us=m[2], model_error=m[0] / tpot - 1)
         itl01 = _positive(getattr(lv, "server_itl_mean_us", None))
         cap = (captures or {}).get(level, {})
-        itl04, itl04_profiled = _positive(cap.get("engine_itl_unprofiled_us")), _positive(cap.get("engine_itl_profiled_us"))
-        row.update(engine_itl_us=itl01, profile_engine_itl_us=itl04)
-        if itl04 and itl04_profiled:
-            row["window_noise"] = abs(itl04_profiled / itl04 - 1)
+        itl04 = _positive(cap.get("engine_itl_unprofiled_us"))
+        row.update(engine_itl_us=itl01, profile_engine_itl_us=itl04, window_noise=cap.get("window_noise"))
         if itl01 and itl04:
             row["host_drift"] = itl04 / itl01 - 1
         if m and itl04:
@@ -341,6 +339,14 @@ def _positive(x) -> Optional[float]:
     return float(x) if x is not None and x == x and x > 0 else None
 
 
+def host_cores(run_dir: Path) -> Optional[int]:
+    """The logical CPU cores of the host the server ran on (host.json), when recorded."""
+    from decodescope.records import HostInventory, read_record
+
+    path = Path(run_dir) / "data" / "host.json"
+    return read_record(path, HostInventory).cpu.logical_cores if path.is_file() else None
+
+
 def profile_captures(run_dir: Path) -> dict[int, dict]:
     """Concurrency -> each profiled level's profile_capture.json."""
     out = {}
@@ -348,12 +354,6 @@ def profile_captures(run_dir: Path) -> dict[int, dict]:
         cap = json.loads(p.read_text())
         out[int(cap.get("concurrency") or p.parent.name[1:])] = cap
     return out
-
-
-def profiler_event_costs(run_dir: Path) -> dict[int, float]:
-    """Concurrency -> what the profiler added to one recorded op (us), where 04's capture measured it."""
-    return {c: float(cap["profiler_event_cost_us"]) for c, cap in profile_captures(run_dir).items()
-            if cap.get("profiler_event_cost_us") is not None}
 
 
 @dataclass
@@ -367,12 +367,30 @@ class ModelInputs:
     timing: str
     samples: list
     serving_context_tokens: float
+    host_cores: Optional[int] = None
 
     def predict(self, batch: float, **kw):
         from decodescope import stepmodel as sm
 
         return sm.predict_step(self.gemm, self.coll, self.arch, self.tp, int(round(batch)), self.communicator,
                                self.timing, self.samples, self.serving_context_tokens, **kw)
+
+    def at_tensor_parallel(self, t: int, batch: float) -> Optional["Fix"]:
+        """Tensor-parallel t with replicas keeping the rank count: GEMMs at t's shapes (02's what-if
+        table), attention x tp / t, collectives extrapolated from 03's world size; None when 02 did not
+        measure t's GEMMs."""
+        from decodescope import stepmodel as sm
+
+        if self.gemm_tp is None or self.gemm_tp.empty or t not in set(self.gemm_tp["tp"]):
+            return None
+        pred = sm.predict_step(self.gemm_tp[self.gemm_tp["tp"] == t], self.coll, self.arch, t, int(batch),
+                               self.communicator, self.timing, self.samples, self.serving_context_tokens,
+                               measured_world=self.tp, attention_scale=self.tp / t,
+                               gemm_source=f"gemm_whatif_tp.parquet (tp {t})", host_cores=self.host_cores)
+        return Fix(f"tensor-parallel {t} x {max(self.tp // t, 1)} replicas", pred, 1.0, t, [
+            f"GEMMs at tp {t} shapes (02); attention x {self.tp / t:g} (heads per rank); small ops, framework and "
+            f"host time as profiled at tp {self.tp}, less the workers' preemption where tp {t} leaves the host a "
+            "core; each replica serves the batch"])
 
 
 def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary]) -> Optional[ModelInputs]:
@@ -397,11 +415,11 @@ def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary]) ->
         if not timing:
             return None
     prof, wl = params.profile, params.workload
-    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2, profiler_event_costs(run_dir))
+    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2, profile_captures(run_dir))
     return ModelInputs(gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
                        else pd.DataFrame(), arch=archmod.normalize_config(params.model_config_dict()), tp=tp,
                        communicator=comm, timing=timing, samples=samples,
-                       serving_context_tokens=wl.input_tokens + wl.output_tokens / 2)
+                       serving_context_tokens=wl.input_tokens + wl.output_tokens / 2, host_cores=host_cores(run_dir))
 
 
 @dataclass
@@ -453,15 +471,9 @@ def fixes_at(inp: ModelInputs, batch: float, params) -> list[Fix]:
     out.append(Fix("GEMMs 2x faster", _with_component(inp.predict(batch), half), 1.0, tp,
                    ["every GEMM of the step at half its measured time (02); nothing else changes"]))
     for t in params.projected_tensor_parallel():
-        if t == tp or inp.gemm_tp is None or inp.gemm_tp.empty or t not in set(inp.gemm_tp["tp"]):
-            continue
-        pred = sm.predict_step(inp.gemm_tp[inp.gemm_tp["tp"] == t], inp.coll, inp.arch, t, int(batch),
-                               inp.communicator, inp.timing, inp.samples, inp.serving_context_tokens,
-                               measured_world=tp, attention_scale=tp / t, gemm_source=f"gemm_whatif_tp.parquet (tp {t})")
-        replicas = max(tp // t, 1)
-        out.append(Fix(f"tensor-parallel {t} x {replicas} replicas", pred, 1.0, t, [
-            f"GEMMs at tp {t} shapes (02); attention x {tp / t:g} (heads per rank); small ops, framework and host "
-            f"time as profiled at tp {tp}; each replica serves the batch"]))
+        fix = inp.at_tensor_parallel(t, batch) if t != tp else None
+        if fix is not None:
+            out.append(fix)
     return out
 
 
@@ -640,12 +652,8 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
     ea = vparams.server.engine_args
     tp, vtp = inp.tp, vparams.server.tensor_parallel
     if vtp != tp:
-        if inp.gemm_tp is None or vtp not in set(inp.gemm_tp.get("tp", pd.Series(dtype=int))):
-            return None, f"02 did not measure the GEMMs at tensor-parallel {vtp}"
-        pred = sm.predict_step(inp.gemm_tp[inp.gemm_tp["tp"] == vtp], inp.coll, inp.arch, vtp, int(batch),
-                               inp.communicator, inp.timing, inp.samples, inp.serving_context_tokens,
-                               measured_world=tp, attention_scale=tp / vtp)
-        return Fix(f"tensor-parallel {vtp} x {max(tp // vtp, 1)} replicas", pred, 1.0, vtp), ""
+        fix = inp.at_tensor_parallel(vtp, batch)
+        return (fix, "") if fix is not None else (None, f"02 did not measure the GEMMs at tensor-parallel {vtp}")
     spec = _spec_config(ea)
     if spec is not None:
         k = int(spec.get("num_speculative_tokens", 1))

@@ -145,6 +145,11 @@ class Scraper:
         return (t0 + t1) / 2, t1 - t0, None, _redact(err, self.api_key)[:500]
 
 
+def _total(samples: list, name: str) -> Optional[float]:
+    vals = [v for n, _, v in samples if n == name]
+    return sum(vals) if vals else None
+
+
 def histogram_mean_between(before: Optional[list], after: Optional[list], names) -> Optional[float]:
     """The mean of the first of `names` (histogram bases) the server exposes, over the observations
     made between two scrapes (parse_metrics samples): delta of _sum over delta of _count, all label sets
@@ -152,14 +157,24 @@ def histogram_mean_between(before: Optional[list], after: Optional[list], names)
     if not before or not after:
         return None
     for base in names:
-        def total(samples, suffix):
-            vals = [v for n, _, v in samples if n == base + suffix]
-            return sum(vals) if vals else None
-        s0, s1, c0, c1 = total(before, "_sum"), total(after, "_sum"), total(before, "_count"), total(after, "_count")
+        s0, s1 = _total(before, base + "_sum"), _total(after, base + "_sum")
+        c0, c1 = _total(before, base + "_count"), _total(after, base + "_count")
         if None in (s0, s1, c0, c1):
             continue
         return (s1 - s0) / (c1 - c0) if c1 > c0 else None
     return None
+
+
+ENGINE_STEPS = "vllm:iteration_tokens_total_count"   # one observation per engine iteration (step)
+
+
+def counter_delta(before: Optional[list], after: Optional[list], name: str) -> Optional[float]:
+    """How much a counter (or a histogram's _count) grew between two scrapes; None when either
+    scrape failed or the server does not expose it."""
+    if not before or not after:
+        return None
+    a, b = _total(before, name), _total(after, name)
+    return None if a is None or b is None else b - a
 
 
 # ---- NVML ------------------------------------------------------------------------------------------

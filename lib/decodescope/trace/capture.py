@@ -5,10 +5,12 @@ VLLM_TORCH_PROFILER_DIR): the runner does this for launched servers. After warm-
 a controlled decode workload, /stop_profile, we wait until every rank's file is complete (its size
 stable and, for .gz, a gzip stream that decompresses to the end).
 
-The same workload runs once more just before /start_profile, unprofiled; the engine's inter-token
-latency over each run (from /metrics) is the step as the server ran it there and then, which the
-verdict sets the step model against beside 01's TPOT. What the profiler adds to each recorded op is
-measured here too (profiler_event_cost_us): the step model takes ops per step x that off.
+The same workload runs twice just before /start_profile, unprofiled. The engine's inter-token latency
+over each run (from /metrics) is the step as the server ran it there and then, which the verdict sets
+the step model against beside 01's TPOT; the two unprofiled runs differ by the host's noise, and the
+profiled run exceeds them by the profiler's own cost per step (its trace writers and the profiled
+front end share the cores with the workers, so it is far more than its cost per recorded op, which is
+measured too as profiler_event_cost_us: the fallback where /metrics has no inter-token latency).
 """
 from __future__ import annotations
 
@@ -46,24 +48,54 @@ class CaptureResult:
     problems: list[str] = field(default_factory=list)
     concurrency: int = 0
     # the engine's mean time between a request's tokens (vLLM's inter-token latency histogram, stamped in
-    # the engine core), over the same workload run once without and once under the profiler: the step
-    # as the server ran it where and when 04 measured (one window each: on a busy host their difference
-    # is mostly noise, so the profiler's cost is measured per event instead)
-    engine_itl_unprofiled_us: Optional[float] = None
+    # the engine core), over the same workload run twice without the profiler, then under it: the step
+    # as the server ran it where and when 04 measured
+    engine_itl_unprofiled_runs_us: list = field(default_factory=list)
     engine_itl_profiled_us: Optional[float] = None
     profiler_event_cost_us: Optional[float] = None
+    # the last unprofiled run: role -> CPU time and run-queue wait per step (procs.cpu_per_step); empty
+    # when the server's processes are not on this machine. A worker's wait is the time the host's other
+    # processes held its core mid-step.
+    host_cpu_per_step: dict = field(default_factory=dict)
+
+    @property
+    def engine_itl_unprofiled_us(self) -> Optional[float]:
+        return unprofiled_itl_us(self.engine_itl_unprofiled_runs_us)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["trace_dir"] = str(self.trace_dir)
+        for k in ("rank_files", "frontend_files", "tables"):
+            d[k] = [str(p) for p in d[k]]
+        d["engine_itl_unprofiled_us"] = self.engine_itl_unprofiled_us
+        d["window_noise"] = itl_window_noise(self.engine_itl_unprofiled_runs_us)
+        d["profiler_step_cost_us"] = profiler_step_cost_us(self.engine_itl_unprofiled_runs_us,
+                                                           self.engine_itl_profiled_us)
+        return d
 
     def raise_if_incomplete(self) -> None:
         """After the traces that arrived were analysed: a capture that lost ranks fails the phase."""
         if self.problems:
             raise CaptureError("; ".join(self.problems))
 
-    def to_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["trace_dir"] = str(self.trace_dir)
-        for k in ("rank_files", "frontend_files", "tables"):
-            d[k] = [str(p) for p in d[k]]
-        return d
+
+
+def unprofiled_itl_us(runs_us: list) -> Optional[float]:
+    """The mean of the unprofiled runs that measured it; None when none did."""
+    got = [float(x) for x in runs_us if x]
+    return sum(got) / len(got) if got else None
+
+
+def itl_window_noise(runs_us: list) -> Optional[float]:
+    """|a - b| / their mean, of the two unprofiled runs: how much one workload's step moves a second later."""
+    got = [float(x) for x in runs_us if x]
+    return abs(got[0] - got[1]) / (sum(got[:2]) / 2) if len(got) >= 2 else None
+
+
+def profiler_step_cost_us(runs_us: list, profiled_us: Optional[float]) -> Optional[float]:
+    """What the profiler added to each step: the profiled run's inter-token latency less the unprofiled runs'."""
+    base = unprofiled_itl_us(runs_us)
+    return profiled_us - base if base and profiled_us else None
 
 
 def gzip_complete(path: Path) -> bool:
@@ -132,8 +164,11 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     if prof.warmup_requests:  # at least one full batch: a batch size's first step is not a decode step's cost
         run_async(run_level(cfg, concurrency, prompts, n_requests=max(prof.warmup_requests, concurrency), warmup=0))
     scraper = Scraper(server.base_url, params.server.api_key)
-    _, itl_unprofiled_us = _with_engine_itl_us(scraper, lambda: run_async(
-        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)))
+    # the server's processes, where /proc can see them: their CPU time and run-queue wait per step
+    local = getattr(server, "remote", None) is None and hasattr(server, "process_tree")
+    pids = server.process_tree() if local else []
+    unprofiled = [_engine_window(scraper, lambda: run_async(
+        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)), pids)[1] for _ in range(2)]
     before = set(p for group in find_trace_files(trace_dir) for p in group)
     problems: list[str] = []
     t0 = time.monotonic()
@@ -148,7 +183,7 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
         server.raise_if_dead("the profile (/start_profile)")
         raise
     t1 = time.monotonic()
-    (records, _), itl_profiled_us = _with_engine_itl_us(scraper, lambda: run_async(
+    (records, _), profiled = _engine_window(scraper, lambda: run_async(
         run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)))
     t2 = time.monotonic()
     df = records_frame(records)
@@ -182,7 +217,8 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
                          requests_ok=int(df["ok"].sum()), requests_failed=int((~df["ok"]).sum()),
                          start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2, flush_wait_s=t4 - t3,
                          expected_ranks=expected_ranks, problems=problems, concurrency=concurrency,
-                         engine_itl_unprofiled_us=itl_unprofiled_us, engine_itl_profiled_us=itl_profiled_us,
+                         engine_itl_unprofiled_runs_us=[w.itl_us for w in unprofiled],
+                         engine_itl_profiled_us=profiled.itl_us, host_cpu_per_step=unprofiled[-1].cpu,
                          profiler_event_cost_us=profiler_event_cost_us())
 
 
@@ -211,16 +247,31 @@ def profiler_event_cost_us(n_ops: int = 20000, repeats: int = 3) -> Optional[flo
     return max(0.0, min(diffs))
 
 
-def _with_engine_itl_us(scraper, workload):
-    """(what `workload()` returned, the engine's mean inter-token latency over it in us, from /metrics
-    before and after it: None when the server does not expose it or a scrape failed)."""
-    from decodescope.serving.telemetry import HISTOGRAM_MEANS, SETTLE_S, histogram_mean_between
+@dataclass
+class EngineWindow:
+    """The engine over one run of a workload, from /metrics (and /proc when its processes are on this
+    machine) before and after it: its mean inter-token latency, its steps (iterations), and per process
+    role (worker, engine core, api server) CPU time and run-queue wait per step."""
 
-    before = scraper.scrape()[2]
+    itl_us: Optional[float] = None
+    steps: Optional[float] = None
+    cpu: dict = field(default_factory=dict)
+
+
+def _engine_window(scraper, workload, pids=()):
+    """(what `workload()` returned, its EngineWindow); a failed scrape leaves the /metrics figures None."""
+    from decodescope.procs import cpu_per_step, cpu_schedstat
+    from decodescope.serving.telemetry import (ENGINE_STEPS, HISTOGRAM_MEANS, SETTLE_S, counter_delta,
+                                               histogram_mean_between)
+
+    before, cpu0 = scraper.scrape()[2], cpu_schedstat(pids)
     result = workload()
     time.sleep(SETTLE_S)  # the engine records the last iteration's stats after its output went out
-    mean_s = histogram_mean_between(before, scraper.scrape()[2], HISTOGRAM_MEANS["server_itl_mean_us"])
-    return result, None if mean_s is None else mean_s * 1e6
+    after, cpu1 = scraper.scrape()[2], cpu_schedstat(pids)
+    mean_s = histogram_mean_between(before, after, HISTOGRAM_MEANS["server_itl_mean_us"])
+    steps = counter_delta(before, after, ENGINE_STEPS)
+    return result, EngineWindow(itl_us=None if mean_s is None else mean_s * 1e6, steps=steps,
+                                cpu=cpu_per_step(cpu0, cpu1, steps) if steps else {})
 
 
 def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:
