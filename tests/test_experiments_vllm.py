@@ -61,12 +61,19 @@ def test_the_tensor_parallel_1_projection_is_set_against_the_real_tp1_server(cam
     print("tp1 at concurrency 1:", {k: at1[k] for k in ("tpot_p50_us", "projected_tpot_us", "projection_error_pct",
                                                        "baseline_tpot_p50_us", "measured_gain_pct", "reference")})
     assert at1["projection"].startswith("tensor-parallel 1") and at1["projected_low_us"] <= at1["projected_tpot_us"]
-    # The issue's target is 20%. On this 2-core host the projection holds the host's time per step
-    # (in-step idle and between steps, about half the TP=2 step) at its TP=2 value, while a single TP=1
-    # worker leaves a core to the engine core and the API server: +5% and +22% in this session's runs,
-    # 42-47% high in an earlier one on a loaded machine. This bound catches a projection that is wrong
-    # by more than that known cause.
-    assert abs(at1["projection_error_pct"]) <= 60.0
+    # The issue's target is 20%. The projection is built from the baseline's servers, the TP=1 figure
+    # from another server start; on this 2-core host one configuration's step moves between two starts
+    # by what the run measures as host_drift (01 vs 04 at concurrency 1: -20% to +38% in the sessions'
+    # runs). The projection is held to 20% beyond that measured movement.
+    drift = next(r["host_drift"] for r in campaign["verdict"]["levels"] if r["level"] == 1)
+    print(f"host drift at concurrency 1: {100 * drift:+.1f}%")
+    assert abs(at1["projection_error_pct"]) <= 20.0 + 100 * abs(drift)
+    # on two cores the two TP=2 workers' cores are shared with the engine core and the API server: the
+    # workers' wait for their core was measured (schedstat) and is what the TP=1 projection sheds
+    pre = next(c for c in campaign["verdict"]["step_model"]
+               if c["batch"] == 1.0 and c["component"] == "workers preempted by the host's processes")
+    print("workers preempted per step at batch 1:", pre["us"], pre["source"])
+    assert pre["us"] > 0 and "schedstat" in pre["source"]
 
 
 def test_the_step_model_and_the_allreduces_are_set_against_what_was_measured(campaign):

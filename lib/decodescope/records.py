@@ -521,7 +521,7 @@ class VariantRow(_Model):
 class Finding(_Model):
     """One sentence of the verdict page, with where it came from."""
 
-    topic: str = Field(description="bottleneck, consistency, fix or no_help")
+    topic: str = Field(description="bottleneck, consistency, host, measured, fix or no_help")
     text: str
     figure: Optional[str] = Field(None, description="the report's anchor id of the figure it reads")
     files: list[str] = Field(default_factory=list, description="run-directory paths of the files it reads")

@@ -68,11 +68,14 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
         att = per_step.assign(cls=per_step["category"].map(class_of))
         by_rank = att.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
         # the rank that arrives last at each all-reduce waits least: its time is closest to the transfer
-        observed_ar = float(att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)]
-                            .groupby("rank")["time_per_step_us"].sum().min())
+        ar_by_rank = att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
+        observed_ar = float(ar_by_rank.min())
         transfer = summary.allreduce_transfer_us_per_step
         if transfer is not None:  # per call, the least time over the ranks: no waiting at all
-            observed_wait, observed_ar = max(0.0, observed_ar - transfer), float(transfer)
+            from decodescope.stepmodel import allreduce_wait_us
+
+            observed_wait = allreduce_wait_us(per_step, ar_by_rank.idxmin(), transfer)
+            observed_ar = float(transfer)
         observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
     coll = _read_parquet(run_dir, "collectives.parquet")
     if coll is not None and not coll.empty and observed_ar is not None:
@@ -595,6 +598,18 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
                            f"the host's step having drifted {100 * first.host_drift:+.0f}% between 01 and 04"
                            if first.model_error_same_server is not None and first.host_drift is not None else "")
                         + "."})
+    from decodescope.stepmodel import PREEMPTED
+
+    pre = [c for c in v.step_model if c["component"] == PREEMPTED and c["us"] > 0]
+    if pre:
+        c = pre[0]
+        step = sum(x["us"] for x in v.step_model if x["batch"] == c["batch"] and x["us"] > 0)
+        out.append({"topic": "host", "figure": "verdict-levels", "files": [
+            f"data/{c['source'].split(';')[0].split(' ')[0]}"],
+            "text": f"At batch {c['batch']:g} the workers waited {c['us']:,.0f} us per step for a core the host's "
+                    f"other processes (engine core, API server) held: {100 * c['us'] / step:.0f}% of the modelled "
+                    "step (/proc schedstat over 04's unprofiled run); a configuration that leaves them a core "
+                    "sheds it."})
     measured = {}
     for r in v.variants:
         if r.status != "ok" or r.measured_gain_pct is None:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
+from decodescope.probes.gemm import TORCH_DTYPES
 from decodescope.probes.timing import median_spread
 
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
@@ -363,7 +364,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     plan = json.load(open(args.plan))
     use_cuda, device, rank, world = init_ranks(args.device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.get("dtype", "bf16")]
+    dtype = TORCH_DTYPES[plan.get("dtype", "bf16")]
     timer = Timer(device)
     meta = {"rank": rank, "world_size": world, "backend": dist.get_backend(), "device": str(device),
             "torch": torch.__version__,
