@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Literal, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -518,10 +518,17 @@ class VariantRow(_Model):
     notes: str = ""
 
 
+# The verdict page's sections, in order: a finding's topic -> the heading the report gives it.
+FINDING_TOPICS = {"bottleneck": "Where the step goes", "consistency": "Do the measurements agree?",
+                  "host": "What the host itself costs the step",
+                  "measured": "Fixes measured as variants (ranked by measured gain)",
+                  "fix": "What would move it (projected, ranked)", "no_help": "What would not help"}
+
+
 class Finding(_Model):
     """One sentence of the verdict page, with where it came from."""
 
-    topic: str = Field(description="bottleneck, consistency, host, measured, fix or no_help")
+    topic: Literal[tuple(FINDING_TOPICS)] = Field(description="the verdict page's section (FINDING_TOPICS)")
     text: str
     figure: Optional[str] = Field(None, description="the report's anchor id of the figure it reads")
     files: list[str] = Field(default_factory=list, description="run-directory paths of the files it reads")

@@ -106,11 +106,10 @@ def verdict_findings(v: Verdict) -> None:
     """The verdict page: each sentence with a link to its figure and its files."""
     if not v.findings:
         return
-    titles = {"bottleneck": "Where the step goes", "consistency": "Do the measurements agree?",
-              "measured": "Fixes measured as variants (ranked by measured gain)",
-              "fix": "What would move it (projected, ranked)", "no_help": "What would not help"}
+    from decodescope.records import FINDING_TOPICS
+
     lines = []
-    for topic, title in titles.items():
+    for topic, title in FINDING_TOPICS.items():
         mine = [f for f in v.findings if f.topic == topic]
         if not mine:
             continue
