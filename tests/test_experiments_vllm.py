@@ -64,12 +64,13 @@ def test_the_tensor_parallel_1_projection_is_set_against_the_real_tp1_server(cam
     # The issue's target is 20%; met in two of this session's three runs (-14%, 0%), +32% in the third.
     # What is left is the TP=1 server's own start-to-start movement, which no projection from the TP=2
     # run can know: its step at concurrency 1 read 1.8 to 3.4 ms across the session's server starts,
-    # while the three repeats within one start agreed within 10%. Before the profiler's cost and the
-    # workers' preemption were measured, the projection read +5% to +67%; this bound catches a return
-    # of either error.
+    # while the three repeats within one start agreed within 10%; the baseline's TPOT, which calibrates
+    # the projection, read 2.8 to 4.2 ms. A fast TP=1 start against a slow baseline start can read ~+50%
+    # with nothing wrong in the projection. Before the profiler's cost and the workers' preemption were
+    # measured, the projection read +5% to +67%: this bound catches a return of either error.
     drift = next(r["host_drift"] for r in campaign["verdict"]["levels"] if r["level"] == 1)
     print(f"host drift at concurrency 1 (the baseline's two starts): {100 * drift:+.1f}%")
-    assert abs(at1["projection_error_pct"]) <= 40.0
+    assert abs(at1["projection_error_pct"]) <= 55.0
     assert at1["projected_tpot_us"] < at1["baseline_tpot_p50_us"]   # TP=1 sheds the all-reduces and the preemption
     # on two cores the two TP=2 workers' cores are shared with the engine core and the API server: the
     # workers' wait for their core was measured (schedstat) and is what the TP=1 projection sheds
