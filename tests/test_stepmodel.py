@@ -282,8 +282,8 @@ def test_workers_preempted_by_the_host_come_out_of_the_idle_and_go_where_a_core_
     (sample,) = sm.step_samples({1: s}, 40.0, {1: cap})
     assert sample.preempted_us == 800.0
     coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "vllm_shm",
-                          "timing": "back_to_back", "inplace": True, "rank": 0, "bytes": n, "time_us": 0.0,
-                          "p10_us": 0.0, "p90_us": 0.0} for n in (256, 65536)])
+                          "timing": "back_to_back", "inplace": True, "rank": 0, "bytes": n, "time_us": 1e-9,
+                          "p10_us": 1e-9, "p90_us": 1e-9} for n in (256, 65536)])   # ~free, read in log-log
     at2 = sm.predict_step(gemm2, coll, tiny, 2, 1, "vllm_shm", "back_to_back", [sample], 40.0, host_cores=2)
     parts = {c.name: c.us for c in at2.components}
     assert parts[sm.PREEMPTED] == 800.0 and parts["idle in step"] == 200.0
