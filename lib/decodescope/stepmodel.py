@@ -173,7 +173,7 @@ class StepSample:
     source: str
     profiler_cost_us: Optional[float] = None
     allreduce_wait_us: float = 0.0
-    profiler_cost_band_us: tuple = ()
+    profiler_cost_band_us: tuple = ()   # (low, high), set with profiler_cost_us (profiler_cost)
     profiler_cost_how: str = ""
     preempted_us: float = 0.0
 
@@ -360,14 +360,15 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
             a = Component(a.name, a.us * attention_scale, a.low_us * attention_scale, a.high_us * attention_scale,
                           a.source, a.notes + [f"x {attention_scale:g}: heads per rank at this tensor-parallel size"])
         comps.append(a)
+        src = "; ".join(s.source for s in samples)
         others = sorted({c for s in samples for c in s.classes_us} - set(MICRO_CLASSES) - {"attention"})
         for cls in others:
             v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
-            comps.append(Component(cls, v, lo, hi, "; ".join(s.source for s in samples), notes))
+            comps.append(Component(cls, v, lo, hi, src, notes))
+
         def preempted(s):
             return min(s.preempted_us, s.idle_us)
 
-        src = "; ".join(s.source for s in samples)
         if any(s.preempted_us for s in samples):
             v, lo, hi, notes = _across_batches(samples, batch, preempted)
             if any(s.preempted_us > s.idle_us for s in samples):
@@ -396,8 +397,8 @@ def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Componen
     if not measured:
         return []
     v, _, _, notes = _across_batches(measured, batch, lambda s: s.profiler_cost_us)
-    lo = _across_batches(measured, batch, lambda s: (s.profiler_cost_band_us or (s.profiler_cost_us,))[0])[1]
-    hi = _across_batches(measured, batch, lambda s: (s.profiler_cost_band_us or (0, s.profiler_cost_us))[-1])[2]
+    lo = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[0])[1]
+    hi = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[1])[2]
     profiled = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps
                    if c.name not in ("gemm", "collectives", WAIT))
     if v > profiled:

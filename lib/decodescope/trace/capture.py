@@ -63,7 +63,7 @@ class CaptureResult:
         return unprofiled_itl_us(self.engine_itl_unprofiled_runs_us)
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items()}
+        d = dict(self.__dict__)
         d["trace_dir"] = str(self.trace_dir)
         for k in ("rank_files", "frontend_files", "tables"):
             d[k] = [str(p) for p in d[k]]
@@ -77,7 +77,6 @@ class CaptureResult:
         """After the traces that arrived were analysed: a capture that lost ranks fails the phase."""
         if self.problems:
             raise CaptureError("; ".join(self.problems))
-
 
 
 def unprofiled_itl_us(runs_us: list) -> Optional[float]:
@@ -167,8 +166,10 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     # the server's processes, where /proc can see them: their CPU time and run-queue wait per step
     local = getattr(server, "remote", None) is None and hasattr(server, "process_tree")
     pids = server.process_tree() if local else []
+    # the last one's /proc figures are what is kept (host_cpu_per_step): the first is not read for them
     unprofiled = [_engine_window(scraper, lambda: run_async(
-        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)), pids)[1] for _ in range(2)]
+        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)), pids if last else ())[1]
+        for last in (False, True)]
     before = set(p for group in find_trace_files(trace_dir) for p in group)
     problems: list[str] = []
     t0 = time.monotonic()
