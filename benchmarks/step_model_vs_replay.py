@@ -42,13 +42,26 @@ def main() -> None:
     for timing, mode in (("cuda_graph", "cuda_graph"), ("back_to_back", "eager")):
         cmp = sm.compare_with_replay(sm.predict_replay(gemm, coll, arch, args.tp, batches, args.communicator, timing),
                                      replay, mode=mode)
-        print(f"\n{mode} replay (model: GEMMs from 02 + {timing} collective latency)")
+        print(f"\n{mode} replay (model: GEMMs from 02 + {timing} collective latency, in series)")
         print(f"{'batch':>5} {'model ms':>9} {'band ms':>15} {'GEMMs ms':>9} {'colls ms':>9} {'replay ms':>10} "
               f"{'model/replay':>12}")
         for r in cmp.itertuples():
             print(f"{r.batch:>5} {r.predicted_us / 1e3:>9.2f} {r.low_us / 1e3:>7.2f}-{r.high_us / 1e3:<7.2f} "
                   f"{r.gemm_us / 1e3:>9.2f} {r.collectives_us / 1e3:>9.2f} {r.replay_us / 1e3:>10.2f} "
                   f"{r.predicted_us / r.replay_us:>12.3f}")
+    if sm.has_host_costs(gemm, coll, args.communicator):
+        cmp = sm.compare_with_replay(sm.predict_replay_eager(gemm, coll, arch, args.tp, batches, args.communicator),
+                                     replay, mode="eager")
+        print("\neager replay (model: host-paced walk: 02's and 03's host cost per call issue each op, the GPU "
+              "runs it at its cold-weights / CUDA-graph time once issued)")
+        print(f"{'batch':>5} {'model ms':>9} {'band ms':>15} {'host ms':>9} {'GPU ms':>9} {'replay ms':>10} "
+              f"{'model/replay':>12}")
+        for r in cmp.itertuples():
+            print(f"{r.batch:>5} {r.predicted_us / 1e3:>9.2f} {r.low_us / 1e3:>7.2f}-{r.high_us / 1e3:<7.2f} "
+                  f"{r.host_us / 1e3:>9.2f} {r.gpu_us / 1e3:>9.2f} {r.replay_us / 1e3:>10.2f} "
+                  f"{r.predicted_us / r.replay_us:>12.3f}")
+    else:
+        print("\n(no host cost per call in 02/03's results: the host-paced eager model is not priced)")
     parts = replay[replay["mode"] == "cuda_graph"].pivot(index="batch", columns="variant", values="time_us") / 1e3
     print("\nreplay parts, CUDA graph (ms): full vs GEMMs alone + collectives alone")
     print(parts[["full", "gemm_only", "comm_only"]].round(2).to_string())

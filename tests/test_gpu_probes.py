@@ -46,3 +46,37 @@ def test_step_replay_on_one_gpu_in_a_cuda_graph(tmp_path):
     print({m: round(r["time_us"], 1) for m, r in rows.items()})
     assert rows["eager"]["ops"] == rows["cuda_graph"]["ops"] == 60
     assert rows["cuda_graph"]["time_us"] < rows["eager"]["time_us"]
+
+
+def test_an_eager_gemm_sequence_is_paced_by_the_hosts_measured_cost_per_call(tmp_path):
+    """60 GEMMs of Kimi-K2.5 TP=8 at batch 2, eager on one GPU: each GEMM's host cost per call (the GEMM
+    probe's host column) and GPU time (its cold-weights time), walked in program order
+    (stepmodel.eager_walk), price the replayed sequence."""
+    import torch
+
+    from decodescope.probes.gemm import measure
+    from decodescope.stepmodel import eager_walk
+
+    plan = json.loads((REPO / "benchmarks/results/plan_kimi_tp8_step.json").read_text())
+    step = next(s for s in plan["steps"] if s["batch"] == 2)
+    gemms = [x for x in step["program"] if x["kind"] == "gemm"][:60]
+    dev = torch.device("cuda")
+    timed = {}
+    for x in gemms:
+        if x["op"] not in timed:
+            r = measure({**x, "batch": 2, "count": 1, "dtype": "bf16"}, dev, iters=20, warmup=5, flush=None, graph=True)
+            timed[x["op"]] = (r["host_time_us"], r["cold_weights_time_us"])
+    predicted_us, host_us = eager_walk([timed[x["op"]] for x in gemms])
+    plan["steps"] = [{"batch": 2, "program": gemms}]
+    plan["iters"], plan["warmup"] = 20, 5
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+                    "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path),
+                    "--variants", "gemm_only"], check=True, timeout=300, env=env)
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "step_rank0.json").read_text())["rows"]}
+    replay_us = rows["eager"]["time_us"]
+    print(f"eager replay {replay_us:.0f} us, host-paced walk {predicted_us:.0f} us (host {host_us:.0f} us), "
+          f"graph replay {rows['cuda_graph']['time_us']:.0f} us")
+    assert all(h > 0 for h, _ in timed.values())
+    assert predicted_us == pytest.approx(replay_us, rel=0.20)

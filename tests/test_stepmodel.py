@@ -64,6 +64,57 @@ def test_the_replay_prediction_sums_gemms_and_collectives_by_hand(tiny):
     assert pred["predicted_us"].iloc[0] == pytest.approx(gemm_us + coll_us)
 
 
+def test_the_eager_walk_is_paced_by_the_host_or_the_gpu_whichever_is_slower():
+    # host 10 us per op, GPU 4 us: the GPU waits for each launch; the step ends 4 us after the last one
+    assert sm.eager_walk([(10.0, 4.0)] * 3) == (pytest.approx(34.0), pytest.approx(30.0))
+    # GPU 25 us per op: the host runs ahead, the GPU is busy from the first launch on
+    assert sm.eager_walk([(10.0, 25.0)] * 3) == (pytest.approx(10.0 + 75.0), pytest.approx(30.0))
+    # mixed: issued at 10, 20, 30; op 1 runs 10-60, op 2 60-62, op 3 starts when issued (62 > 30): 62-64
+    assert sm.eager_walk([(10.0, 50.0), (10.0, 2.0), (10.0, 2.0)])[0] == pytest.approx(64.0)
+
+
+def _host_frames(tiny, gemm_host_us, gemm_gpu_us, ar_host_us, ar_gpu_us):
+    shapes = archmod.gemm_shapes(tiny, 2, 4)
+    gemm = pd.DataFrame([{"op": s.op, "batch": b, "dtype": "bf16", "status": "ok", "time_us": gemm_gpu_us,
+                          "cold_weights_time_us": gemm_gpu_us, "cold_weights_p10_us": gemm_gpu_us,
+                          "cold_weights_p90_us": gemm_gpu_us, "host_time_us": gemm_host_us,
+                          "host_p10_us": gemm_host_us * 0.9, "host_p90_us": gemm_host_us * 1.1}
+                         for s in shapes for b in (1, 8)])
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "torch_nccl",
+                          "timing": timing, "inplace": True, "rank": 0, "bytes": n, "time_us": t, "p10_us": t,
+                          "p90_us": t} for n in (512, 8192)
+                         for timing, t in (("cuda_graph", ar_gpu_us), ("host_issue", ar_host_us))])
+    return gemm, coll
+
+
+def test_the_eager_replay_is_priced_by_the_hosts_cost_per_call_when_the_host_is_slower(tiny):
+    program = archmod.step_program(tiny, 2, 4)
+    n_gemm = sum(1 for x in program if x["kind"] == "gemm")
+    n_coll = len(program) - n_gemm
+    # host-bound: every op issued 15 us after the one before, the GPU needs 3 us for a GEMM and 5 us for
+    # an all-reduce, so it waits for every launch; the step ends when the last op (the logits gather) ends
+    gemm, coll = _host_frames(tiny, 15.0, 3.0, 20.0, 5.0)
+    assert sm.has_host_costs(gemm, coll, "torch_nccl")
+    pred = sm.predict_replay_eager(gemm, coll, tiny, 2, [4], "torch_nccl").iloc[0]
+    host_us = 15.0 * n_gemm + 20.0 * n_coll
+    assert pred["host_us"] == pytest.approx(host_us) and pred["host_bound"]
+    assert pred["predicted_us"] == pytest.approx(host_us + 5.0)
+    assert pred["low_us"] < pred["predicted_us"] < pred["high_us"]  # the host's p10 and p90
+    # GPU-bound: 100 us GEMMs behind 1 us launches: the step is the GPU's sum plus the first launch
+    gemm, coll = _host_frames(tiny, 1.0, 100.0, 1.0, 5.0)
+    pred = sm.predict_replay_eager(gemm, coll, tiny, 2, [4], "torch_nccl").iloc[0]
+    assert not pred["host_bound"]
+    assert pred["predicted_us"] == pytest.approx(1.0 + 100.0 * n_gemm + 5.0 * n_coll)
+
+
+def test_without_the_hosts_cost_per_call_the_eager_model_is_not_priced(tiny):
+    gemm, coll = _host_frames(tiny, 15.0, 3.0, 20.0, 5.0)
+    assert not sm.has_host_costs(gemm.drop(columns=["host_time_us"]), coll, "torch_nccl")
+    assert not sm.has_host_costs(gemm, coll[coll["timing"] != "host_issue"], "torch_nccl")
+    with pytest.raises(ValueError, match="host_issue"):
+        sm.predict_replay_eager(gemm, coll[coll["timing"] != "host_issue"], tiny, 2, [4], "torch_nccl")
+
+
 def test_a_communicator_the_probe_did_not_measure_is_named(tiny):
     coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "torch_gloo",
                           "timing": "isolated", "inplace": True, "rank": 0, "bytes": 1024, "time_us": 1.0,

@@ -353,6 +353,9 @@ def collectives_table(out_dir: Path) -> pd.DataFrame:
     return df
 
 
+HOST_ISSUE = "host_issue"  # 03's timing of the host's own cost per call (GPUs), not of the transfer
+
+
 def with_timing_columns(coll: pd.DataFrame) -> pd.DataFrame:
     """Rows written before the probe measured several communicators and timings: torch, isolated."""
     coll = coll.copy()
@@ -372,6 +375,7 @@ def latency_fit(sweep: pd.DataFrame) -> pd.DataFrame:
     out = []
     ok = sweep[(sweep["part"] == "sweep") & (sweep["status"] == "ok")]
     ok = with_timing_columns(ok[ok["rank"] == ok["rank"].min()])
+    ok = ok[ok["timing"] != HOST_ISSUE]  # the host's issue time moves no bytes: nothing to fit
     for (op, inplace, comm, timing), g in ok.groupby(["op", "inplace", "communicator", "timing"]):
         if len(g) < 2:
             continue

@@ -495,6 +495,9 @@ class ReplayRow(_Model):
     high_us: float
     error: float = Field(description="predicted / replayed - 1")
     communicator: str
+    model: str = Field("serial", description="serial: GEMMs + collectives one after another; host_paced: "
+                                              "the host issues each op at its measured cost and the GPU "
+                                              "runs it once issued (an eager GPU step)")
 
 
 class VariantRow(_Model):

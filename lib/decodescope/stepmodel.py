@@ -135,6 +135,78 @@ def predict_replay(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchCon
     return pd.DataFrame(rows)
 
 
+HOST_COLUMNS = ("host_time_us", "host_p10_us", "host_p90_us")
+
+
+def has_host_costs(gemm: pd.DataFrame, coll: pd.DataFrame, communicator: str) -> bool:
+    """Whether 02 and 03 measured the host's cost per call (GPU probes), which the eager step needs."""
+    from decodescope.microbench import HOST_ISSUE
+
+    ok = gemm[gemm["status"] == "ok"] if "status" in gemm else gemm
+    return (all(c in ok for c in HOST_COLUMNS) and not ok.empty and ok["host_time_us"].notna().all()
+            and not latency_curve(coll, communicator, HOST_ISSUE).empty)
+
+
+def eager_walk(ops: list[tuple[float, float]]) -> tuple[float, float]:
+    """(step end, host busy) of ops issued one after another by a host and run in order by a GPU: op i
+    is issued host_i after the one before it, and starts when issued and when the GPU is free; the step
+    ends when the GPU does. ops: (host_us, gpu_us) in program order."""
+    issued = gpu_free = 0.0
+    for host_us, gpu_us in ops:
+        issued += host_us
+        gpu_free = max(gpu_free, issued) + gpu_us
+    return max(gpu_free, issued), issued
+
+
+def predict_replay_eager(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int,
+                         batches: list[int], communicator: str, dtype: str = "bf16") -> pd.DataFrame:
+    """The replayed step run eagerly: the host issues the step's ops in model order (arch.step_program)
+    at its measured cost per call (02's host column per GEMM; 03's host_issue timing per all-reduce), and
+    the GPU runs each once it is issued and the one before it has ended (GEMMs at their cold-weights
+    time, collectives at their CUDA-graph latency: the kernels without the host in the way). A host
+    slower than its GPU sets the pace; the walk (eager_walk) says by how much, op by op. Band: the
+    same walk with the p10s and with the p90s."""
+    from decodescope.microbench import HOST_ISSUE
+
+    ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]
+    gpu_cols = (("cold_weights_time_us", "cold_weights_p10_us", "cold_weights_p90_us")
+                if "cold_weights_time_us" in ok and ok["cold_weights_time_us"].notna().all()
+                else ("time_us", "time_us", "time_us"))
+    coll_gpu = latency_curve(coll, communicator, "cuda_graph")
+    coll_host = latency_curve(coll, communicator, HOST_ISSUE)
+    if coll_gpu.empty or coll_host.empty:
+        raise ValueError(f"collectives.parquet has no {communicator} all-reduce timed cuda_graph and {HOST_ISSUE}")
+    by_op = {op: g for op, g in ok.groupby("op")}
+    rows = []
+    for b in batches:
+        walks = []
+        for q, (host_col, gpu_col, coll_col) in enumerate(zip(HOST_COLUMNS, gpu_cols, ("time_us", "p10_us", "p90_us"))):
+            per_gemm: dict = {}
+            ops, missing = [], set()
+            for item in archmod.step_program(arch, tp, b, dtype=dtype):
+                if item["kind"] == "gemm":
+                    g = by_op.get(item["op"])
+                    if g is None:
+                        missing.add(item["op"])
+                        continue
+                    if item["op"] not in per_gemm:
+                        per_gemm[item["op"]] = (_interp_batch(g, b, host_col), _interp_batch(g, b, gpu_col))
+                    ops.append(per_gemm[item["op"]])
+                else:  # the logits all-gather priced as an all-reduce of its size, as collective_component
+                    ops.append((latency_at(coll_host, item["msg_bytes"], coll_col)[0],
+                                latency_at(coll_gpu, item["msg_bytes"], coll_col)[0]))
+            walks.append((eager_walk(ops), sum(g for _, g in ops)))
+        (mid, host_us), gpu_us = walks[0]
+        notes = [f"not measured, left out: {sorted(missing)}"] if missing else []
+        rows.append({"batch": b, "predicted_us": mid, "low_us": min(w[0][0] for w in walks),
+                     "high_us": max(w[0][0] for w in walks), "host_us": host_us, "gpu_us": gpu_us,
+                     "host_bound": host_us >= gpu_us,
+                     "sources": f"gemm.parquet (host per call; {gpu_cols[0]}); collectives.parquet "
+                                f"({communicator}, {HOST_ISSUE} and cuda_graph)",
+                     "notes": "; ".join(notes)})
+    return pd.DataFrame(rows)
+
+
 def replay_table(step_rows: list[dict]) -> pd.DataFrame:
     """probes/step.py output (all ranks) -> one row per (batch, variant, mode): the slowest rank's median,
     since a step ends when its last rank does."""

@@ -760,12 +760,17 @@ def replay_rows(run_dir: Path, params, inp: Optional[ModelInputs]) -> list[dict]
         comm, timing = (("torch_nccl", "cuda_graph") if mode == "cuda_graph" else
                         ("torch_nccl", "back_to_back") if inp.timing == "cuda_graph" else ("torch_gloo", "back_to_back"))
         batches = sorted(int(b) for b in replay.loc[replay["mode"] == mode, "batch"].unique())
+        # an eager GPU step is issued op by op by its host: priced by the host's measured cost per call
+        # when 02 and 03 measured it, else as GEMMs + collectives in series
+        eager_gpu = mode == "eager" and inp.timing == "cuda_graph" and sm.has_host_costs(inp.gemm, inp.coll, comm)
         try:
-            pred = sm.predict_replay(inp.gemm, inp.coll, inp.arch, inp.tp, batches, comm, timing)
+            pred = (sm.predict_replay_eager(inp.gemm, inp.coll, inp.arch, inp.tp, batches, comm) if eager_gpu else
+                    sm.predict_replay(inp.gemm, inp.coll, inp.arch, inp.tp, batches, comm, timing))
         except (ValueError, KeyError):
             continue
         for r in sm.compare_with_replay(pred, replay, mode=mode).itertuples():
             rows.append({"batch": int(r.batch), "mode": mode, "replay_us": float(r.replay_us),
                          "predicted_us": float(r.predicted_us), "low_us": float(r.low_us), "high_us": float(r.high_us),
-                         "error": float(r.error), "communicator": comm})
+                         "error": float(r.error), "communicator": comm,
+                         "model": "host_paced" if eager_gpu else "serial"})
     return rows

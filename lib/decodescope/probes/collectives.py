@@ -16,7 +16,8 @@ tensor parallelism) when vllm is importable. Rows carry `communicator`.
 Timing (`timing` column): `back_to_back` issues `calls` all-reduces (up to 50, fewer for slow ones so
 that one repetition lasts ~20 ms) one after the other between one timer pair and divides, the way a decode step issues them (and nccl-tests and vLLM's
 benchmark_device_communicators.py time them); on GPUs the same calls are also replayed as one CUDA
-graph (`cuda_graph`). On CPUs `late_rank` has the last rank arrive LATE_US after the others at every
+graph (`cuda_graph`). On GPUs `host_issue` is the host's own time per call of issuing the same calls (the GPU
+drained first): the pace of an eager step whose host cannot keep its GPU busy. On CPUs `late_rank` has the last rank arrive LATE_US after the others at every
 call and reads the op's own duration with torch.profiler, as a profiled engine step records it: the
 collective's own cost, which is what a profiled step's per-call least time over the ranks measures
 (the rest of a step's all-reduce time is waiting for the last rank). `isolated` aligns the ranks with a barrier before each single call: it adds the
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
 from decodescope.probes.gemm import TORCH_DTYPES
-from decodescope.probes.timing import median_spread
+from decodescope.probes.timing import host_issue_us, median_spread
 
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
@@ -306,6 +307,11 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
                 timings.append(("late_rank", "eager",
                                 lambda: late_rank(fn, calls, plan["iters"], plan["warmup"], world, rank)))
             if comm.graphable:
+                # the host's own cost per call (GPU drained, ranks aligned first): what an eager step
+                # pays per collective when the host, not the GPU, sets its pace
+                timings.append(("host_issue", "eager", lambda: host_issue_us(
+                    fn, calls, plan["iters"], lambda: (timer.sync(), dist.barrier()))))
+
                 def graphed(fn=fn, calls=calls):
                     g = graph_of(fn, calls)
                     return [x / calls for x in timer.run(g.replay, plan["iters"], plan["warmup"])]
@@ -313,7 +319,10 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
             for timing, mode, measure in timings:
                 row = {**base, "timing": timing, "mode": mode, "calls": calls}
                 try:
-                    rows.append(_bw(row, median_spread(measure()), "all_reduce", real, world))
+                    st = median_spread(measure())
+                    # a host's issue time is no transfer: no bandwidth from it
+                    rows.append({**row, "status": "ok", **st} if timing == "host_issue" else
+                                _bw(row, st, "all_reduce", real, world))
                 except (RuntimeError, NotImplementedError) as e:
                     rows.append({**row, "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
         torch_comm = f"torch_{dist.get_backend()}"

@@ -28,10 +28,11 @@ import torch
 
 from decodescope.dtypes import bytes_per_element
 from decodescope.io import write_json_atomic
-from decodescope.probes.timing import median_spread
+from decodescope.probes.timing import host_issue_us, median_spread
 
 FP8_MIN_DIM = 16
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HOST_ISSUE_CALLS = 32  # calls issued back to back per repetition of the host-cost timing
 MARLIN_GROUP = 128  # int4 weights' group size in the W4A16 probe (one fp16 scale per 128 weights)
 
 
@@ -355,6 +356,10 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
     if device.type == "cuda":
         eager = median_spread(time_cuda(fn, iters, warmup, flush))
         row.update({f"eager_{k2}": v for k2, v in eager.items()})
+        # the host's own cost per call, for a step the host issues op by op (eager): the GPU may be idle
+        # waiting for it, which no GPU timing shows
+        host = median_spread(host_issue_us(fn, HOST_ISSUE_CALLS, iters, torch.cuda.synchronize))
+        row.update({f"host_{k2}": v for k2, v in host.items() if k2 != "n"})
         if graph:
             try:
                 g = median_spread(time_cuda_graph(fn, iters, warmup, flush))
@@ -371,7 +376,8 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
         row["method"] = (f"{'L2 flushed before each call' if flush else 'L2 warm'}; eager: CUDA events around "
                          f"each call, median of {iters} after {warmup} warm-up; graph: CUDA events around "
                          f"replays of {f'{GRAPH_CALLS} calls minus the flushes alone' if flush else f'{2 * GRAPH_CALLS} calls minus replays of {GRAPH_CALLS}'}, "
-                         f"median of {graph_replays(iters)}; time_us = " + ("graph" if graph and "graph_time_us" in row else "eager"))
+                         f"median of {graph_replays(iters)}; host: the host's time to issue {HOST_ISSUE_CALLS} calls back to back "
+                         f"(GPU drained first), per call; time_us = " + ("graph" if graph and "graph_time_us" in row else "eager"))
     else:
         eager = median_spread([t * share for t in time_cpu(fn, iters, warmup)])
         row.update({f"eager_{k2}": v for k2, v in eager.items()})
