@@ -13,6 +13,16 @@ pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _replay_gemms_on_one_gpu(plan: dict, tmp_path: Path) -> dict:
+    """The step replay probe's gemm_only variant at world size 1: its rows by mode."""
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+                    "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path),
+                    "--variants", "gemm_only"], check=True, timeout=300, env=env)
+    return {r["mode"]: r for r in json.loads((tmp_path / "step_rank0.json").read_text())["rows"]}
+
+
 def test_cold_weights_timing_is_no_slower_than_a_flushed_l2_and_no_faster_than_warm():
     """A decode GEMM that reads its own weights from memory with its activations in L2: between the
     L2-flushed time (activations cold too) and the warm time (weights in L2), within the spread."""
@@ -37,21 +47,17 @@ def test_step_replay_on_one_gpu_in_a_cuda_graph(tmp_path):
     first_layers = [x for x in program if x["kind"] == "gemm"][:60]
     plan["steps"] = [{"batch": 1, "program": first_layers}]
     plan["iters"], plan["warmup"] = 5, 2
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
-                    "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path),
-                    "--variants", "gemm_only"], check=True, timeout=300, env=env)
-    rows = {r["mode"]: r for r in json.loads((tmp_path / "step_rank0.json").read_text())["rows"]}
+    rows = _replay_gemms_on_one_gpu(plan, tmp_path)
     print({m: round(r["time_us"], 1) for m, r in rows.items()})
     assert rows["eager"]["ops"] == rows["cuda_graph"]["ops"] == 60
     assert rows["cuda_graph"]["time_us"] < rows["eager"]["time_us"]
 
 
 def test_an_eager_gemm_sequence_is_paced_by_the_hosts_measured_cost_per_call(tmp_path):
-    """60 GEMMs of Kimi-K2.5 TP=8 at batch 2, eager on one GPU: each GEMM's host cost per call (the GEMM
-    probe's host column) and GPU time (its cold-weights time), walked in program order
-    (stepmodel.eager_walk), price the replayed sequence."""
+    """The 1,462 GEMMs of a Kimi-K2.5 TP=8 decode step at batch 2, eager on one GPU (host-bound: ~15 us
+    to issue each, a few us to run): each GEMM's host cost per call (the GEMM probe's host column) and
+    GPU time (its cold-weights time), walked in program order (stepmodel.eager_walk), price the
+    replayed sequence within 10%."""
     import torch
 
     from decodescope.probes.gemm import measure
@@ -59,7 +65,7 @@ def test_an_eager_gemm_sequence_is_paced_by_the_hosts_measured_cost_per_call(tmp
 
     plan = json.loads((REPO / "benchmarks/results/plan_kimi_tp8_step.json").read_text())
     step = next(s for s in plan["steps"] if s["batch"] == 2)
-    gemms = [x for x in step["program"] if x["kind"] == "gemm"][:60]
+    gemms = [x for x in step["program"] if x["kind"] == "gemm"]
     dev = torch.device("cuda")
     timed = {}
     for x in gemms:
@@ -69,14 +75,10 @@ def test_an_eager_gemm_sequence_is_paced_by_the_hosts_measured_cost_per_call(tmp
     predicted_us, host_us = eager_walk([timed[x["op"]] for x in gemms])
     plan["steps"] = [{"batch": 2, "program": gemms}]
     plan["iters"], plan["warmup"] = 20, 5
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
-                    "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path),
-                    "--variants", "gemm_only"], check=True, timeout=300, env=env)
-    rows = {r["mode"]: r for r in json.loads((tmp_path / "step_rank0.json").read_text())["rows"]}
+    rows = _replay_gemms_on_one_gpu(plan, tmp_path)
     replay_us = rows["eager"]["time_us"]
-    print(f"eager replay {replay_us:.0f} us, host-paced walk {predicted_us:.0f} us (host {host_us:.0f} us), "
-          f"graph replay {rows['cuda_graph']['time_us']:.0f} us")
+    print(f"{len(gemms)} GEMMs: eager replay {replay_us:.0f} us, host-paced walk {predicted_us:.0f} us "
+          f"(host {host_us:.0f} us), graph replay {rows['cuda_graph']['time_us']:.0f} us")
     assert all(h > 0 for h, _ in timed.values())
-    assert predicted_us == pytest.approx(replay_us, rel=0.20)
+    assert host_us > rows["cuda_graph"]["time_us"]  # host-bound: the walk's reason to exist
+    assert predicted_us == pytest.approx(replay_us, rel=0.10)
