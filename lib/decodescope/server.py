@@ -245,19 +245,26 @@ class VllmServer:
                                 stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         log.close()
         server = cls(f"http://{spec.host}:{spec.port}", proc=proc, log_path=log_path, spec=spec)
-        server._held_port = spec.port if newly_held else None
-        with _LIVE_LOCK:
-            _LIVE.add(server)
-        try:
-            server.wait_healthy(timeout_s)
-            server.verify_ours()
-        except BaseException:
-            server.stop()
-            raise
-        server.started_s = time.monotonic() - t0
-        server.tree_pids = server.process_tree()
+        server._until_ready(spec.port if newly_held else None, t0, timeout_s)
         server.shm_files = procs.mapped_shm_files(server.tree_pids)
         return server
+
+    def _until_ready(self, held_port: Optional[int], t0: float, timeout_s: float, connect=None) -> None:
+        """Track a server just started (an exit of this process stops it), connect to it, wait until it
+        is healthy and ours, else stop it; then record its start time and process tree."""
+        self._held_port = held_port
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        try:
+            if connect is not None:
+                connect()
+            self.wait_healthy(timeout_s)
+            self.verify_ours()
+        except BaseException:
+            self.stop()
+            raise
+        self.started_s = time.monotonic() - t0
+        self.tree_pids = self.process_tree()
 
     @classmethod
     def _launch_on_host(cls, spec: LaunchSpec, host, log_path: Path, timeout_s: float, run_dir: Optional[Path],
@@ -284,19 +291,11 @@ class VllmServer:
                             header=header, unset=[] if spec.api_key else ["VLLM_API_KEY"])
         server = cls("http://127.0.0.1:0", proc=handle, log_path=log_path, spec=spec)
         server.host, server.remote = host, handle
-        server._held_port = spec.port if newly_held else None
-        with _LIVE_LOCK:
-            _LIVE.add(server)
-        try:
+
+        def tunnel():
             server.local_port = host.forward(spec.port, "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host)
             server.base_url = f"http://127.0.0.1:{server.local_port}"
-            server.wait_healthy(timeout_s)
-            server.verify_ours()
-        except BaseException:
-            server.stop()
-            raise
-        server.started_s = time.monotonic() - t0
-        server.tree_pids = server.process_tree()
+        server._until_ready(spec.port if newly_held else None, t0, timeout_s, connect=tunnel)
         server.shm_files = {Path(f) for f in getattr(handle, "shm", [])}
         return server
 
