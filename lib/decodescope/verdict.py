@@ -287,7 +287,8 @@ def verdict(run_dir: Path, params) -> Verdict:
                                archmod.normalize_config(params.model_config_dict()),
                                params.server.tensor_parallel).to_dict("records")]
     summaries = profile_summaries(run_dir, params)
-    inp = model_inputs(run_dir, params, summaries)
+    captures = profile_captures(run_dir)
+    inp = model_inputs(run_dir, params, summaries, captures)
     model: dict[float, tuple[float, float, float]] = {}
     if inp is not None:
         curve_rows, comp_rows, proj_rows = curves(inp, params, levels)
@@ -305,7 +306,7 @@ def verdict(run_dir: Path, params) -> Verdict:
                                           "and gemm.parquet (02) for the changed pieces")
     if levels is not None and not levels.empty:
         out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(levels, summaries, model,
-                                                                                      profile_captures(run_dir))]
+                                                                                      captures)]
     if params.experiments:
         out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels)]
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
@@ -396,9 +397,10 @@ class ModelInputs:
             "core; each replica serves the batch"])
 
 
-def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary]) -> Optional[ModelInputs]:
-    """What the step model needs from 02, 03 and 04; None when 02 or 03 did not run, or 03 did not
-    measure an all-reduce the model can use."""
+def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
+                 captures: dict[int, dict]) -> Optional[ModelInputs]:
+    """What the step model needs from 02, 03 and 04 (captures: profile_captures); None when 02 or 03
+    did not run, or 03 did not measure an all-reduce the model can use."""
     from decodescope import arch as archmod
     from decodescope import stepmodel as sm
     from decodescope.microbench import GEMM_WHATIF_TP
@@ -418,7 +420,7 @@ def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary]) ->
         if not timing:
             return None
     prof, wl = params.profile, params.workload
-    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2, profile_captures(run_dir))
+    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2, captures)
     return ModelInputs(gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
                        else pd.DataFrame(), arch=archmod.normalize_config(params.model_config_dict()), tp=tp,
                        communicator=comm, timing=timing, samples=samples,
