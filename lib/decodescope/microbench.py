@@ -447,7 +447,9 @@ def collectives_method_note(coll: pd.DataFrame) -> str:
             f"{'; ' + skipped if skipped else ''}. All-reduce latency is timed **back to back** "
             f"({m.get('back_to_back_calls', '?')} calls between one timer pair, divided; also as one CUDA graph on "
             f"GPUs), the way a decode step issues them, and **isolated** (a barrier before each call, which adds "
-            f"wake-up and launch cost); the fits the verdict uses are the back-to-back ones. {m.get('warmup')} "
+            f"wake-up and launch cost); the fits the verdict uses are the back-to-back ones. On GPUs, "
+            f"**host_issue** is the host's own time per call of issuing the same calls (GPU drained first): "
+            f"what an eager step pays per call when its host, not its GPU, sets the pace. {m.get('warmup')} "
             f"warm-up and {m.get('iters')} timed repetitions, median with p10/p90; NCCL "
             f"{m.get('nccl_version') or 'n/a'}, NCCL_* settings: {env}. busbw = algbw x 2(n-1)/n (all-reduce), "
             "x (n-1)/n (all-to-all), as nccl-tests.")
