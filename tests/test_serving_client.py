@@ -449,26 +449,3 @@ def test_no_descriptor_left_open(server):
         _one(server.url, timeout_s=timeout_s)
     _one(f"http://127.0.0.1:{_free_port()}")            # nothing listens
     assert fds() == before
-
-
-def test_a_loop_closed_with_starts_waiting_frees_its_start_gate():
-    """Requests still waiting to start when their loop shuts down (asyncio.run cancels them) leave
-    nothing that holds the loop: the gate is a weak dictionary's value keyed by its loop."""
-    import gc
-    import weakref
-
-    from decodescope.serving import rawclient
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        gate = rawclient._gate(loop)
-        gate.tokens = 0.0  # everything waits
-        for _ in range(5):
-            asyncio.ensure_future(gate.enter(loop))
-        await asyncio.sleep(0)
-        assert len(gate.waiters) == 5
-        return weakref.ref(loop), weakref.ref(gate)
-
-    loop_ref, gate_ref = asyncio.run(main())
-    gc.collect()
-    assert loop_ref() is None and gate_ref() is None

@@ -294,15 +294,14 @@ START_RATE_PER_S = 2500.0
 
 
 class _StartGate:
-    """A token bucket of connection starts, one per event loop. It never holds its loop (it is the value
-    of a weak dictionary keyed by the loop; the loop's timer holds the gate, not the other way round), so
-    a loop closed with starts still waiting is freed with its gate."""
+    """A token bucket of connection starts, one per event loop. It keeps no reference to its loop while
+    idle (it is the value of a weak dictionary keyed by the loop)."""
 
     def __init__(self):
         self.tokens = float(START_BURST)
         self.t = time.monotonic()
         self.waiters: collections.deque = collections.deque()
-        self.armed = False
+        self.timer: Optional[asyncio.TimerHandle] = None
 
     def _refill(self):
         now = time.monotonic()
@@ -317,24 +316,15 @@ class _StartGate:
                 return
         fut = loop.create_future()
         self.waiters.append(fut)
-        if not self.armed:
+        if self.timer is None:
             self._arm(loop)
-        try:
-            await fut
-        except BaseException:  # cancelled (a timeout, Ctrl-C, the loop shutting down): no longer waiting
-            try:
-                self.waiters.remove(fut)
-            except ValueError:
-                pass
-            raise
+        await fut
 
     def _arm(self, loop):
-        self.armed = True
-        loop.call_later(max((1 - self.tokens) / START_RATE_PER_S, 0.0005), self._release)
+        self.timer = loop.call_later(max((1 - self.tokens) / START_RATE_PER_S, 0.0005), self._release, loop)
 
-    def _release(self):
-        self.armed = False
-        loop = asyncio.get_running_loop()  # a timer's callback runs in its loop
+    def _release(self, loop):
+        self.timer = None
         self._refill()
         while self.waiters and self.tokens >= 1:
             fut = self.waiters.popleft()
