@@ -15,6 +15,7 @@ import pandas as pd
 
 from decodescope import arch as archmod
 from decodescope.io import write_json_atomic, write_parquet_atomic
+from decodescope.probes.timing import HOST_ISSUE
 from decodescope.records import LATENCY_FIT_COLUMNS, CollectivesFit, HostInventory, LatencyFit, Peaks, read_record, \
     write_record
 
@@ -351,9 +352,6 @@ def collectives_table(out_dir: Path) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     df.attrs["meta"] = metas
     return df
-
-
-HOST_ISSUE = "host_issue"  # 03's timing of the host's own cost per call (GPUs), not of the transfer
 
 
 def with_timing_columns(coll: pd.DataFrame) -> pd.DataFrame:

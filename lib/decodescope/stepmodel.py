@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from decodescope import arch as archmod
+from decodescope.probes.timing import HOST_ISSUE
 
 
 # Which of 03's timings prices a step's collectives, first measured wins: in a CUDA graph on GPUs; on
@@ -55,15 +56,22 @@ def _interp_batch(g: pd.DataFrame, batch: int, col: str) -> float:
     return float(ys[edge] * max(1.0, batch / xs[edge]))
 
 
-def gemm_component(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int, dtype: str = "bf16",
-                   ep: int = 1, skew: float = 0.0, source: str = "gemm.parquet") -> Component:
-    ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]
-    # cold weights with warm activations is how a decode step meets each GEMM (every layer its own
-    # weights); 02's graph time flushes L2 before each call, activations included
+def _gemm_time_columns(ok: pd.DataFrame) -> tuple[str, tuple[str, str, str]]:
+    """(which timing, its median / p10 / p90 columns) that prices a GEMM in a decode step: cold weights
+    with warm activations when 02 measured it (every layer reads its own weights), else the graph time
+    with L2 flushed before each call (activations evicted too). A spread column 02 did not fill falls
+    back to the median."""
     timed = "cold_weights" if "cold_weights_time_us" in ok and ok["cold_weights_time_us"].notna().all() else "graph"
     mid_col = f"{timed}_time_us" if timed == "cold_weights" else "time_us"
     lo_col = f"{timed}_p10_us" if f"{timed}_p10_us" in ok and ok[f"{timed}_p10_us"].notna().all() else mid_col
     hi_col = f"{timed}_p90_us" if f"{timed}_p90_us" in ok and ok[f"{timed}_p90_us"].notna().all() else mid_col
+    return timed, (mid_col, lo_col, hi_col)
+
+
+def gemm_component(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int, dtype: str = "bf16",
+                   ep: int = 1, skew: float = 0.0, source: str = "gemm.parquet") -> Component:
+    ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]
+    timed, (mid_col, lo_col, hi_col) = _gemm_time_columns(ok)
     total = low = high = 0.0
     missing = []
     for s in archmod.gemm_shapes(arch, tp, batch, ep, skew):
@@ -140,8 +148,6 @@ HOST_COLUMNS = ("host_time_us", "host_p10_us", "host_p90_us")
 
 def has_host_costs(gemm: pd.DataFrame, coll: pd.DataFrame, communicator: str) -> bool:
     """Whether 02 and 03 measured the host's cost per call (GPU probes), which the eager step needs."""
-    from decodescope.microbench import HOST_ISSUE
-
     ok = gemm[gemm["status"] == "ok"] if "status" in gemm else gemm
     return (all(c in ok for c in HOST_COLUMNS) and not ok.empty and ok["host_time_us"].notna().all()
             and not latency_curve(coll, communicator, HOST_ISSUE).empty)
@@ -166,12 +172,8 @@ def predict_replay_eager(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.A
     time, collectives at their CUDA-graph latency: the kernels without the host in the way). A host
     slower than its GPU sets the pace; the walk (eager_walk) says by how much, op by op. Band: the
     same walk with the p10s and with the p90s."""
-    from decodescope.microbench import HOST_ISSUE
-
     ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]
-    gpu_cols = (("cold_weights_time_us", "cold_weights_p10_us", "cold_weights_p90_us")
-                if "cold_weights_time_us" in ok and ok["cold_weights_time_us"].notna().all()
-                else ("time_us", "time_us", "time_us"))
+    _, gpu_cols = _gemm_time_columns(ok)
     coll_gpu = latency_curve(coll, communicator, "cuda_graph")
     coll_host = latency_curve(coll, communicator, HOST_ISSUE)
     if coll_gpu.empty or coll_host.empty:
@@ -179,31 +181,23 @@ def predict_replay_eager(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.A
     by_op = {op: g for op, g in ok.groupby("op")}
     rows = []
     for b in batches:
-        walks = []
-        for q, (host_col, gpu_col, coll_col) in enumerate(zip(HOST_COLUMNS, gpu_cols, ("time_us", "p10_us", "p90_us"))):
-            per_gemm: dict = {}
-            ops, missing = [], set()
-            for item in archmod.step_program(arch, tp, b, dtype=dtype):
-                if item["kind"] == "gemm":
-                    g = by_op.get(item["op"])
-                    if g is None:
-                        missing.add(item["op"])
-                        continue
-                    if item["op"] not in per_gemm:
-                        per_gemm[item["op"]] = (_interp_batch(g, b, host_col), _interp_batch(g, b, gpu_col))
-                    ops.append(per_gemm[item["op"]])
-                else:  # the logits all-gather priced as an all-reduce of its size, as collective_component
-                    ops.append((latency_at(coll_host, item["msg_bytes"], coll_col)[0],
-                                latency_at(coll_gpu, item["msg_bytes"], coll_col)[0]))
-            walks.append((eager_walk(ops), sum(g for _, g in ops)))
-        (mid, host_us), gpu_us = walks[0]
-        notes = [f"not measured, left out: {sorted(missing)}"] if missing else []
-        rows.append({"batch": b, "predicted_us": mid, "low_us": min(w[0][0] for w in walks),
-                     "high_us": max(w[0][0] for w in walks), "host_us": host_us, "gpu_us": gpu_us,
+        program = archmod.step_program(arch, tp, b, dtype=dtype)
+        missing = sorted({x["op"] for x in program if x["kind"] == "gemm" and x["op"] not in by_op})
+        walks = []  # (step end, host busy, GPU busy) at the medians, the p10s, the p90s
+        for host_col, gpu_col, coll_col in zip(HOST_COLUMNS, gpu_cols, ("time_us", "p10_us", "p90_us")):
+            per_gemm = {op: (_interp_batch(g, b, host_col), _interp_batch(g, b, gpu_col)) for op, g in by_op.items()}
+            # the logits all-gather priced as an all-reduce of its size, as collective_component does
+            ops = [per_gemm[x["op"]] if x["kind"] == "gemm" else
+                   (latency_at(coll_host, x["msg_bytes"], coll_col)[0], latency_at(coll_gpu, x["msg_bytes"], coll_col)[0])
+                   for x in program if x["kind"] != "gemm" or x["op"] in per_gemm]
+            walks.append((*eager_walk(ops), sum(g for _, g in ops)))
+        mid, host_us, gpu_us = walks[0]
+        rows.append({"batch": b, "predicted_us": mid, "low_us": min(w[0] for w in walks),
+                     "high_us": max(w[0] for w in walks), "host_us": host_us, "gpu_us": gpu_us,
                      "host_bound": host_us >= gpu_us,
                      "sources": f"gemm.parquet (host per call; {gpu_cols[0]}); collectives.parquet "
                                 f"({communicator}, {HOST_ISSUE} and cuda_graph)",
-                     "notes": "; ".join(notes)})
+                     "notes": f"not measured, left out: {missing}" if missing else ""})
     return pd.DataFrame(rows)
 
 

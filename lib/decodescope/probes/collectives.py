@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
 from decodescope.probes.gemm import TORCH_DTYPES
-from decodescope.probes.timing import host_issue_us, median_spread
+from decodescope.probes.timing import HOST_ISSUE, host_issue_us, median_spread
 
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
@@ -309,7 +309,7 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
             if comm.graphable:
                 # the host's own cost per call (GPU drained, ranks aligned first): what an eager step
                 # pays per collective when the host, not the GPU, sets its pace
-                timings.append(("host_issue", "eager", lambda: host_issue_us(
+                timings.append((HOST_ISSUE, "eager", lambda: host_issue_us(
                     fn, calls, plan["iters"], lambda: (timer.sync(), dist.barrier()))))
 
                 def graphed(fn=fn, calls=calls):
@@ -321,7 +321,7 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
                 try:
                     st = median_spread(measure())
                     # a host's issue time is no transfer: no bandwidth from it
-                    rows.append({**row, "status": "ok", **st} if timing == "host_issue" else
+                    rows.append({**row, "status": "ok", **st} if timing == HOST_ISSUE else
                                 _bw(row, st, "all_reduce", real, world))
                 except (RuntimeError, NotImplementedError) as e:
                     rows.append({**row, "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import statistics
 
+HOST_ISSUE = "host_issue"  # the collective probe's timing of the host's own cost per call (GPUs): no transfer
+
 
 def median_spread(times_us: list[float]) -> dict:
     """Median with p10/p90 (nearest rank) and the count: what every probe row reports."""
