@@ -2,7 +2,8 @@
 
 One thread, one selector: requests are read as they arrive (their arrival stamped with
 CLOCK_MONOTONIC), and one ticker writes the next chunk to every open stream every --itl-ms,
-straight to the socket, stamping each write. The first chunk goes out at the first tick after the
+straight to the socket, stamping each write. A tick that is due is not held up by a burst of new
+connections: those still waiting are accepted and read after it. The first chunk goes out at the first tick after the
 request, so the true TTFT is at most one ITL. On SIGTERM/SIGINT the log is written as JSON:
 [{"recv_ns", "writes_ns": [...], "n"}, ...]; on SIGUSR1 the streams finished so far go to LOG.<n> (n = 1, 2, ...)
 and are forgotten, so a long soak does not grow the server. Also answers /tokenize and /detokenize for clients that
@@ -30,6 +31,17 @@ class Stream:
         self.sock, self.left, self.n, self.recv_ns, self.idx = sock, n, n, recv_ns, idx
         self.writes = []
         self.pending = b""
+
+
+def _chunk(i: int, last_of: "int | None") -> bytes:
+    """Token i's event; for the last token of a stream of `last_of`, with the usage record and [DONE]."""
+    chunk = (b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" t'
+             + str(i).encode() + b'","logprobs":null,"finish_reason":null}]}\n\n')
+    if last_of is not None:
+        chunk += (b'data: {"id":"cmpl-1","object":"text_completion","choices":[],"usage":'
+                  b'{"prompt_tokens":1,"completion_tokens":' + str(last_of).encode()
+                  + b',"total_tokens":' + str(last_of + 1).encode() + b'}}\n\ndata: [DONE]\n\n')
+    return chunk
 
 
 def json_response(body: dict) -> bytes:
@@ -70,6 +82,7 @@ def main() -> int:
     print("ready", flush=True)
     next_tick = time.monotonic_ns() + itl_ns
     count = 0
+    chunks: dict = {}   # the bytes of each token's event, built once
     while not stop[0]:
         if rotate[0] != rotated:
             rotated = rotate[0]
@@ -77,9 +90,11 @@ def main() -> int:
             done = []
         timeout = max(0.0, (next_tick - time.monotonic_ns()) / 1e9)
         for key, _ in sel.select(timeout):
+            if time.monotonic_ns() >= next_tick:
+                break  # the tick first; requests still waiting are read after it (select is level-triggered)
             if key.data == "accept":
                 try:
-                    while True:
+                    while time.monotonic_ns() < next_tick:
                         c, _ = lsock.accept()
                         c.setblocking(False)
                         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -135,12 +150,10 @@ def main() -> int:
             for s in streams:
                 s.left -= 1
                 if s.left >= 0:
-                    chunk = (b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" t'
-                             + str(s.n - s.left).encode() + b'","logprobs":null,"finish_reason":null}]}\n\n')
-                    if s.left == 0:
-                        chunk += (b'data: {"id":"cmpl-1","object":"text_completion","choices":[],"usage":'
-                                  b'{"prompt_tokens":1,"completion_tokens":' + str(s.n).encode()
-                                  + b',"total_tokens":' + str(s.n + 1).encode() + b'}}\n\ndata: [DONE]\n\n')
+                    key = s.n - s.left if s.left else (s.n - s.left, s.n)
+                    chunk = chunks.get(key)
+                    if chunk is None:
+                        chunk = chunks[key] = _chunk(s.n - s.left, s.n if s.left == 0 else None)
                     try:
                         s.sock.send(chunk)
                     except (BlockingIOError, BrokenPipeError, ConnectionResetError):

@@ -9,7 +9,12 @@ streams it finished (SIGUSR1: LOG.<n>, then forgets them), and the round's clien
 are set against the same figures from the server's log; the client's RSS and open file descriptors are
 read after every round (from /proc, in the client). Printed: per round, and a summary against the goals
 (TTFT p50 error within 5 ms, ITL p99 error within 2 ms, RSS flat between the first and the last round,
-no descriptor leak).
+no descriptor leak). Also per round: the share of content chunks whose time is the kernel's receive
+stamp (decodescope.serving.rawclient; the rest got their read time), the share coalesced (read together
+with a later chunk of the same stream, so carrying its arrival: what a client loop late by more than one
+ITL does to ITL and TTFT), and the CPU seconds that other processes took meanwhile (the client needs
+about two thirds of core 1; another user's work on this machine shows up here, and in the errors; the
+machine's and the processes' tick counts round apart, so a quiet round reads within about +-0.7 s of 0).
 
 python benchmarks/soak_1024.py [--duration-s 600] [--concurrency 1024] [--out results.json]
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -63,6 +69,10 @@ while time.monotonic() < t_end:
            "ttft_p50_ms": float(np.percentile(ttft, 50)) / 1e3 if len(ttft) else None,
            "itl_p99_ms": float(np.percentile(itl, 99)) / 1e3 if len(itl) else None,
            "loop_lag_p99_ms": health.get("loop_lag_p99_ms"), "client_cpu_pct": health.get("client_cpu_pct"), "errors": df.loc[~df["ok"], "error_class"].value_counts().to_dict()}
+    n_chunks = max(sum(x.n_out_chunks for x in recs), 1)
+    row["kernel_ts_pct"] = 100.0 * sum(x.n_chunks_kernel_ts for x in recs) / n_chunks
+    row["coalesced_pct"] = 100.0 * sum(x.n_chunks_coalesced for x in recs) / n_chunks
+    row["n_chunks"] = n_chunks
     del recs, df, ok, ttft, itl
     gc.collect()
     row["rss_kib"] = rss_kib()
@@ -78,6 +88,25 @@ def truth(path: Path) -> dict:
     ttft = [(r["writes_ns"][0] - r["recv_ns"]) / 1e6 for r in log if r["writes_ns"]]
     itl = [d / 1e6 for r in log for d in np.diff(r["writes_ns"])]
     return {"n": len(log), "ttft_p50_ms": float(np.percentile(ttft, 50)), "itl_p99_ms": float(np.percentile(itl, 99))}
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks(pids: list[int]) -> tuple[int, int]:
+    """(busy ticks of the whole machine, utime+stime ticks of `pids`): their difference is the CPU that
+    other processes (and kernel threads) took, e.g. another user's tests on this machine. Busy: user,
+    nice, system, irq and softirq (a process's stime holds the softirq work done in its syscalls)."""
+    f = next(line for line in open("/proc/stat") if line.startswith("cpu ")).split()
+    total = sum(int(f[i]) for i in (1, 2, 3, 6, 7))
+    ours = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            ours += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return total, ours
 
 
 def wait_for(path: Path, timeout_s: float = 60) -> None:
@@ -108,11 +137,16 @@ def main() -> int:
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rows = []
     t0 = time.monotonic()
+    pids = [os.getpid(), server.pid, client.pid]
+    ticks = cpu_ticks(pids)
     try:
         for line in client.stdout:
             row = json.loads(line)
             if "done" in row:
                 break
+            now_ticks = cpu_ticks(pids)
+            row["others_cpu_s"] = ((now_ticks[0] - ticks[0]) - (now_ticks[1] - ticks[1])) / CLK_TCK
+            ticks = now_ticks
             server.send_signal(signal.SIGUSR1)
             part = Path(f"{log}.{row['round']}")
             wait_for(part)
@@ -127,10 +161,12 @@ def main() -> int:
                   f"TTFT p50 {row['ttft_p50_ms']:.2f} ms (truth {tr['ttft_p50_ms']:.2f}, err {row['ttft_p50_err_ms']:+.2f}) "
                   f"ITL p99 {row['itl_p99_ms']:.2f} ms (truth {tr['itl_p99_ms']:.2f}, err {row['itl_p99_err_ms']:+.2f}) "
                   f"RSS {row['rss_kib'] / 1024:.1f} MiB fds {row['fds']} loop lag p99 {row['loop_lag_p99_ms']:.1f} ms "
-                  f"client CPU {row['client_cpu_pct']:.0f}%",
+                  f"client CPU {row['client_cpu_pct']:.0f}% chunks kernel-stamped {row['kernel_ts_pct']:.1f}% "
+                  f"coalesced {row['coalesced_pct']:.2f}% others' CPU {row['others_cpu_s']:.1f} s",
                   flush=True)
             client.stdin.write("next\n")
             client.stdin.flush()
+            ticks = cpu_ticks(pids)
         client.wait(timeout=120)
     finally:
         if client.poll() is None:
@@ -151,6 +187,10 @@ def main() -> int:
         "rss_mib_first_round": first["rss_kib"] / 1024, "rss_mib_last_round": last["rss_kib"] / 1024,
         "rss_mib_max": max(r["rss_kib"] for r in rows) / 1024, "fds_first_round": first["fds"], "fds_last_round": last["fds"],
         "fds_max": max(r["fds"] for r in rows),
+        "kernel_ts_pct": sum(r["kernel_ts_pct"] * r["n_chunks"] for r in rows) / sum(r["n_chunks"] for r in rows),
+        "coalesced_pct": sum(r["coalesced_pct"] * r["n_chunks"] for r in rows) / sum(r["n_chunks"] for r in rows),
+        "coalesced_pct_worst_round": max(r["coalesced_pct"] for r in rows),
+        "others_cpu_s": sum(r["others_cpu_s"] for r in rows), "others_cpu_s_worst_round": max(r["others_cpu_s"] for r in rows),
     }
     print(f"\nsoak: {c} streams, {summary['rounds']} rounds of {args.rounds_of * c} requests ({OUTPUT_TOKENS} tokens, "
           f"true ITL {ITL_MS:.0f} ms), {summary['duration_s']:.0f} s; client on core 1, paced server on core 0")
@@ -164,6 +204,11 @@ def main() -> int:
           f"{summary['rss_mib_last_round']:.1f} MiB ({summary['rss_mib_max']:.1f}) | flat |")
     print(f"| client open fds first / last round (max) | {summary['fds_first_round']} / {summary['fds_last_round']} "
           f"({summary['fds_max']}) | no growth |")
+    print(f"| content chunks stamped by the kernel (read time otherwise) | {summary['kernel_ts_pct']:.2f}% | |")
+    print(f"| content chunks coalesced (one read with a later chunk of the stream), all (worst round) | "
+          f"{summary['coalesced_pct']:.3f}% ({summary['coalesced_pct_worst_round']:.3f}%) | |")
+    print(f"| CPU taken by other processes during the rounds, all (worst round) | {summary['others_cpu_s']:.1f} s "
+          f"({summary['others_cpu_s_worst_round']:.1f} s) | ~0 (the client needs most of core 1) |")
     ok = (summary["ttft_p50_err_ms_worst"] <= 5 and summary["itl_p99_err_ms_worst"] <= 2 and failed == 0
           and summary["fds_last_round"] <= summary["fds_first_round"]
           and summary["rss_mib_last_round"] <= summary["rss_mib_first_round"] * 1.10 + 8)

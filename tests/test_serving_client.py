@@ -294,3 +294,181 @@ def test_repeats_measure_each_level_again_and_give_a_band(server, tmp_path):
     (tmp_path / "serving" / "level_00002_r3.parquet").unlink()
     from decodescope.serving.sweep import levels_to_measure
     assert levels_to_measure([1, 2], tmp_path, 3) == [(2, 3)]
+
+
+# --- the raw client's kernel receive stamps, against a scripted server on a real socket -------------
+
+SSE_HEADER = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+USAGE_DONE = _chunk("", usage={"prompt_tokens": 16, "completion_tokens": 2}) + b"data: [DONE]\n\n"
+
+
+class ScriptedServer:
+    """One connection: reads the request, then runs `script(conn, write)` in its thread; `write` sends
+    and logs the time right after the send (CLOCK_MONOTONIC ns) in `writes`."""
+
+    def __init__(self, script):
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(1)
+        self.url = f"http://127.0.0.1:{self.lsock.getsockname()[1]}"
+        self.got_request = threading.Event()
+        self.writes: list[int] = []
+        self.script = script
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        conn, _ = self.lsock.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += conn.recv(65536)
+        head, body = buf.split(b"\r\n\r\n", 1)
+        length = int([ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0])
+        while len(body) < length:
+            body += conn.recv(65536)
+        self.got_request.set()
+
+        def write(data):
+            conn.sendall(data)
+            self.writes.append(time.monotonic_ns())
+        self.script(conn, write)
+        conn.close()
+        self.lsock.close()
+
+
+def _blocked_run(server: ScriptedServer, block_s: float):
+    """The raw client's request, with its event loop blocked for block_s once the server has the request.
+    Returns the record and the time the block ended (no read can be earlier)."""
+    async def go():
+        spec = RequestSpec("completions", "m", list(range(16)), "", 2, 5.0)
+        task = asyncio.ensure_future(send_streaming_raw(server.url, spec, RequestRecord(1, 0, False, 0)))
+        while not server.got_request.is_set():
+            await asyncio.sleep(0.001)
+        time.sleep(block_s)               # the loop can read nothing meanwhile
+        unblocked = time.monotonic_ns()
+        return await task, unblocked
+    from decodescope.serving.client import run_async
+    rec, unblocked = run_async(go())
+    server.thread.join(5)
+    return rec, unblocked
+
+
+def test_kernel_stamps_give_arrival_not_read_time():
+    def script(conn, write):
+        conn.sendall(SSE_HEADER)
+        time.sleep(0.01)
+        write(_chunk(" a"))           # arrives while the client's loop is blocked
+        time.sleep(0.10)
+        write(_chunk(" b"))           # arrives after the block: read at once
+        conn.sendall(USAGE_DONE)
+    srv = ScriptedServer(script)
+    rec, unblocked = _blocked_run(srv, 0.08)
+    assert rec.ok and rec.n_out_chunks == 2, (rec.error_class, rec.error_text)
+    assert rec.n_chunks_kernel_ts == 2 and rec.n_chunks_coalesced == 0
+    first, second = rec.chunk_ns
+    assert unblocked - first > 0.05e9                    # stamped ~70 ms before the loop could read it
+    assert abs(first - srv.writes[0]) < 2e6              # ... at the server's write
+    assert abs(second - srv.writes[1]) < 2e6
+    assert abs((second - first) - (srv.writes[1] - srv.writes[0])) < 2e6   # ~100 ms; read times: ~30 ms
+    assert second - first > 0.09e9
+    assert rec.first_chunk_ns == first and rec.first_chunk_ns > rec.send_ns
+
+
+def test_chunks_in_one_read_are_coalesced_and_counted():
+    # TCP keeps one stamp per read (the last buffer's; the kernel also merges queued buffers), so two
+    # chunks that both wait for a blocked loop carry the later one's arrival
+    def script(conn, write):
+        conn.sendall(SSE_HEADER)
+        time.sleep(0.01)
+        write(_chunk(" a"))
+        time.sleep(0.03)
+        write(_chunk(" b"))
+        time.sleep(0.15)              # after the block: the usage record in a read of its own
+        conn.sendall(USAGE_DONE)
+    srv = ScriptedServer(script)
+    rec, unblocked = _blocked_run(srv, 0.08)
+    assert rec.ok and rec.n_out_chunks == 2, (rec.error_class, rec.error_text)
+    assert rec.n_chunks_coalesced == 1 and rec.n_chunks_kernel_ts == 2
+    assert rec.chunk_ns[0] == rec.chunk_ns[1]
+    assert abs(rec.chunk_ns[1] - srv.writes[1]) < 2e6 and unblocked - rec.chunk_ns[1] > 0.02e9
+
+
+def test_without_kernel_stamps_chunks_get_their_read_time(monkeypatch):
+    import decodescope.serving.rawclient as rawclient
+
+    monkeypatch.setattr(rawclient, "KERNEL_STAMPS", False)
+
+    def script(conn, write):
+        conn.sendall(SSE_HEADER)
+        time.sleep(0.01)
+        write(_chunk(" a"))
+        time.sleep(0.10)
+        write(_chunk(" b"))
+        conn.sendall(USAGE_DONE)
+    srv = ScriptedServer(script)
+    rec, unblocked = _blocked_run(srv, 0.08)
+    assert rec.ok and rec.n_out_chunks == 2 and rec.n_chunks_kernel_ts == 0
+    assert rec.chunk_ns[0] >= unblocked                  # the read time: after the block
+
+
+def test_connection_starts_are_paced():
+    import numpy as np
+
+    from decodescope.serving.client import run_async
+    from decodescope.serving.rawclient import START_BURST, START_RATE_PER_S, _gate
+
+    n = START_BURST + 200
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        times = []
+
+        async def start():
+            await _gate(loop).enter(loop)
+            times.append(time.monotonic())
+        t0 = time.monotonic()
+        await asyncio.gather(*(start() for _ in range(n)))
+        return np.array(times) - t0
+    t = run_async(go())
+    assert len(t) == n
+    assert t[-1] >= 0.9 * 200 / START_RATE_PER_S          # past the burst, at the rate
+    window = 0.01                                          # never more than a burst plus the rate's share
+    assert max(np.sum((t >= x) & (t < x + window)) for x in t) <= START_BURST + window * START_RATE_PER_S + 2
+
+
+def test_no_descriptor_left_open(server):
+    import os
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+    _one(server.url)                                     # warm: the loop's own descriptors come and go
+    before = fds()
+    for behaviour, timeout_s in [("ok", 5.0), ("reset", 5.0), ("http500", 5.0), ("slow", 0.3), ("malformed", 5.0)]:
+        server.app["behaviour"] = behaviour
+        _one(server.url, timeout_s=timeout_s)
+    _one(f"http://127.0.0.1:{_free_port()}")            # nothing listens
+    assert fds() == before
+
+
+def test_a_loop_closed_with_starts_waiting_frees_its_start_gate():
+    """Requests still waiting to start when their loop shuts down (asyncio.run cancels them) leave
+    nothing that holds the loop: the gate is a weak dictionary's value keyed by its loop."""
+    import gc
+    import weakref
+
+    from decodescope.serving import rawclient
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        gate = rawclient._gate(loop)
+        gate.tokens = 0.0  # everything waits
+        for _ in range(5):
+            asyncio.ensure_future(gate.enter(loop))
+        await asyncio.sleep(0)
+        assert len(gate.waiters) == 5
+        return weakref.ref(loop), weakref.ref(gate)
+
+    loop_ref, gate_ref = asyncio.run(main())
+    gc.collect()
+    assert loop_ref() is None and gate_ref() is None

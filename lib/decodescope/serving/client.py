@@ -34,6 +34,11 @@ class RequestRecord:
     error_class: Optional[str] = None
     error_text: Optional[str] = None
     connect_us: Optional[float] = None   # from starting the request to the connection being ready
+    # The raw client only (serving.rawclient), not in the request parquet: content chunks whose time is the
+    # kernel's receive stamp (the rest: the read time), and chunks that shared one read with a later chunk
+    # of the same request (coalesced: they carry that later chunk's arrival)
+    n_chunks_kernel_ts: int = 0
+    n_chunks_coalesced: int = 0
 
     @property
     def ok(self) -> bool:
