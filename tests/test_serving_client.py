@@ -472,3 +472,31 @@ def test_a_loop_closed_with_starts_waiting_frees_its_start_gate():
     loop_ref, gate_ref = asyncio.run(main())
     gc.collect()
     assert loop_ref() is None and gate_ref() is None
+
+
+def test_littles_law_counts_w_from_the_requests_start_not_its_write():
+    from decodescope.serving.metrics import littles_law
+    s = 1_000_000_000
+    # A waited 0.5 s at the gate/connect (start 0.5 s, written 1.0 s, ended 2.0 s); B started and was
+    # written at 1.0 s, ended 2.0 s. In flight over [0.5, 2.0]: 1.5 s + 1.0 s = 2.5 request-s in 1.5 s.
+    recs = pd.DataFrame({"send_ns": [1 * s, 1 * s], "end_ns": [2 * s, 2 * s], "connect_us": [500_000.0, 0.0]})
+    assert littles_law(recs)["littles_lw"] == pytest.approx(2.5 / 1.5)
+    # counted from the write instead, it would read 2.0
+    assert littles_law(recs.drop(columns="connect_us"))["littles_lw"] == pytest.approx(2.0)
+
+
+def test_inflight_sample_after_a_stall_stands_for_the_whole_stall():
+    from decodescope.serving.client import LoopHealth
+
+    async def main():
+        count = {"n": 1}
+        with LoopHealth(inflight=lambda: count["n"]) as health:
+            await asyncio.sleep(0.2)   # ~20 samples of 1
+            count["n"] = 5
+            time.sleep(0.5)            # the loop is starved for 0.5 s with 5 in flight
+            await asyncio.sleep(0.015)  # one sample of 5 after the stall
+        return health.summary()["inflight_sampled_mean"]
+
+    mean = asyncio.run(main())
+    # time-weighted: (1 x 0.2 + 5 x 0.5) / 0.7 ~ 3.9; an unweighted mean of ~21 samples would read ~1.2
+    assert 3.0 < mean < 4.6

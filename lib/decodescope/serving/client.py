@@ -116,18 +116,24 @@ class LoopHealth:
     def __init__(self, interval_s: float = 0.01, inflight=None):
         self.interval_s = interval_s
         self.lags_ms: list[float] = []
-        # Samples of the in-flight request count, an independent measure for the Little's-law check.
+        # Samples of the in-flight request count, an independent measure for the Little's-law check, each
+        # with the time since the previous sample: a sample after a stall (this process starved of CPU
+        # for a second by the server's busy threads on a small host) stands for the whole stall, where an
+        # unweighted mean would drop that time from L while lambda x W keeps it.
         self.inflight = inflight
         self.inflight_samples: list[int] = []
+        self.inflight_weights_s: list[float] = []
         self._task: Optional[asyncio.Task] = None
 
     async def _run(self) -> None:
         while True:
             t0 = time.perf_counter()
             await asyncio.sleep(self.interval_s)
-            self.lags_ms.append((time.perf_counter() - t0 - self.interval_s) * 1e3)
+            dt_s = time.perf_counter() - t0
+            self.lags_ms.append((dt_s - self.interval_s) * 1e3)
             if self.inflight is not None:
                 self.inflight_samples.append(self.inflight())
+                self.inflight_weights_s.append(dt_s)
 
     def __enter__(self):
         self._wall0, self._cpu0 = time.perf_counter(), time.process_time()
@@ -146,7 +152,8 @@ class LoopHealth:
         lags = np.array(self.lags_ms) if self.lags_ms else np.array([0.0])
         return {"loop_lag_p50_ms": float(np.percentile(lags, 50)), "loop_lag_p99_ms": float(np.percentile(lags, 99)),
                 "loop_lag_max_ms": float(lags.max()), "client_cpu_pct": 100.0 * self.cpu_s / max(self.wall_s, 1e-9),
-                "inflight_sampled_mean": float(np.mean(self.inflight_samples)) if self.inflight_samples else float("nan")}
+                "inflight_sampled_mean": (float(np.average(self.inflight_samples, weights=self.inflight_weights_s))
+                                          if self.inflight_samples else float("nan"))}
 
 
 def _run(coro):

@@ -116,13 +116,19 @@ def coalesced_fraction(itl_lists) -> float:
 
 
 def littles_law(measured: pd.DataFrame) -> dict:
-    """lambda x W (request throughput x mean E2E) over the level's span, to compare with the mean
-    in-flight count that the client sampled independently (`inflight_sampled_mean`, L)."""
+    """lambda x W (request throughput x mean time in the client) over the level's span, to compare with
+    the mean in-flight count that the client sampled independently (`inflight_sampled_mean`, L).
+
+    W counts from the request's start, not from its write (`send_ns`, where E2E and TTFT start): the
+    in-flight count rises before the start gate and the connect, so the time spent there (`connect_us`)
+    is in L and must be in W too, or a level whose connects wait reads L > lambda x W."""
     if measured.empty:
         return {"littles_lw": np.nan}
-    span_s = (measured["end_ns"].max() - measured["send_ns"].min()) / 1e9
+    connect_ns = measured["connect_us"].fillna(0.0) * 1e3 if "connect_us" in measured else 0.0
+    start_ns = measured["send_ns"] - connect_ns
+    span_s = (measured["end_ns"].max() - start_ns.min()) / 1e9
     lam = len(measured) / span_s if span_s else np.nan
-    w = ((measured["end_ns"] - measured["send_ns"]) / 1e9).mean()
+    w = ((measured["end_ns"] - start_ns) / 1e9).mean()
     return {"littles_lw": float(lam * w)}
 
 
