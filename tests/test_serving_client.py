@@ -1,6 +1,7 @@
 """The load generator against a real HTTP server on loopback that streams, fails and dies on purpose."""
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -500,3 +501,66 @@ def test_inflight_sample_after_a_stall_stands_for_the_whole_stall():
     mean = asyncio.run(main())
     # time-weighted: (1 x 0.2 + 5 x 0.5) / 0.7 ~ 3.9; an unweighted mean of ~21 samples would read ~1.2
     assert 3.0 < mean < 4.6
+
+
+def test_a_request_connects_on_a_descriptor_past_selects_limit(server):
+    """At 1,024 streams the client's sockets get descriptors above FD_SETSIZE (1,024)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1500
+    if soft < want:
+        assert hard == resource.RLIM_INFINITY or hard >= want, f"RLIMIT_NOFILE hard limit {hard} < {want}"
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    base = os.open(os.devnull, os.O_RDONLY)
+    held = [os.dup(base) for _ in range(1100)]
+    try:
+        assert max(held) > 1024
+        r = _one(server.url)
+        assert r.ok, (r.error_class, r.error_text)
+    finally:
+        for fd in held + [base]:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_handshake_that_takes_long_is_awaited_on_the_loop():
+    """A server whose accept queue is full drops the SYN; the kernel resends it after ~1 s. The client
+    waits for that on its event loop (past its 5 ms in-place wait) and then streams as usual."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(0)
+    addr = lsock.getsockname()
+    fillers = []
+    for _ in range(3):  # fill the accept queue
+        f = socket.socket()
+        f.setblocking(False)
+        f.connect_ex(addr)
+        fillers.append(f)
+    time.sleep(0.05)
+
+    def serve():
+        time.sleep(0.3)
+        while True:
+            conn, _ = lsock.accept()
+            conn.settimeout(5)
+            buf = conn.recv(65536)
+            if not buf:          # a filler: never sends
+                conn.close()
+                continue
+            while b"\r\n\r\n" not in buf:
+                buf += conn.recv(65536)
+            conn.sendall(SSE_HEADER + _chunk("a") + _chunk("b") + USAGE_DONE)
+            conn.close()
+            return
+
+    for f in fillers:
+        f.shutdown(socket.SHUT_WR)   # an accepted filler reads EOF at once
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    r = _one(f"http://127.0.0.1:{addr[1]}", timeout_s=10)
+    t.join(5)
+    for f in fillers:
+        f.close()
+    lsock.close()
+    assert r.ok, (r.error_class, r.error_text)
+    assert r.connect_us > 5_000, r.connect_us   # past the in-place wait: the loop path ran
