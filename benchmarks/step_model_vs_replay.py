@@ -21,6 +21,17 @@ from decodescope.params import load_params
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def print_comparison(title: str, cmp, *parts: tuple[str, str]) -> None:
+    """One table: per batch the model with its band, two of its parts (header, column), the replay."""
+    print(f"\n{title}")
+    print(f"{'batch':>5} {'model ms':>9} {'band ms':>15} " + " ".join(f"{h:>9}" for h, _ in parts)
+          + f" {'replay ms':>10} {'model/replay':>12}")
+    for r in cmp.itertuples():
+        print(f"{r.batch:>5} {r.predicted_us / 1e3:>9.2f} {r.low_us / 1e3:>7.2f}-{r.high_us / 1e3:<7.2f} "
+              + " ".join(f"{getattr(r, c) / 1e3:>9.2f}" for _, c in parts)
+              + f" {r.replay_us / 1e3:>10.2f} {r.predicted_us / r.replay_us:>12.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("gemm", nargs="?", default=str(RESULTS / "h200_gemm_kimi_tp8_b1_64_cold_weights" / "gemm_raw.json"))
@@ -42,24 +53,14 @@ def main() -> None:
     for timing, mode in (("cuda_graph", "cuda_graph"), ("back_to_back", "eager")):
         cmp = sm.compare_with_replay(sm.predict_replay(gemm, coll, arch, args.tp, batches, args.communicator, timing),
                                      replay, mode=mode)
-        print(f"\n{mode} replay (model: GEMMs from 02 + {timing} collective latency, in series)")
-        print(f"{'batch':>5} {'model ms':>9} {'band ms':>15} {'GEMMs ms':>9} {'colls ms':>9} {'replay ms':>10} "
-              f"{'model/replay':>12}")
-        for r in cmp.itertuples():
-            print(f"{r.batch:>5} {r.predicted_us / 1e3:>9.2f} {r.low_us / 1e3:>7.2f}-{r.high_us / 1e3:<7.2f} "
-                  f"{r.gemm_us / 1e3:>9.2f} {r.collectives_us / 1e3:>9.2f} {r.replay_us / 1e3:>10.2f} "
-                  f"{r.predicted_us / r.replay_us:>12.3f}")
+        print_comparison(f"{mode} replay (model: GEMMs from 02 + {timing} collective latency, in series)", cmp,
+                         ("GEMMs ms", "gemm_us"), ("colls ms", "collectives_us"))
     if sm.has_host_costs(gemm, coll, args.communicator):
         cmp = sm.compare_with_replay(sm.predict_replay_eager(gemm, coll, arch, args.tp, batches, args.communicator),
                                      replay, mode="eager")
-        print("\neager replay (model: host-paced walk: 02's and 03's host cost per call issue each op, the GPU "
-              "runs it at its cold-weights / CUDA-graph time once issued)")
-        print(f"{'batch':>5} {'model ms':>9} {'band ms':>15} {'host ms':>9} {'GPU ms':>9} {'replay ms':>10} "
-              f"{'model/replay':>12}")
-        for r in cmp.itertuples():
-            print(f"{r.batch:>5} {r.predicted_us / 1e3:>9.2f} {r.low_us / 1e3:>7.2f}-{r.high_us / 1e3:<7.2f} "
-                  f"{r.host_us / 1e3:>9.2f} {r.gpu_us / 1e3:>9.2f} {r.replay_us / 1e3:>10.2f} "
-                  f"{r.predicted_us / r.replay_us:>12.3f}")
+        print_comparison("eager replay (model: host-paced walk: 02's and 03's host cost per call issue each op, "
+                         "the GPU runs it at its cold-weights / CUDA-graph time once issued)", cmp,
+                         ("host ms", "host_us"), ("GPU ms", "gpu_us"))
     else:
         print("\n(no host cost per call in 02/03's results: the host-paced eager model is not priced)")
     parts = replay[replay["mode"] == "cuda_graph"].pivot(index="batch", columns="variant", values="time_us") / 1e3
