@@ -206,6 +206,18 @@ def test_profile_finds_the_allreduces_the_architecture_expects(e2e):
     assert list((e2e["run_dir"] / "traces").rglob("*profiler_out*"))
 
 
+def test_the_step_replay_runs_through_the_engines_communicator_and_is_priced_by_it(e2e):
+    """03 replays the step through vLLM CPU's shm all-reduce (what the engine calls), and 05 prices it
+    with 03's back-to-back timing of that same communicator."""
+    replay = pd.read_parquet(e2e["run_dir"] / "data/step_replay.parquet")
+    assert set(replay["communicator"]) == {"vllm_shm"}
+    rows = json.loads((e2e["run_dir"] / "data/verdict.json").read_text())["replay"]
+    assert {r["batch"] for r in rows} == set(e2e["params"].microbench.batches)
+    assert {r["communicator"] for r in rows} == {"vllm_shm"}
+    print("step replay vs model:", [(r["batch"], round(r["replay_us"]), round(r["predicted_us"]), round(r["error"], 3))
+                                    for r in rows])
+
+
 def test_no_planted_secret_reaches_a_file_a_log_or_the_process_list(e2e):
     import gzip
 

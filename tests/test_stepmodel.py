@@ -124,8 +124,10 @@ def test_a_communicator_the_probe_did_not_measure_is_named(tiny):
 
 
 @pytest.mark.integration
-def test_step_replay_probe_on_two_gloo_ranks(tiny, tmp_path):
-    plan = {"dtype": "bf16", "iters": 3, "warmup": 1,
+def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tiny, tmp_path):
+    import os
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("decodescope-probe-")}
+    plan = {"dtype": "bf16", "iters": 3, "warmup": 1, "communicator": "engine",
             "steps": [{"batch": b, "program": archmod.step_program(tiny, 2, b)} for b in (1, 4)]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
@@ -140,6 +142,11 @@ def test_step_replay_probe_on_two_gloo_ranks(tiny, tmp_path):
     assert ops[(1, "gemm_only")] == n_gemm and ops[(1, "comm_only")] == 1 + 2 * 4 + 1
     assert ops[(1, "full")] == n_gemm + 10
     assert (table["time_us"] > 0).all()
+    # the collectives went through vLLM CPU's shared-memory all-reduce and all-gather, as the engine's do
+    assert set(table["communicator"]) == {"vllm_shm"}
+    meta = json.loads((tmp_path / "step_rank0.json").read_text())["meta"]
+    assert meta["communicator"] == "vllm_shm" and meta["communicator_note"] == ""
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("decodescope-probe-")} <= before
 
 
 def test_a_cuda_graph_replay_trace_is_attributed_to_its_steps(repo, tmp_path):
@@ -407,3 +414,11 @@ def test_fixes_are_calibrated_by_the_measured_tpot_and_ranked(tiny, repo):
     assert half["tpot_us"] == pytest.approx(3_000.0 * (base - n2 * 5.0) / base)
     assert [p["gain_pct"] for p in proj] == sorted(p["gain_pct"] for p in proj)   # ranked, best first
     assert {c["component"] for c in comps} >= {"gemm", "collectives", "attention", "framework overhead", "between steps"}
+
+
+def test_a_step_plans_unknown_communicator_is_refused_by_name():
+    import torch
+
+    from decodescope.probes.step import step_communicator
+    with pytest.raises(ValueError, match="communicator 'nccl': expected 'torch' or 'engine'"):
+        step_communicator("nccl", torch.device("cpu"), 2, 0)

@@ -243,10 +243,11 @@ STEP_REPLAY = "step_replay.parquet"
 
 
 def step_plan(params, dtype: str = "bf16") -> dict:
-    """The step replay probe's plan (probes/step.py): the step's program in model order per batch."""
+    """The step replay probe's plan (probes/step.py): the step's program in model order per batch, its
+    collectives through the communicator the engine uses where the probe can build it."""
     arch = archmod.normalize_config(params.model_config_dict())
     tp, mb = params.server.tensor_parallel, params.microbench
-    return {"dtype": dtype, "iters": mb.iterations, "warmup": mb.warmup,
+    return {"dtype": dtype, "iters": mb.iterations, "warmup": mb.warmup, "communicator": "engine",
             "steps": [{"batch": b, "program": archmod.step_program(arch, tp, b, mb.expert_parallel)} for b in mb.batches]}
 
 

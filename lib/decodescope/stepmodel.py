@@ -205,8 +205,11 @@ def replay_table(step_rows: list[dict]) -> pd.DataFrame:
     """probes/step.py output (all ranks) -> one row per (batch, variant, mode): the slowest rank's median,
     since a step ends when its last rank does."""
     df = pd.DataFrame([r for r in step_rows if r.get("status") == "ok"])
+    if "communicator" not in df:  # written before the probe named its communicator: torch's
+        df["communicator"] = None
     return (df.groupby(["batch", "variant", "mode"]).agg(time_us=("time_us", "max"), p10_us=("p10_us", "max"),
-                                                           p90_us=("p90_us", "max"), ops=("ops", "first"))
+                                                           p90_us=("p90_us", "max"), ops=("ops", "first"),
+                                                           communicator=("communicator", "first"))
             .reset_index())
 
 

@@ -749,8 +749,9 @@ REPLAY_TOLERANCE = 0.10  # the step model's GEMMs + collectives against the repl
 
 
 def replay_rows(run_dir: Path, params, inp: Optional[ModelInputs]) -> list[dict]:
-    """03's step replay (GEMMs and collectives in model order through torch.distributed, nothing else)
-    against the step model's GEMMs (02) + collectives (03, the communicator the replay ran: torch's)."""
+    """03's step replay (GEMMs and collectives in model order, nothing else) against the step model's
+    GEMMs (02) + collectives (03, the communicator the replay ran: the engine's shm all-reduce on a CPU
+    with vLLM, else torch's)."""
     from decodescope import stepmodel as sm
     from decodescope.microbench import STEP_REPLAY
 
@@ -761,6 +762,8 @@ def replay_rows(run_dir: Path, params, inp: Optional[ModelInputs]) -> list[dict]
     for mode in sorted(set(replay["mode"])):
         comm, timing = (("torch_nccl", "cuda_graph") if mode == "cuda_graph" else
                         ("torch_nccl", "back_to_back") if inp.timing == "cuda_graph" else ("torch_gloo", "back_to_back"))
+        ran = replay.loc[replay["mode"] == mode, "communicator"].dropna() if "communicator" in replay else ()
+        comm = str(ran.iloc[0]) if len(ran) else comm
         batches = sorted(int(b) for b in replay.loc[replay["mode"] == mode, "batch"].unique())
         # an eager GPU step is issued op by op by its host: priced by the host's measured cost per call
         # when 02 and 03 measured it, else as GEMMs + collectives in series

@@ -86,6 +86,12 @@ class Communicator:
     all_reduce: Callable  # in place, on this rank's tensor
     graphable: bool = False
     cleanup: Optional[Callable] = None
+    all_gather: Optional[Callable] = None  # (out, part): every rank's part, concatenated in rank order
+
+
+def torch_communicator(device) -> Communicator:
+    return Communicator(f"torch_{dist.get_backend()}", lambda t: dist.all_reduce(t), graphable=device.type == "cuda",
+                        all_gather=lambda out, part: dist.all_gather_into_tensor(out, part))
 
 
 def vllm_shm_communicator(world: int, rank: int) -> Communicator:
@@ -114,13 +120,13 @@ def vllm_shm_communicator(world: int, rank: int) -> Communicator:
                         os.unlink(os.path.join("/dev/shm", f))
                     except OSError:
                         pass
-    return Communicator("vllm_shm", lambda t: torch.ops._C.shm_allreduce(handle, t), cleanup=cleanup)
+    return Communicator("vllm_shm", lambda t: torch.ops._C.shm_allreduce(handle, t), cleanup=cleanup,
+                        all_gather=lambda out, part: torch.ops._C.shm_all_gather(handle, part, out))
 
 
 def communicators(device, world: int, rank: int) -> tuple[list[Communicator], dict[str, str]]:
     """Every all-reduce implementation this host offers, and why any was skipped."""
-    comms = [Communicator(f"torch_{dist.get_backend()}", lambda t: dist.all_reduce(t),
-                          graphable=device.type == "cuda")]
+    comms = [torch_communicator(device)]
     skipped: dict[str, str] = {}
     if device.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
         skipped["vllm_shm"] = "the ranks span several hosts (shared memory reaches only one)"

@@ -11,6 +11,11 @@ step would read from memory. No attention kernel, norms or sampling: this is the
 framework, the ground truth the step model (decodescope.stepmodel) is checked against on GPUs where
 vLLM cannot run.
 
+The collectives go through the communicator the engine uses where this probe can build it (plan
+`communicator: engine`): on CPUs with vLLM's CPU build its shared-memory all-reduce and all-gather (what
+vLLM CPU calls at tensor-parallel > 1), else torch.distributed (gloo on CPUs, NCCL on GPUs); each row
+names the one that ran, and the reason when the engine's could not be built.
+
 Per batch, three variants (`full`, `gemm_only`, `comm_only`), eager and, on GPUs, captured as one CUDA
 graph (as vLLM replays decode steps). Ranks aligned with a barrier before each timed step; `warmup`
 untimed then `iters` timed steps, median and p10/p90. Each rank writes step_rank<r>.json atomically
@@ -28,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
-from decodescope.probes.collectives import Timer, _elems, graph_of, init_ranks
+from decodescope.probes.collectives import (Communicator, Timer, _elems, graph_of, init_ranks, torch_communicator,
+                                            vllm_shm_communicator)
 from decodescope.probes.gemm import TORCH_DTYPES, cpu_engine_kernel, make_gemm
 from decodescope.probes.timing import median_spread
 
@@ -43,8 +49,25 @@ def weight_budget_bytes(plan: dict, device) -> float:
     return 4e9
 
 
+def step_communicator(wanted: str, device, world: int, rank: int) -> tuple[Communicator, str]:
+    """The communicator the replay's collectives go through, and why the engine's was not used ('' when
+    it was, or was not asked for). `wanted`: 'torch' or 'engine' (vLLM's shm on CPUs when it can be built;
+    on GPUs torch's NCCL, as vLLM's own communicators need vLLM)."""
+    if wanted not in ("torch", "engine"):
+        raise ValueError(f"step plan: communicator {wanted!r}: expected 'torch' or 'engine'")
+    if wanted == "engine" and device.type == "cpu":
+        if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+            return torch_communicator(device), "the ranks span several hosts (shared memory reaches only one)"
+        try:
+            return vllm_shm_communicator(world, rank), ""
+        except Exception as e:  # no vllm, or not its CPU build: replayed through torch, and said so
+            return torch_communicator(device), f"vllm_shm: {type(e).__name__}: {e}"[:300]
+    return torch_communicator(device), ("" if wanted == "torch" or device.type == "cpu" else
+                                        "vLLM's GPU communicators need vLLM: replayed through torch's NCCL")
+
+
 def build_step(program: list[dict], dtype: str, device, world: int, budget_bytes: float,
-               batch: Optional[int] = None):
+               batch: Optional[int] = None, comm: Optional[Communicator] = None):
     """Callables for the step's GEMMs and collectives, in order. Every GEMM gets its own weights until
     budget_bytes are allocated; past it, GEMMs of one shape reuse earlier ones in turn (a layer's weights
     are far larger than L2, so a reused weight is still read from memory). Returns the callables, the
@@ -52,6 +75,7 @@ def build_step(program: list[dict], dtype: str, device, world: int, budget_bytes
     importable the MoE experts run as the engine runs them, one cpu_fused_moe call per layer (at moe_w13;
     moe_w2 is inside it), as the GEMM probe times them."""
     tdtype = TORCH_DTYPES[dtype]
+    comm = comm or torch_communicator(device)
     items, skipped = [], {}
     made: dict[tuple, list] = {}
     allocated, reused = 0.0, 0
@@ -81,11 +105,11 @@ def build_step(program: list[dict], dtype: str, device, world: int, budget_bytes
             items.append(("gemm", fn))
         elif op["kind"] == "all_reduce":
             t = torch.ones(_elems(op["msg_bytes"], tdtype), device=device, dtype=tdtype)
-            items.append(("comm", lambda t=t: dist.all_reduce(t)))
+            items.append(("comm", lambda t=t, f=comm.all_reduce: f(t)))
         elif op["kind"] == "all_gather":
             part = torch.ones(_elems(op["msg_bytes"], tdtype), device=device, dtype=tdtype)
             out = torch.empty(part.numel() * world, device=device, dtype=tdtype)
-            items.append(("comm", lambda o=out, p=part: dist.all_gather_into_tensor(o, p)))
+            items.append(("comm", lambda o=out, p=part, f=comm.all_gather: f(o, p)))
     return items, skipped, reused
 
 
@@ -144,11 +168,13 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "dtype": plan["dtype"], "iters": plan["iters"], "warmup": plan["warmup"],
             "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
             "gpu": torch.cuda.get_device_name(device) if use_cuda else None}
+    comm, comm_note = step_communicator(plan.get("communicator", "torch"), device, world, rank)
+    meta.update(communicator=comm.name, communicator_note=comm_note)
     out = os.path.join(args.out_dir, f"step_rank{rank}.json")
     rows: list[dict] = []
     for step in plan["steps"]:
         items, skipped, reused = build_step(step["program"], plan["dtype"], device, world,
-                                            weight_budget_bytes(plan, device), step.get("batch"))
+                                            weight_budget_bytes(plan, device), step.get("batch"), comm)
         for variant in [v for v in args.variants.split(",") if v]:
             fn, n_ops = variant_fn(items, variant)
             modes = [("eager", fn)]
@@ -161,7 +187,7 @@ def main(argv=None) -> int:
             for mode, f in modes:
                 st = median_spread(timer.run(f, plan["iters"], plan["warmup"]))
                 rows.append({"batch": step["batch"], "variant": variant, "mode": mode, "rank": rank,
-                             "world_size": world, "ops": n_ops, "status": "ok", **st,
+                             "world_size": world, "ops": n_ops, "status": "ok", "communicator": comm.name, **st,
                              "gemms_skipped": skipped, "gemms_reusing_weights": reused})
         if args.profile_steps:
             profile_steps(items, step["batch"], args.profile_steps, use_cuda, rank, args.out_dir)
@@ -171,6 +197,8 @@ def main(argv=None) -> int:
         write_json_atomic(out, {"meta": meta, "rows": rows})
         if rank == 0:
             print(f"batch {step['batch']}: done", file=sys.stderr, flush=True)
+    if comm.cleanup:
+        comm.cleanup()
     dist.barrier()
     if use_cuda:
         # Seen on 2x H200 (torch 2.11, NCCL 2.28): after NCCL calls captured in CUDA graphs, tearing the
