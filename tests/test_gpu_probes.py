@@ -13,14 +13,31 @@ pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _replay_gemms_on_one_gpu(plan: dict, tmp_path: Path) -> dict:
-    """The step replay probe's gemm_only variant at world size 1: its rows by mode."""
+def _replay_gemms_on_one_gpu(plan: dict, tmp_path: Path, variant: str = "gemm_only") -> dict:
+    """One variant of the step replay probe at world size 1: its rows by mode."""
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
                     "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path),
-                    "--variants", "gemm_only"], check=True, timeout=300, env=env)
+                    "--variants", variant], check=True, timeout=300, env=env)
     return {r["mode"]: r for r in json.loads((tmp_path / "step_rank0.json").read_text())["rows"]}
+
+
+def test_asked_for_the_engines_communicator_a_gpu_without_vllm_replays_through_torch_and_says_so(tmp_path):
+    """A step plan that asks for the engine's communicator (as 03 writes it) on a GPU image without vLLM:
+    the collectives run through torch's NCCL, eager and in a CUDA graph, each row names it, and the
+    rank's meta says why."""
+    plan = json.loads((REPO / "benchmarks/results/plan_kimi_tp8_step_b1.json").read_text())
+    program = plan["steps"][0]["program"][:40]   # the embedding all-reduce and the first layers
+    assert sum(x["kind"] == "all_reduce" for x in program) >= 2
+    plan["steps"] = [{"batch": 1, "program": program}]
+    plan["iters"], plan["warmup"], plan["communicator"] = 5, 2, "engine"
+    rows = _replay_gemms_on_one_gpu(plan, tmp_path, "full")
+    meta = json.loads((tmp_path / "step_rank0.json").read_text())["meta"]
+    print(meta["communicator"], "|", meta["communicator_note"], {m: round(r["time_us"], 1) for m, r in rows.items()})
+    assert set(rows) == {"eager", "cuda_graph"} and all(r["status"] == "ok" for r in rows.values())
+    assert {r["communicator"] for r in rows.values()} == {"torch_nccl"} == {meta["communicator"]}
+    assert "need vLLM" in meta["communicator_note"]
 
 
 def test_cold_weights_timing_is_no_slower_than_a_flushed_l2_and_no_faster_than_warm():
