@@ -124,17 +124,26 @@ def vllm_shm_communicator(world: int, rank: int) -> Communicator:
                         all_gather=lambda out, part: torch.ops._C.shm_all_gather(handle, part, out))
 
 
+def vllm_shm_or_why(world: int, rank: int) -> tuple[Optional[Communicator], str]:
+    """vLLM CPU's shared-memory communicator, or None and why it cannot be built here."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        return None, "the ranks span several hosts (shared memory reaches only one)"
+    try:
+        return vllm_shm_communicator(world, rank), ""
+    except Exception as e:  # no vllm, or not its CPU build: the caller goes on without it, and says so
+        return None, f"{type(e).__name__}: {e}"[:300]
+
+
 def communicators(device, world: int, rank: int) -> tuple[list[Communicator], dict[str, str]]:
     """Every all-reduce implementation this host offers, and why any was skipped."""
     comms = [torch_communicator(device)]
     skipped: dict[str, str] = {}
-    if device.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
-        skipped["vllm_shm"] = "the ranks span several hosts (shared memory reaches only one)"
-    elif device.type == "cpu":
-        try:
-            comms.append(vllm_shm_communicator(world, rank))
-        except Exception as e:  # no vllm, or not its CPU build: measured without it, and said so
-            skipped["vllm_shm"] = f"{type(e).__name__}: {e}"[:300]
+    if device.type == "cpu":
+        shm, why = vllm_shm_or_why(world, rank)
+        if shm is not None:
+            comms.append(shm)
+        else:
+            skipped["vllm_shm"] = why
     return comms, skipped
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
 from decodescope.probes.collectives import (Communicator, Timer, _elems, graph_of, init_ranks, torch_communicator,
-                                            vllm_shm_communicator)
+                                            vllm_shm_or_why)
 from decodescope.probes.gemm import TORCH_DTYPES, cpu_engine_kernel, make_gemm
 from decodescope.probes.timing import median_spread
 
@@ -56,12 +56,8 @@ def step_communicator(wanted: str, device, world: int, rank: int) -> tuple[Commu
     if wanted not in ("torch", "engine"):
         raise ValueError(f"step plan: communicator {wanted!r}: expected 'torch' or 'engine'")
     if wanted == "engine" and device.type == "cpu":
-        if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
-            return torch_communicator(device), "the ranks span several hosts (shared memory reaches only one)"
-        try:
-            return vllm_shm_communicator(world, rank), ""
-        except Exception as e:  # no vllm, or not its CPU build: replayed through torch, and said so
-            return torch_communicator(device), f"vllm_shm: {type(e).__name__}: {e}"[:300]
+        shm, why = vllm_shm_or_why(world, rank)
+        return (shm, "") if shm is not None else (torch_communicator(device), f"vllm_shm: {why}")
     return torch_communicator(device), ("" if wanted == "torch" or device.type == "cpu" else
                                         "vLLM's GPU communicators need vLLM: replayed through torch's NCCL")
 

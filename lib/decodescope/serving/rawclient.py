@@ -283,7 +283,7 @@ async def _connect(loop: asyncio.AbstractEventLoop, host: str, port: int) -> soc
                 except OSError:  # no receive stamps here: every chunk falls back to its read time
                     pass
             err = sock.connect_ex(addr)
-            if err in (0,):
+            if err == 0:
                 return sock
             if err != errno.EINPROGRESS:
                 raise OSError(err, os.strerror(err))
