@@ -101,6 +101,20 @@ def terminate(token: str | None, pgids: Iterable[int] = (), grace_s: float = 15.
         _signal_all(set(left) - signalled, signal.SIGTERM)
         signalled.update(left)
         time.sleep(0.2)
+    # multiprocessing's resource trackers ignore SIGTERM and unlink the semaphores and shared memory
+    # they registered (vLLM's, from its spawned engine and workers) once every process holding their
+    # pipe is gone: killed with the rest they would leave those names in /dev/shm, so they go last
+    trackers = {p for p in run_processes(token, pgids) if _is_resource_tracker(p)}
+    for _ in range(50):
+        left = [p for p in run_processes(token, pgids) if p not in trackers]
+        if not left:
+            break
+        _signal_all(left, signal.SIGKILL)
+        signalled.update(left)
+        time.sleep(0.1)
+    deadline = time.monotonic() + TRACKER_GRACE_S
+    while time.monotonic() < deadline and any(not _is_zombie(p) for p in trackers):
+        time.sleep(0.05)
     for _ in range(50):
         left = run_processes(token, pgids)
         if not left:
@@ -110,6 +124,17 @@ def terminate(token: str | None, pgids: Iterable[int] = (), grace_s: float = 15.
         signalled.update(left)
         time.sleep(0.1)
     return sorted(signalled)
+
+
+TRACKER_GRACE_S = 3.0
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
 
 
 def terminate_pids(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:

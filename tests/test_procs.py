@@ -1,0 +1,43 @@
+"""Tear-down of a run's processes (decodescope.procs) against real processes."""
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from decodescope import procs
+
+# A process of the run that holds a spawn-context semaphore (as vLLM's API server and engine do: its
+# name is in /dev/shm until multiprocessing's resource tracker unlinks it) and does not stop on SIGTERM,
+# as a hung worker does not: the tear-down has to SIGKILL it.
+HOLDER = """
+import multiprocessing as mp, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+lock = mp.get_context("spawn").Lock()
+print(lock._semlock.name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_runs_semaphores_are_unlinked_by_its_resource_tracker():
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, procs.RUN_TOKEN_ENV: token}, start_new_session=True)
+    try:
+        name = proc.stdout.readline().strip()
+        sem = Path("/dev/shm") / f"sem.{name.lstrip('/')}"
+        assert sem.exists(), sem
+        # the holder and its resource tracker (which ignores SIGTERM) both carry the run token
+        deadline = time.monotonic() + 10
+        while len(procs.run_processes(token)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(procs.run_processes(token)) == 2
+        procs.terminate(token, [], grace_s=0.5)
+        proc.wait(timeout=10)
+        assert procs.run_processes(token) == []
+        # the tracker outlived the holder long enough to unlink what it had registered
+        assert not sem.exists(), f"{sem} left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
