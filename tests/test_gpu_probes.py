@@ -99,3 +99,25 @@ def test_an_eager_gemm_sequence_is_paced_by_the_hosts_measured_cost_per_call(tmp
     assert all(h > 0 for h, _ in timed.values())
     assert host_us > rows["cuda_graph"]["time_us"]  # host-bound: the walk's reason to exist
     assert predicted_us == pytest.approx(replay_us, rel=0.10)
+
+
+def test_the_collective_probe_times_an_all_reduces_host_cost_after_the_gemm_that_writes_it(tmp_path):
+    """03 on GPUs: every swept size up to HOST_AFTER_GEMM_MAX_BYTES has a host_after_gemm row beside its
+    host_issue row (the call issued right after a GEMM writing its input, less that GEMM alone), with no
+    bandwidth made of it."""
+    plan = {"dtype": "bf16", "iters": 10, "warmup": 3, "burst": [],
+            "sweep": {"min_bytes": 1024, "max_bytes": 16384, "ops": ["all_reduce"]}, "all_to_all": []}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+                    "decodescope.probes.collectives", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path)],
+                   check=True, timeout=300, env=env)
+    rows = [r for r in json.loads((tmp_path / "collectives_rank0.json").read_text())["rows"]
+            if r.get("part") == "sweep" and r.get("communicator") == "torch_nccl" and r.get("inplace")]
+    by = {(r["timing"], r["bytes"]): r for r in rows}
+    sizes = sorted({r["bytes"] for r in rows})
+    print({n: (round(by[("host_issue", n)]["time_us"], 1), round(by[("host_after_gemm", n)]["time_us"], 1)) for n in sizes})
+    assert sizes == [1024, 2048, 4096, 8192, 16384]
+    for n in sizes:
+        assert by[("host_after_gemm", n)]["status"] == "ok" and by[("host_after_gemm", n)]["time_us"] > 0
+        assert "algbw_gbps" not in by[("host_after_gemm", n)]

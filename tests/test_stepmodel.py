@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from decodescope import arch as archmod
+from decodescope import microbench as mb
 from decodescope import stepmodel as sm
 from decodescope.params import load_params
 
@@ -73,7 +74,7 @@ def test_the_eager_walk_is_paced_by_the_host_or_the_gpu_whichever_is_slower():
     assert sm.eager_walk([(10.0, 50.0), (10.0, 2.0), (10.0, 2.0)])[0] == pytest.approx(64.0)
 
 
-def _host_frames(tiny, gemm_host_us, gemm_gpu_us, ar_host_us, ar_gpu_us):
+def _host_frames(tiny, gemm_host_us, gemm_gpu_us, ar_host_us, ar_gpu_us, ar_after_gemm_us=None):
     shapes = archmod.gemm_shapes(tiny, 2, 4)
     gemm = pd.DataFrame([{"op": s.op, "batch": b, "dtype": "bf16", "status": "ok", "time_us": gemm_gpu_us,
                           "cold_weights_time_us": gemm_gpu_us, "cold_weights_p10_us": gemm_gpu_us,
@@ -83,7 +84,8 @@ def _host_frames(tiny, gemm_host_us, gemm_gpu_us, ar_host_us, ar_gpu_us):
     coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "torch_nccl",
                           "timing": timing, "inplace": True, "rank": 0, "bytes": n, "time_us": t, "p10_us": t,
                           "p90_us": t} for n in (512, 8192)
-                         for timing, t in (("cuda_graph", ar_gpu_us), ("host_issue", ar_host_us))])
+                         for timing, t in (("cuda_graph", ar_gpu_us), ("host_issue", ar_host_us),
+                                           ("host_after_gemm", ar_after_gemm_us)) if t is not None])
     return gemm, coll
 
 
@@ -105,6 +107,20 @@ def test_the_eager_replay_is_priced_by_the_hosts_cost_per_call_when_the_host_is_
     pred = sm.predict_replay_eager(gemm, coll, tiny, 2, [4], "torch_nccl").iloc[0]
     assert not pred["host_bound"]
     assert pred["predicted_us"] == pytest.approx(1.0 + 100.0 * n_gemm + 5.0 * n_coll)
+
+
+def test_an_all_reduce_is_priced_at_its_host_cost_after_a_gemm_where_03_measured_it(tiny):
+    """In a step each all-reduce follows a GEMM, which costs its host more than back to back (2x H200:
+    ~25 vs 31-41 us): the walk takes the host_after_gemm timing when it is there, and says so."""
+    program = archmod.step_program(tiny, 2, 4)
+    n_gemm = sum(1 for x in program if x["kind"] == "gemm")
+    n_coll = len(program) - n_gemm
+    gemm, coll = _host_frames(tiny, 15.0, 3.0, 20.0, 5.0, ar_after_gemm_us=35.0)
+    pred = sm.predict_replay_eager(gemm, coll, tiny, 2, [4], "torch_nccl").iloc[0]
+    assert pred["host_us"] == pytest.approx(15.0 * n_gemm + 35.0 * n_coll)
+    assert "host_after_gemm" in pred["sources"]
+    # the fit of 03's latency curve leaves both host timings out: they move no bytes
+    assert set(mb.latency_fit(coll)["timing"]) == {"cuda_graph"}
 
 
 def test_without_the_hosts_cost_per_call_the_eager_model_is_not_priced(tiny):
@@ -422,3 +438,26 @@ def test_a_step_plans_unknown_communicator_is_refused_by_name():
     from decodescope.probes.step import step_communicator
     with pytest.raises(ValueError, match="communicator 'nccl': expected 'torch' or 'engine'"):
         step_communicator("nccl", torch.device("cpu"), 2, 0)
+
+
+def test_the_host_cost_after_a_gemm_is_the_pair_less_the_gemm_alone(monkeypatch):
+    """probes.timing.host_issue_after_us on a clock that the calls themselves advance: a 'GEMM' costing
+    16 us and a call costing 25 us alone but 35 us right after the GEMM read 35 us per call."""
+    import time
+
+    from decodescope.probes import timing
+
+    clock = {"t": 0.0, "last": None}
+
+    def gemm():
+        clock["t"] += 16e-6
+        clock["last"] = "gemm"
+
+    def call():
+        clock["t"] += (35e-6 if clock["last"] == "gemm" else 25e-6)
+        clock["last"] = "call"
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["t"])
+    out = timing.host_issue_after_us(call, gemm, calls=8, iters=3, sync=lambda: clock.update(last=None))
+    assert out == pytest.approx([35.0] * 3)
+    assert timing.host_issue_us(call, 8, 2, lambda: clock.update(last=None)) == pytest.approx([25.0] * 2)

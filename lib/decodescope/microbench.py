@@ -15,7 +15,7 @@ import pandas as pd
 
 from decodescope import arch as archmod
 from decodescope.io import write_json_atomic, write_parquet_atomic
-from decodescope.probes.timing import HOST_ISSUE
+from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE
 from decodescope.records import LATENCY_FIT_COLUMNS, CollectivesFit, HostInventory, LatencyFit, Peaks, read_record, \
     write_record
 
@@ -374,7 +374,7 @@ def latency_fit(sweep: pd.DataFrame) -> pd.DataFrame:
     out = []
     ok = sweep[(sweep["part"] == "sweep") & (sweep["status"] == "ok")]
     ok = with_timing_columns(ok[ok["rank"] == ok["rank"].min()])
-    ok = ok[ok["timing"] != HOST_ISSUE]  # the host's issue time moves no bytes: nothing to fit
+    ok = ok[~ok["timing"].isin((HOST_ISSUE, HOST_AFTER_GEMM))]  # the host's issue time moves no bytes: nothing to fit
     for (op, inplace, comm, timing), g in ok.groupby(["op", "inplace", "communicator", "timing"]):
         if len(g) < 2:
             continue
@@ -448,7 +448,9 @@ def collectives_method_note(coll: pd.DataFrame) -> str:
             f"GPUs), the way a decode step issues them, and **isolated** (a barrier before each call, which adds "
             f"wake-up and launch cost); the fits the verdict uses are the back-to-back ones. On GPUs, "
             f"**host_issue** is the host's own time per call of issuing the same calls (GPU drained first): "
-            f"what an eager step pays per call when its host, not its GPU, sets the pace. {m.get('warmup')} "
+            f"what an eager step pays per call when its host, not its GPU, sets the pace; **host_after_gemm** the "
+            f"same with each call issued right after a GEMM that writes its input, less that GEMM alone (the "
+            f"cost between a step's other launches, which the eager step model uses). {m.get('warmup')} "
             f"warm-up and {m.get('iters')} timed repetitions, median with p10/p90; NCCL "
             f"{m.get('nccl_version') or 'n/a'}, NCCL_* settings: {env}. busbw = algbw x 2(n-1)/n (all-reduce), "
             "x (n-1)/n (all-to-all), as nccl-tests.")

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from decodescope import arch as archmod
-from decodescope.probes.timing import HOST_ISSUE
+from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE
 
 
 # Which of 03's timings prices a step's collectives, first measured wins: in a CUDA graph on GPUs; on
@@ -167,7 +167,8 @@ def eager_walk(ops: list[tuple[float, float]]) -> tuple[float, float]:
 def predict_replay_eager(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int,
                          batches: list[int], communicator: str, dtype: str = "bf16") -> pd.DataFrame:
     """The replayed step run eagerly: the host issues the step's ops in model order (arch.step_program)
-    at its measured cost per call (02's host column per GEMM; 03's host_issue timing per all-reduce), and
+    at its measured cost per call (02's host column per GEMM; per all-reduce 03's host_after_gemm timing,
+    the call issued right after a GEMM as in a step, where 03 measured it, else its host_issue), and
     the GPU runs each once it is issued and the one before it has ended (GEMMs at their cold-weights
     time, collectives at their CUDA-graph latency: the kernels without the host in the way). A host
     slower than its GPU sets the pace; the walk (eager_walk) says by how much, op by op. Band: the
@@ -175,7 +176,8 @@ def predict_replay_eager(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.A
     ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]
     _, gpu_cols = _gemm_time_columns(ok)
     coll_gpu = latency_curve(coll, communicator, "cuda_graph")
-    coll_host = latency_curve(coll, communicator, HOST_ISSUE)
+    host_timing = HOST_AFTER_GEMM if not latency_curve(coll, communicator, HOST_AFTER_GEMM).empty else HOST_ISSUE
+    coll_host = latency_curve(coll, communicator, host_timing)
     if coll_gpu.empty or coll_host.empty:
         raise ValueError(f"collectives.parquet has no {communicator} all-reduce timed cuda_graph and {HOST_ISSUE}")
     by_op = {op: g for op, g in ok.groupby("op")}
@@ -196,7 +198,7 @@ def predict_replay_eager(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.A
                      "high_us": max(w[0] for w in walks), "host_us": host_us, "gpu_us": gpu_us,
                      "host_bound": host_us >= gpu_us,
                      "sources": f"gemm.parquet (host per call; {gpu_cols[0]}); collectives.parquet "
-                                f"({communicator}, {HOST_ISSUE} and cuda_graph)",
+                                f"({communicator}, {host_timing} and cuda_graph)",
                      "notes": f"not measured, left out: {missing}" if missing else ""})
     return pd.DataFrame(rows)
 

@@ -17,7 +17,9 @@ Timing (`timing` column): `back_to_back` issues `calls` all-reduces (up to 50, f
 that one repetition lasts ~20 ms) one after the other between one timer pair and divides, the way a decode step issues them (and nccl-tests and vLLM's
 benchmark_device_communicators.py time them); on GPUs the same calls are also replayed as one CUDA
 graph (`cuda_graph`). On GPUs `host_issue` is the host's own time per call of issuing the same calls (the GPU
-drained first): the pace of an eager step whose host cannot keep its GPU busy. On CPUs `late_rank` has the last rank arrive LATE_US after the others at every
+drained first): the pace of an eager step whose host cannot keep its GPU busy; `host_after_gemm` the same
+with each call issued right after a GEMM that writes its input, less that GEMM alone (what a step's host
+pays for it between its other launches). On CPUs `late_rank` has the last rank arrive LATE_US after the others at every
 call and reads the op's own duration with torch.profiler, as a profiled engine step records it: the
 collective's own cost, which is what a profiled step's per-call least time over the ranks measures
 (the rest of a step's all-reduce time is waiting for the last rank). `isolated` aligns the ranks with a barrier before each single call: it adds the
@@ -41,7 +43,7 @@ import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
 from decodescope.probes.gemm import TORCH_DTYPES
-from decodescope.probes.timing import HOST_ISSUE, host_issue_us, median_spread
+from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE, host_issue_after_us, host_issue_us, median_spread
 
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
@@ -277,6 +279,22 @@ def burst(plan: dict, device, dtype, timer: Timer, world: int, rank: int,
     return rows
 
 
+WRITER_K = 32  # the inner size of the GEMM that writes an all-reduce's input in the host_after_gemm timing
+# past a decode step's messages (batch x hidden, ~1 MB at 64 x 7168 bf16), where its weight (K x the
+# message) would cost GPU memory for a figure no step model reads: the curve extrapolates there
+HOST_AFTER_GEMM_MAX_BYTES = 8 << 20
+
+
+def gemm_writing(t: "torch.Tensor") -> Callable[[], None]:
+    """A GEMM whose output is the all-reduce's tensor, as a decode step's o_proj or down projection
+    writes it: the host launch the all-reduce follows in a step (its inner size barely moves the
+    host's cost, so it is kept small: WRITER_K)."""
+    a = torch.randn(1, WRITER_K, device=t.device, dtype=t.dtype)
+    w = torch.randn(t.numel(), WRITER_K, device=t.device, dtype=t.dtype)
+    out = t.view(1, -1)
+    return lambda: torch.mm(a, w.t(), out=out)
+
+
 def sweep_sizes(plan: dict) -> list[int]:
     sw = plan.get("sweep") or {}
     size, sizes = sw.get("min_bytes", 1024), []
@@ -326,6 +344,10 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
                 # pays per collective when the host, not the GPU, sets its pace
                 timings.append((HOST_ISSUE, "eager", lambda: host_issue_us(
                     fn, calls, plan["iters"], lambda: (timer.sync(), dist.barrier()))))
+                if real <= HOST_AFTER_GEMM_MAX_BYTES:
+                    writer = gemm_writing(t)
+                    timings.append((HOST_AFTER_GEMM, "eager", lambda: host_issue_after_us(
+                        fn, writer, calls, plan["iters"], lambda: (timer.sync(), dist.barrier()))))
 
                 def graphed(fn=fn, calls=calls):
                     g = graph_of(fn, calls)
@@ -336,7 +358,7 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
                 try:
                     st = median_spread(measure())
                     # a host's issue time is no transfer: no bandwidth from it
-                    rows.append({**row, "status": "ok", **st} if timing == HOST_ISSUE else
+                    rows.append({**row, "status": "ok", **st} if timing in (HOST_ISSUE, HOST_AFTER_GEMM) else
                                 _bw(row, st, "all_reduce", real, world))
                 except (RuntimeError, NotImplementedError) as e:
                     rows.append({**row, "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})

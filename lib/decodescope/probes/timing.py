@@ -4,6 +4,9 @@ from __future__ import annotations
 import statistics
 
 HOST_ISSUE = "host_issue"  # the collective probe's timing of the host's own cost per call (GPUs): no transfer
+# the same, each call issued right after a GEMM that writes its input, as a decode step issues it, less
+# that GEMM issued alone: on 2x H200 an all-reduce costs the host ~25 us back to back, 31-41 us after a GEMM
+HOST_AFTER_GEMM = "host_after_gemm"
 
 
 def median_spread(times_us: list[float]) -> dict:
@@ -28,4 +31,15 @@ def host_issue_us(fn, calls: int, iters: int, sync) -> list[float]:
             fn()
         out.append((time.perf_counter() - t0) * 1e6 / calls)
     sync()
+    return out
+
+
+def host_issue_after_us(fn, before, calls: int, iters: int, sync) -> list[float]:
+    """Host microseconds per call of `fn` issued right after `before` (`calls` pairs back to back) less
+    `before` issued alone as often, the two alternated `iters` times: what a call costs the host in the
+    middle of a step's other launches, which warm its caches with their own code and data."""
+    out = []
+    for _ in range(iters):
+        pair, alone = host_issue_us(lambda: (before(), fn()), calls, 1, sync), host_issue_us(before, calls, 1, sync)
+        out.append(pair[0] - alone[0])
     return out
