@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -461,3 +462,37 @@ def test_the_host_cost_after_a_gemm_is_the_pair_less_the_gemm_alone(monkeypatch)
     out = timing.host_issue_after_us(call, gemm, calls=8, iters=3, sync=lambda: clock.update(last=None))
     assert out == pytest.approx([35.0] * 3)
     assert timing.host_issue_us(call, 8, 2, lambda: clock.update(last=None)) == pytest.approx([25.0] * 2)
+
+
+def test_at_a_tensor_parallel_size_that_frees_a_core_the_engine_core_stops_waiting_between_steps(tiny):
+    """On 2 cores at TP=2 the engine core waits for a core between steps (04's schedstat: 3,000 us of
+    run-queue wait per step, 600 us of CPU); at TP=1 it has a core: between steps becomes its own CPU
+    time, and the profiler's measured cost (520 us, a fifth of the 2,600 us it inflated) shrinks with
+    the parts it came off. Hand-worked: TP=2 2,600 - 520 = 2,080 us; TP=1 attention 200 + idle 200 +
+    between 600 = 1,000, less a fifth: 800 us."""
+    gemm2, gemm1 = (pd.DataFrame([{"op": x.op, "batch": 1, "dtype": "bf16", "status": "ok", "time_us": 0.0}
+                                  for x in archmod.gemm_shapes(tiny, t, 1)]) for t in (2, 1))
+    s = _summary(1, 1.0, {0: {"attention": 100.0}}, wall=1100.0, period=2600.0, between=1500.0, idle=1000.0)
+    cap = {"host_cpu_per_step": {"worker": {"runq_wait_us": 800.0},
+                                 "engine core": {"cpu_us": 600.0, "runq_wait_us": 3000.0}},
+           "engine_itl_unprofiled_us": 2080.0, "profiler_step_cost_us": 520.0, "window_noise": 0.0}
+    (sample,) = sm.step_samples({1: s}, 40.0, {1: cap})
+    assert (sample.engine_cpu_us, sample.engine_wait_us) == (600.0, 3000.0)
+    assert sm.between_steps_at_freed_core(sample) == 600.0
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "vllm_shm",
+                          "timing": "back_to_back", "inplace": True, "rank": 0, "bytes": n, "time_us": 1e-9,
+                          "p10_us": 1e-9, "p90_us": 1e-9} for n in (256, 65536)])
+    at2 = sm.predict_step(gemm2, coll, tiny, 2, 1, "vllm_shm", "back_to_back", [sample], 40.0, host_cores=2)
+    assert {c.name: c.us for c in at2.components}["between steps"] == 1500.0
+    assert at2.period_us == pytest.approx(2080.0)
+    at1 = sm.predict_step(gemm1, pd.DataFrame(), tiny, 1, 1, "", "", [sample], 40.0, measured_world=2,
+                          attention_scale=2.0, host_cores=2)
+    parts = {c.name: c for c in at1.components}
+    assert parts["between steps"].us == 600.0 and "core of its own" in parts["between steps"].notes[-1]
+    assert parts[sm.PROFILER_COST].us == pytest.approx(-200.0)
+    assert at1.period_us == pytest.approx(800.0)
+    # a wait shorter than the gap leaves the rest of it: 1,500 - 300 = 1,200 (above the 600 of CPU)
+    short = replace(sample, engine_wait_us=300.0)
+    assert sm.between_steps_at_freed_core(short) == 1200.0
+    # no engine core figures (older captures): the gap is held as profiled
+    assert sm.between_steps_at_freed_core(replace(sample, engine_cpu_us=0.0)) == 1500.0

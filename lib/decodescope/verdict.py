@@ -393,8 +393,9 @@ class ModelInputs:
                                gemm_source=f"gemm_whatif_tp.parquet (tp {t})", host_cores=self.host_cores)
         return Fix(f"tensor-parallel {t} x {max(self.tp // t, 1)} replicas", pred, 1.0, t, [
             f"GEMMs at tp {t} shapes (02); attention x {self.tp / t:g} (heads per rank); small ops, framework and "
-            f"host time as profiled at tp {self.tp}, less the workers' preemption where tp {t} leaves the host a "
-            "core; each replica serves the batch"])
+            f"host time as profiled at tp {self.tp}; where tp {t} leaves the host a core, less the workers' "
+            "preemption, and between steps the engine core's own CPU time instead of its wait for a core; the "
+            "profiler's cost in the share it had of the parts it inflated; each replica serves the batch"])
 
 
 def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
