@@ -344,6 +344,9 @@ def test_the_profilers_cost_is_the_inter_token_latency_it_added_with_the_unprofi
     assert faster.profiler_cost_us == 0.0
     # one unprofiled run measured: no spread to give
     assert itl_window_noise([3000.0, None]) is None and profiler_step_cost_us([None, None], 4900.0) is None
+    # a profiled window faster than both unprofiled ones moved by at least its shortfall: 350 of 3,150
+    assert itl_window_noise(runs, 2800.0) == pytest.approx(350 / 3150)
+    assert itl_window_noise(runs, 4900.0) == pytest.approx(300 / 3150)     # slower: the spread stands
 
 
 def test_workers_preempted_by_the_host_come_out_of_the_idle_and_go_where_a_core_is_left_free(tiny):
@@ -496,3 +499,25 @@ def test_at_a_tensor_parallel_size_that_frees_a_core_the_engine_core_stops_waiti
     assert sm.between_steps_at_freed_core(short) == 1200.0
     # no engine core figures (older captures): the gap is held as profiled
     assert sm.between_steps_at_freed_core(replace(sample, engine_cpu_us=0.0)) == 1500.0
+
+
+def test_cpu_gemms_are_timed_in_step_order_and_the_model_prices_them_so():
+    """probes.gemm.time_cpu_step_order: one list of per-call times per shape, one entry per timed pass;
+    vLLM's fused MoE is called once per layer at moe_w13 and split by FLOPs, so w2 reads half of w13
+    in every pass; the step model takes the step_order column where 02 measured it."""
+    from decodescope.probes import gemm as g
+
+    # the embedded default's shapes at tensor-parallel 2, batch 2 (6 experts hit per layer)
+    shapes = [{"op": "qkv_proj", "batch": 2, "m": 2, "n": 256, "k": 256, "count": 2, "groups": 1, "dtype": "bf16"},
+              {"op": "moe_w13", "batch": 2, "m": 1, "n": 128, "k": 256, "count": 2, "groups": 6, "dtype": "bf16"},
+              {"op": "moe_w2", "batch": 2, "m": 1, "n": 256, "k": 64, "count": 2, "groups": 6, "dtype": "bf16"},
+              {"op": "lm_head", "batch": 2, "m": 2, "n": 512, "k": 256, "count": 1, "groups": 1, "dtype": "bf16"}]
+    assert g.cpu_engine_kernel(shapes[1], "bf16").share == pytest.approx(2 / 3)   # vLLM's fused MoE runs here
+    times = g.time_cpu_step_order(shapes, "bf16", iters=5, warmup=1)
+    assert sorted(times) == [0, 1, 2, 3] and all(len(v) == 5 and min(v) > 0 for v in times.values())
+    assert [b / a for a, b in zip(times[1], times[2])] == pytest.approx([0.5] * 5)
+    assert set(g.step_groups(shapes + [{**shapes[0], "batch": 4}])) == {(2, "bf16", None), (4, "bf16", None)}
+    ok = pd.DataFrame([{"time_us": 5.0, "cold_weights_time_us": 6.0, "step_order_time_us": 7.0,
+                        "step_order_p10_us": 6.5, "step_order_p90_us": 8.0}])
+    assert sm._gemm_time_columns(ok) == ("step_order", ("step_order_time_us", "step_order_p10_us", "step_order_p90_us"))
+    assert sm._gemm_time_columns(ok.drop(columns=[c for c in ok if c.startswith("step_order")]))[0] == "cold_weights"

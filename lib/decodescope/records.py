@@ -481,7 +481,8 @@ class LevelReconcileRow(_Model):
                                                      "against the step measured where its 04 inputs were")
     window_noise: Optional[float] = Field(None, description="|a - b| / mean of the engine's inter-token latency over "
                                           "04's two unprofiled runs of the profile workload, a second apart on one "
-                                          "server: how much the host's step moves between two windows")
+                                          "server: how much the host's step moves between two windows; at least "
+                                          "the profiled run's shortfall below them, where it was faster")
 
 
 class ReplayRow(_Model):

@@ -57,12 +57,14 @@ def _interp_batch(g: pd.DataFrame, batch: int, col: str) -> float:
 
 
 def _gemm_time_columns(ok: pd.DataFrame) -> tuple[str, tuple[str, str, str]]:
-    """(which timing, its median / p10 / p90 columns) that prices a GEMM in a decode step: cold weights
-    with warm activations when 02 measured it (every layer reads its own weights), else the graph time
-    with L2 flushed before each call (activations evicted too). A spread column 02 did not fill falls
-    back to the median."""
-    timed = "cold_weights" if "cold_weights_time_us" in ok and ok["cold_weights_time_us"].notna().all() else "graph"
-    mid_col = f"{timed}_time_us" if timed == "cold_weights" else "time_us"
+    """(which timing, its median / p10 / p90 columns) that prices a GEMM in a decode step: on a CPU the
+    step's GEMMs timed in its order after a pause (step_order), on a GPU cold weights with warm
+    activations (every layer reads its own weights), when 02 measured them; else the graph time with L2
+    flushed before each call (activations evicted too). A spread column 02 did not fill falls back to
+    the median."""
+    timed = next((t for t in ("step_order", "cold_weights")
+                  if f"{t}_time_us" in ok and ok[f"{t}_time_us"].notna().all()), "graph")
+    mid_col = f"{timed}_time_us" if timed != "graph" else "time_us"
     lo_col = f"{timed}_p10_us" if f"{timed}_p10_us" in ok and ok[f"{timed}_p10_us"].notna().all() else mid_col
     hi_col = f"{timed}_p90_us" if f"{timed}_p90_us" in ok and ok[f"{timed}_p90_us"].notna().all() else mid_col
     return timed, (mid_col, lo_col, hi_col)
@@ -83,7 +85,8 @@ def gemm_component(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch:
         low += s.count * _interp_batch(g, batch, lo_col)
         high += s.count * _interp_batch(g, batch, hi_col)
     notes = [f"not measured, left out: {missing}"] if missing else []
-    what = "cold weights, warm activations" if timed == "cold_weights" else "graph time, L2 flushed"
+    what = {"cold_weights": "cold weights, warm activations", "step_order": "in step order after a pause"}.get(
+        timed, "graph time, L2 flushed")
     return Component("gemm", total, low, high, f"{source} ({dtype}, {what})", notes)
 
 

@@ -11,7 +11,10 @@ replayed between events, the flushes timed alone and subtracted (events resolve 
 one microsecond GEMM); both recorded, medians with p10/p90, time_us is the graph's. On a CPU the same loop uses perf_counter, no flush,
 and, when vllm is importable, the kernels vLLM's CPU build runs: its linear dispatch (oneDNN with a
 prepacked weight) and its fused MoE kernel, timed whole and split between w13 and w2 by FLOPs.
-W4A16 goes through vLLM's Marlin op when vllm is importable, else the row is recorded as skipped.
+On a CPU each decode step's GEMMs are also timed as the step meets them (step_order: layer by layer,
+each layer its own weights, each pass after a pause as steps follow the host's work between them), the
+column the step model prices CPU GEMMs with. W4A16 goes through vLLM's Marlin op when vllm is
+importable, else the row is recorded as skipped.
 Results are appended to --out after every shape (atomically), so a crash keeps what was measured.
 """
 from __future__ import annotations
@@ -391,6 +394,65 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
     return row
 
 
+STEP_PAUSE_S = 0.001  # the host's time between two decode steps, about (2 cores, TP=2: ~1.5 ms)
+
+
+def time_cpu_step_order(shapes: list[dict], dtype: str, iters: int, warmup: int) -> dict[int, list[float]]:
+    """One decode step's GEMMs on a CPU as the step meets them: layer by layer (every shape of the step,
+    in the plan's order, once per layer: `count` of them, each with its own weights), each pass after
+    a STEP_PAUSE_S pause, as a step follows the host's work between steps. Returns, per shape (its index
+    in `shapes`), its time per call in each pass. vLLM's fused MoE computes w13 and w2 in one call: it
+    is called once, at moe_w13, and its time split between the two by FLOPs (EngineKernel.share).
+
+    Why not the per-call timing alone: on the 2-core CI machine the step's 17 GEMMs take 1.26x their
+    back-to-back per-call times once a pause or a barrier comes before them (183 vs 231 us at batch 1),
+    and a step always comes after one."""
+    layers = max(int(x.get("count", 1)) for x in shapes)
+    kernels = {}  # shape index -> (calls per layer copy, w2's share when w13's fused call covers it)
+    fused = {i for i, x in enumerate(shapes) if x["op"] == "moe_w2"} if any(x["op"] == "moe_w13" for x in shapes) else set()
+    for i, x in enumerate(shapes):
+        made = []
+        for _ in range(int(x.get("count", 1))):
+            engine = cpu_engine_kernel(x, dtype)
+            if engine is None:
+                fn = make_gemm(x["m"], x["n"], x["k"], dtype, torch.device("cpu"), int(x.get("groups", 1)))[0]
+                if fn is None:
+                    break
+                engine = EngineKernel(fn, 1.0, 0.0, "")
+            made.append(engine)
+        if made:
+            kernels[i] = made
+    # fused MoE: moe_w13's call runs both GEMMs; moe_w2's own copies are not called
+    fused = {i for i in fused if i in kernels and kernels[i][0].share < 1.0}
+    w13 = next((i for i, x in enumerate(shapes) if x["op"] == "moe_w13" and i in kernels), None)
+    times: dict[int, list[float]] = {i: [] for i in kernels}
+    for p in range(warmup + iters):
+        time.sleep(STEP_PAUSE_S)
+        spent = dict.fromkeys(kernels, 0.0)
+        for layer in range(layers):
+            for i, made in kernels.items():
+                if layer >= len(made) or i in fused:
+                    continue
+                t0 = time.perf_counter()
+                made[layer].fn()
+                spent[i] += (time.perf_counter() - t0) * 1e6
+        if p < warmup:
+            continue
+        for i, made in kernels.items():
+            # per call, this GEMM's share of what the call computes (w2: of moe_w13's fused call)
+            whole = spent[w13] / len(kernels[w13]) if i in fused else spent[i] / len(made)
+            times[i].append(whole * made[0].share)
+    return times
+
+
+def step_groups(shapes: list[dict]) -> dict[tuple, list[int]]:
+    """Shape indices by the decode step they belong to: (batch, dtype, tensor-parallel size)."""
+    out: dict[tuple, list[int]] = {}
+    for i, x in enumerate(shapes):
+        out.setdefault((x.get("batch"), x["dtype"], x.get("tp")), []).append(i)
+    return out
+
+
 def _parse_cpus(spec: str) -> set[int]:
     """'0-3,8' -> {0, 1, 2, 3, 8}."""
     out: set[int] = set()
@@ -427,6 +489,18 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(shapes)}] {shape['op']} b={shape.get('batch')} {shape['dtype']} {shape['m']}x{shape['n']}x{shape['k']}: "
               + (f"{r['time_us']:.2f} us, {r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s" if r["status"] == "ok"
                  else f"skipped ({r['skip_reason'][:80]})"), file=sys.stderr, flush=True)
+    if device.type == "cpu":
+        # a second column, for the step model: the step's GEMMs in its order, after a pause
+        for (batch, dtype, _), idx in step_groups(shapes).items():
+            timed = time_cpu_step_order([shapes[i] for i in idx], dtype, args.iters, args.warmup)
+            for j, per_pass in timed.items():
+                row = rows[idx[j]]
+                if row.get("status") == "ok" and per_pass:
+                    row.update({f"step_order_{k2}": v for k2, v in median_spread(per_pass).items()})
+                    row["method"] += (f"; step_order: the step's GEMMs layer by layer (each layer its own "
+                                      f"weights), each pass after a {STEP_PAUSE_S * 1e3:g} ms pause, per call")
+            write_json_atomic(args.out, rows)
+            print(f"step order b={batch} {dtype}: done", file=sys.stderr, flush=True)
     return 0
 
 

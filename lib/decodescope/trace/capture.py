@@ -68,7 +68,7 @@ class CaptureResult:
         for k in ("rank_files", "frontend_files", "tables"):
             d[k] = [str(p) for p in d[k]]
         d["engine_itl_unprofiled_us"] = self.engine_itl_unprofiled_us
-        d["window_noise"] = itl_window_noise(self.engine_itl_unprofiled_runs_us)
+        d["window_noise"] = itl_window_noise(self.engine_itl_unprofiled_runs_us, self.engine_itl_profiled_us)
         d["profiler_step_cost_us"] = profiler_step_cost_us(self.engine_itl_unprofiled_runs_us,
                                                            self.engine_itl_profiled_us)
         return d
@@ -85,10 +85,16 @@ def unprofiled_itl_us(runs_us: list) -> Optional[float]:
     return sum(got) / len(got) if got else None
 
 
-def itl_window_noise(runs_us: list) -> Optional[float]:
-    """|a - b| / their mean, of the two unprofiled runs: how much one workload's step moves a second later."""
+def itl_window_noise(runs_us: list, profiled_us: Optional[float] = None) -> Optional[float]:
+    """|a - b| / their mean, of the two unprofiled runs: how much one workload's step moves a second
+    later; at least the profiled run's shortfall below their mean, where it is faster than them (the
+    profiler cannot speed a step up: a third window moved by that much)."""
     got = [float(x) for x in runs_us if x]
-    return abs(got[0] - got[1]) / (sum(got[:2]) / 2) if len(got) >= 2 else None
+    if len(got) < 2:
+        return None
+    mean = sum(got[:2]) / 2
+    spread = abs(got[0] - got[1]) / mean
+    return max(spread, (mean - float(profiled_us)) / mean) if profiled_us else spread
 
 
 def profiler_step_cost_us(runs_us: list, profiled_us: Optional[float]) -> Optional[float]:
