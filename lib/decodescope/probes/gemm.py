@@ -408,10 +408,9 @@ def time_cpu_step_order(shapes: list[dict], dtype: str, iters: int, warmup: int)
     back-to-back per-call times once a pause or a barrier comes before them (183 vs 231 us at batch 1),
     and a step always comes after one."""
     layers = max(int(x.get("count", 1)) for x in shapes)
-    kernels = {}  # shape index -> (calls per layer copy, w2's share when w13's fused call covers it)
-    fused = {i for i, x in enumerate(shapes) if x["op"] == "moe_w2"} if any(x["op"] == "moe_w13" for x in shapes) else set()
+    w13 = next((i for i, x in enumerate(shapes) if x["op"] == "moe_w13"), None)
+    kernels: dict[int, list[EngineKernel]] = {}  # shape index -> one kernel per layer, its own weights
     for i, x in enumerate(shapes):
-        made = []
         for _ in range(int(x.get("count", 1))):
             engine = cpu_engine_kernel(x, dtype)
             if engine is None:
@@ -419,12 +418,12 @@ def time_cpu_step_order(shapes: list[dict], dtype: str, iters: int, warmup: int)
                 if fn is None:
                     break
                 engine = EngineKernel(fn, 1.0, 0.0, "")
-            made.append(engine)
-        if made:
-            kernels[i] = made
-    # fused MoE: moe_w13's call runs both GEMMs; moe_w2's own copies are not called
-    fused = {i for i in fused if i in kernels and kernels[i][0].share < 1.0}
-    w13 = next((i for i, x in enumerate(shapes) if x["op"] == "moe_w13" and i in kernels), None)
+            kernels.setdefault(i, []).append(engine)
+            if engine.share < 1.0 and x["op"] == "moe_w2":
+                break  # inside moe_w13's fused call: one kernel for its share, never called
+    # moe_w2 whose time is its share of moe_w13's fused call
+    fused = {i for i, made in kernels.items() if shapes[i]["op"] == "moe_w2" and made[0].share < 1.0
+             and w13 in kernels and kernels[w13][0].share < 1.0}
     times: dict[int, list[float]] = {i: [] for i in kernels}
     for p in range(warmup + iters):
         time.sleep(STEP_PAUSE_S)
