@@ -155,3 +155,5 @@ def test_gemm_display_and_note_use_the_graph_time_when_measured():
     shown = gemm_display(cpu).iloc[0]
     assert (shown["p10"], shown["p90"]) == (6.5, 9.0) and "eager_time_us" not in shown
     assert "graph" not in gemm_method_note(cpu)
+    # the step model's CPU timing (the step's GEMMs in its order) is shown beside the per-call one
+    assert gemm_display(cpu.assign(step_order_time_us=9.5)).iloc[0]["step_order_time_us"] == 9.5

@@ -427,8 +427,10 @@ def gemm_method_note(gemm: pd.DataFrame) -> str:
 
 
 def gemm_display(gemm: pd.DataFrame) -> pd.DataFrame:
+    # cold_weights (GPU) and step_order (CPU): the timings the step model prices a step's GEMMs with
     cols = ["op", "layer_kind", "batch", "dtype", "m", "n", "k", "count", "status", "time_us", "p10", "p90",
-            "eager_time_us", "tflops", "gbps", "pct_of_compute_peak", "pct_of_mem_peak", "skip_reason"]
+            "eager_time_us", "cold_weights_time_us", "step_order_time_us", "tflops", "gbps", "pct_of_compute_peak",
+            "pct_of_mem_peak", "skip_reason"]
     timed = "graph" if "graph_time_us" in gemm and gemm["graph_time_us"].notna().any() else "eager"
     g = gemm.rename(columns={f"{timed}_p10_us": "p10", f"{timed}_p90_us": "p90"})  # the spread of time_us
     if timed == "eager":
