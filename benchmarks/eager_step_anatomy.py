@@ -31,7 +31,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from decodescope.probes.collectives import init_ranks, torch_communicator  # noqa: E402
-from decodescope.probes.step import build_step, variant_fn  # noqa: E402
+from decodescope.probes.gemm import _parse_cpus  # noqa: E402
+from decodescope.probes.step import build_step, variant_ops  # noqa: E402
 
 
 def gpu_cores(device) -> list[int]:
@@ -40,11 +41,7 @@ def gpu_cores(device) -> list[int]:
         cpulist = Path(f"/sys/bus/pci/devices/{bus}/local_cpulist").read_text().strip()
     except Exception:
         return sorted(os.sched_getaffinity(0))
-    out = []
-    for part in cpulist.split(","):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return [c for c in out if c in os.sched_getaffinity(0)] or sorted(os.sched_getaffinity(0))
+    return sorted(_parse_cpus(cpulist) & os.sched_getaffinity(0)) or sorted(os.sched_getaffinity(0))
 
 
 def timed_issue(fns, iters: int, warmup: int):
@@ -94,7 +91,7 @@ def main() -> int:
     if args.pin_after:
         os.sched_setaffinity(0, {core})
     for variant in ("gemm_only", "comm_only", "full", "gemm_only", "full", "gemm_only", "full"):
-        fns = [fn for kind, fn in items if kind in {"full": ("gemm", "comm"), "gemm_only": ("gemm",), "comm_only": ("comm",)}[variant]]
+        fns = variant_ops(items, variant)
         res = timed_issue(fns, args.iters, args.warmup)
         host = [r[0] for r in res]
         wall = [r[1] for r in res]

@@ -179,8 +179,9 @@ def predict_replay_eager(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.A
     ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]
     _, gpu_cols = _gemm_time_columns(ok)
     coll_gpu = latency_curve(coll, communicator, "cuda_graph")
-    host_timing = HOST_AFTER_GEMM if not latency_curve(coll, communicator, HOST_AFTER_GEMM).empty else HOST_ISSUE
-    coll_host = latency_curve(coll, communicator, host_timing)
+    host_timing, coll_host = HOST_AFTER_GEMM, latency_curve(coll, communicator, HOST_AFTER_GEMM)
+    if coll_host.empty:
+        host_timing, coll_host = HOST_ISSUE, latency_curve(coll, communicator, HOST_ISSUE)
     if coll_gpu.empty or coll_host.empty:
         raise ValueError(f"collectives.parquet has no {communicator} all-reduce timed cuda_graph and {HOST_ISSUE}")
     by_op = {op: g for op, g in ok.groupby("op")}
@@ -459,17 +460,17 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
         def preempted(s):
             return min(s.preempted_us, s.idle_us)
 
+        freed = host_processes_get_a_core(tp, measured_world or tp, host_cores)
         if any(s.preempted_us for s in samples):
             v, lo, hi, notes = _across_batches(samples, batch, preempted)
             if any(s.preempted_us > s.idle_us for s in samples):
                 notes.append("capped at the idle in the step")
-            if host_processes_get_a_core(tp, measured_world or tp, host_cores):
+            if freed:
                 notes.append(f"0 at tensor-parallel {tp}: its workers leave {host_cores - tp} of the host's "
                              f"{host_cores} cores to the engine core and the API server")
                 v = lo = hi = 0.0
             comps.append(Component(PREEMPTED, v, lo, hi, _capture_sources(samples) +
                                    " (workers' run-queue wait per step, /proc schedstat)", notes))
-        freed = host_processes_get_a_core(tp, measured_world or tp, host_cores)
         for name, get in (("idle in step", lambda s: s.idle_us - preempted(s)),
                           ("between steps", between_steps_at_freed_core if freed else lambda s: s.between_us),
                           (REST, lambda s: s.rest_us)):

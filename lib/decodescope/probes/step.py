@@ -109,9 +109,14 @@ def build_step(program: list[dict], dtype: str, device, world: int, budget_bytes
     return items, skipped, reused
 
 
-def variant_fn(items, variant: str):
+def variant_ops(items, variant: str) -> list:
+    """The callables of one variant (full, gemm_only, comm_only), in the step's order."""
     keep = {"full": ("gemm", "comm"), "gemm_only": ("gemm",), "comm_only": ("comm",)}[variant]
-    fns = [fn for kind, fn in items if kind in keep]
+    return [fn for kind, fn in items if kind in keep]
+
+
+def variant_fn(items, variant: str):
+    fns = variant_ops(items, variant)
 
     def step():
         for fn in fns:
