@@ -13,6 +13,8 @@ import glob
 import json
 from pathlib import Path
 
+import pandas as pd
+
 from decodescope import arch as archmod
 from decodescope import microbench as mb
 from decodescope import stepmodel as sm
@@ -30,6 +32,37 @@ def print_comparison(title: str, cmp, *parts: tuple[str, str]) -> None:
         print(f"{r.batch:>5} {r.predicted_us / 1e3:>9.2f} {r.low_us / 1e3:>7.2f}-{r.high_us / 1e3:<7.2f} "
               + " ".join(f"{getattr(r, c) / 1e3:>9.2f}" for _, c in parts)
               + f" {r.replay_us / 1e3:>10.2f} {r.predicted_us / r.replay_us:>12.3f}")
+
+
+def print_host_refs(gemm, coll, communicator: str, replay) -> None:
+    """The host speed (us per reference launch) each input was measured at: 02's, 03's, the replay's."""
+    g = gemm["host_ref_us"].dropna() if "host_ref_us" in gemm else []
+    c = sm.latency_curve(coll, communicator, sm.HOST_AFTER_GEMM)
+    c = c["host_ref_us"].dropna() if "host_ref_us" in c else []
+    print(f"host reference, us per launch: 02 median {pd.Series(g).median():.2f} (p10-p90 "
+          f"{pd.Series(g).quantile(0.1):.2f}-{pd.Series(g).quantile(0.9):.2f}); 03 median {pd.Series(c).median():.2f}")
+    r = replay[(replay["mode"] == "eager") & (replay["variant"] == "full")]
+    print("replay (slowest rank per step, median): " + ", ".join(f"b{int(b)} {v:.2f}" for b, v in
+                                                                 zip(r["batch"], r["host_ref_us"])))
+
+
+def print_eager_parts(gemm, coll, arch, tp: int, batches, communicator: str, replay) -> None:
+    """Model/replay of each eager variant the replay ran, each at its own host speed: where the full
+    step's gap lies (in the GEMMs, in the collectives, or in their interleaving across ranks)."""
+    variants = [v for v in ("gemm_only", "comm_only", "full")
+                if not replay[(replay["mode"] == "eager") & (replay["variant"] == v)].empty]
+    if variants == ["full"]:
+        return
+    cols = {}
+    for v in variants:
+        pred = sm.predict_replay_eager(gemm, coll, arch, tp, batches, communicator,
+                                       host_ref_us=sm.replay_host_refs(replay, variant=v), variant=v)
+        cmp = sm.compare_with_replay(pred, replay, mode="eager", variant=v)
+        cols[v] = dict(zip(cmp["batch"], cmp["predicted_us"] / cmp["replay_us"]))
+    print("\neager parts at each one's host speed, model/replay: " + ", ".join(variants))
+    print(f"{'batch':>5} " + " ".join(f"{v:>10}" for v in variants))
+    for b in batches:
+        print(f"{b:>5} " + " ".join(f"{cols[v].get(b, float('nan')):>10.3f}" for v in variants))
 
 
 def main() -> None:
@@ -61,11 +94,25 @@ def main() -> None:
         print_comparison("eager replay (model: host-paced walk: 02's and 03's host cost per call issue each op, "
                          "the GPU runs it at its cold-weights / CUDA-graph time once issued)", cmp,
                          ("host ms", "host_us"), ("GPU ms", "gpu_us"))
+        refs = sm.replay_host_refs(replay)
+        if refs:
+            cmp = sm.compare_with_replay(sm.predict_replay_eager(gemm, coll, arch, args.tp, batches, args.communicator,
+                                                                 host_ref_us=refs), replay, mode="eager")
+            print_comparison("eager replay, the same walk at the replay's host speed (each host cost x the replay's "
+                             "host reference / the one sampled beside it in 02/03)", cmp,
+                             ("host ms", "host_us"), ("GPU ms", "gpu_us"))
+            print("rescaled: " + ", ".join(f"b{r.batch} {'yes' if r.host_rescaled else 'no: ' + r.notes}"
+                                            for r in cmp.itertuples()))
+            print_host_refs(gemm, coll, args.communicator, replay)
+            print_eager_parts(gemm, coll, arch, args.tp, batches, args.communicator, replay)
+        else:
+            print("\n(the replay sampled no host speed: the walk is not restated at it)")
     else:
         print("\n(no host cost per call in 02/03's results: the host-paced eager model is not priced)")
     parts = replay[replay["mode"] == "cuda_graph"].pivot(index="batch", columns="variant", values="time_us") / 1e3
-    print("\nreplay parts, CUDA graph (ms): full vs GEMMs alone + collectives alone")
-    print(parts[["full", "gemm_only", "comm_only"]].round(2).to_string())
+    if {"gemm_only", "comm_only"} <= set(parts.columns):
+        print("\nreplay parts, CUDA graph (ms): full vs GEMMs alone + collectives alone")
+        print(parts[["full", "gemm_only", "comm_only"]].round(2).to_string())
 
 
 if __name__ == "__main__":

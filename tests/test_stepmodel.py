@@ -124,6 +124,56 @@ def test_an_all_reduce_is_priced_at_its_host_cost_after_a_gemm_where_03_measured
     assert set(mb.latency_fit(coll)["timing"]) == {"cuda_graph"}
 
 
+def test_host_costs_are_restated_at_the_replays_host_speed(tiny):
+    """02's GEMM host costs sampled at 2 us per reference launch, 03's at 4; the replay's hosts ran at
+    3: each cost x 3/2 and x 3/4. Without a reference on either side, costs stay as measured, and say so."""
+    program = archmod.step_program(tiny, 2, 4)
+    n_gemm = sum(1 for x in program if x["kind"] == "gemm")
+    n_coll = len(program) - n_gemm
+    gemm, coll = _host_frames(tiny, 15.0, 3.0, 20.0, 5.0, ar_after_gemm_us=36.0)
+    gemm["host_ref_us"], coll["host_ref_us"] = 2.0, 4.0
+    pred = sm.predict_replay_eager(gemm, coll, tiny, 2, [4], "torch_nccl", host_ref_us={4: 3.0}).iloc[0]
+    assert pred["host_rescaled"] and "3.00 us per reference launch" in pred["notes"]
+    assert pred["host_us"] == pytest.approx(15.0 * 1.5 * n_gemm + 36.0 * 0.75 * n_coll)
+    assert pred["low_us"] < pred["predicted_us"] < pred["high_us"]
+    # a batch the replay sampled no speed at, and inputs without a reference: as measured, with why
+    pred = sm.predict_replay_eager(gemm, coll, tiny, 2, [4], "torch_nccl", host_ref_us={8: 3.0}).iloc[0]
+    assert not pred["host_rescaled"] and "no host speed sampled beside the replay" in pred["notes"]
+    assert pred["host_us"] == pytest.approx(15.0 * n_gemm + 36.0 * n_coll)
+    pred = sm.predict_replay_eager(gemm, coll.drop(columns=["host_ref_us"]), tiny, 2, [4], "torch_nccl",
+                                   host_ref_us={4: 3.0}).iloc[0]
+    assert not pred["host_rescaled"] and "beside the host costs" in pred["notes"]
+    assert pred["host_us"] == pytest.approx(15.0 * n_gemm + 36.0 * n_coll)
+
+
+def test_the_eager_walk_prices_the_replays_parts_alone(tiny):
+    """gemm_only: the GEMMs alone, host-bound at 15 us each, the last one's 3 us after; comm_only: the
+    collectives alone at their back-to-back host cost (20 us, not the 35 us they cost after a GEMM)."""
+    program = archmod.step_program(tiny, 2, 4)
+    n_gemm = sum(1 for x in program if x["kind"] == "gemm")
+    n_coll = len(program) - n_gemm
+    gemm, coll = _host_frames(tiny, 15.0, 3.0, 20.0, 5.0, ar_after_gemm_us=35.0)
+    g = sm.predict_replay_eager(gemm, coll, tiny, 2, [4], "torch_nccl", variant="gemm_only").iloc[0]
+    assert g["predicted_us"] == pytest.approx(15.0 * n_gemm + 3.0) and g["gpu_us"] == pytest.approx(3.0 * n_gemm)
+    c = sm.predict_replay_eager(gemm, coll, tiny, 2, [4], "torch_nccl", variant="comm_only").iloc[0]
+    assert c["predicted_us"] == pytest.approx(20.0 * n_coll + 5.0) and "host_issue" in c["sources"]
+    with pytest.raises(ValueError, match="variant 'both'"):
+        sm.predict_replay_eager(gemm, coll, tiny, 2, [4], "torch_nccl", variant="both")
+
+
+def test_the_replays_host_speed_is_its_slowest_rank_per_step():
+    """Per step the slower rank's reference (the step waits for it), median over steps: rank 0 slow in
+    steps 1-2, rank 1 in step 3 -> max per step [5, 6, 7, 2] -> median 5.5 (the max of the two ranks'
+    medians would read 4.5)."""
+    rows = [{"batch": 2, "variant": "full", "mode": "eager", "rank": r, "status": "ok", "time_us": 1.0,
+             "p10_us": 1.0, "p90_us": 1.0, "ops": 3, "host_ref_iter_us": refs}
+            for r, refs in ((0, [5.0, 6.0, 2.0, 2.0]), (1, [2.0, 2.0, 7.0, 2.0]))]
+    rows.append({**rows[0], "mode": "cuda_graph", "host_ref_iter_us": None})
+    table = sm.replay_table(rows)
+    assert sm.replay_host_refs(table) == {2: pytest.approx(5.5)}
+    assert table.loc[table["mode"] == "cuda_graph", "host_ref_us"].isna().all()
+
+
 def test_without_the_hosts_cost_per_call_the_eager_model_is_not_priced(tiny):
     gemm, coll = _host_frames(tiny, 15.0, 3.0, 20.0, 5.0)
     assert not sm.has_host_costs(gemm.drop(columns=["host_time_us"]), coll, "torch_nccl")
@@ -465,6 +515,23 @@ def test_the_host_cost_after_a_gemm_is_the_pair_less_the_gemm_alone(monkeypatch)
     out = timing.host_issue_after_us(call, gemm, calls=8, iters=3, sync=lambda: clock.update(last=None))
     assert out == pytest.approx([35.0] * 3)
     assert timing.host_issue_us(call, 8, 2, lambda: clock.update(last=None)) == pytest.approx([25.0] * 2)
+
+
+def test_the_host_speed_is_sampled_once_per_repetition_and_taken_per_row():
+    """timing.HostRef beside host_issue_us: one sample before each repetition (on a CPU tensor here; the
+    probes use it on GPUs), the row's median taken once and the samples dropped for the next row."""
+    import torch
+
+    from decodescope.probes import timing
+
+    syncs = []
+    ref = timing.HostRef(torch.device("cpu"), lambda: syncs.append(1))
+    assert ref.samples_us == [] and len(syncs) == 1  # a first burst pays for set-up, kept out
+    timing.host_issue_us(lambda: None, 4, 5, lambda: None, ref)
+    assert len(ref.samples_us) == 5 and len(syncs) == 6 and all(x > 0 for x in ref.samples_us)
+    expected = sorted(ref.samples_us)[2]
+    assert ref.take_median_us() == pytest.approx(expected)
+    assert ref.samples_us == [] and ref.take_median_us() is None
 
 
 def test_at_a_tensor_parallel_size_that_frees_a_core_the_engine_core_stops_waiting_between_steps(tiny):

@@ -91,13 +91,15 @@ def gemm_component(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch:
 
 
 def latency_curve(coll: pd.DataFrame, communicator: str, timing: str, op: str = "all_reduce") -> pd.DataFrame:
-    """Rank-0 latency vs message size for one communicator and timing: bytes, time_us, p10_us, p90_us."""
+    """Rank-0 latency vs message size for one communicator and timing: bytes, time_us, p10_us, p90_us
+    (and host_ref_us where the probe sampled the host's speed beside a host timing)."""
     from decodescope.microbench import with_timing_columns
 
     s = with_timing_columns(coll[(coll["part"] == "sweep") & (coll["status"] == "ok") & (coll["op"] == op)])
     s = s[(s["communicator"] == communicator) & (s["timing"] == timing) & (s["inplace"].astype(bool))]
     s = s[s["rank"] == s["rank"].min()] if not s.empty else s
-    return s.sort_values("bytes")[["bytes", "time_us", "p10_us", "p90_us"]].reset_index(drop=True)
+    cols = ["bytes", "time_us", "p10_us", "p90_us"] + (["host_ref_us"] if "host_ref_us" in s else [])
+    return s.sort_values("bytes")[cols].reset_index(drop=True)
 
 
 def latency_at(curve: pd.DataFrame, nbytes: float, col: str = "time_us") -> tuple[float, bool]:
@@ -167,43 +169,78 @@ def eager_walk(ops: list[tuple[float, float]]) -> tuple[float, float]:
     return max(gpu_free, issued), issued
 
 
+def at_host_speed(df: pd.DataFrame, cols, host_ref_us: Optional[float]) -> tuple[pd.DataFrame, Optional[str]]:
+    """Host costs measured beside a host-speed reference (timing.HostRef, column host_ref_us) restated at
+    another moment's reference: each cost x host_ref_us / the row's own. Returns the frame, unchanged
+    when either reference is missing, and why it was not rescaled (None when it was)."""
+    if host_ref_us is None:
+        return df, "no host speed sampled beside the replay"
+    if "host_ref_us" not in df or df["host_ref_us"].isna().any() or (df["host_ref_us"] <= 0).any():
+        return df, "no host speed sampled beside the host costs"
+    out = df.copy()
+    for c in cols:
+        out[c] = out[c] * (host_ref_us / out["host_ref_us"])
+    return out, None
+
+
 def predict_replay_eager(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int,
-                         batches: list[int], communicator: str, dtype: str = "bf16") -> pd.DataFrame:
+                         batches: list[int], communicator: str, dtype: str = "bf16",
+                         host_ref_us: Optional[dict] = None, variant: str = "full") -> pd.DataFrame:
     """The replayed step run eagerly: the host issues the step's ops in model order (arch.step_program)
     at its measured cost per call (02's host column per GEMM; per all-reduce 03's host_after_gemm timing,
     the call issued right after a GEMM as in a step, where 03 measured it, else its host_issue), and
     the GPU runs each once it is issued and the one before it has ended (GEMMs at their cold-weights
     time, collectives at their CUDA-graph latency: the kernels without the host in the way). A host
     slower than its GPU sets the pace; the walk (eager_walk) says by how much, op by op. Band: the
-    same walk with the p10s and with the p90s."""
+    same walk with the p10s and with the p90s.
+
+    host_ref_us (per batch, the replay's host speed: replay_table's host_ref_us) restates every host
+    cost at the speed the replay's hosts ran at (at_host_speed): a VM's cores change speed by up to
+    1.8x between 02/03's run and the replay's, and an eager step moves with them.
+
+    variant: the replay's variants (probes/step.py): `gemm_only` walks the GEMMs alone, `comm_only` the
+    collectives alone, issued back to back (03's host_issue timing), so that a gap in the full step can
+    be placed in one part or in their interleaving."""
+    if variant not in ("full", "gemm_only", "comm_only"):
+        raise ValueError(f"variant {variant!r}: expected full, gemm_only or comm_only")
     ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]
     _, gpu_cols = _gemm_time_columns(ok)
     coll_gpu = latency_curve(coll, communicator, "cuda_graph")
     host_timing, coll_host = HOST_AFTER_GEMM, latency_curve(coll, communicator, HOST_AFTER_GEMM)
-    if coll_host.empty:
+    if coll_host.empty or variant == "comm_only":
         host_timing, coll_host = HOST_ISSUE, latency_curve(coll, communicator, HOST_ISSUE)
     if coll_gpu.empty or coll_host.empty:
         raise ValueError(f"collectives.parquet has no {communicator} all-reduce timed cuda_graph and {HOST_ISSUE}")
-    by_op = {op: g for op, g in ok.groupby("op")}
     rows = []
     for b in batches:
-        program = archmod.step_program(arch, tp, b, dtype=dtype)
+        ref_b = (host_ref_us or {}).get(b)
+        ok_b, why_gemm = at_host_speed(ok, HOST_COLUMNS, ref_b)
+        coll_host_b, why_coll = at_host_speed(coll_host, ("time_us", "p10_us", "p90_us"), ref_b)
+        rescaled = why_gemm is None and why_coll is None
+        if not rescaled:  # both or neither: one set of costs at another host speed than the other is worse
+            ok_b, coll_host_b = ok, coll_host
+        by_op = {op: g for op, g in ok_b.groupby("op")}
+        program = [x for x in archmod.step_program(arch, tp, b, dtype=dtype)
+                   if variant == "full" or (x["kind"] == "gemm") == (variant == "gemm_only")]
         missing = sorted({x["op"] for x in program if x["kind"] == "gemm" and x["op"] not in by_op})
         walks = []  # (step end, host busy, GPU busy) at the medians, the p10s, the p90s
         for host_col, gpu_col, coll_col in zip(HOST_COLUMNS, gpu_cols, ("time_us", "p10_us", "p90_us")):
             per_gemm = {op: (_interp_batch(g, b, host_col), _interp_batch(g, b, gpu_col)) for op, g in by_op.items()}
             # the logits all-gather priced as an all-reduce of its size, as collective_component does
             ops = [per_gemm[x["op"]] if x["kind"] == "gemm" else
-                   (latency_at(coll_host, x["msg_bytes"], coll_col)[0], latency_at(coll_gpu, x["msg_bytes"], coll_col)[0])
+                   (latency_at(coll_host_b, x["msg_bytes"], coll_col)[0], latency_at(coll_gpu, x["msg_bytes"], coll_col)[0])
                    for x in program if x["kind"] != "gemm" or x["op"] in per_gemm]
             walks.append((*eager_walk(ops), sum(g for _, g in ops)))
         mid, host_us, gpu_us = walks[0]
+        notes = [f"not measured, left out: {missing}"] if missing else []
+        notes.append(f"host costs at the replay's host speed ({ref_b:.2f} us per reference launch)" if rescaled
+                     else f"host costs as measured: {why_gemm or why_coll}")
         rows.append({"batch": b, "predicted_us": mid, "low_us": min(w[0] for w in walks),
                      "high_us": max(w[0] for w in walks), "host_us": host_us, "gpu_us": gpu_us,
-                     "host_bound": host_us >= gpu_us,
+                     "host_bound": host_us >= gpu_us, "host_rescaled": rescaled,
                      "sources": f"gemm.parquet (host per call; {gpu_cols[0]}); collectives.parquet "
                                 f"({communicator}, {host_timing} and cuda_graph)",
-                     "notes": f"not measured, left out: {missing}" if missing else ""})
+                     "notes": "; ".join(notes)})
     return pd.DataFrame(rows)
 
 
@@ -213,10 +250,32 @@ def replay_table(step_rows: list[dict]) -> pd.DataFrame:
     df = pd.DataFrame([r for r in step_rows if r.get("status") == "ok"])
     if "communicator" not in df:  # written before the probe named its communicator: torch's
         df["communicator"] = None
-    return (df.groupby(["batch", "variant", "mode"]).agg(time_us=("time_us", "max"), p10_us=("p10_us", "max"),
-                                                           p90_us=("p90_us", "max"), ops=("ops", "first"),
-                                                           communicator=("communicator", "first"))
-            .reset_index())
+    out = (df.groupby(["batch", "variant", "mode"]).agg(time_us=("time_us", "max"), p10_us=("p10_us", "max"),
+                                                          p90_us=("p90_us", "max"), ops=("ops", "first"),
+                                                          communicator=("communicator", "first"))
+           .reset_index())
+    refs = df.groupby(["batch", "variant", "mode"])["host_ref_iter_us"].apply(paced_host_ref_us) \
+        if "host_ref_iter_us" in df else None
+    out["host_ref_us"] = out.set_index(["batch", "variant", "mode"]).index.map(refs).astype(float) \
+        if refs is not None else np.nan
+    return out
+
+
+def paced_host_ref_us(per_rank: pd.Series) -> Optional[float]:
+    """The host speed an eager step ran at: per step, the slowest rank's reference (a step ends with
+    its slowest host), median over the steps. per_rank: each rank's list, one sample per step."""
+    lists = [x for x in per_rank if isinstance(x, (list, np.ndarray)) and len(x)]
+    if not lists or len({len(x) for x in lists}) != 1:
+        return None
+    return float(np.median(np.max(np.array(lists, dtype=float), axis=0)))
+
+
+def replay_host_refs(replay: pd.DataFrame, mode: str = "eager", variant: str = "full") -> dict:
+    """Per batch, the host speed the replay's steps ran at (replay_table's host_ref_us), where sampled."""
+    if "host_ref_us" not in replay:
+        return {}
+    r = replay[(replay["mode"] == mode) & (replay["variant"] == variant)].dropna(subset=["host_ref_us"])
+    return {int(b): float(v) for b, v in zip(r["batch"], r["host_ref_us"])}
 
 
 def compare_with_replay(predicted: pd.DataFrame, replay: pd.DataFrame, mode: str = "cuda_graph",

@@ -770,7 +770,8 @@ def replay_rows(run_dir: Path, params, inp: Optional[ModelInputs]) -> list[dict]
         # when 02 and 03 measured it, else as GEMMs + collectives in series
         eager_gpu = mode == "eager" and inp.timing == "cuda_graph" and sm.has_host_costs(inp.gemm, inp.coll, comm)
         try:
-            pred = (sm.predict_replay_eager(inp.gemm, inp.coll, inp.arch, inp.tp, batches, comm) if eager_gpu else
+            pred = (sm.predict_replay_eager(inp.gemm, inp.coll, inp.arch, inp.tp, batches, comm,
+                                            host_ref_us=sm.replay_host_refs(replay)) if eager_gpu else
                     sm.predict_replay(inp.gemm, inp.coll, inp.arch, inp.tp, batches, comm, timing))
         except (ValueError, KeyError):
             continue

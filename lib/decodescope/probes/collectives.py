@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from decodescope.io import write_json_atomic
 from decodescope.probes.gemm import TORCH_DTYPES
-from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE, host_issue_after_us, host_issue_us, median_spread
+from decodescope.probes.timing import (HOST_AFTER_GEMM, HOST_ISSUE, HostRef, host_issue_after_us, host_issue_us,
+                                      median_spread)
 
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
@@ -52,12 +53,17 @@ class Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def run(self, fn, iters: int, warmup: int) -> list[float]:
+    def run(self, fn, iters: int, warmup: int, ref: Optional[HostRef] = None) -> list[float]:
+        """Per-iteration microseconds of fn, ranks aligned before each; with `ref`, the host's speed
+        sampled before each (the device drained after it)."""
         for _ in range(warmup):
             fn()
         self.sync()
         out = []
         for _ in range(iters):
+            if ref is not None:
+                ref()
+                self.sync()
             dist.barrier()
             if self.cuda:
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -316,6 +322,7 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
     isolated; torch's out-of-place all-reduce and all-to-all isolated, as nccl-tests."""
     rows = []
     max_calls = int(plan.get("back_to_back_calls", BACK_TO_BACK_CALLS))
+    ref = HostRef(device, timer.sync) if timer.cuda else None  # the host's speed beside its issue costs
     for nbytes in sweep_sizes(plan):
         t = torch.ones(_elems(nbytes, dtype, world), device=device, dtype=dtype)
         real = t.numel() * t.element_size()
@@ -343,11 +350,11 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
                 # the host's own cost per call (GPU drained, ranks aligned first): what an eager step
                 # pays per collective when the host, not the GPU, sets its pace
                 timings.append((HOST_ISSUE, "eager", lambda: host_issue_us(
-                    fn, calls, plan["iters"], lambda: (timer.sync(), dist.barrier()))))
+                    fn, calls, plan["iters"], lambda: (timer.sync(), dist.barrier()), ref)))
                 if real <= HOST_AFTER_GEMM_MAX_BYTES:
                     writer = gemm_writing(t)
                     timings.append((HOST_AFTER_GEMM, "eager", lambda: host_issue_after_us(
-                        fn, writer, calls, plan["iters"], lambda: (timer.sync(), dist.barrier()))))
+                        fn, writer, calls, plan["iters"], lambda: (timer.sync(), dist.barrier()), ref)))
 
                 def graphed(fn=fn, calls=calls):
                     g = graph_of(fn, calls)
@@ -357,10 +364,13 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
                 row = {**base, "timing": timing, "mode": mode, "calls": calls}
                 try:
                     st = median_spread(measure())
+                    host_ref_us = ref.take_median_us() if ref is not None else None
                     # a host's issue time is no transfer: no bandwidth from it
-                    rows.append({**row, "status": "ok", **st} if timing in (HOST_ISSUE, HOST_AFTER_GEMM) else
-                                _bw(row, st, "all_reduce", real, world))
+                    rows.append({**row, "status": "ok", **st, "host_ref_us": host_ref_us}
+                                if timing in (HOST_ISSUE, HOST_AFTER_GEMM) else _bw(row, st, "all_reduce", real, world))
                 except (RuntimeError, NotImplementedError) as e:
+                    if ref is not None:
+                        ref.take_median_us()  # this timing's samples, not the next one's
                     rows.append({**row, "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
         torch_comm = f"torch_{dist.get_backend()}"
         for op, make in (("all_reduce", lambda: all_reduce_fn(t, False)), ("all_to_all", lambda: all_to_all_fn(t, False))):

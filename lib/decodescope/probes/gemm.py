@@ -31,7 +31,7 @@ import torch
 
 from decodescope.dtypes import bytes_per_element
 from decodescope.io import write_json_atomic
-from decodescope.probes.timing import host_issue_us, median_spread
+from decodescope.probes.timing import HostRef, host_issue_us, median_spread
 
 FP8_MIN_DIM = 16
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -361,8 +361,9 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
         row.update({f"eager_{k2}": v for k2, v in eager.items()})
         # the host's own cost per call, for a step the host issues op by op (eager): the GPU may be idle
         # waiting for it, which no GPU timing shows
-        host = median_spread(host_issue_us(fn, HOST_ISSUE_CALLS, iters, torch.cuda.synchronize))
-        row.update({f"host_{k2}": v for k2, v in host.items() if k2 != "n"})
+        ref = HostRef(device, torch.cuda.synchronize)
+        host = median_spread(host_issue_us(fn, HOST_ISSUE_CALLS, iters, torch.cuda.synchronize, ref))
+        row.update({f"host_{k2}": v for k2, v in host.items() if k2 != "n"}, host_ref_us=ref.take_median_us())
         if graph:
             try:
                 g = median_spread(time_cuda_graph(fn, iters, warmup, flush))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from typing import Optional
 
@@ -36,7 +37,7 @@ from decodescope.io import write_json_atomic
 from decodescope.probes.collectives import (Communicator, Timer, _elems, graph_of, init_ranks, torch_communicator,
                                             vllm_shm_or_why)
 from decodescope.probes.gemm import TORCH_DTYPES, cpu_engine_kernel, make_gemm
-from decodescope.probes.timing import median_spread
+from decodescope.probes.timing import HostRef, median_spread
 
 VARIANTS = ("full", "gemm_only", "comm_only")
 
@@ -124,6 +125,31 @@ def variant_fn(items, variant: str):
     return step, len(fns)
 
 
+def time_variant(items, variant: str, batch: int, plan: dict, timer: Timer, use_cuda: bool, device, rank: int,
+                 world: int, comm_name: str, extra: dict) -> list[dict]:
+    """One variant's rows, eager and (on GPUs) as one CUDA graph. Its own function so that the step
+    callables and the graph (which hold the batch's weights and the graph's memory pool) are freed on
+    return, before the next batch allocates its own."""
+    fn, n_ops = variant_fn(items, variant)
+    rows, modes = [], [("eager", fn)]
+    if use_cuda:
+        try:
+            modes.append(("cuda_graph", graph_of(fn, 1).replay))
+        except Exception as e:  # recorded, as the collectives probe does
+            rows.append({"batch": batch, "variant": variant, "mode": "cuda_graph", "rank": rank,
+                         "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
+    for mode, f in modes:
+        # an eager step is paced by its hosts: their speed is sampled before every step, as 02 and 03
+        # sample it beside their host costs (timing.HostRef)
+        ref = HostRef(device, timer.sync) if use_cuda and mode == "eager" else None
+        times_us = timer.run(f, plan["iters"], plan["warmup"], ref)
+        rows.append({"batch": batch, "variant": variant, "mode": mode, "rank": rank, "world_size": world,
+                     "ops": n_ops, "status": "ok", "communicator": comm_name, **median_spread(times_us),
+                     "iter_us": times_us, "host_ref_us": statistics.median(ref.samples_us) if ref else None,
+                     "host_ref_iter_us": ref.samples_us if ref else None, **extra})
+    return rows
+
+
 def profile_steps(items, batch: int, steps: int, use_cuda: bool, rank: int, out_dir: str) -> str:
     """`steps` full steps under torch.profiler, each inside a range named as vLLM names a decode step
     (execute_context_0(0)_generation_<b>(<b>)), replayed as one CUDA graph on GPUs; returns the gzipped
@@ -177,19 +203,8 @@ def main(argv=None) -> int:
         items, skipped, reused = build_step(step["program"], plan["dtype"], device, world,
                                             weight_budget_bytes(plan, device), step.get("batch"), comm)
         for variant in [v for v in args.variants.split(",") if v]:
-            fn, n_ops = variant_fn(items, variant)
-            modes = [("eager", fn)]
-            if use_cuda:
-                try:
-                    modes.append(("cuda_graph", graph_of(fn, 1).replay))
-                except Exception as e:  # recorded, as the collectives probe does
-                    rows.append({"batch": step["batch"], "variant": variant, "mode": "cuda_graph", "rank": rank,
-                                 "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
-            for mode, f in modes:
-                st = median_spread(timer.run(f, plan["iters"], plan["warmup"]))
-                rows.append({"batch": step["batch"], "variant": variant, "mode": mode, "rank": rank,
-                             "world_size": world, "ops": n_ops, "status": "ok", "communicator": comm.name, **st,
-                             "gemms_skipped": skipped, "gemms_reusing_weights": reused})
+            rows += time_variant(items, variant, step["batch"], plan, timer, use_cuda, device, rank, world,
+                                 comm.name, {"gemms_skipped": skipped, "gemms_reusing_weights": reused})
         if args.profile_steps:
             profile_steps(items, step["batch"], args.profile_steps, use_cuda, rank, args.out_dir)
         del items

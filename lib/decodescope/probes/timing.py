@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import statistics
+import time
+from typing import Callable, Optional
 
 HOST_ISSUE = "host_issue"  # the collective probe's timing of the host's own cost per call (GPUs): no transfer
 # the same, each call issued right after a GEMM that writes its input, as a decode step issues it, less
@@ -16,15 +18,59 @@ def median_spread(times_us: list[float]) -> dict:
     return {"time_us": statistics.median(s), "p10_us": pick(0.10), "p90_us": pick(0.90), "n": len(s)}
 
 
-def host_issue_us(fn, calls: int, iters: int, sync) -> list[float]:
+REF_LAUNCHES = 32  # small-GEMM launches per host reference burst (~0.3 ms on an H200 host)
+REF_DIM = 256
+
+
+class HostRef:
+    """The host's speed now, as the microseconds per launch of REF_LAUNCHES launches of a small bf16
+    GEMM ([1, REF_DIM] x [REF_DIM, REF_DIM], so the GPU never holds the host back), device drained first.
+    Why: an eager step is paced by its host, and a cloud VM's cores change speed by up to 1.8x from one
+    second to the next (benchmarks/host_speed.py); a host cost measured by 02 or 03 and a step replayed
+    a minute later are set side by side at the same host speed by dividing each by the reference taken
+    beside it. A GEMM launch, not a one-element add: on 2x H200 the add's time rose 1.35x from the
+    host's fast state to its slow one while the step's rose 1.6x; a GEMM launch walks the same library
+    code (dispatcher, cuBLAS) as the step's own launches. Each call appends to `samples_us`."""
+
+    def __init__(self, device, sync: Callable[[], None]):
+        import torch
+
+        self._a = torch.ones(1, REF_DIM, device=device, dtype=torch.bfloat16)
+        self._w = torch.ones(REF_DIM, REF_DIM, device=device, dtype=torch.bfloat16)
+        self._out = torch.empty(1, REF_DIM, device=device, dtype=torch.bfloat16)
+        self._sync = sync
+        self.samples_us: list[float] = []
+        self._burst()  # first calls pay for library set-up (cuBLAS handles): not the host's speed
+
+    def _burst(self) -> float:
+        import torch
+
+        self._sync()
+        t0 = time.perf_counter()
+        for _ in range(REF_LAUNCHES):
+            torch.mm(self._a, self._w, out=self._out)
+        return (time.perf_counter() - t0) * 1e6 / REF_LAUNCHES
+
+    def __call__(self) -> float:
+        us = self._burst()
+        self.samples_us.append(us)
+        return us
+
+    def take_median_us(self) -> Optional[float]:
+        """The median of the samples since the last take, which are then dropped."""
+        s, self.samples_us = self.samples_us, []
+        return statistics.median(s) if s else None
+
+
+def host_issue_us(fn, calls: int, iters: int, sync, ref: Optional[HostRef] = None) -> list[float]:
     """Host microseconds per call of issuing `calls` calls back to back, the device drained (`sync`)
     before each repetition: what a host-bound (eager) step pays per launch, whatever the device takes.
     `calls` stays well below a CUDA stream's launch queue (~1,000 kernels), so the host never waits for
-    the device inside the loop."""
-    import time
-
+    the device inside the loop. With `ref`, the host's speed is sampled before each repetition."""
     out = []
     for _ in range(iters):
+        if ref is not None:
+            ref()
         sync()
         t0 = time.perf_counter()
         for _ in range(calls):
@@ -34,12 +80,13 @@ def host_issue_us(fn, calls: int, iters: int, sync) -> list[float]:
     return out
 
 
-def host_issue_after_us(fn, before, calls: int, iters: int, sync) -> list[float]:
+def host_issue_after_us(fn, before, calls: int, iters: int, sync, ref: Optional[HostRef] = None) -> list[float]:
     """Host microseconds per call of `fn` issued right after `before` (`calls` pairs back to back) less
     `before` issued alone as often, the two alternated `iters` times: what a call costs the host in the
     middle of a step's other launches, which warm its caches with their own code and data."""
     out = []
     for _ in range(iters):
-        pair, alone = host_issue_us(lambda: (before(), fn()), calls, 1, sync), host_issue_us(before, calls, 1, sync)
+        pair = host_issue_us(lambda: (before(), fn()), calls, 1, sync, ref)
+        alone = host_issue_us(before, calls, 1, sync)
         out.append(pair[0] - alone[0])
     return out
