@@ -164,7 +164,7 @@ def test_the_eager_walk_prices_the_replays_parts_alone(tiny):
 def test_the_replays_host_speed_is_its_slowest_rank_per_step():
     """Per step the slower rank's reference (the step waits for it), median over steps: rank 0 slow in
     steps 1-2, rank 1 in step 3 -> max per step [5, 6, 7, 2] -> median 5.5 (the max of the two ranks'
-    medians would read 4.5)."""
+    medians would read 4.5); with samples after each step too, each rank's step is their mean."""
     rows = [{"batch": 2, "variant": "full", "mode": "eager", "rank": r, "status": "ok", "time_us": 1.0,
              "p10_us": 1.0, "p90_us": 1.0, "ops": 3, "host_ref_iter_us": refs}
             for r, refs in ((0, [5.0, 6.0, 2.0, 2.0]), (1, [2.0, 2.0, 7.0, 2.0]))]
@@ -172,6 +172,14 @@ def test_the_replays_host_speed_is_its_slowest_rank_per_step():
     table = sm.replay_table(rows)
     assert sm.replay_host_refs(table) == {2: pytest.approx(5.5)}
     assert table.loc[table["mode"] == "cuda_graph", "host_ref_us"].isna().all()
+    # sampled after each step too: each rank's step speed is the mean of the two, rank 0's [5, 6, 3, 2]
+    # and rank 1's [2, 4, 7, 2] -> max [5, 6, 7, 2] -> 5.5; rank 1's step 2 slowed after it started
+    rows[0]["host_ref_after_iter_us"] = [5.0, 6.0, 4.0, 2.0]
+    rows[1]["host_ref_after_iter_us"] = [2.0, 6.0, 7.0, 2.0]
+    rows[2]["host_ref_after_iter_us"] = None
+    assert sm.replay_host_refs(sm.replay_table(rows)) == {2: pytest.approx(5.5)}
+    rows[1]["host_ref_after_iter_us"] = [2.0, 12.0, 7.0, 2.0]   # rank 1 [2, 7, 7, 2] -> max [5, 7, 7, 2]
+    assert sm.replay_host_refs(sm.replay_table(rows)) == {2: pytest.approx(6.0)}
 
 
 def test_without_the_hosts_cost_per_call_the_eager_model_is_not_priced(tiny):

@@ -254,11 +254,26 @@ def replay_table(step_rows: list[dict]) -> pd.DataFrame:
                                                           p90_us=("p90_us", "max"), ops=("ops", "first"),
                                                           communicator=("communicator", "first"))
            .reset_index())
-    refs = df.groupby(["batch", "variant", "mode"])["host_ref_iter_us"].apply(paced_host_ref_us) \
-        if "host_ref_iter_us" in df else None
+    if "host_ref_iter_us" in df:
+        # each rank's speed over a step: the mean of its samples before and after it, where taken
+        after = df["host_ref_after_iter_us"] if "host_ref_after_iter_us" in df else pd.Series(None, index=df.index)
+        df["host_ref_step_us"] = [step_host_refs(b, a) for b, a in zip(df["host_ref_iter_us"], after)]
+        refs = df.groupby(["batch", "variant", "mode"])["host_ref_step_us"].apply(paced_host_ref_us)
+    else:
+        refs = None
     out["host_ref_us"] = out.set_index(["batch", "variant", "mode"]).index.map(refs).astype(float) \
         if refs is not None else np.nan
     return out
+
+
+def step_host_refs(before, after) -> Optional[list]:
+    """One rank's host speed per step: the mean of its reference sampled before and after each step
+    (a VM core can change speed inside a 30 ms step), or the before samples alone."""
+    if not isinstance(before, (list, np.ndarray)) or not len(before):
+        return None
+    if isinstance(after, (list, np.ndarray)) and len(after) == len(before):
+        return list((np.asarray(before, float) + np.asarray(after, float)) / 2)
+    return list(before)
 
 
 def paced_host_ref_us(per_rank: pd.Series) -> Optional[float]:

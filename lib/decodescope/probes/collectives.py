@@ -53,9 +53,10 @@ class Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def run(self, fn, iters: int, warmup: int, ref: Optional[HostRef] = None) -> list[float]:
+    def run(self, fn, iters: int, warmup: int, ref: Optional[HostRef] = None,
+            ref_after: Optional[HostRef] = None) -> list[float]:
         """Per-iteration microseconds of fn, ranks aligned before each; with `ref`, the host's speed
-        sampled before each (the device drained after it)."""
+        sampled before each (the device drained after it), with `ref_after` after each."""
         for _ in range(warmup):
             fn()
         self.sync()
@@ -72,6 +73,8 @@ class Timer:
                 e.record()
                 e.synchronize()
                 out.append(s.elapsed_time(e) * 1e3)
+                if ref_after is not None:
+                    ref_after()
             else:
                 t0 = time.perf_counter()
                 fn()

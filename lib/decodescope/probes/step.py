@@ -139,14 +139,18 @@ def time_variant(items, variant: str, batch: int, plan: dict, timer: Timer, use_
             rows.append({"batch": batch, "variant": variant, "mode": "cuda_graph", "rank": rank,
                          "status": "skipped", "skip_reason": f"{type(e).__name__}: {e}"[:300]})
     for mode, f in modes:
-        # an eager step is paced by its hosts: their speed is sampled before every step, as 02 and 03
-        # sample it beside their host costs (timing.HostRef)
+        # an eager step is paced by its hosts: their speed is sampled before and after every step, as
+        # 02 and 03 sample it beside their host costs (timing.HostRef)
         ref = HostRef(device, timer.sync) if use_cuda and mode == "eager" else None
-        times_us = timer.run(f, plan["iters"], plan["warmup"], ref)
+        after = HostRef(device, timer.sync) if ref else None
+        times_us = timer.run(f, plan["iters"], plan["warmup"], ref, after)
         rows.append({"batch": batch, "variant": variant, "mode": mode, "rank": rank, "world_size": world,
                      "ops": n_ops, "status": "ok", "communicator": comm_name, **median_spread(times_us),
-                     "iter_us": times_us, "host_ref_us": statistics.median(ref.samples_us) if ref else None,
-                     "host_ref_iter_us": ref.samples_us if ref else None, **extra})
+                     # the host's speed over each step: the mean of its samples before and after it
+                     "iter_us": times_us, "host_ref_us": statistics.median(
+                         [(a + b) / 2 for a, b in zip(ref.samples_us, after.samples_us)]) if ref else None,
+                     "host_ref_iter_us": ref.samples_us if ref else None,
+                     "host_ref_after_iter_us": after.samples_us if after else None, **extra})
     return rows
 
 
