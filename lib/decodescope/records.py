@@ -250,7 +250,8 @@ class ServingLevel(_Model):
     loop_lag_p99_ms: Optional[float] = None
     loop_lag_max_ms: Optional[float] = None
     client_cpu_pct: Optional[float] = None
-    inflight_sampled_mean: Optional[float] = Field(None, description="L: in-flight count the client sampled")
+    # the name is kept for run directories written before: the count is now integrated at every change
+    inflight_sampled_mean: Optional[float] = Field(None, description="L: mean in-flight count over the level")
     littles_error_pct: Optional[float] = None
     client_suspect: Optional[bool] = Field(None, description="the client's loop lag or CPU may have distorted it")
     # Server and GPU telemetry over the level's measured requests (serving.telemetry); columns only when

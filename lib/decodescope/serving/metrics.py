@@ -117,7 +117,8 @@ def coalesced_fraction(itl_lists) -> float:
 
 def littles_law(measured: pd.DataFrame) -> dict:
     """lambda x W (request throughput x mean time in the client) over the level's span, to compare with
-    the mean in-flight count that the client sampled independently (`inflight_sampled_mean`, L).
+    the mean in-flight count the client kept apart from the records (`inflight_sampled_mean`, L: the
+    count's integral over time, advanced at every change, client.InFlight).
 
     W counts from the request's start, not from its write (`send_ns`, where E2E and TTFT start): the
     in-flight count rises before the start gate and the connect, so the time spent there (`connect_us`)

@@ -11,7 +11,7 @@ def levels_table(levels: pd.DataFrame) -> pd.DataFrame:
     cols = {"level": "concurrency", "ok": "ok", "failed": "failed", "output_throughput_tok_s": "out tok/s",
             "request_throughput_rps": "req/s", "ttft_p50_us": "TTFT p50 ms", "ttft_p99_us": "TTFT p99 ms",
             "tpot_p50_us": "TPOT p50 ms", "tpot_p99_us": "TPOT p99 ms", "itl_p99_us": "ITL p99 ms",
-            "e2e_p50_us": "E2E p50 ms", "goodput_rps": "goodput req/s", "inflight_sampled_mean": "L (sampled)",
+            "e2e_p50_us": "E2E p50 ms", "goodput_rps": "goodput req/s", "inflight_sampled_mean": "L (in flight)",
             "littles_lw": "λW", "loop_lag_p99_ms": "client loop lag p99 ms", "client_cpu_pct": "client CPU %",
             "client_suspect": "client suspect", "itl_coalesced_frac": "coalesced gaps"}
     t = levels[[c for c in cols if c in levels]].copy()

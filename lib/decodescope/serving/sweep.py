@@ -20,7 +20,7 @@ import aiohttp
 import pandas as pd
 
 from decodescope.io import write_json_atomic, write_parquet_atomic
-from decodescope.serving.client import LoopHealth, RequestRecord, RequestSpec, make_prompts, run_async
+from decodescope.serving.client import InFlight, LoopHealth, RequestRecord, RequestSpec, make_prompts, run_async
 from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import level_summary, per_request
 from decodescope.serving.telemetry import NoTelemetry, Telemetry, level_telemetry
@@ -93,22 +93,21 @@ async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int],
     if on_measured_start is not None:
         on_measured_start()
 
-    inflight = 0
+    inflight = InFlight()
     sem = asyncio.Semaphore(level)
     arrivals = arrival_offsets_s(n_requests, cfg.request_rate, cfg.burstiness, cfg.seed + level)
     t_start = asyncio.get_running_loop().time()
 
     async def gated(i):
-        nonlocal inflight
         if arrivals is not None:  # open loop: wait for this request's arrival time
             await asyncio.sleep(max(0.0, t_start + arrivals[i] - asyncio.get_running_loop().time()))
         async with sem:
-            inflight += 1
+            inflight.add(1)
             try:
                 return await one(i, False)
             finally:
-                inflight -= 1
-    with LoopHealth(inflight=lambda: inflight) as health:
+                inflight.add(-1)
+    with LoopHealth(inflight=inflight) as health:
         records += await asyncio.gather(*(gated(i) for i in range(n_requests)))
     return records, health.summary()
 
