@@ -79,7 +79,7 @@ def test_an_eager_gemm_sequence_is_paced_by_the_hosts_measured_cost_per_call(tmp
     import torch
 
     from decodescope.probes.gemm import measure
-    from decodescope.stepmodel import eager_walk
+    from decodescope.stepmodel import eager_walk, replay_host_refs, replay_table
 
     plan = json.loads((REPO / "benchmarks/results/plan_kimi_tp8_step.json").read_text())
     step = next(s for s in plan["steps"] if s["batch"] == 2)
@@ -93,7 +93,9 @@ def test_an_eager_gemm_sequence_is_paced_by_the_hosts_measured_cost_per_call(tmp
     plan["steps"] = [{"batch": 2, "program": gemms}]
     plan["iters"], plan["warmup"] = 20, 5
     rows = _replay_gemms_on_one_gpu(plan, tmp_path)
-    replay_us, replay_ref_us = rows["eager"]["time_us"], rows["eager"]["host_ref_us"]
+    replay = replay_table(list(rows.values()))
+    replay_us = rows["eager"]["time_us"]
+    replay_ref_us = replay_host_refs(replay, variant="gemm_only")[2]  # each step's before/after mean, median
     predicted_us, host_us = eager_walk([(units * replay_ref_us, gpu_us) for units, gpu_us in
                                         (timed[x["op"]] for x in gemms)])
     print(f"{len(gemms)} GEMMs: eager replay {replay_us:.0f} us, host-paced walk {predicted_us:.0f} us "

@@ -492,43 +492,46 @@ def test_littles_law_counts_w_from_the_requests_start_not_its_write():
     assert littles_law(recs.drop(columns="connect_us"))["littles_lw"] == pytest.approx(2.0)
 
 
-def test_the_inflight_mean_counts_a_stall_at_the_count_it_was_spent_at():
-    """The loop starved for 0.5 s with 5 in flight after 0.2 s with 1: (1 x 0.2 + 5 x 0.5) / 0.7 ~ 3.9
-    (an unweighted mean of 10 ms samples would read ~1.2)."""
+def _inflight_mean(drive) -> float:
+    """LoopHealth's mean in-flight count over `drive(inflight)`, a coroutine that moves the count."""
     from decodescope.serving.client import InFlight, LoopHealth
 
     async def main():
         inflight = InFlight()
         with LoopHealth(inflight=inflight) as health:
-            inflight.add(1)
-            await asyncio.sleep(0.2)
-            inflight.add(4)
-            time.sleep(0.5)            # the loop is starved for 0.5 s with 5 in flight
-            await asyncio.sleep(0.015)
+            await drive(inflight)
         return health.summary()["inflight_sampled_mean"]
 
-    assert asyncio.run(main()) == pytest.approx((0.2 + 5 * 0.515) / 0.715, rel=0.05)
+    return asyncio.run(main())
+
+
+def test_the_inflight_mean_counts_a_stall_at_the_count_it_was_spent_at():
+    """The loop starved for 0.5 s with 5 in flight after 0.2 s with 1: (1 x 0.2 + 5 x 0.5) / 0.7 ~ 3.9
+    (an unweighted mean of 10 ms samples would read ~1.2)."""
+    async def drive(inflight):
+        inflight.add(1)
+        await asyncio.sleep(0.2)
+        inflight.add(4)
+        time.sleep(0.5)            # the loop is starved for 0.5 s with 5 in flight
+        await asyncio.sleep(0.015)
+
+    assert _inflight_mean(drive) == pytest.approx((0.2 + 5 * 0.515) / 0.715, rel=0.05)
 
 
 def test_a_request_ending_as_a_stall_ends_does_not_stand_for_the_stall():
     """Concurrency 1: 0.5 s starved with 1 in flight, then the request ends and the next starts 15 ms
     later. The mean stays ~1 (0.015 s at 0 in 0.7 s); a count read as the stall ends, weighted by the
     stall, read 0 for it (L 0.76 against lambda x W 1.00 at concurrency 1 in a CI run)."""
-    from decodescope.serving.client import InFlight, LoopHealth
+    async def drive(inflight):
+        inflight.add(1)
+        await asyncio.sleep(0.2)
+        time.sleep(0.5)
+        inflight.add(-1)
+        await asyncio.sleep(0.015)  # the loop runs: the lag sampler wakes with 0 in flight
+        inflight.add(1)
+        await asyncio.sleep(0.05)
 
-    async def main():
-        inflight = InFlight()
-        with LoopHealth(inflight=inflight) as health:
-            inflight.add(1)
-            await asyncio.sleep(0.2)
-            time.sleep(0.5)
-            inflight.add(-1)
-            await asyncio.sleep(0.015)  # the loop runs: the lag sampler wakes with 0 in flight
-            inflight.add(1)
-            await asyncio.sleep(0.05)
-        return health.summary()["inflight_sampled_mean"]
-
-    assert asyncio.run(main()) == pytest.approx(1.0 - 0.015 / 0.765, abs=0.03)
+    assert _inflight_mean(drive) == pytest.approx(1.0 - 0.015 / 0.765, abs=0.03)
 
 
 def test_the_inflight_integral_on_a_clock_of_its_own():

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import Optional
 
@@ -146,10 +145,8 @@ def time_variant(items, variant: str, batch: int, plan: dict, timer: Timer, use_
         times_us = timer.run(f, plan["iters"], plan["warmup"], ref, after)
         rows.append({"batch": batch, "variant": variant, "mode": mode, "rank": rank, "world_size": world,
                      "ops": n_ops, "status": "ok", "communicator": comm_name, **median_spread(times_us),
-                     # the host's speed over each step: the mean of its samples before and after it
-                     "iter_us": times_us, "host_ref_us": statistics.median(
-                         [(a + b) / 2 for a, b in zip(ref.samples_us, after.samples_us)]) if ref else None,
-                     "host_ref_iter_us": ref.samples_us if ref else None,
+                     # raw, one per step: stepmodel.replay_table makes the step's host speed of them
+                     "iter_us": times_us, "host_ref_iter_us": ref.samples_us if ref else None,
                      "host_ref_after_iter_us": after.samples_us if after else None, **extra})
     return rows
 
