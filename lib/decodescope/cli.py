@@ -1,11 +1,10 @@
-"""The `decodescope` command."""
+"""The `decodescope` command. Each subcommand imports what it uses when it runs: `analyze-trace` starts
+without pydantic or pandas (issue 13's start-up budget)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-
-from decodescope.params import ParamsError, dump_yaml, load_params
 
 
 # Exit statuses of `decodescope run` (README: "Exit status"); the fault tests assert them.
@@ -16,6 +15,7 @@ EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 def _cmd_run(args) -> int:
     from decodescope.host import HostError
     from decodescope.locks import LockHeld
+    from decodescope.params import ParamsError
     from decodescope.runner import ResultsWriteError, RunError, Terminated, run
 
     try:
@@ -42,6 +42,8 @@ def _cmd_run(args) -> int:
 
 def _load_or_report(path: str):
     """The params, or None after printing every problem (exit status 2 for the caller)."""
+    from decodescope.params import ParamsError, load_params
+
     try:
         return load_params(path)
     except ParamsError as e:
@@ -65,6 +67,8 @@ def _cmd_params_show(args) -> int:
     p = _load_or_report(args.file)
     if p is None:
         return 2
+    from decodescope.params import dump_yaml
+
     sys.stdout.write(dump_yaml(p))
     return 0
 
@@ -182,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--tp", type=int, help="tensor-parallel size (default: ranks found)")
     at.add_argument("--out", help="directory for kernels.parquet and profile_summary.json")
     at.add_argument("--workers", type=int, default=None, help="parallel parser processes")
+    at.add_argument("--breakdown", action="store_true",
+                    help="time by category and by name only, reduced as the files are read: memory stays a few "
+                         "chunks whatever the traces' size (writes breakdown.json)")
     at.set_defaults(func=_cmd_analyze_trace)
     return parser
 

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from decodescope.dtypes import element_bytes
+from decodescope.trace.nesting import parents_in_order, prev_in_thread
 from decodescope.trace.categorize import ALLGATHER_CATEGORIES, ALLREDUCE_CATEGORIES, OTHER, add_categories
 
 GPU_WORK_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -32,10 +33,7 @@ def self_times(ops: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     each op's parent position (-1 at top level).
 
     In (rank, thread, start, longest first) order an op's parent is the latest earlier op of its thread
-    still open at its start (ending after it, by more than 1e-9 us): what a stack of open ops would
-    hold. Found without a Python loop: `up` links each op to the latest earlier op of its thread that
-    ends after it does (pointer jumping, a few dozen vector passes); the parent is then a short walk
-    along those links from the op before, each hop skipping ops already closed."""
+    still open at its start (nesting.parents_in_order)."""
     n = len(ops)
     out = ops["dur_us"].to_numpy(dtype=float).copy()
     parent = np.full(n, -1)
@@ -45,28 +43,8 @@ def self_times(ops: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
                           ops["dur_us"].to_numpy())
     ts = ops["ts_us"].to_numpy()[order]
     end = ts + ops["dur_us"].to_numpy()[order]
-    # the op before in the same (rank, thread); 32-bit positions: half the memory of the walks below
-    idx = np.int32 if n < 2**31 else np.int64
-    prev = np.arange(-1, n - 1, dtype=idx)
-    for col in ("tid", "rank"):
-        key = ops[col].to_numpy()[order]
-        prev[1:][key[1:] != key[:-1]] = -1
-        del key
-    prev[0] = -1
-    up = prev.copy()
-    todo = np.flatnonzero(up >= 0)
-    while len(todo):
-        todo = todo[end[up[todo]] <= end[todo]]
-        up[todo] = up[up[todo]]
-        todo = todo[up[todo] >= 0]
-    par = prev
-    todo = np.flatnonzero(par >= 0)
-    threshold = ts + 1e-9
-    while len(todo):
-        todo = todo[end[par[todo]] <= threshold[todo]]
-        par[todo] = up[par[todo]]
-        todo = todo[par[todo] >= 0]
-    del up, threshold, todo
+    prev = prev_in_thread(n, ops["tid"].to_numpy()[order], ops["rank"].to_numpy()[order])
+    par = parents_in_order(prev, ts, end)
     child = np.flatnonzero(par >= 0)
     p = par[child].astype(np.int64)
     del par

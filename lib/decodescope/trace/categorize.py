@@ -8,12 +8,14 @@ import subprocess
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
-import pandas as pd
 import yaml
 
 from decodescope.resources import data_path
+
+if TYPE_CHECKING:  # pandas only where a table is categorised: the streamed breakdown never imports it
+    import pandas as pd
 
 DEFAULT_RULES = data_path("params", "kernel_categories.yaml")  # shipped with the package (decodescope.resources)
 OTHER = "other"  # the category, and the class, of names no rule matches
@@ -145,10 +147,11 @@ def categorize_names(names: Iterable[str], device: str, rules: Optional[RuleSet]
     return {n: categorize_name(d, device, rules) for n, d in plain.items()}
 
 
-def add_categories(df: pd.DataFrame, device: str, rules: Optional[RuleSet] = None) -> pd.DataFrame:
+def add_categories(df: "pd.DataFrame", device: str, rules: Optional[RuleSet] = None) -> "pd.DataFrame":
     """A `category` column, computed once per distinct name (through the name's categorical codes,
     so long kernel names are never copied per row)."""
     import numpy as np
+    import pandas as pd
 
     names = df["name"] if isinstance(df["name"].dtype, pd.CategoricalDtype) else df["name"].astype("category")
     names = names.cat.remove_unused_categories()

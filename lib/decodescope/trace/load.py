@@ -40,6 +40,16 @@ def find_trace_files(trace_dir: Path) -> tuple[list[Path], list[Path]]:
     return [p for p in files if p not in front], front
 
 
+def rank_trace_files(trace_dir: Path) -> tuple[list[Path], list[Path]]:
+    """find_trace_files, or an error naming the directory when it is not one or holds no rank trace."""
+    if not trace_dir.is_dir():
+        raise FileNotFoundError(f"{trace_dir}: not a directory of traces")
+    files, front = find_trace_files(trace_dir)
+    if not files:
+        raise TraceError(f"{trace_dir}: no *.json or *.json.gz trace files (rank traces) found")
+    return files, front
+
+
 # When to use more processes: from the crossover measured on this project's 2-core machine
 # (benchmarks/trace_crossover.py, benchmarks/results/cpu_trace_crossover.txt). A forked worker costs its
 # start and a copy of its columns through a pipe; a rank file reads at ~110-170 MB/s of JSON a core, its
@@ -58,10 +68,10 @@ def workers_for(path: Path, workers: int) -> int:
     return workers if workers > 1 and json_size(Path(path)) >= FILE_POOL_MIN_BYTES else 1
 
 
-def plan_processes(sizes: list[int], workers: int) -> list[int]:
+def plan_processes(sizes: list[int], workers: int, min_bytes: int = FILES_IN_PROCESSES_MIN_BYTES) -> list[int]:
     """Which process reads each file: 0 is this one, 1.. forked workers. Files are spread largest first
     onto the least loaded process (this one included); one process when the files the others would
-    take hold less than FILES_IN_PROCESSES_MIN_BYTES in all."""
+    take hold less than min_bytes in all."""
     n = min(workers, len(sizes))
     if n < 2:
         return [0] * len(sizes)
@@ -71,7 +81,7 @@ def plan_processes(sizes: list[int], workers: int) -> list[int]:
         p = min(range(n), key=lambda p: (load[p], p))
         owner[i] = p
         load[p] += sizes[i]
-    if sum(load[1:]) < FILES_IN_PROCESSES_MIN_BYTES:
+    if sum(load[1:]) < min_bytes:
         return [0] * len(sizes)
     return owner
 
@@ -87,31 +97,39 @@ def _parse_one(path: str, workers: int = 1, as_payload: bool = False):
         return path, None, None, f"{path}: {type(e).__name__}: {e}"
 
 
-def _parse_all(files: list[Path], workers: int) -> list:
-    """Every file parsed, in order: this process reads its share while forked workers read theirs."""
-    owner = plan_processes([json_size(f) for f in files], workers)
+def _columns_from(payload) -> Optional[_Columns]:
+    """A worker's columns, as _parse_one sent them back."""
+    if payload is None:
+        return None
+    cols = _Columns()
+    cols.merge(payload)
+    return cols
+
+
+def parse_all(files: list[Path], workers: int, one=_parse_one, received=lambda payload: payload,
+              min_bytes: int = FILES_IN_PROCESSES_MIN_BYTES) -> list:
+    """Every file read by `one(path, workers, as_payload)` -> (path, result, meta, error), in order:
+    this process reads its share while forked workers read theirs; `received` turns what a worker
+    sent back into the result."""
+    owner = plan_processes([json_size(f) for f in files], workers, min_bytes)
     n_workers = max(owner)
     if not n_workers:
-        return [_parse_one(str(f), workers) for f in files]
+        return [one(str(f), workers) for f in files]
     from decodescope.trace.parse import _process_pool
 
     results: list = [None] * len(files)
     pool = _process_pool(n_workers)
     try:
-        futures = {i: pool.submit(_parse_one, str(f), 1, True) for i, f in enumerate(files) if owner[i]}
+        futures = {i: pool.submit(one, str(f), 1, True) for i, f in enumerate(files) if owner[i]}
         for i, f in enumerate(files):  # this process's share, while the workers read theirs
             if not owner[i]:
-                results[i] = _parse_one(str(f), 1)
+                results[i] = one(str(f), 1)
         for i, fut in futures.items():
             try:
                 path, payload, meta, err = fut.result()
             except Exception as e:  # the worker itself died (killed, out of memory): name its file
                 path, payload, meta, err = str(files[i]), None, None, f"{files[i]}: {type(e).__name__}: {e}"
-            cols = None
-            if payload is not None:
-                cols = _Columns()
-                cols.merge(payload)
-            results[i] = (path, cols, meta, err)
+            results[i] = (path, received(payload) if payload is not None else None, meta, err)
     finally:
         pool.shutdown()
     return results
@@ -136,27 +154,33 @@ def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTrac
 
 
 def _load_trace_dir(trace_dir: Path, workers: Optional[int]) -> LoadedTraces:
-    if not trace_dir.is_dir():
-        raise FileNotFoundError(f"{trace_dir}: not a directory of traces")
-    files, front = find_trace_files(trace_dir)
-    if not files:
-        raise TraceError(f"{trace_dir}: no *.json or *.json.gz trace files (rank traces) found")
+    files, front = rank_trace_files(trace_dir)
     workers = workers or (os.cpu_count() or 1)
-    results = _parse_all(files, workers)
+    results = parse_all(files, workers, received=_columns_from)
+    chosen, metas, warnings, skipped = ranked(results, trace_dir, front)
+    tables = [cols for _, cols, _ in chosen]
+    return LoadedTraces(events=_table(tables, metas), metas=metas, warnings=warnings, skipped=skipped)
+
+
+def ranked(results: list, trace_dir: Path, front: list[Path]
+           ) -> tuple[list[tuple[Path, object, TraceMeta]], list[TraceMeta], list[str], list[str]]:
+    """parse_all's results -> ((path, result, meta) of each rank's trace, by rank; the metas; warnings;
+    files skipped). Damaged files, files without a rank, front-end traces and a rank's older traces
+    (several runs in one directory) are left out, each with a warning naming it."""
     warnings = [f"{p}: front-end (API server) trace, not a rank: not analysed" for p in front]
     lone = _lone_trace_as_rank0(results, trace_dir)
     if lone:
         warnings.append(lone)
-    by_rank: dict[int, list[tuple[Path, _Columns, TraceMeta]]] = {}
-    for path, cols, meta, err in results:
+    by_rank: dict[int, list[tuple[Path, object, TraceMeta]]] = {}
+    for path, result, meta, err in results:
         if err:
             warnings.append(err)
             continue
         if meta.rank is None:
             warnings.append(f"{path}: no rank in distributedInfo or the file name: not analysed")
             continue
-        by_rank.setdefault(meta.rank, []).append((Path(path), cols, meta))
-    tables, metas, skipped = [], [], []
+        by_rank.setdefault(meta.rank, []).append((Path(path), result, meta))
+    chosen, metas, skipped = [], [], []
     for rank, items in sorted(by_rank.items()):
         if len(items) > 1:
             # two runs in one directory: keep the newest file of each rank
@@ -165,16 +189,15 @@ def _load_trace_dir(trace_dir: Path, workers: Optional[int]) -> LoadedTraces:
                 skipped.append(str(p))
             warnings.append(f"rank {rank}: {len(items)} traces ({', '.join(p.name for p, _, _ in items)}); "
                             f"traces of several runs are mixed in {trace_dir}: using the newest, {items[-1][0].name}")
-        _, cols, meta = items[-1]
-        tables.append(cols)
-        metas.append(meta)
-        warnings += meta.warnings
+        chosen.append(items[-1])
+        metas.append(items[-1][2])
+        warnings += items[-1][2].warnings
     world = max((m.world_size or 0 for m in metas), default=0)
     missing = sorted(set(range(world)) - set(by_rank)) if world else []
     if missing:
         warnings.append(f"{trace_dir}: world size {world} but no usable trace for rank(s) {missing}; "
                         "analysing the ranks present")
-    return LoadedTraces(events=_table(tables, metas), metas=metas, warnings=warnings, skipped=skipped)
+    return chosen, metas, warnings, skipped
 
 
 def _table(parts: list[_Columns], metas: list[TraceMeta]) -> "pd.DataFrame":

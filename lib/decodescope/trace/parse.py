@@ -29,7 +29,7 @@ from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -95,6 +95,7 @@ class _Columns:
         self.dicts: dict[str, dict] = {k: {} for k in self.STR}
         self.raw: dict[str, dict[bytes, int]] = {k: {} for k in self.STR}  # undecoded text -> code
         self.rows = 0
+        self.drained = 0  # rows handed out by drain()
 
     def code(self, col: str, value) -> int:
         if value is None:
@@ -148,6 +149,17 @@ class _Columns:
         for col, key in ARG_STR.items():
             arrays[col] = np.array([code(col, a.get(key)) for a in args], dtype=np.int32)
         self.add(arrays, len(evs))
+
+    def drain(self) -> dict[str, np.ndarray]:
+        """The rows added since the last drain, one array a column, let go here (the string
+        dictionaries stay: codes mean the same from one drain to the next)."""
+        out = {}
+        for k, parts in self.parts.items():
+            out[k] = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.empty(0, self.DTYPE[k]))
+            parts.clear()
+        self.drained += self.rows
+        self.rows = 0
+        return out
 
     def payload(self) -> dict:
         """What a worker process sends back: each column as one array (its parts let go as it is
@@ -835,11 +847,16 @@ def _generic(rest: bytes, chunks: Iterator[bytes], path: Path, meta: TraceMeta) 
         yield batch
 
 
-def parse_columns(path: "str | Path", workers: int = 1) -> tuple[_Columns, TraceMeta]:
+def parse_columns(path: "str | Path", workers: int = 1,
+                  on_chunk: Optional[Callable[[_Columns, bool], None]] = None) -> tuple[_Columns, TraceMeta]:
     """One rank's trace -> (kept columns, metadata), in one pass; raises TraceError naming the file.
 
     With workers > 1 the chunks are read in that many processes while this one decompresses and cuts
-    the next ones (at most 2 x workers chunks in flight); worth it only for big files (load.py)."""
+    the next ones (at most 2 x workers chunks in flight); worth it only for big files (load.py).
+    `on_chunk(cols, is_gpu)` is called as each chunk's rows are added: a reader that reduces them as
+    they come (stream.py) drains them there, and memory stays a few chunks whatever the file's size."""
+    if on_chunk is None:
+        on_chunk = _keep_rows
     path = Path(path)
     meta = TraceMeta(path=str(path), rank=None, rank_source="", world_size=None, backend=None,
                      is_gpu=False, trace_id=None, base_time_ns=None)
@@ -878,15 +895,19 @@ def parse_columns(path: "str | Path", workers: int = 1) -> tuple[_Columns, Trace
                         payload, seen, _ = pending.pop(0).result()
                         cols.merge(payload)
                         meta.events_seen += seen
+                        on_chunk(cols, is_gpu)
                     continue
                 meta.events_seen += _read_chunk(buf, lo, hi, is_gpu, cols, name_ok)
+                on_chunk(cols, is_gpu)
             for fut in pending:
                 payload, seen, _ = fut.result()
                 cols.merge(payload)
                 meta.events_seen += seen
+                on_chunk(cols, is_gpu)
         else:
             for batch in _generic(rest, chunks, path, meta):
                 cols.extend([ev for ev in batch if ev.get("ph") == "X" and _wanted(ev, is_gpu)])
+                on_chunk(cols, is_gpu)
     except (OSError, EOFError, zlib.error) as e:
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); the file is damaged or truncated") from None
     except json.JSONDecodeError as e:
@@ -896,7 +917,7 @@ def parse_columns(path: "str | Path", workers: int = 1) -> tuple[_Columns, Trace
             pool.shutdown(cancel_futures=True)
         reader.close()
         meta.bytes_json = reader.bytes_read
-    meta.events_kept = cols.rows
+    meta.events_kept = cols.rows + cols.drained
     header = getattr(meta, "header", {})
     trailer = _parse_trailer(getattr(meta, "trailer", ""))
     info = header.get("distributedInfo") or trailer.get("distributedInfo") or {}
@@ -913,6 +934,10 @@ def parse_columns(path: "str | Path", workers: int = 1) -> tuple[_Columns, Trace
     if not header and not trailer and meta.events_seen == 0:
         raise TraceError(f"{path}: no events: not a Kineto trace")
     return cols, meta
+
+
+def _keep_rows(cols: _Columns, is_gpu: bool) -> None:
+    """parse_columns' default: the rows stay in the columns, for the table."""
 
 
 def parse_trace(path: "str | Path", workers: int = 1) -> tuple["pd.DataFrame", TraceMeta]:

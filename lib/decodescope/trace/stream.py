@@ -1,0 +1,293 @@
+"""A directory of per-rank traces -> time by category and by name, reduced chunk by chunk as each file
+is read: no event table is built, so memory stays a few chunks (and the names seen) whatever the
+trace's size, and neither pandas nor the typed records are imported.
+
+What it reduces is what op_table + category_breakdown compute from the table (the same figures, the
+same rules): on a GPU trace every kernel, memcpy and memset at its duration; on a CPU trace every CPU
+op at its self time (its duration less its direct children's), a call counted once when an op of its
+own category encloses it (c10d::allreduce_ around gloo:all_reduce).
+
+Self times stream because a rank's CPU ops come in start order per thread (torch's export writes them
+so): an op still open at a chunk's end is carried into the next chunk with what its children have
+taken so far, and closed once no later op of its thread can start inside it. Ops that tie on the last
+start time of a chunk wait for the next chunk (a longer one starting then would enclose them). A file
+whose ops go back in time on a thread is read whole instead, with a warning: correct, not flat.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from decodescope.trace.load import FILES_IN_PROCESSES_MIN_BYTES, parse_all, rank_trace_files, ranked
+from decodescope.trace.nesting import NEST_EPS_US, parents_in_order, prev_in_thread
+from decodescope.trace.parse import TraceError, TraceMeta, _Columns, parse_columns, small_pages
+
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # analyze.GPU_WORK_CATS, without importing pandas
+OTHER = "other"
+
+
+class _Unordered(Exception):
+    """A CPU op starts before an op of its thread already closed: the file is read whole."""
+
+
+@dataclass
+class RankTotals:
+    """One rank file reduced: per name (code = position in `names`), the GPU work's duration and rows,
+    and the CPU ops' self time, counted calls, duration and rows."""
+    names: list[str]
+    kernel_rows: int
+    gpu_dur_us: np.ndarray
+    gpu_rows: np.ndarray
+    cpu_time_us: np.ndarray
+    cpu_calls: np.ndarray
+    cpu_dur_us: np.ndarray
+    cpu_rows: np.ndarray
+    cpu_read: bool  # were the CPU ops reduced (a file whose header names a GPU skips them)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _grown(a: np.ndarray, n: int) -> np.ndarray:
+    return a if len(a) >= n else np.concatenate([a, np.zeros(n - len(a), a.dtype)])
+
+
+class _Reduction:
+    """parse_columns' on_chunk: each chunk's rows drained from the columns and reduced into per-name
+    sums; the CPU ops still open carried to the next chunk."""
+
+    def __init__(self, rules=None, cpu: Optional[bool] = None):
+        self.rules = rules
+        self.cpu = cpu  # None: decided by the first chunk's header (no deviceProperties: a CPU trace)
+        self.kernel_rows = 0
+        self.gpu_dur = np.zeros(0)
+        self.gpu_rows = np.zeros(0, np.int64)
+        self.cpu_time = np.zeros(0)
+        self.cpu_calls = np.zeros(0, np.int64)
+        self.cpu_dur = np.zeros(0)
+        self.cpu_rows = np.zeros(0, np.int64)
+        self.category_of = np.zeros(0, np.int32)  # name code -> category id (CPU rules)
+        self.category_ids: dict[str, int] = {}
+        self.open = {k: np.zeros(0, np.int64 if k in ("tid", "name") else bool if k == "counted" else float)
+                     for k in ("tid", "ts", "dur", "self", "name", "counted")}
+        self.pending: dict[str, np.ndarray] = {}
+        self.horizon: dict[int, float] = {}  # thread -> the least start any later op of it can have
+        self.cols: Optional[_Columns] = None
+
+    # -- parse_columns' callback ------------------------------------------------------------------
+    def __call__(self, cols: _Columns, is_gpu: bool) -> None:
+        if self.cpu is None:
+            self.cpu = not is_gpu
+        self.cols = cols
+        self.add(cols.drain(), final=False)
+
+    def add(self, rows: dict[str, np.ndarray], final: bool) -> None:
+        cols = self.cols
+        n_names = len(cols.dicts["name"])
+        cat_code = cols.dicts["cat"]
+        name, cat = rows["name"], rows["cat"]
+        gpu = np.isin(cat, [cat_code[c] for c in GPU_WORK if c in cat_code]) & (name >= 0)
+        if gpu.any():
+            if "kernel" in cat_code:
+                self.kernel_rows += int((cat[gpu] == cat_code["kernel"]).sum())
+            self.gpu_dur = _grown(self.gpu_dur, n_names)
+            self.gpu_rows = _grown(self.gpu_rows, n_names)
+            self.gpu_dur[:n_names] += np.bincount(name[gpu], rows["dur"][gpu], minlength=n_names)
+            self.gpu_rows[:n_names] += np.bincount(name[gpu], minlength=n_names)
+        if self.cpu:
+            sel = (cat == cat_code["cpu_op"]) & (name >= 0) if "cpu_op" in cat_code else np.zeros(len(cat), bool)
+            self._cpu({"tid": rows["tid"][sel], "ts": rows["ts"][sel], "dur": rows["dur"][sel],
+                       "name": name[sel].astype(np.int64)}, final)
+
+    # -- CPU ops: self times across chunks -------------------------------------------------------
+    def _categories(self, codes: np.ndarray) -> np.ndarray:
+        names = list(self.cols.dicts["name"])
+        if len(self.category_of) < len(names):
+            from decodescope.trace.categorize import categorize_names
+
+            new = names[len(self.category_of):]
+            mapping = categorize_names(new, "cpu", self.rules)
+            ids = [self.category_ids.setdefault(mapping[n], len(self.category_ids)) for n in new]
+            self.category_of = np.concatenate([self.category_of, np.array(ids, np.int32)])
+        return self.category_of[codes]
+
+    def _horizon_of(self, tid: np.ndarray, unknown: float) -> np.ndarray:
+        """Each row's thread's horizon (`unknown` for a thread not seen yet)."""
+        if not len(tid):
+            return np.zeros(0)
+        threads, inv = np.unique(tid, return_inverse=True)
+        return np.array([self.horizon.get(t, unknown) for t in threads.tolist()])[inv]
+
+    def _cpu(self, new: dict[str, np.ndarray], final: bool) -> None:
+        tid, ts = new["tid"], new["ts"]
+        if len(ts) and self.horizon and (ts < self._horizon_of(tid, -np.inf)).any():
+            raise _Unordered
+        if self.pending:
+            new = {k: np.concatenate([self.pending[k], new[k]]) for k in new}
+            tid, ts = new["tid"], new["ts"]
+        self.pending = {}
+        if not final and len(ts):
+            # per thread, the ops on its last start wait: a longer op starting then may come next
+            threads, inv = np.unique(tid, return_inverse=True)
+            last = np.full(len(threads), -np.inf)
+            np.maximum.at(last, inv, ts)
+            wait = ts == last[inv]
+            self.horizon.update(zip(threads.tolist(), last.tolist()))
+            self.pending = {k: v[wait] for k, v in new.items()}
+            new = {k: v[~wait] for k, v in new.items()}
+        o = self.open
+        n_open, n_new = len(o["ts"]), len(new["ts"])
+        if not n_new and not final:
+            return
+        tid = np.concatenate([o["tid"], new["tid"]])
+        ts = np.concatenate([o["ts"], new["ts"]])
+        dur = np.concatenate([o["dur"], new["dur"]])
+        end = ts + dur
+        name = np.concatenate([o["name"], new["name"]])
+        self_us = np.concatenate([o["self"], new["dur"]])
+        counted = np.concatenate([o["counted"], np.zeros(n_new, bool)])
+        is_new = np.r_[np.zeros(n_open, bool), np.ones(n_new, bool)]
+        # (thread, start, longest first), stable: the carried ops came first in the file
+        order = np.lexsort((-dur, ts, tid))
+        t_s, e_s = ts[order], end[order]
+        par = parents_in_order(prev_in_thread(len(order), tid[order]), t_s, e_s)
+        fresh = np.flatnonzero(is_new[order])
+        p = par[fresh].astype(np.int64)
+        has = p >= 0
+        child, p = fresh[has], p[has]
+        self_sorted = self_us[order]
+        # only a new op takes from its parent: a carried one did so in the chunk it came in
+        np.subtract.at(self_sorted, p, np.minimum(e_s[child], e_s[p]) - t_s[child])
+        self_us[order] = self_sorted
+        cats = self._categories(name)
+        parent_of = np.full(len(ts), -1, np.int64)
+        parent_of[order[child]] = order[p]
+        newly = np.flatnonzero(is_new)
+        counted[newly] = (parent_of[newly] < 0) | (cats[np.maximum(parent_of[newly], 0)] != cats[newly])
+        if final:
+            closed = np.ones(len(ts), bool)
+        else:
+            closed = end <= self._horizon_of(tid, np.inf) + NEST_EPS_US
+        n_names = len(self.cols.dicts["name"])
+        for attr in ("cpu_time", "cpu_calls", "cpu_dur", "cpu_rows"):
+            setattr(self, attr, _grown(getattr(self, attr), n_names))
+        c = closed
+        self.cpu_time[:n_names] += np.bincount(name[c], np.maximum(self_us[c], 0.0), minlength=n_names)
+        self.cpu_calls[:n_names] += np.bincount(name[c], counted[c], minlength=n_names).astype(np.int64)
+        self.cpu_dur[:n_names] += np.bincount(name[c], dur[c], minlength=n_names)
+        self.cpu_rows[:n_names] += np.bincount(name[c], minlength=n_names)
+        keep = ~closed
+        self.open = {"tid": tid[keep], "ts": ts[keep], "dur": dur[keep], "self": self_us[keep],
+                     "name": name[keep], "counted": counted[keep]}
+
+    def finish(self) -> None:
+        if self.cpu and self.cols is not None:
+            self._cpu({k: np.zeros(0, np.int64 if k in ("tid", "name") else float) for k in ("tid", "ts", "dur", "name")},
+                      final=True)
+
+    def totals(self, warnings: list[str]) -> RankTotals:
+        names = list(self.cols.dicts["name"]) if self.cols is not None else []
+        n = len(names)
+        return RankTotals(names=names, kernel_rows=self.kernel_rows, gpu_dur_us=_grown(self.gpu_dur, n),
+                          gpu_rows=_grown(self.gpu_rows, n), cpu_time_us=_grown(self.cpu_time, n),
+                          cpu_calls=_grown(self.cpu_calls, n), cpu_dur_us=_grown(self.cpu_dur, n),
+                          cpu_rows=_grown(self.cpu_rows, n), cpu_read=bool(self.cpu), warnings=warnings)
+
+
+def reduce_file(path: "str | Path", rules=None, cpu: Optional[bool] = None) -> tuple[RankTotals, TraceMeta]:
+    """One rank file reduced as it is read. Raises TraceError naming the file."""
+    red = _Reduction(rules, cpu)
+    try:
+        _, meta = parse_columns(path, on_chunk=red)
+        red.finish()
+        return red.totals([]), meta
+    except _Unordered:
+        pass
+    # a thread's ops out of start order: all rows at once, which is what the table does
+    red = _Reduction(rules, cpu)
+    cols, meta = parse_columns(path)
+    red.cols = cols
+    if red.cpu is None:
+        red.cpu = not meta.is_gpu
+    red.add(cols.drain(), final=True)
+    note = (f"{path}: CPU ops out of start order on a thread: read whole, so memory grew with the file")
+    return red.totals([note]), meta
+
+
+def _reduce_one(path: str, workers: int = 1, as_payload: bool = False, rules=None, cpu: Optional[bool] = None):
+    """(path, totals, meta, error): load.parse_all's reader for one file."""
+    try:
+        totals, meta = reduce_file(path, rules, cpu)
+        return path, totals, meta, None
+    except TraceError as e:
+        return path, None, None, str(e)
+    except Exception as e:  # any other damage: name the file, keep going with the other ranks
+        return path, None, None, f"{path}: {type(e).__name__}: {e}"
+
+
+@dataclass
+class StreamedBreakdown:
+    device: str
+    ranks: list[int]
+    # per rank and category: time_us, calls, share (of the rank's time), mean_us; by rank, then time
+    categories: list[dict]
+    # per rank, per name: time_us (self on CPU), dur_us, calls (counted), rows
+    names: dict[int, dict[str, dict]]
+    metas: list[TraceMeta]
+    warnings: list[str]
+    skipped: list[str]
+
+    def other_share(self) -> float:
+        total = sum(r["time_us"] for r in self.categories)
+        return sum(r["time_us"] for r in self.categories if r["category"] == OTHER) / total if total else 0.0
+
+
+def _by_category(rank: int, names: dict[str, dict], device: str, rules) -> list[dict]:
+    from decodescope.trace.categorize import categorize_names
+
+    mapping = categorize_names(list(names), device, rules)
+    acc: dict[str, list] = {}
+    for n, v in names.items():
+        a = acc.setdefault(mapping[n], [0.0, 0])
+        a[0] += v["time_us"]
+        a[1] += v["calls"]
+    total = sum(a[0] for a in acc.values())
+    rows = [{"rank": rank, "category": c, "time_us": t, "calls": k, "share": t / total if total else float("nan"),
+             "mean_us": t / k if k else float("nan")} for c, (t, k) in acc.items()]
+    return sorted(rows, key=lambda r: -r["time_us"])
+
+
+def breakdown_dir(trace_dir: "str | Path", workers: Optional[int] = None, rules=None) -> StreamedBreakdown:
+    """Every rank file of trace_dir reduced (rank files in parallel processes past the crossover), and
+    the time by category per rank, as category_breakdown gives it from the table."""
+    trace_dir = Path(trace_dir)
+    files, front = rank_trace_files(trace_dir)
+    workers = workers or (os.cpu_count() or 1)
+    with small_pages():
+        results = parse_all(files, workers, one=_reduce_one, min_bytes=STREAM_PROCESSES_MIN_BYTES)
+    chosen, metas, warnings, skipped = ranked(results, trace_dir, front)
+    device = "gpu" if any(t.kernel_rows for _, t, _ in chosen) else "cpu"
+    if device == "cpu":  # a file whose header named a GPU but that had no kernel: its CPU ops after all
+        chosen = [(p, t if t.cpu_read else reduce_file(p, rules, cpu=True)[0], m) for p, t, m in chosen]
+    categories, names = [], {}
+    for (path, t, meta) in chosen:
+        warnings += t.warnings
+        if device == "gpu":
+            per = {n: {"time_us": float(d), "dur_us": float(d), "calls": int(k), "rows": int(k)}
+                   for n, d, k in zip(t.names, t.gpu_dur_us.tolist(), t.gpu_rows.tolist()) if k}
+        else:
+            per = {n: {"time_us": float(s), "dur_us": float(d), "calls": int(c), "rows": int(k)}
+                   for n, s, d, c, k in zip(t.names, t.cpu_time_us.tolist(), t.cpu_dur_us.tolist(),
+                                            t.cpu_calls.tolist(), t.cpu_rows.tolist()) if k}
+        names[meta.rank] = per
+        categories += _by_category(meta.rank, per, device, rules)
+    return StreamedBreakdown(device=device, ranks=sorted(names), categories=categories, names=names, metas=metas,
+                             warnings=warnings, skipped=skipped)
+
+
+# Rank files in processes of their own from this much JSON handed to the others: a reduced file sends
+# back a few arrays of per-name sums, not its columns, so the crossover is lower than the table's
+# (load.FILES_IN_PROCESSES_MIN_BYTES).
+STREAM_PROCESSES_MIN_BYTES = FILES_IN_PROCESSES_MIN_BYTES
