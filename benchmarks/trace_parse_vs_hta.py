@@ -1,10 +1,12 @@
 """Benchmark: decodescope's trace parse + category breakdown against HolisticTraceAnalysis (HTA).
 
 Same traces, side by side from one benchmark process: each tool runs in a child process of its own, HTA
-as `TraceAnalysis(trace_dir=...)` then `get_gpu_kernel_breakdown()`, ours as `load_trace_dir` +
-`op_table` + `category_breakdown` with its default parallelism (it picks per-rank processes, or none,
-from the files' sizes) and, as `decodescope analyze-trace` does, numpy's huge-page requests off
-(decodescope.trace.parse.small_pages). Per trace set it reports:
+as `TraceAnalysis(trace_dir=...)` then `get_gpu_kernel_breakdown()`; ours (--ours) as
+`decodescope analyze-trace DIR --breakdown` (stream: each chunk reduced into per-name sums as it is read,
+no event table; the default), or as `load_trace_dir` + `op_table` + `category_breakdown` (table: what
+the full analysis builds first). Both with their default parallelism (per-rank processes, or none, from
+the files' sizes) and numpy's huge-page requests off (decodescope.trace.parse.small_pages). Per trace
+set it reports:
 
 - wall: from spawning the child to its exit, median of --repeat runs (HTA: --hta-repeat runs);
 - MB/s: decompressed JSON bytes of the rank files / wall;
@@ -80,12 +82,41 @@ json.dump({"ready": ready, "device": ops.attrs["device"], "totals": totals, "cat
            "other_share": float(bd.loc[bd["category"].astype(str) == "other", "time_us"].sum() / bd["time_us"].sum())},
           open(sys.argv[2], "w"))
 """
+# `decodescope analyze-trace DIR --breakdown` (stream.py: reduced as read, no table), as a user runs it;
+# then its breakdown.json read back for the per-name check (a few hundred names: not timed apart).
+OURS_STREAM_IMPORTS = """
+import sys, time
+sys.path.insert(0, sys.argv[3])
+from decodescope.cli import main
+from decodescope.trace import stream
+"""
+OURS_STREAM_CHILD = OURS_STREAM_IMPORTS + """
+ready = time.time()
+import json
+out = sys.argv[2] + ".d"
+rc = main(["analyze-trace", sys.argv[1], "--breakdown", "--out", out])
+if rc:
+    sys.exit(rc)
+b = json.load(open(out + "/breakdown.json"))
+totals = {}
+for per in b["names"].values():
+    for n, v in per.items():
+        totals[n] = totals.get(n, 0.0) + v["dur_us"]
+time_us = sum(r["time_us"] for r in b["categories"])
+json.dump({"ready": ready, "device": b["device"], "totals": totals, "categories": len(b["categories"]),
+           "kept": sum(v["rows"] for per in b["names"].values() for v in per.values()),
+           "other_share": sum(r["time_us"] for r in b["categories"] if r["category"] == "other") / time_us},
+          open(sys.argv[2], "w"))
+"""
+# what each of ours runs: (child, its imports before a byte is parsed, the command's own start-up argv)
+OURS = {"stream": (OURS_STREAM_CHILD, OURS_STREAM_IMPORTS, ["--breakdown"]),
+        "table": (OURS_CHILD, OURS_IMPORTS, [])}
 # the command itself, up to where it would read the first file (a directory that is not there)
 CLI_STARTUP = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from decodescope.cli import main
-sys.exit(main(["analyze-trace", "/nonexistent-trace-dir"]))
+sys.exit(main(["analyze-trace", "/nonexistent-trace-dir"] + sys.argv[2:]))
 """
 
 
@@ -144,12 +175,12 @@ def run_child(python: str, code: str, args: list[str]) -> dict:
     return {"wall_s": wall, "spawn": spawn, "peak_tree_pss_mb": peak_tree[0], "stdout": out.read().decode()}
 
 
-def import_profile(python: str, lib: str, top: int = 8) -> list[tuple[str, float]]:
+def import_profile(python: str, lib: str, imports: str, top: int = 8) -> list[tuple[str, float]]:
     """`python -X importtime` of our child's imports (what is loaded before a byte is parsed): the
     packages that cost most (each module's own time, summed per top-level package), in seconds."""
     runs = []
     for _ in range(3):  # the median of three (the first may compile bytecode)
-        proc = subprocess.run([python, "-X", "importtime", "-c", OURS_IMPORTS, "", "", lib],
+        proc = subprocess.run([python, "-X", "importtime", "-c", imports, "", "", lib],
                               capture_output=True, text=True, check=True)
         own: dict[str, float] = {}
         for line in proc.stderr.splitlines():
@@ -165,12 +196,12 @@ def import_profile(python: str, lib: str, top: int = 8) -> list[tuple[str, float
     return sorted(median.items(), key=lambda kv: -kv[1])[:top]
 
 
-def cli_startup_s(lib: str, repeat: int = 5) -> float:
+def cli_startup_s(lib: str, flags: list[str], repeat: int = 5) -> float:
     """`decodescope analyze-trace` from spawn to where it would read the first file: median wall."""
     walls = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", CLI_STARTUP, lib], capture_output=True)
+        subprocess.run([sys.executable, "-c", CLI_STARTUP, lib, *flags], capture_output=True)
         walls.append(time.perf_counter() - t0)
     return _median(walls)
 
@@ -230,7 +261,7 @@ def settle() -> float:
     return os.getloadavg()[0]
 
 
-def bench(trace_dir: Path, hta_python: str | None, repeat: int, hta_repeat: int, lib: str) -> dict:
+def bench(trace_dir: Path, hta_python: str | None, repeat: int, hta_repeat: int, lib: str, child: str) -> dict:
     import tempfile
 
     from decodescope.trace.load import find_trace_files
@@ -240,7 +271,7 @@ def bench(trace_dir: Path, hta_python: str | None, repeat: int, hta_repeat: int,
     runs, loads = [], []
     for _ in range(repeat):
         loads.append(settle())
-        r = run_child(sys.executable, OURS_CHILD, [str(trace_dir), str(out_json), lib])
+        r = run_child(sys.executable, child, [str(trace_dir), str(out_json), lib])
         result = json.loads(out_json.read_text())
         r["startup_s"] = result["ready"] - r["spawn"]
         runs.append(r)
@@ -281,8 +312,9 @@ def standard_set(cache: Path, cpu_capture: Path | None) -> list[Path]:
     from trace_set import grow_dir
 
     if cpu_capture is None:
-        found = sorted((p for p in (REPO / "outputs").glob("*/traces") if list(p.glob("*rank*.json*"))),
-                       key=lambda p: p.parent.name)
+        # a run's traces: outputs/<run>/traces, or one level per concurrency below it (traces/c1)
+        found = sorted((p for p in [*(REPO / "outputs").glob("*/traces"), *(REPO / "outputs").glob("*/traces/*")]
+                        if list(p.glob("*rank*.json*"))), key=lambda p: (p.parts[-3:],))
         if not found:
             raise SystemExit("no vLLM CPU capture under outputs/*/traces: run the embedded default "
                              "(`decodescope run params/default.yaml`) or give --cpu-capture")
@@ -333,6 +365,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs of ours (and of zcat) per trace; the median is shown")
     ap.add_argument("--hta-repeat", type=int, default=1)
     ap.add_argument("--lib", default=str(REPO / "lib"), help="import decodescope from here (to time another version)")
+    ap.add_argument("--ours", choices=sorted(OURS), default="stream",
+                    help="stream: `decodescope analyze-trace DIR --breakdown` (default); table: load_trace_dir + "
+                         "op_table + category_breakdown, the event table the full analysis builds")
     ap.add_argument("--label", default="", help="a line saying what was measured, for the table file")
     ap.add_argument("--wait-load", type=float, help="before each timing, wait (1 min at most) for the 1-min load "
                     "average to fall below this")
@@ -343,12 +378,13 @@ def main() -> int:
     if args.set:
         dirs += [d for d in standard_set(Path(args.cache), Path(args.cpu_capture) if args.cpu_capture else None)
                  if not args.only or args.only in d.name]
-    imports = import_profile(sys.executable, args.lib)
-    cli_s = cli_startup_s(args.lib)
+    child, child_imports, cli_flags = OURS[args.ours]
+    imports = import_profile(sys.executable, args.lib, child_imports)
+    cli_s = cli_startup_s(args.lib, cli_flags)
     print("heaviest imports (s):", imports, "; decodescope analyze-trace start-up (s):", round(cli_s, 3), flush=True)
     rows = []
     for d in dirs:
-        row = bench(d, hta_python, args.repeat, args.hta_repeat, args.lib)
+        row = bench(d, hta_python, args.repeat, args.hta_repeat, args.lib, child)
         rows.append(row)
         print(json.dumps(row), flush=True)
     notes = [args.label] if args.label else []
@@ -357,8 +393,10 @@ def main() -> int:
               f"ours s, start-up s: median of {args.repeat} runs; HTA s: median of {args.hta_repeat} (HTA's own time varies"
               " most on the big traces); mem = peak summed PSS of the process tree (MB);",
               "gunzip s: zcat of every rank file, as many at once as there are cores; x gunzip = ours s / gunzip s.",
-              "start-up: spawn to the end of the imports parsing needs (load_trace_dir), median; "
-              f"`decodescope analyze-trace` itself to where it reads the first file: {cli_s:.3f} s (median of 5).",
+              f"ours: {args.ours} ({'`decodescope analyze-trace DIR --breakdown`' if args.ours == 'stream' else 'load_trace_dir + op_table + category_breakdown'}).",
+              "start-up: spawn to the end of the imports parsing needs, median; "
+              f"`decodescope analyze-trace{' --breakdown' if cli_flags else ''}` itself to where it reads the first "
+              f"file: {cli_s:.3f} s (median of 5).",
               "costliest imports before parsing (python -X importtime, own time summed per package, s): "
               + ", ".join(f"{k} {v:.3f}" for k, v in imports)]
     text = "\n".join(notes) + "\n\n" + table(rows)
