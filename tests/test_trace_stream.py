@@ -20,10 +20,25 @@ from tests.test_trace_parse import _nested_ops
 GPU_REPLAY = "tests/fixtures/traces/h200x2_step_replay_graph"
 
 
-def _assert_same_as_table(trace_dir):
+@pytest.fixture(params=["c", "numpy"])
+def reader(request, monkeypatch):
+    """Each streamed test twice: chunks read by the C scanner (built here: the machine has a compiler),
+    and by the numpy reader alone (as where no compiler is found)."""
+    from decodescope.trace import cscan
+
+    if request.param == "c":
+        assert cscan.available(), "the C scanner did not build"
+    else:
+        monkeypatch.setattr(cscan, "_lib", None)
+    return request.param
+
+
+def _assert_same_as_table(trace_dir, reader=None):
     """Every (rank, category): time and calls as category_breakdown gives them; every (rank, name): the
-    summed duration of op_table's rows; the device."""
+    summed duration of op_table's rows; the device; every chunk read by `reader`."""
     s = breakdown_dir(trace_dir)
+    if reader:
+        assert set(k for k, v in s.chunks_by_reader.items() if v) == {reader}, s.chunks_by_reader
     ops = op_table(load_trace_dir(trace_dir).events)
     bd = category_breakdown(ops)
     assert s.device == ops.attrs["device"]
@@ -44,19 +59,19 @@ def _assert_same_as_table(trace_dir):
 
 
 @pytest.mark.parametrize("chunk", [None, 4096, 65536 + 17])
-def test_gpu_replay_breakdown_equals_the_tables(repo, monkeypatch, chunk):
+def test_gpu_replay_breakdown_equals_the_tables(repo, monkeypatch, chunk, reader):
     if chunk:
         monkeypatch.setattr(parse, "CHUNK_BYTES", chunk)
-    s = _assert_same_as_table(repo / GPU_REPLAY)
+    s = _assert_same_as_table(repo / GPU_REPLAY, reader)
     assert s.device == "gpu" and s.ranks == [0, 1] and not s.warnings
 
 
 @pytest.mark.parametrize("chunk", [None, 4096, 4099])
-def test_cpu_capture_breakdown_equals_the_tables(cpu_traces, monkeypatch, chunk):
+def test_cpu_capture_breakdown_equals_the_tables(cpu_traces, monkeypatch, chunk, reader):
     """Real torchrun gloo traces: self times and calls counted once, ops carried across chunk cuts."""
     if chunk:
         monkeypatch.setattr(parse, "CHUNK_BYTES", chunk)
-    s = _assert_same_as_table(cpu_traces)
+    s = _assert_same_as_table(cpu_traces, reader)
     assert s.device == "cpu" and not [w for w in s.warnings if "out of start order" in w]
 
 
@@ -78,20 +93,20 @@ def _write_cpu_trace(path, ops, rank: int, seed: int):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_nested_ops_in_start_order_stream_as_the_table(tmp_path, monkeypatch, seed):
+def test_nested_ops_in_start_order_stream_as_the_table(tmp_path, monkeypatch, seed, reader):
     """Deep nesting, twins, children outlasting their parent, three threads interleaved, and ties on a
     start time cut by chunks of 2 KB: each chunk holds a dozen events, so most ops are carried."""
-    ops = _nested_ops(seed, n_top=60)
+    ops = _nested_ops(seed, n_top=30)
     for rank in (0, 1):
         mine = ops[ops["rank"] == rank].sort_values("ts_us", kind="stable")
         _write_cpu_trace(tmp_path / f"t_rank{rank}.pt.trace.json.gz", mine, rank, seed)
     monkeypatch.setattr(parse, "CHUNK_BYTES", 2048)
-    s = _assert_same_as_table(tmp_path)
+    s = _assert_same_as_table(tmp_path, reader)
     assert not s.warnings
 
 
 def test_ops_out_of_start_order_are_read_whole_with_a_warning(tmp_path, monkeypatch):
-    ops = _nested_ops(3, n_top=40)
+    ops = _nested_ops(3, n_top=20)
     for rank in (0, 1):
         mine = ops[ops["rank"] == rank].sample(frac=1, random_state=rank)  # any order
         _write_cpu_trace(tmp_path / f"t_rank{rank}.pt.trace.json.gz", mine, rank, 3)
@@ -144,3 +159,62 @@ def test_streamed_memory_is_bounded_by_the_chunks_not_the_file(tmp_path):
         assert sum(v["rows"] for v in b.names[0].values()) == n
     assert peaks[200_000] < 32 * parse.CHUNK_BYTES, peaks
     assert abs(peaks[200_000] - peaks[40_000]) < 2 << 20, peaks
+
+
+# ---- the C scanner (cscan.py, _kscan.c) against the numpy reader, run by run ------------------------------
+def _run(events: list[str]) -> tuple[bytes, int, int]:
+    text = ("\n" + ",\n".join(events) + "\n").encode()
+    return text + parse.PAD, 0, len(text)
+
+
+def _both_readers(buf, lo, hi, is_gpu):
+    from decodescope.trace import cscan
+
+    assert cscan.available()
+    c, ref = parse._Columns(), parse._Columns()
+    seen_c = cscan.scan_chunk(buf, lo, hi, is_gpu, c, cscan.NameIndex())
+    seen_ref = parse._read_chunk(buf, lo, hi, is_gpu, ref, {})
+    return (seen_c, c), (seen_ref, ref)
+
+
+def _event(ph="X", cat="cpu_op", name="aten::mm", tid="7", ts="1.5", dur="2.25", args='{"External id": 1}'):
+    return (f'  {{\n    "ph": "{ph}", "cat": "{cat}", "name": {name if name.startswith(chr(34)) else chr(34) + name + chr(34)}, '
+            f'"pid": 3, "tid": {tid},\n    "ts": {ts}, "dur": {dur},\n    "args": {args}\n  }}')
+
+
+@pytest.mark.parametrize("is_gpu", [False, True])
+def test_c_scanner_reads_what_the_numpy_reader_reads(is_gpu):
+    """Numbers of every shape JSON allows, UTF-8 names, keys and braces inside args and inside strings,
+    events not kept (other phases, categories; string tids there), and the name rules of a GPU trace
+    (CPU ops kept only when they communicate, runtime calls only when they launch)."""
+    numbers = ["0", "-0.0", "5129162565171.905", "0.570", "-12", "123456789012345678", "1234567890123456789",
+               "1e-05", "9007199254740993.5", "18446744073709551615", "42", "2.5E+3"]
+    events = [_event(ts=n, dur=numbers[-1 - i], tid=str(i - 3)) for i, n in enumerate(numbers)]
+    events += [_event(name="caf\u00e9 \u2192 gloo:all_reduce", tid="4000000000"),
+               _event(cat="cuda_runtime", name="cudaLaunchKernel"), _event(cat="cuda_runtime", name="cudaGetDevice"),
+               _event(cat="kernel", name="void gemm<128, 64>(float*)", args='{"ts": 99, "name": "x}{", "a": [1, {"b": 2}]}'),
+               _event(cat="gpu_memcpy", name="Memcpy HtoD"), _event(cat="user_annotation", name="execute_context_0(0)"),
+               _event(ph="M", cat="cpu_op", tid='"PyTorch Profiler"'), _event(cat="Trace", tid='"Spans"', ts='"x"'),
+               _event(cat="python_function", name="f.py(1): g"), _event(cat="cpu_op", name="c10d::allreduce_")]
+    buf, lo, hi = _run(events)
+    (seen_c, c), (seen_ref, ref) = _both_readers(buf, lo, hi, is_gpu)
+    assert seen_c == seen_ref == len(events)
+    got, want = c.drain(), ref.drain()
+    assert len(want["ts"]) == (6 if is_gpu else len(numbers) + 7)
+    for col in ("ts", "dur", "tid"):
+        assert got[col].tolist() == want[col].tolist(), col
+    assert np.signbit(got["ts"]).tolist() == np.signbit(want["ts"]).tolist()
+    names = lambda cols, a: [list(cols.dicts["name"])[i] for i in a["name"]]  # noqa: E731
+    cats = lambda cols, a: [list(cols.dicts["cat"])[i] for i in a["cat"]]  # noqa: E731
+    assert names(c, got) == names(ref, want) and cats(c, got) == cats(ref, want)
+
+
+@pytest.mark.parametrize("event", [_event(name='"aten::foo(\\"x\\")"'), _event(tid='"7"'), _event(dur="null"),
+                                   _event(tid="7.5")])
+def test_c_scanner_leaves_what_it_does_not_read_exactly_to_the_numpy_reader(event):
+    """An escaped name, a string or fractional tid, a null duration in a kept event: the scanner gives
+    the run back (None), and the numpy reader reads it as json.loads would."""
+    from decodescope.trace import cscan
+
+    buf, lo, hi = _run([_event(), event])
+    assert cscan.scan_chunk(buf, lo, hi, False, parse._Columns(), cscan.NameIndex()) is None

@@ -86,6 +86,7 @@ def _breakdown(args) -> int:
     write_json_atomic(out / "breakdown.json", {
         "device": bd.device, "ranks": bd.ranks, "categories": bd.categories,
         "names": {str(r): per for r, per in bd.names.items()}, "warnings": bd.warnings, "skipped": bd.skipped,
+        "chunks_by_reader": bd.chunks_by_reader,
         "json_bytes": sum(m.bytes_json for m in bd.metas), "events_seen": sum(m.events_seen for m in bd.metas)})
     print(f"{bd.device} traces, ranks {bd.ranks}, {sum(m.bytes_json for m in bd.metas) / 1e6:,.0f} MB of JSON "
           f"read in {time.monotonic() - t0:.2f} s")

@@ -698,7 +698,7 @@ def _keep_pattern(is_gpu: bool) -> re.Pattern:
                        + comm + ")").encode())
 
 
-_KEEP = {True: _keep_pattern(True), False: _keep_pattern(False)}
+_KEEP: dict[bool, re.Pattern] = {}  # compiled at first use: only chunks the layout reader leaves need them
 
 
 def decode_body(body: "bytes | str", is_gpu: bool, lo: int = 0, hi: Optional[int] = None) -> list[dict]:
@@ -709,7 +709,8 @@ def decode_body(body: "bytes | str", is_gpu: bool, lo: int = 0, hi: Optional[int
     hi = len(body) if hi is None else hi
     find = body.find
     end = EVENT_END.encode()
-    kept = [body[p:find(end, p) + 4] for p in (m.start() for m in _KEEP[is_gpu].finditer(body, lo, hi))]
+    keep = _KEEP.get(is_gpu) or _KEEP.setdefault(is_gpu, _keep_pattern(is_gpu))
+    kept = [body[p:find(end, p) + 4] for p in (m.start() for m in keep.finditer(body, lo, hi))]
     if not kept:
         return []
     text = b"[" + b",".join(kept) + b"]"
@@ -848,15 +849,19 @@ def _generic(rest: bytes, chunks: Iterator[bytes], path: Path, meta: TraceMeta) 
 
 
 def parse_columns(path: "str | Path", workers: int = 1,
-                  on_chunk: Optional[Callable[[_Columns, bool], None]] = None) -> tuple[_Columns, TraceMeta]:
+                  on_chunk: Optional[Callable[[_Columns, bool], None]] = None,
+                  read_chunk: Optional[Callable] = None) -> tuple[_Columns, TraceMeta]:
     """One rank's trace -> (kept columns, metadata), in one pass; raises TraceError naming the file.
 
     With workers > 1 the chunks are read in that many processes while this one decompresses and cuts
     the next ones (at most 2 x workers chunks in flight); worth it only for big files (load.py).
     `on_chunk(cols, is_gpu)` is called as each chunk's rows are added: a reader that reduces them as
-    they come (stream.py) drains them there, and memory stays a few chunks whatever the file's size."""
+    they come (stream.py) drains them there, and memory stays a few chunks whatever the file's size.
+    `read_chunk(buf, lo, hi, is_gpu, cols, name_ok)` reads one run of whole Kineto events in this
+    process (default _read_chunk; stream.py passes the C scanner's)."""
     if on_chunk is None:
         on_chunk = _keep_rows
+    read_chunk = read_chunk or _read_chunk
     path = Path(path)
     meta = TraceMeta(path=str(path), rank=None, rank_source="", world_size=None, backend=None,
                      is_gpu=False, trace_id=None, base_time_ns=None)
@@ -897,7 +902,7 @@ def parse_columns(path: "str | Path", workers: int = 1,
                         meta.events_seen += seen
                         on_chunk(cols, is_gpu)
                     continue
-                meta.events_seen += _read_chunk(buf, lo, hi, is_gpu, cols, name_ok)
+                meta.events_seen += read_chunk(buf, lo, hi, is_gpu, cols, name_ok)
                 on_chunk(cols, is_gpu)
             for fut in pending:
                 payload, seen, _ = fut.result()

@@ -24,7 +24,7 @@ import numpy as np
 
 from decodescope.trace.load import FILES_IN_PROCESSES_MIN_BYTES, parse_all, rank_trace_files, ranked
 from decodescope.trace.nesting import NEST_EPS_US, parents_in_order, prev_in_thread
-from decodescope.trace.parse import TraceError, TraceMeta, _Columns, parse_columns, small_pages
+from decodescope.trace.parse import TraceError, TraceMeta, _Columns, _read_chunk, parse_columns, small_pages
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # analyze.GPU_WORK_CATS, without importing pandas
 OTHER = "other"
@@ -48,6 +48,7 @@ class RankTotals:
     cpu_rows: np.ndarray
     cpu_read: bool  # were the CPU ops reduced (a file whose header names a GPU skips them)
     warnings: list[str] = field(default_factory=list)
+    chunks_by_reader: dict[str, int] = field(default_factory=dict)  # {"c": .., "numpy": ..}
 
 
 def _grown(a: np.ndarray, n: int) -> np.ndarray:
@@ -187,22 +188,41 @@ class _Reduction:
             self._cpu({k: np.zeros(0, np.int64 if k in ("tid", "name") else float) for k in ("tid", "ts", "dur", "name")},
                       final=True)
 
-    def totals(self, warnings: list[str]) -> RankTotals:
+    def totals(self, warnings: list[str], readers: dict[str, int]) -> RankTotals:
         names = list(self.cols.dicts["name"]) if self.cols is not None else []
         n = len(names)
         return RankTotals(names=names, kernel_rows=self.kernel_rows, gpu_dur_us=_grown(self.gpu_dur, n),
                           gpu_rows=_grown(self.gpu_rows, n), cpu_time_us=_grown(self.cpu_time, n),
                           cpu_calls=_grown(self.cpu_calls, n), cpu_dur_us=_grown(self.cpu_dur, n),
-                          cpu_rows=_grown(self.cpu_rows, n), cpu_read=bool(self.cpu), warnings=warnings)
+                          cpu_rows=_grown(self.cpu_rows, n), cpu_read=bool(self.cpu), warnings=warnings,
+                          chunks_by_reader=readers)
+
+
+def _scanned_chunk(names, readers: dict[str, int]):
+    """parse_columns' read_chunk: the C scanner (cscan.py), else the numpy reader; `readers` counts
+    the chunks each read."""
+    from decodescope.trace.cscan import scan_chunk
+
+    def read(buf: bytes, lo: int, hi: int, is_gpu: bool, cols: _Columns, name_ok: dict) -> int:
+        seen = scan_chunk(buf, lo, hi, is_gpu, cols, names)
+        if seen is not None:
+            readers["c"] += 1
+            return seen
+        readers["numpy"] += 1
+        return _read_chunk(buf, lo, hi, is_gpu, cols, name_ok)
+    return read
 
 
 def reduce_file(path: "str | Path", rules=None, cpu: Optional[bool] = None) -> tuple[RankTotals, TraceMeta]:
     """One rank file reduced as it is read. Raises TraceError naming the file."""
+    from decodescope.trace.cscan import NameIndex
+
     red = _Reduction(rules, cpu)
+    readers = {"c": 0, "numpy": 0}
     try:
-        _, meta = parse_columns(path, on_chunk=red)
+        _, meta = parse_columns(path, on_chunk=red, read_chunk=_scanned_chunk(NameIndex(), readers))
         red.finish()
-        return red.totals([]), meta
+        return red.totals([], readers), meta
     except _Unordered:
         pass
     # a thread's ops out of start order: all rows at once, which is what the table does
@@ -213,7 +233,7 @@ def reduce_file(path: "str | Path", rules=None, cpu: Optional[bool] = None) -> t
         red.cpu = not meta.is_gpu
     red.add(cols.drain(), final=True)
     note = (f"{path}: CPU ops out of start order on a thread: read whole, so memory grew with the file")
-    return red.totals([note]), meta
+    return red.totals([note], {"c": 0, "numpy": 0}), meta
 
 
 def _reduce_one(path: str, workers: int = 1, as_payload: bool = False, rules=None, cpu: Optional[bool] = None):
@@ -238,6 +258,7 @@ class StreamedBreakdown:
     metas: list[TraceMeta]
     warnings: list[str]
     skipped: list[str]
+    chunks_by_reader: dict[str, int] = field(default_factory=dict)  # summed over the ranks read
 
     def other_share(self) -> float:
         total = sum(r["time_us"] for r in self.categories)
@@ -283,8 +304,12 @@ def breakdown_dir(trace_dir: "str | Path", workers: Optional[int] = None, rules=
                                             t.cpu_calls.tolist(), t.cpu_rows.tolist()) if k}
         names[meta.rank] = per
         categories += _by_category(meta.rank, per, device, rules)
+    readers: dict[str, int] = {}
+    for _, t, _ in chosen:
+        for k, v in t.chunks_by_reader.items():
+            readers[k] = readers.get(k, 0) + v
     return StreamedBreakdown(device=device, ranks=sorted(names), categories=categories, names=names, metas=metas,
-                             warnings=warnings, skipped=skipped)
+                             warnings=warnings, skipped=skipped, chunks_by_reader=readers)
 
 
 # Rank files in processes of their own from this much JSON handed to the others: a reduced file sends
