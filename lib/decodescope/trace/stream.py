@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -286,8 +287,15 @@ def breakdown_dir(trace_dir: "str | Path", workers: Optional[int] = None, rules=
     trace_dir = Path(trace_dir)
     files, front = rank_trace_files(trace_dir)
     workers = workers or (os.cpu_count() or 1)
+    # the rules and the scanner loaded before any worker is forked: each inherits them, not loads them again
+    from decodescope.trace.categorize import default_rules
+    from decodescope.trace.cscan import library
+
+    if rules is None:
+        default_rules()
+    library()
     with small_pages():
-        results = parse_all(files, workers, one=_reduce_one, min_bytes=STREAM_PROCESSES_MIN_BYTES)
+        results = parse_all(files, workers, one=partial(_reduce_one, rules=rules), min_bytes=STREAM_PROCESSES_MIN_BYTES)
     chosen, metas, warnings, skipped = ranked(results, trace_dir, front)
     device = "gpu" if any(t.kernel_rows for _, t, _ in chosen) else "cpu"
     if device == "cpu":  # a file whose header named a GPU but that had no kernel: its CPU ops after all
