@@ -3,7 +3,10 @@
 - rank files in processes of their own (FILES_IN_PROCESSES_MIN_BYTES): a directory of two rank files
   read with every file in this process vs one file here and one in a forked worker;
 - one file's chunks in worker processes (FILE_POOL_MIN_BYTES): one rank file read by this process
-  alone (its decompression in a thread) vs its chunks handed to `cores` workers.
+  alone (its decompression in a thread) vs its chunks handed to `cores` workers;
+- with --stream, the streamed breakdown's threshold (stream.STREAM_PROCESSES_MIN_BYTES): the directory
+  reduced by `breakdown_dir` with every file here vs one file here and one in a forked worker (a worker
+  sends back per-name sums, not columns; the rules and the C scanner are loaded before the clock).
 
 Each timing is a fresh interpreter (imports done before the clock starts, pandas included, so only the
 reading and the table are timed), the median of --repeat runs; the load average is printed with it.
@@ -37,12 +40,24 @@ with parse.small_pages():
         rows = len(cols.frame())
 print(json.dumps({"wall_s": time.perf_counter() - t0, "rows": rows}))
 """
+STREAM_CHILD = """
+import sys, time, json
+sys.path.insert(0, sys.argv[1])
+from decodescope.trace import stream, cscan
+from decodescope.trace.categorize import default_rules
+default_rules(), cscan.library()  # loaded before the clock: the same in both modes
+mode, target = sys.argv[2], sys.argv[3]
+t0 = time.perf_counter()
+stream.STREAM_PROCESSES_MIN_BYTES = 0 if mode == "per-rank-processes" else 1 << 62
+b = stream.breakdown_dir(target)
+print(json.dumps({"wall_s": time.perf_counter() - t0, "rows": sum(v["rows"] for p in b.names.values() for v in p.values())}))
+"""
 
 
-def timed(mode: str, target: Path, repeat: int, cores: int) -> float:
+def timed(mode: str, target: Path, repeat: int, cores: int, child: str = CHILD) -> float:
     walls = []
     for _ in range(repeat):
-        out = subprocess.run([sys.executable, "-c", CHILD, str(REPO / "lib"), mode, str(target), str(cores)],
+        out = subprocess.run([sys.executable, "-c", child, str(REPO / "lib"), mode, str(target), str(cores)],
                              capture_output=True, text=True, check=True).stdout
         walls.append(json.loads(out)["wall_s"])
     walls.sort()
@@ -54,6 +69,7 @@ def main() -> int:
     ap.add_argument("dirs", nargs="+", help="directories of two rank files each (e.g. the benchmark's set)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--stream", action="store_true", help="the streamed breakdown's rank processes only")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "lib"))
     from decodescope.trace.load import find_trace_files
@@ -63,10 +79,21 @@ def main() -> int:
     lines = [f"{cores} cores; median of {args.repeat} fresh interpreters each; seconds to read and build the table.",
              "", "| trace | rank files | JSON MB | load | one process | per-rank processes | gain | "
              "one file alone | its chunks in workers | gain |", "|---|---|---|---|---|---|---|---|---|---|"]
+    if args.stream:
+        lines[0] = (f"{cores} cores; median of {args.repeat} fresh interpreters each; seconds to reduce the directory "
+                    "(stream.breakdown_dir).")
+        lines[2:] = ["| trace | rank files | JSON MB | load | one process | per-rank processes | gain |",
+                     "|---|---|---|---|---|---|---|"]
     for d in map(Path, args.dirs):
         files, _ = find_trace_files(d)
         mb = sum(json_size(f) for f in files) / 1e6
         load = os.getloadavg()[0]
+        if args.stream:
+            one = timed("one-process", d, args.repeat, cores, STREAM_CHILD)
+            per = timed("per-rank-processes", d, args.repeat, cores, STREAM_CHILD)
+            lines.append(f"| {d.name} | {len(files)} | {mb:.0f} | {load:.2f} | {one:.3f} | {per:.3f} | {one / per:.2f}x |")
+            print(lines[-1], flush=True)
+            continue
         one, per = timed("one-process", d, args.repeat, cores), timed("per-rank-processes", d, args.repeat, cores)
         alone, pool = timed("file-alone", files[0], args.repeat, cores), timed("file-pool", files[0], args.repeat, cores)
         lines.append(f"| {d.name} | {len(files)} | {mb:.0f} | {load:.2f} | {one:.3f} | {per:.3f} | {one / per:.2f}x | "
