@@ -75,10 +75,10 @@ def _synthetic_cpu_traces(out: Path, ranks: int = 2, steps: int = 4) -> Path:
     return out
 
 
-def _run(argv, **kw):
+def _run(argv, env=None, **kw):
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env = {k: v for k, v in (env or os.environ).items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONDONTWRITEBYTECODE="1")
     proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300, env=env, **kw)
     assert proc.returncode == 0, f"{argv} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -143,3 +143,12 @@ def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(r
     assert summary["ranks"] == [0, 1] and summary["steps"] == {"decode": 8}
     # the category rules shipped in the wheel put gloo's all-reduce where the repository's rules do
     assert summary["allreduce_calls_per_step"] == {"0": 1.0, "1": 1.0}, proc.stdout
+    # the streamed breakdown reads Kineto's layout with the C scanner built from the wheel's own source,
+    # in a cache of its own
+    shutil.copytree(repo / "tests/fixtures/traces/h200x2_step_replay_graph", outside / "gpu_traces")
+    env_cache = {"XDG_CACHE_HOME": str(outside / "cache")}
+    proc = _run([venv / "bin" / "decodescope", "analyze-trace", "gpu_traces", "--breakdown", "--out", "analysis"],
+                cwd=outside, env={**os.environ, **env_cache})
+    breakdown = json.loads((outside / "analysis" / "breakdown.json").read_text())
+    assert breakdown["ranks"] == [0, 1] and breakdown["chunks_by_reader"]["numpy"] == 0, breakdown
+    assert breakdown["chunks_by_reader"]["c"] > 0 and list((outside / "cache" / "decodescope").glob("kscan-*.so"))

@@ -23,17 +23,26 @@ def analyze_trace_command(args) -> int:
         return _analyze(args)
 
 
-def _analyze(args) -> int:
-    t0 = time.monotonic()
+def _read_or_report(read, args, empty):
+    """read(trace_dir, workers=) with its warnings printed, or None after printing why nothing can be
+    analysed (a missing directory, no trace, no rank parsed)."""
     try:
-        loaded = load_trace_dir(Path(args.trace_dir), workers=args.workers)
+        result = read(Path(args.trace_dir), workers=args.workers)
     except (TraceError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    for w in loaded.warnings:
+        return None
+    for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    if loaded.events.empty:
+    if empty(result):
         print("error: no rank trace could be parsed", file=sys.stderr)
+        return None
+    return result
+
+
+def _analyze(args) -> int:
+    t0 = time.monotonic()
+    loaded = _read_or_report(load_trace_dir, args, lambda r: r.events.empty)
+    if loaded is None:
         return 2
     config = None
     if args.model_config:
@@ -72,15 +81,8 @@ def _breakdown(args) -> int:
     from decodescope.trace.stream import breakdown_dir
 
     t0 = time.monotonic()
-    try:
-        bd = breakdown_dir(Path(args.trace_dir), workers=args.workers)
-    except (TraceError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for w in bd.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    if not bd.ranks:
-        print("error: no rank trace could be parsed", file=sys.stderr)
+    bd = _read_or_report(breakdown_dir, args, lambda r: not r.ranks)
+    if bd is None:
         return 2
     out = Path(args.out) if args.out else Path(args.trace_dir) / "analysis"
     write_json_atomic(out / "breakdown.json", {

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from decodescope.trace.load import FILES_IN_PROCESSES_MIN_BYTES, parse_all, rank_trace_files, ranked
+from decodescope.trace.load import parse_all, rank_trace_files, ranked
 from decodescope.trace.nesting import NEST_EPS_US, parents_in_order, prev_in_thread
 from decodescope.trace.parse import TraceError, TraceMeta, _Columns, _read_chunk, parse_columns, small_pages
 
@@ -320,7 +320,11 @@ def breakdown_dir(trace_dir: "str | Path", workers: Optional[int] = None, rules=
                              warnings=warnings, skipped=skipped, chunks_by_reader=readers)
 
 
-# Rank files in processes of their own from this much JSON handed to the others: a reduced file sends
-# back a few arrays of per-name sums, not its columns, so the crossover is lower than the table's
-# (load.FILES_IN_PROCESSES_MIN_BYTES).
-STREAM_PROCESSES_MIN_BYTES = FILES_IN_PROCESSES_MIN_BYTES
+# Rank files in processes of their own from this much JSON handed to the others. Measured on this
+# project's 2-core machine (benchmarks/trace_crossover.py --stream, results/cpu_trace_stream_crossover.txt):
+# one process already keeps both cores busy (decompression in its thread, the C scanner in the main one),
+# so a worker gains only where the scanning and the self times outweigh the decompression: vLLM CPU
+# traces 0.91-1.15x with 4.5 MB handed over, 1.09-1.10x with 10 MB, 1.26-1.39x from 25 MB; the GPU
+# replay's sparse traces 0.62-0.82x with 3.5 MB, 0.92-0.96x with 10 MB, 1.08x with 25 MB. At 8 MB the
+# dense traces gain from 20 MB up and the sparse ones lose a few percent at 20 MB.
+STREAM_PROCESSES_MIN_BYTES = 8 << 20
