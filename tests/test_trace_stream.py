@@ -218,3 +218,14 @@ def test_c_scanner_leaves_what_it_does_not_read_exactly_to_the_numpy_reader(even
 
     buf, lo, hi = _run([_event(), event])
     assert cscan.scan_chunk(buf, lo, hi, False, parse._Columns(), cscan.NameIndex()) is None
+
+
+def test_compact_json_from_other_tools_streams_as_the_table(cpu_traces, tmp_path, monkeypatch):
+    """Traces not in Kineto's layout (one line of compact JSON) go through the streaming decoder, batch by
+    batch: the same breakdown as the table, neither layout reader used."""
+    for src in sorted(cpu_traces.glob("*.gz")):
+        doc = json.loads(gzip.decompress(src.read_bytes()))
+        (tmp_path / src.name.replace(".json.gz", ".json")).write_text(json.dumps(doc, separators=(",", ":")))
+    monkeypatch.setattr(parse, "CHUNK_BYTES", 65536)
+    s = _assert_same_as_table(tmp_path)
+    assert s.device == "cpu" and len(s.ranks) == 2 and not any(s.chunks_by_reader.values())
