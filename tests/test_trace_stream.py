@@ -229,3 +229,22 @@ def test_compact_json_from_other_tools_streams_as_the_table(cpu_traces, tmp_path
     monkeypatch.setattr(parse, "CHUNK_BYTES", 65536)
     s = _assert_same_as_table(tmp_path)
     assert s.device == "cpu" and len(s.ranks) == 2 and not any(s.chunks_by_reader.values())
+
+
+def test_scanner_builds_into_an_empty_cache_and_a_failed_build_falls_back(tmp_path, monkeypatch, repo):
+    """A fresh cache gets the library (and no leftover temporary file); a compiler that fails leaves the
+    numpy reader to do the work, with nothing half-written in the cache."""
+    from decodescope.trace import cscan
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cscan, "_lib", cscan._UNSET)
+    assert cscan.library() is not None
+    assert [p.suffix for p in (tmp_path / "cache" / "decodescope").iterdir()] == [".so"]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache2"))
+    monkeypatch.setenv("CC", "false")  # a compiler that exits 1
+    monkeypatch.setattr(cscan, "_lib", cscan._UNSET)
+    assert cscan.library() is None
+    assert not list((tmp_path / "cache2" / "decodescope").iterdir())
+    s = breakdown_dir(repo / GPU_REPLAY)
+    assert s.chunks_by_reader["c"] == 0 and s.chunks_by_reader["numpy"] > 0

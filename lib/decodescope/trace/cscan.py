@@ -53,9 +53,12 @@ def library() -> Optional[ctypes.CDLL]:
                 return None
             so.parent.mkdir(parents=True, exist_ok=True)
             tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")  # several processes may build at once
-            subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp, so)
+            try:
+                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(tmp, so)
+            finally:
+                tmp.unlink(missing_ok=True)
         lib = ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError):
         return None
