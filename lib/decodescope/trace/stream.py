@@ -105,11 +105,12 @@ class _Reduction:
 
     # -- CPU ops: self times across chunks -------------------------------------------------------
     def _categories(self, codes: np.ndarray) -> np.ndarray:
-        names = list(self.cols.dicts["name"])
-        if len(self.category_of) < len(names):
+        if len(self.category_of) < len(self.cols.dicts["name"]):  # new names this chunk: only they are listed
+            from itertools import islice
+
             from decodescope.trace.categorize import categorize_names
 
-            new = names[len(self.category_of):]
+            new = list(islice(self.cols.dicts["name"], len(self.category_of), None))
             mapping = categorize_names(new, "cpu", self.rules)
             ids = [self.category_ids.setdefault(mapping[n], len(self.category_ids)) for n in new]
             self.category_of = np.concatenate([self.category_of, np.array(ids, np.int32)])
