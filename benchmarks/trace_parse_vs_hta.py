@@ -82,13 +82,13 @@ json.dump({"ready": ready, "device": ops.attrs["device"], "totals": totals, "cat
            "other_share": float(bd.loc[bd["category"].astype(str) == "other", "time_us"].sum() / bd["time_us"].sum())},
           open(sys.argv[2], "w"))
 """
-# `decodescope analyze-trace DIR --breakdown` (stream.py: reduced as read, no table), as a user runs it;
+# `decodescope analyze-trace DIR --breakdown` (breakdown.py: reduced in C as read, no table), as a user runs it;
 # then its breakdown.json read back for the per-name check (a few hundred names: not timed apart).
 OURS_STREAM_IMPORTS = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
 from decodescope.cli import main
-from decodescope.trace import stream
+from decodescope.trace import breakdown, creduce
 """
 OURS_STREAM_CHILD = OURS_STREAM_IMPORTS + """
 ready = time.time()

@@ -183,12 +183,12 @@ def test_layout_reader_gives_the_decoders_table(source, cpu_traces, repo, monkey
 
 
 def test_events_straddling_chunk_boundaries_are_read_whole(cpu_traces, monkeypatch):
-    from decodescope.trace import parse
+    from decodescope.trace import parse, reader
 
     src = sorted(cpu_traces.glob("*.gz"))[0]
     whole, _ = parse_trace(src)
     for chunk in (4096, 4099, 65536 + 17):  # every event cut somewhere at one of these sizes
-        monkeypatch.setattr(parse, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(reader, "CHUNK_BYTES", chunk)
         df, meta = parse_trace(src)
         _same_table(df, whole)
         assert meta.bytes_json == len(gzip.decompress(src.read_bytes()))
@@ -198,10 +198,10 @@ def test_events_straddling_chunk_boundaries_are_read_whole(cpu_traces, monkeypat
 
 
 def test_chunks_read_in_worker_processes_give_the_same_table(repo, monkeypatch):
-    from decodescope.trace import parse
+    from decodescope.trace import parse, reader
 
     src = sorted((repo / GPU_REPLAY).glob("*.gz"))[0]
-    monkeypatch.setattr(parse, "CHUNK_BYTES", 256 << 10)  # a dozen chunks
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 256 << 10)  # a dozen chunks
     one, _ = parse_trace(src, workers=1)
     two, meta = parse_trace(src, workers=2)
     _same_table(one, two)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from decodescope.trace import parse
+from decodescope.trace import reader as trace_reader
 from decodescope.trace.analyze import category_breakdown, op_table
 from decodescope.trace.load import load_trace_dir
 from decodescope.trace.stream import breakdown_dir
@@ -20,16 +21,19 @@ from tests.test_trace_parse import _nested_ops
 GPU_REPLAY = "tests/fixtures/traces/h200x2_step_replay_graph"
 
 
-@pytest.fixture(params=["c", "numpy"])
+@pytest.fixture(params=["c_reduce", "c", "numpy"])
 def reader(request, monkeypatch):
-    """Each streamed test twice: chunks read by the C scanner (built here: the machine has a compiler),
+    """Each streamed test three times: files reduced in C (creduce.py; the library is built here: the
+    machine has a compiler), chunks read by the C scanner and reduced with numpy (creduce turned off),
     and by the numpy reader alone (as where no compiler is found)."""
-    from decodescope.trace import cscan
+    from decodescope.trace import creduce, cscan
 
-    if request.param == "c":
-        assert cscan.available(), "the C scanner did not build"
-    else:
+    if request.param == "numpy":
         monkeypatch.setattr(cscan, "_lib", None)
+    else:
+        assert cscan.available(), "the C library did not build"
+    if request.param == "c":
+        monkeypatch.setattr(creduce, "available", lambda: False)
     return request.param
 
 
@@ -61,7 +65,7 @@ def _assert_same_as_table(trace_dir, reader=None):
 @pytest.mark.parametrize("chunk", [None, 4096, 65536 + 17])
 def test_gpu_replay_breakdown_equals_the_tables(repo, monkeypatch, chunk, reader):
     if chunk:
-        monkeypatch.setattr(parse, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(trace_reader, "CHUNK_BYTES", chunk)
     s = _assert_same_as_table(repo / GPU_REPLAY, reader)
     assert s.device == "gpu" and s.ranks == [0, 1] and not s.warnings
 
@@ -70,7 +74,7 @@ def test_gpu_replay_breakdown_equals_the_tables(repo, monkeypatch, chunk, reader
 def test_cpu_capture_breakdown_equals_the_tables(cpu_traces, monkeypatch, chunk, reader):
     """Real torchrun gloo traces: self times and calls counted once, ops carried across chunk cuts."""
     if chunk:
-        monkeypatch.setattr(parse, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(trace_reader, "CHUNK_BYTES", chunk)
     s = _assert_same_as_table(cpu_traces, reader)
     assert s.device == "cpu" and not [w for w in s.warnings if "out of start order" in w]
 
@@ -78,7 +82,7 @@ def test_cpu_capture_breakdown_equals_the_tables(cpu_traces, monkeypatch, chunk,
 NAMES = ["c10d::allreduce_", "gloo:all_reduce", "aten::mm", "aten::add", "aten::copy_", "vllm::fused_moe"]
 
 
-def _write_cpu_trace(path, ops, rank: int, seed: int):
+def _write_cpu_trace(path, ops, rank: int, seed: int, world_size: int = 2):
     """ops (tid, ts_us, dur_us) as a Kineto CPU trace, events in the given order, names drawn so that
     all-reduces nest inside all-reduces (calls counted once) and in other ops."""
     rng = np.random.default_rng(seed)
@@ -87,8 +91,8 @@ def _write_cpu_trace(path, ops, rank: int, seed: int):
         name = NAMES[int(rng.integers(len(NAMES)))]
         bodies.append(f'  {{\n    "ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 7, "tid": {r.tid},\n'
                       f'    "ts": {r.ts_us}, "dur": {r.dur_us},\n    "args": {{"External id": {i}}}\n  }}')
-    text = ('{\n  "schemaVersion": 1,\n  "distributedInfo": {"backend": "gloo", "rank": %d, "world_size": 2},\n'
-            '  "traceEvents": [\n' % rank + ",\n".join(bodies) + '\n  ],\n  "traceName": "t.json"\n}')
+    text = ('{\n  "schemaVersion": 1,\n  "distributedInfo": {"backend": "gloo", "rank": %d, "world_size": %d},\n'
+            '  "traceEvents": [\n' % (rank, world_size) + ",\n".join(bodies) + '\n  ],\n  "traceName": "t.json"\n}')
     path.write_bytes(gzip.compress(text.encode()))
 
 
@@ -100,9 +104,39 @@ def test_nested_ops_in_start_order_stream_as_the_table(tmp_path, monkeypatch, se
     for rank in (0, 1):
         mine = ops[ops["rank"] == rank].sort_values("ts_us", kind="stable")
         _write_cpu_trace(tmp_path / f"t_rank{rank}.pt.trace.json.gz", mine, rank, seed)
-    monkeypatch.setattr(parse, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(trace_reader, "CHUNK_BYTES", 2048)
     s = _assert_same_as_table(tmp_path, reader)
     assert not s.warnings
+
+
+def test_ops_sharing_a_start_reduce_as_the_table_whatever_their_file_order(tmp_path, monkeypatch, reader):
+    """Ops of a thread that start together, written shortest first (a child before the op enclosing it),
+    zero-length ops among them and at their parent's end: each is nested by length, not file order."""
+    import pandas as pd
+
+    rows = []
+    for tid in (5, 6):
+        for i in range(60):
+            t0 = i * 100.0 + tid
+            rows += [(0, tid, t0, 50.0), (0, tid, t0, 25.0), (0, tid, t0, 12.5), (0, tid, t0, 0.0),
+                     (0, tid, t0 + 30.0, 10.0), (0, tid, t0 + 30.0, 10.0), (0, tid, t0 + 50.0, 0.0)]
+    ops = pd.DataFrame(rows, columns=["rank", "tid", "ts_us", "dur_us"])
+    ops = ops.sort_values(["ts_us", "dur_us"], kind="stable")  # shortest first among equal starts
+    _write_cpu_trace(tmp_path / "t_rank0.pt.trace.json.gz", ops, 0, 5, world_size=1)
+    monkeypatch.setattr(trace_reader, "CHUNK_BYTES", 2048)
+    s = _assert_same_as_table(tmp_path, reader)
+    assert not s.warnings
+
+
+def test_more_rank_files_than_threads(tmp_path, reader):
+    """Eight rank files reduced by two threads (or processes): every rank, as the table has it."""
+    ops = _nested_ops(4, n_top=15)
+    for rank in range(8):
+        mine = ops[ops["rank"] == rank % 2].sort_values("ts_us", kind="stable")
+        _write_cpu_trace(tmp_path / f"t_rank{rank}.pt.trace.json.gz", mine, rank, rank, world_size=8)
+    s = breakdown_dir(tmp_path, workers=2)
+    assert s.ranks == list(range(8)) and not s.warnings
+    _assert_same_as_table(tmp_path, reader)
 
 
 def test_ops_out_of_start_order_are_read_whole_with_a_warning(tmp_path, monkeypatch):
@@ -110,24 +144,43 @@ def test_ops_out_of_start_order_are_read_whole_with_a_warning(tmp_path, monkeypa
     for rank in (0, 1):
         mine = ops[ops["rank"] == rank].sample(frac=1, random_state=rank)  # any order
         _write_cpu_trace(tmp_path / f"t_rank{rank}.pt.trace.json.gz", mine, rank, 3)
-    monkeypatch.setattr(parse, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(trace_reader, "CHUNK_BYTES", 2048)
     s = _assert_same_as_table(tmp_path)
     assert sum("out of start order" in w for w in s.warnings) == 2
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not_a_trace"])
+def test_a_damaged_rank_is_named_and_the_others_reduced(cpu_traces, tmp_path, reader, damage):
+    import shutil
+
+    d = tmp_path / "traces"
+    shutil.copytree(cpu_traces, d)
+    victim = sorted(d.glob("*rank1*.gz"))[0]
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[:len(victim.read_bytes()) // 2])
+    else:
+        victim.write_bytes(gzip.compress(json.dumps({"hello": [1, 2, 3]}).encode()))
+    s = breakdown_dir(d)
+    assert s.ranks == [0] and s.device == "cpu"
+    assert any(victim.name in w and ("truncated" in w or "traceEvents" in w) for w in s.warnings), s.warnings
+    assert any("rank(s) [1]" in w for w in s.warnings)
+    assert set(k for k, v in s.chunks_by_reader.items() if v) == {reader}
+
+
 def test_breakdown_command_writes_its_file_and_imports_no_pandas(repo, tmp_path):
     """`decodescope analyze-trace --breakdown` end to end in a fresh interpreter: its file, and neither
-    pandas nor pydantic loaded at its exit (its start-up budget)."""
+    numpy, pandas nor pydantic loaded at its exit (its start-up budget: the files are reduced in C)."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from decodescope.cli import main; "
             "rc = main(['analyze-trace', sys.argv[2], '--breakdown', '--out', sys.argv[3]]); "
-            "print(sorted(m for m in ('pandas', 'pydantic', 'plotly', 'papermill', 'pyarrow') if m in sys.modules)); "
+            "print(sorted(m for m in ('numpy', 'pandas', 'pydantic', 'plotly', 'papermill', 'pyarrow') "
+            "if m in sys.modules)); "
             "sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code, str(repo / "lib"), str(repo / GPU_REPLAY), str(tmp_path)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
     got = json.loads((tmp_path / "breakdown.json").read_text())
-    assert got["device"] == "gpu" and got["ranks"] == [0, 1]
+    assert got["device"] == "gpu" and got["ranks"] == [0, 1] and set(got["chunks_by_reader"]) == {"c_reduce"}
     assert {r["category"] for r in got["categories"]} >= {"allreduce_nccl", "gemm_dense"}
     assert "allreduce_nccl" in out.stdout
 
@@ -157,8 +210,33 @@ def test_streamed_memory_is_bounded_by_the_chunks_not_the_file(tmp_path):
         _, peaks[n] = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         assert sum(v["rows"] for v in b.names[0].values()) == n
-    assert peaks[200_000] < 32 * parse.CHUNK_BYTES, peaks
+    assert peaks[200_000] < 32 * trace_reader.CHUNK_BYTES, peaks
     assert abs(peaks[200_000] - peaks[40_000]) < 2 << 20, peaks
+
+
+def test_c_reduction_memory_is_flat_in_the_file_size(tmp_path, repo):
+    """The C reduction's memory is outside tracemalloc's sight: peak RSS of a fresh interpreter reducing
+    a file of every-row-kept CPU ops, and one five times longer, grows by less than 8 MB (the table
+    would hold 20 MB more rows)."""
+    from tests.test_trace_parse import _synthetic_trace
+
+    code = ("import sys, resource; sys.path.insert(0, sys.argv[1]); from decodescope.trace import breakdown, cscan; "
+            "from decodescope.trace.categorize import default_rules; default_rules(); cscan.library(); "
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            "b = breakdown.breakdown_dir(sys.argv[2], workers=1); "
+            "assert b.chunks_by_reader == {'c_reduce': b.chunks_by_reader['c_reduce']}, b.chunks_by_reader; "
+            "print(sum(v['rows'] for v in b.names[0].values()), before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    peaks = {}
+    for n in (40_000, 200_000):
+        d = tmp_path / str(n)
+        d.mkdir()
+        _synthetic_trace(d / "t_rank0.pt.trace.json.gz", n, kept_every=1)
+        out = subprocess.run([sys.executable, "-c", code, str(repo / "lib"), str(d)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        rows, before_kb, after_kb = map(int, out.stdout.split())
+        assert rows == n
+        peaks[n] = after_kb
+    assert peaks[200_000] - peaks[40_000] < 8 << 10, peaks
 
 
 # ---- the C scanner (cscan.py, _kscan.c) against the numpy reader, run by run ------------------------------
@@ -226,7 +304,7 @@ def test_compact_json_from_other_tools_streams_as_the_table(cpu_traces, tmp_path
     for src in sorted(cpu_traces.glob("*.gz")):
         doc = json.loads(gzip.decompress(src.read_bytes()))
         (tmp_path / src.name.replace(".json.gz", ".json")).write_text(json.dumps(doc, separators=(",", ":")))
-    monkeypatch.setattr(parse, "CHUNK_BYTES", 65536)
+    monkeypatch.setattr(trace_reader, "CHUNK_BYTES", 65536)
     s = _assert_same_as_table(tmp_path)
     assert s.device == "cpu" and len(s.ranks) == 2 and not any(s.chunks_by_reader.values())
 

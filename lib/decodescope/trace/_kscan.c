@@ -115,6 +115,110 @@ static inline int key_is(const char *k, long n, const char *want) {
     return (long)strlen(want) == n && memcmp(k, want, (size_t)n) == 0;
 }
 
+/* One event of a run, as the scanner reads it. */
+typedef struct {
+    int is_x, cat, odd;
+    int64_t off; /* the name's offset in b, -1: no name */
+    int32_t len;
+    uint64_t hash;
+    double ts, dur;
+    int64_t tid;
+} kev;
+
+/* The event at *pp (after separators) read into *e: 1, *pp moved past it; 0 at the end of the run;
+ * KSCAN_NOT_MINE for text this scanner leaves to the numpy reader (see kscan). */
+static inline int next_event(const char **pp, const char *end, const char *b, kev *e) {
+    const char *p = *pp;
+    while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t' || *p == ',')) p++;
+    if (p >= end) return 0;
+    if (*p != '{') return KSCAN_NOT_MINE;
+    p++;
+    int have_ph = 0, have_cat = 0, have_name = 0, have_ts = 0, have_dur = 0, have_tid = 0;
+    double tidv = -1.0;
+    e->is_x = 0; e->cat = -1; e->odd = 0; e->off = -1; e->len = 0; e->hash = 0;
+    e->ts = 0.0; e->dur = 0.0; e->tid = -1;
+    for (;;) {
+        p = skip_ws(p, end);
+        if (p >= end) return KSCAN_NOT_MINE;
+        if (*p == '}') { p++; break; }
+        if (*p != '"') return KSCAN_NOT_MINE;
+        int esc = 0;
+        const char *kq = string_end(p, end, &esc);
+        if (!kq || esc) return KSCAN_NOT_MINE;
+        const char *k = p + 1;
+        long kn = kq - k;
+        p = skip_ws(kq + 1, end);
+        if (p >= end || *p != ':') return KSCAN_NOT_MINE;
+        p = skip_ws(p + 1, end);
+        if (p >= end) return KSCAN_NOT_MINE;
+        const char *v = p;
+        if (kn == 2 && k[0] == 'p' && k[1] == 'h' && !have_ph) {
+            have_ph = 1;
+            p = skip_value(v, end);
+            if (!p) return KSCAN_NOT_MINE;
+            e->is_x = (p - v == 3 && v[0] == '"' && v[1] == 'X' && v[2] == '"');
+        } else if (key_is(k, kn, "cat") && !have_cat) {
+            have_cat = 1;
+            p = skip_value(v, end);
+            if (!p) return KSCAN_NOT_MINE;
+            if (*v == '"') {
+                long vn = (p - v) - 2;
+                for (int i = 0; i < N_CATS; i++)
+                    if (key_is(v + 1, vn, CATS[i])) { e->cat = i; break; }
+            }
+        } else if (key_is(k, kn, "name") && !have_name) {
+            have_name = 1;
+            if (*v != '"') return KSCAN_NOT_MINE;
+            int nesc = 0;
+            const char *q = string_end(v, end, &nesc);
+            if (!q || nesc) return KSCAN_NOT_MINE;
+            e->off = (v + 1) - b;
+            e->len = (int32_t)(q - v - 1);
+            uint64_t h = 1469598103934665603ULL;
+            for (const char *s = v + 1; s < q; s++) { h ^= (uint8_t)*s; h *= 1099511628211ULL; }
+            e->hash = h;
+            p = q + 1;
+        } else if (kn == 2 && k[0] == 't' && k[1] == 's' && !have_ts) {
+            have_ts = 1;
+            p = read_number(v, end, &e->ts);
+            if (!p) { e->odd = 1; p = skip_value(v, end); }
+        } else if (key_is(k, kn, "dur") && !have_dur) {
+            have_dur = 1;
+            p = read_number(v, end, &e->dur);
+            if (!p) { e->odd = 1; p = skip_value(v, end); }
+        } else if (key_is(k, kn, "tid") && !have_tid) {
+            have_tid = 1;
+            p = read_number(v, end, &tidv);
+            if (p) {
+                /* an integer as int() reads it; a fraction or one past int64 is odd */
+                const char *s = v;
+                int neg = (*s == '-');
+                s += neg;
+                uint64_t u = 0;
+                for (; s < p; s++) {
+                    if (*s < '0' || *s > '9' || u > 922337203685477580ULL) { e->odd = 1; break; }
+                    u = u * 10 + (uint64_t)(*s - '0');
+                }
+                if (u > 9223372036854775807ULL) e->odd = 1;
+                e->tid = neg ? -(int64_t)u : (int64_t)u;
+            } else {
+                e->odd = 1;  /* a string ("tid": "PyTorch Profiler"): only an event that is kept minds */
+                p = skip_value(v, end);
+            }
+        } else {
+            p = skip_value(v, end);
+            if (!p) return KSCAN_NOT_MINE;
+        }
+        if (!p) return KSCAN_NOT_MINE;
+        p = skip_ws(p, end);
+        if (p < end && *p == ',') { p++; continue; }
+        if (p < end && *p == '}') { p++; break; }
+        return KSCAN_NOT_MINE;
+    }
+    *pp = p;
+    return 1;
+}
+
 /* Reads the events of b[lo:hi] (whole events, each an object at the top level of the run, separated
  * by commas and white space). For each event whose "ph" is "X" and whose "cat" is a kept category:
  * cat id, name offset/length/hash (-1 offset: no name), ts, dur (0.0 when absent), tid (-1 when absent).
@@ -125,110 +229,309 @@ int64_t kscan(const char *b, int64_t lo, int64_t hi, int64_t cap, int8_t *cat, i
               int32_t *name_len, uint64_t *name_hash, double *ts, double *dur, int64_t *tid, int64_t *seen) {
     const char *p = b + lo, *end = b + hi;
     int64_t n = 0, events = 0;
-    for (;;) {
-        while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t' || *p == ',')) p++;
-        if (p >= end) break;
-        if (*p != '{') return KSCAN_NOT_MINE;
-        p++;
+    kev e;
+    int r;
+    while ((r = next_event(&p, end, b, &e)) == 1) {
         events++;
-        int is_x = 0, c = -1;
-        int have_ph = 0, have_cat = 0, have_name = 0, have_ts = 0, have_dur = 0, have_tid = 0;
-        int64_t off = -1;
-        int32_t len = 0;
-        uint64_t h = 0;
-        double t = 0.0, d = 0.0, tidv = -1.0;
-        int64_t tid_i = -1;
-        int odd = 0; /* a ts, dur or tid that is not a plain number: the numpy reader's business if kept */
-        for (;;) {
-            p = skip_ws(p, end);
-            if (p >= end) return KSCAN_NOT_MINE;
-            if (*p == '}') { p++; break; }
-            if (*p != '"') return KSCAN_NOT_MINE;
-            int esc = 0;
-            const char *kq = string_end(p, end, &esc);
-            if (!kq || esc) return KSCAN_NOT_MINE;
-            const char *k = p + 1;
-            long kn = kq - k;
-            p = skip_ws(kq + 1, end);
-            if (p >= end || *p != ':') return KSCAN_NOT_MINE;
-            p = skip_ws(p + 1, end);
-            if (p >= end) return KSCAN_NOT_MINE;
-            const char *v = p;
-            if (kn == 2 && k[0] == 'p' && k[1] == 'h' && !have_ph) {
-                have_ph = 1;
-                p = skip_value(v, end);
-                if (!p) return KSCAN_NOT_MINE;
-                is_x = (p - v == 3 && v[0] == '"' && v[1] == 'X' && v[2] == '"');
-            } else if (key_is(k, kn, "cat") && !have_cat) {
-                have_cat = 1;
-                p = skip_value(v, end);
-                if (!p) return KSCAN_NOT_MINE;
-                if (*v == '"') {
-                    long vn = (p - v) - 2;
-                    for (int i = 0; i < N_CATS; i++)
-                        if (key_is(v + 1, vn, CATS[i])) { c = i; break; }
-                }
-            } else if (key_is(k, kn, "name") && !have_name) {
-                have_name = 1;
-                if (*v != '"') return KSCAN_NOT_MINE;
-                int nesc = 0;
-                const char *q = string_end(v, end, &nesc);
-                if (!q || nesc) return KSCAN_NOT_MINE;
-                off = (v + 1) - b;
-                len = (int32_t)(q - v - 1);
-                h = 1469598103934665603ULL;
-                for (const char *s = v + 1; s < q; s++) { h ^= (uint8_t)*s; h *= 1099511628211ULL; }
-                p = q + 1;
-            } else if (kn == 2 && k[0] == 't' && k[1] == 's' && !have_ts) {
-                have_ts = 1;
-                p = read_number(v, end, &t);
-                if (!p) { odd = 1; p = skip_value(v, end); }
-            } else if (key_is(k, kn, "dur") && !have_dur) {
-                have_dur = 1;
-                p = read_number(v, end, &d);
-                if (!p) { odd = 1; p = skip_value(v, end); }
-            } else if (key_is(k, kn, "tid") && !have_tid) {
-                have_tid = 1;
-                p = read_number(v, end, &tidv);
-                if (p) {
-                    /* an integer as int() reads it; a fraction or one past int64 is odd */
-                    const char *s = v;
-                    int neg = (*s == '-');
-                    s += neg;
-                    uint64_t u = 0;
-                    for (; s < p; s++) {
-                        if (*s < '0' || *s > '9' || u > 922337203685477580ULL) { odd = 1; break; }
-                        u = u * 10 + (uint64_t)(*s - '0');
-                    }
-                    if (u > 9223372036854775807ULL) odd = 1;
-                    tid_i = neg ? -(int64_t)u : (int64_t)u;
-                } else {
-                    odd = 1;  /* a string ("tid": "PyTorch Profiler"): only an event that is kept minds */
-                    p = skip_value(v, end);
-                }
-            } else {
-                p = skip_value(v, end);
-                if (!p) return KSCAN_NOT_MINE;
-            }
-            if (!p) return KSCAN_NOT_MINE;
-            p = skip_ws(p, end);
-            if (p < end && *p == ',') { p++; continue; }
-            if (p < end && *p == '}') { p++; break; }
-            return KSCAN_NOT_MINE;
-        }
-        if (is_x && c >= 0) {
-            if (odd) return KSCAN_NOT_MINE;
+        if (e.is_x && e.cat >= 0) {
+            if (e.odd) return KSCAN_NOT_MINE;
             if (n >= cap) return KSCAN_FULL;
-            cat[n] = (int8_t)c;
-            name_off[n] = off;
-            name_len[n] = len;
-            name_hash[n] = h;
-            ts[n] = t;
-            dur[n] = d;
-            tid[n] = tid_i;
+            cat[n] = (int8_t)e.cat;
+            name_off[n] = e.off;
+            name_len[n] = e.len;
+            name_hash[n] = e.hash;
+            ts[n] = e.ts;
+            dur[n] = e.dur;
+            tid[n] = e.tid;
             n++;
         }
     }
+    if (r < 0) return r;
     *seen = events;
     return n;
+}
+
+/* ---- the streamed breakdown, reduced here (creduce.py) -------------------------------------------
+ * Per name: GPU work (kernel, memcpy, memset) at its duration; CPU ops (on a CPU trace) at their self
+ * time, with counts of (op, enclosing op) name pairs from which the caller counts calls by category.
+ * stream.py's numpy reduction is the reference: an op's parent is the latest earlier op of its thread,
+ * in (start, longest first) order, still open at its start (ending more than NEST_EPS_US after it):
+ * what a stack of open ops holds. Ops of a thread that share a start wait in a group until a later
+ * start comes, then go onto the stack longest first (ties in file order). */
+#define KR_UNORDERED (-3) /* a CPU op starts before one of its thread already read: the caller reads whole */
+#define KR_NOMEM (-4)
+#define NEST_EPS_US 1e-9
+enum { CAT_KERNEL = 0, CAT_MEMCPY = 1, CAT_MEMSET = 2, CAT_CPU_OP = 5 };
+
+typedef struct { double ts, dur, end, self; int32_t name; } kop;
+
+typedef struct {
+    kop *stack; int64_t sn, scap;
+    kop *group; int64_t gn, gcap;
+    double gts; /* the group's start */
+} kthread;
+
+typedef struct { uint64_t key; int64_t val; int64_t used; } kslot;
+
+typedef struct { kslot *s; int64_t cap, n; } kmap;
+
+typedef struct {
+    int cpu;
+    kmap names;      /* name hash -> name id; another name of the same hash goes on to the next key */
+    int64_t n_names, names_cap;
+    char *blob; int64_t blob_len, blob_cap;
+    int64_t *name_off; int32_t *name_len; uint64_t *name_hash;
+    double *gpu_dur, *cpu_self, *cpu_dur;
+    int64_t *gpu_rows, *cpu_rows;
+    kmap pairs;      /* child << 32 | (parent + 1) -> count */
+    kmap tids;       /* tid -> thread index */
+    kthread *thr; int64_t n_thr, thr_cap;
+    int64_t kernel_rows, kernel_seen, events_seen, kept;
+    int failed;
+} kred;
+
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+    return x;
+}
+
+static int kmap_grow(kmap *m) {
+    int64_t cap = m->cap ? m->cap * 2 : 64;
+    kslot *s = calloc((size_t)cap, sizeof(kslot));
+    if (!s) return -1;
+    for (int64_t i = 0; i < m->cap; i++) {
+        if (!m->s[i].used) continue;
+        uint64_t j = mix64(m->s[i].key) & (uint64_t)(cap - 1);
+        while (s[j].used) j = (j + 1) & (uint64_t)(cap - 1);
+        s[j] = m->s[i];
+    }
+    free(m->s);
+    m->s = s;
+    m->cap = cap;
+    return 0;
+}
+
+/* the slot of key, made with val = -1 when new; NULL out of memory */
+static inline kslot *kmap_at(kmap *m, uint64_t key) {
+    if ((m->n + 1) * 2 > m->cap && kmap_grow(m)) return NULL;
+    uint64_t j = mix64(key) & (uint64_t)(m->cap - 1);
+    while (m->s[j].used && m->s[j].key != key) j = (j + 1) & (uint64_t)(m->cap - 1);
+    if (!m->s[j].used) { m->s[j].key = key; m->s[j].val = -1; m->s[j].used = 1; m->n++; }
+    return &m->s[j];
+}
+
+static int grow(void **p, int64_t *cap, int64_t need, size_t size) {
+    if (need <= *cap) return 0;
+    int64_t c = *cap ? *cap : 16;
+    while (c < need) c *= 2;
+    void *q = realloc(*p, (size_t)c * size);
+    if (!q) return -1;
+    *p = q;
+    *cap = c;
+    return 0;
+}
+
+kred *kr_new(int cpu) {
+    kred *r = calloc(1, sizeof(kred));
+    if (r) r->cpu = cpu;
+    return r;
+}
+
+void kr_free(kred *r) {
+    if (!r) return;
+    free(r->names.s); free(r->pairs.s); free(r->tids.s); free(r->blob);
+    free(r->name_off); free(r->name_len); free(r->name_hash);
+    free(r->gpu_dur); free(r->cpu_self); free(r->cpu_dur); free(r->gpu_rows); free(r->cpu_rows);
+    for (int64_t i = 0; i < r->n_thr; i++) { free(r->thr[i].stack); free(r->thr[i].group); }
+    free(r->thr);
+    free(r);
+}
+
+/* the id of the name at b+off (len bytes, hash h); -1 out of memory. A name whose hash is taken by
+ * other bytes is looked up at the next key of its sequence (h, h + g, h + 2g, ...). */
+static int32_t name_id(kred *r, const char *b, int64_t off, int32_t len, uint64_t h) {
+    for (uint64_t probe = 0;; probe++) {
+        kslot *s = kmap_at(&r->names, h + probe * 0x9e3779b97f4a7c15ULL);
+        if (!s) return -1;
+        if (s->val >= 0) {
+            int64_t id = s->val;
+            if (r->name_len[id] == len && r->name_hash[id] == h && memcmp(r->blob + r->name_off[id], b + off, (size_t)len) == 0)
+                return (int32_t)id;
+            continue;
+        }
+        int64_t id = r->n_names;
+        int64_t cap = r->names_cap;
+        if (grow((void **)&r->name_off, &cap, id + 1, sizeof(int64_t))) return -1;
+        cap = r->names_cap;
+        if (grow((void **)&r->name_len, &cap, id + 1, sizeof(int32_t))) return -1;
+        cap = r->names_cap;
+        if (grow((void **)&r->name_hash, &cap, id + 1, sizeof(uint64_t))) return -1;
+        cap = r->names_cap;
+        if (grow((void **)&r->gpu_dur, &cap, id + 1, sizeof(double))) return -1;
+        cap = r->names_cap;
+        if (grow((void **)&r->cpu_self, &cap, id + 1, sizeof(double))) return -1;
+        cap = r->names_cap;
+        if (grow((void **)&r->cpu_dur, &cap, id + 1, sizeof(double))) return -1;
+        cap = r->names_cap;
+        if (grow((void **)&r->gpu_rows, &cap, id + 1, sizeof(int64_t))) return -1;
+        cap = r->names_cap;
+        if (grow((void **)&r->cpu_rows, &cap, id + 1, sizeof(int64_t))) return -1;
+        r->names_cap = cap;
+        if (grow((void **)&r->blob, &r->blob_cap, r->blob_len + len + 1, 1)) return -1;
+        memcpy(r->blob + r->blob_len, b + off, (size_t)len);
+        r->name_off[id] = r->blob_len;
+        r->name_len[id] = len;
+        r->name_hash[id] = h;
+        r->blob_len += len;
+        r->gpu_dur[id] = r->cpu_self[id] = r->cpu_dur[id] = 0.0;
+        r->gpu_rows[id] = r->cpu_rows[id] = 0;
+        r->n_names++;
+        s->val = id;
+        return (int32_t)id;
+    }
+}
+
+static kthread *thread_of(kred *r, int64_t tid) {
+    kslot *s = kmap_at(&r->tids, (uint64_t)tid);
+    if (!s) return NULL;
+    if (s->val < 0) {
+        if (grow((void **)&r->thr, &r->thr_cap, r->n_thr + 1, sizeof(kthread))) return NULL;
+        memset(&r->thr[r->n_thr], 0, sizeof(kthread));
+        s->val = r->n_thr++;
+    }
+    return &r->thr[s->val];
+}
+
+static inline void close_op(kred *r, const kop *o) {
+    r->cpu_self[o->name] += o->self > 0.0 ? o->self : 0.0;
+    r->cpu_dur[o->name] += o->dur;
+    r->cpu_rows[o->name]++;
+}
+
+static int push_op(kred *r, kthread *t, const kop *o) {
+    double threshold = o->ts + NEST_EPS_US;
+    while (t->sn > 0 && t->stack[t->sn - 1].end <= threshold) close_op(r, &t->stack[--t->sn]);
+    int32_t parent = -1;
+    if (t->sn > 0) {
+        kop *p = &t->stack[t->sn - 1];
+        p->self -= (o->end < p->end ? o->end : p->end) - o->ts;
+        parent = p->name;
+    }
+    kslot *s = kmap_at(&r->pairs, (((uint64_t)(uint32_t)o->name) << 32) | (uint64_t)(uint32_t)(parent + 1));
+    if (!s) return KR_NOMEM;
+    s->val = s->val < 0 ? 1 : s->val + 1;
+    if (grow((void **)&t->stack, &t->scap, t->sn + 1, sizeof(kop))) return KR_NOMEM;
+    t->stack[t->sn++] = *o;
+    return 0;
+}
+
+/* the group of ops sharing a start onto the stack, longest first, ties in file order */
+static int flush_group(kred *r, kthread *t) {
+    for (int64_t i = 1; i < t->gn; i++) { /* insertion sort: stable, and groups are small */
+        kop x = t->group[i];
+        int64_t j = i;
+        while (j > 0 && t->group[j - 1].dur < x.dur) { t->group[j] = t->group[j - 1]; j--; }
+        t->group[j] = x;
+    }
+    for (int64_t i = 0; i < t->gn; i++) {
+        int rc = push_op(r, t, &t->group[i]);
+        if (rc) return rc;
+    }
+    t->gn = 0;
+    return 0;
+}
+
+static int add_cpu_op(kred *r, int32_t name, double ts, double dur, int64_t tid) {
+    kthread *t = thread_of(r, tid);
+    if (!t) return KR_NOMEM;
+    if (t->gn > 0) {
+        if (ts < t->gts) return KR_UNORDERED;
+        if (ts > t->gts) {
+            int rc = flush_group(r, t);
+            if (rc) return rc;
+        }
+    }
+    if (grow((void **)&t->group, &t->gcap, t->gn + 1, sizeof(kop))) return KR_NOMEM;
+    kop o = {ts, dur, ts + dur, dur, name};
+    t->group[t->gn++] = o;
+    t->gts = ts;
+    return 0;
+}
+
+/* One run of whole events (as kscan reads them) reduced into r: 0, or KSCAN_NOT_MINE / KR_UNORDERED /
+ * KR_NOMEM, after which r is not to be fed again. */
+int64_t kr_feed(kred *r, const char *b, int64_t lo, int64_t hi) {
+    if (r->failed) return r->failed;
+    const char *p = b + lo, *end = b + hi;
+    kev e;
+    int rc;
+    while ((rc = next_event(&p, end, b, &e)) == 1) {
+        r->events_seen++;
+        if (!e.is_x || e.cat < 0) continue;
+        if (e.odd) { rc = KSCAN_NOT_MINE; break; }
+        r->kept++;
+        if (e.cat == CAT_KERNEL) r->kernel_seen++;
+        int gpu = e.cat == CAT_KERNEL || e.cat == CAT_MEMCPY || e.cat == CAT_MEMSET;
+        if (e.off < 0 || !(gpu || (r->cpu && e.cat == CAT_CPU_OP))) continue;
+        int32_t id = name_id(r, b, e.off, e.len, e.hash);
+        if (id < 0) { rc = KR_NOMEM; break; }
+        if (gpu) {
+            r->gpu_dur[id] += e.dur;
+            r->gpu_rows[id]++;
+            if (e.cat == CAT_KERNEL) r->kernel_rows++;
+        } else if ((rc = add_cpu_op(r, id, e.ts, e.dur, e.tid)) != 0) {
+            break;
+        }
+    }
+    if (rc < 0) {
+        r->failed = rc;
+        return rc;
+    }
+    return 0;
+}
+
+/* every op still open or waiting closed: the end of the file */
+int64_t kr_finish(kred *r) {
+    if (r->failed) return r->failed;
+    for (int64_t i = 0; i < r->n_thr; i++) {
+        kthread *t = &r->thr[i];
+        int rc = flush_group(r, t);
+        if (rc) return r->failed = rc;
+        while (t->sn > 0) close_op(r, &t->stack[--t->sn]);
+    }
+    return 0;
+}
+
+/* sizes: names, bytes of names, pairs, kernel rows, kernel events (named or not), events seen, kept */
+void kr_sizes(const kred *r, int64_t *out) {
+    out[0] = r->n_names; out[1] = r->blob_len; out[2] = r->pairs.n; out[3] = r->kernel_rows;
+    out[4] = r->kernel_seen; out[5] = r->events_seen; out[6] = r->kept;
+}
+
+void kr_names(const kred *r, char *blob, int64_t *off, int32_t *len) {
+    memcpy(blob, r->blob, (size_t)r->blob_len);
+    memcpy(off, r->name_off, (size_t)r->n_names * sizeof(int64_t));
+    memcpy(len, r->name_len, (size_t)r->n_names * sizeof(int32_t));
+}
+
+void kr_sums(const kred *r, double *gpu_dur, int64_t *gpu_rows, double *cpu_self, double *cpu_dur, int64_t *cpu_rows) {
+    size_t n = (size_t)r->n_names;
+    memcpy(gpu_dur, r->gpu_dur, n * sizeof(double));
+    memcpy(gpu_rows, r->gpu_rows, n * sizeof(int64_t));
+    memcpy(cpu_self, r->cpu_self, n * sizeof(double));
+    memcpy(cpu_dur, r->cpu_dur, n * sizeof(double));
+    memcpy(cpu_rows, r->cpu_rows, n * sizeof(int64_t));
+}
+
+/* (op name, enclosing op name or -1, count) of every pair seen */
+void kr_pairs(const kred *r, int32_t *child, int32_t *parent, int64_t *count) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < r->pairs.cap; i++) {
+        if (!r->pairs.s[i].used) continue;
+        uint64_t key = r->pairs.s[i].key;
+        child[k] = (int32_t)(key >> 32);
+        parent[k] = (int32_t)(uint32_t)(key & 0xffffffffULL) - 1;
+        count[k] = r->pairs.s[i].val;
+        k++;
+    }
 }

@@ -15,9 +15,10 @@ import pandas as pd
 
 from decodescope.dtypes import element_bytes
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
+from decodescope.trace.reader import GPU_WORK
 from decodescope.trace.categorize import ALLGATHER_CATEGORIES, ALLREDUCE_CATEGORIES, OTHER, add_categories
 
-GPU_WORK_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+GPU_WORK_CATS = GPU_WORK  # the table counts as GPU work what the streamed breakdown does
 STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 STEP_ANY = re.compile(r"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)|^(?:execute_model|gpu_model_runner: forward|"
                       r"model_forward|ProfilerStep#\d+)")

@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 from decodescope.trace.load import load_trace_dir
-from decodescope.trace.parse import TraceError
+from decodescope.trace.reader import TraceError
 
 
 def analyze_trace_command(args) -> int:
-    from decodescope.trace.parse import small_pages
-
     if getattr(args, "breakdown", False):
         return _breakdown(args)
+    from decodescope.trace.parse import small_pages
+
     with small_pages():  # for the whole command: its analyses allocate as much again as the parse
         return _analyze(args)
 
@@ -80,7 +80,7 @@ def _breakdown(args) -> int:
     import gc
 
     from decodescope.io import write_json_atomic
-    from decodescope.trace.stream import breakdown_dir
+    from decodescope.trace.breakdown import breakdown_dir
 
     # what the imports made lives to the end: out of the collector's sweeps (~20 ms of a 0.3 s run)
     gc.freeze()

@@ -16,11 +16,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import numpy as np
+from decodescope.trace.reader import COMM_CPU_OP, KEPT_CATS, LAUNCH_RUNTIME, _json_string
 
-from decodescope.trace.parse import COMM_CPU_OP, KEPT_CATS, LAUNCH_RUNTIME, _Columns, _json_string
+if TYPE_CHECKING:  # numpy where chunks are read into columns: creduce.py loads the library without it
+    import numpy as np
+
+    from decodescope.trace.parse import _Columns
 
 SOURCE = Path(__file__).with_name("_kscan.c")
 NOT_MINE, FULL = -1, -2
@@ -65,6 +68,15 @@ def library() -> Optional[ctypes.CDLL]:
     p = ctypes.c_void_p
     lib.kscan.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, p, p, p, p, p]
     lib.kscan.restype = ctypes.c_int64
+    # the streamed reduction (creduce.py)
+    lib.kr_new.argtypes, lib.kr_new.restype = [ctypes.c_int], p
+    lib.kr_free.argtypes, lib.kr_free.restype = [p], None
+    lib.kr_feed.argtypes, lib.kr_feed.restype = [p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64
+    lib.kr_finish.argtypes, lib.kr_finish.restype = [p], ctypes.c_int64
+    lib.kr_sizes.argtypes, lib.kr_sizes.restype = [p, p], None
+    lib.kr_names.argtypes, lib.kr_names.restype = [p, p, p, p], None
+    lib.kr_sums.argtypes, lib.kr_sums.restype = [p, p, p, p, p, p], None
+    lib.kr_pairs.argtypes, lib.kr_pairs.restype = [p, p, p, p], None
     _lib = lib
     return lib
 
@@ -78,6 +90,8 @@ class NameIndex:
 
     def lookup(self, cols: _Columns, buf: bytes, hashes: np.ndarray, off: np.ndarray, length: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        import numpy as np
+
         uniq, first, inv = np.unique(hashes, return_index=True, return_inverse=True)
         code = np.empty(len(uniq), np.int32)
         comm = np.empty(len(uniq), bool)
@@ -102,6 +116,8 @@ def scan_chunk(buf: bytes, lo: int, hi: int, is_gpu: bool, cols: _Columns, names
     lib = library()
     if lib is None:
         return None
+    import numpy as np
+
     cap = (hi - lo) // 64 + 64
     while True:
         cat = np.empty(cap, np.int8)

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from decodescope.trace.parse import TraceError, TraceMeta, _Columns, json_size, parse_columns, small_pages
+from decodescope.trace.reader import TraceError, TraceMeta, json_size
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from decodescope.trace.parse import _Columns
 
 TRACE_FILE = re.compile(r"\.json(\.gz)?$")
 FRONTEND_TRACE = re.compile(r"async_llm|api_server|frontend", re.I)
@@ -88,6 +90,8 @@ def plan_processes(sizes: list[int], workers: int, min_bytes: int = FILES_IN_PRO
 
 def _parse_one(path: str, workers: int = 1, as_payload: bool = False):
     """(path, columns, meta, error) of one file; the columns as plain arrays when sent back from a worker."""
+    from decodescope.trace.parse import parse_columns
+
     try:
         cols, meta = parse_columns(path, workers=workers_for(Path(path), workers))
         return path, (cols.payload() if as_payload else cols), meta, None
@@ -101,6 +105,8 @@ def _columns_from(payload) -> Optional[_Columns]:
     """A worker's columns, as _parse_one sent them back."""
     if payload is None:
         return None
+    from decodescope.trace.parse import _Columns
+
     cols = _Columns()
     cols.merge(payload)
     return cols
@@ -149,6 +155,8 @@ def _lone_trace_as_rank0(results: list, trace_dir: Path) -> Optional[str]:
 
 
 def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTraces:
+    from decodescope.trace.parse import small_pages
+
     with small_pages():
         return _load_trace_dir(Path(trace_dir), workers)
 
@@ -205,6 +213,8 @@ def _table(parts: list[_Columns], metas: list[TraceMeta]) -> "pd.DataFrame":
     dictionaries are united in rank order, as pandas' union_categoricals would."""
     import numpy as np
     import pandas as pd
+
+    from decodescope.trace.parse import _Columns
 
     if not parts:
         return pd.DataFrame()

@@ -1,6 +1,7 @@
-"""A directory of per-rank traces -> time by category and by name, reduced chunk by chunk as each file
-is read: no event table is built, so memory stays a few chunks (and the names seen) whatever the
-trace's size, and neither pandas nor the typed records are imported.
+"""A rank file -> time by name, reduced chunk by chunk as it is read, with numpy: the streamed
+breakdown's reduction (breakdown.py) for the files its C reduction (creduce.py) leaves. No event table
+is built, so memory stays a few chunks (and the names seen) whatever the trace's size, and neither
+pandas nor the typed records are imported.
 
 What it reduces is what op_table + category_breakdown compute from the table (the same figures, the
 same rules): on a GPU trace every kernel, memcpy and memset at its duration; on a CPU trace every CPU
@@ -15,41 +16,21 @@ whose ops go back in time on a thread is read whole instead, with a warning: cor
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from decodescope.trace.load import parse_all, rank_trace_files, ranked
+from decodescope.trace.breakdown import RankTotals, StreamedBreakdown, breakdown_dir  # noqa: F401
+from decodescope.trace.load import parse_all
 from decodescope.trace.nesting import NEST_EPS_US, parents_in_order, prev_in_thread
 from decodescope.trace.parse import TraceError, TraceMeta, _Columns, _read_chunk, parse_columns, small_pages
-
-GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # analyze.GPU_WORK_CATS, without importing pandas
-OTHER = "other"
+from decodescope.trace.reader import GPU_WORK
 
 
 class _Unordered(Exception):
     """A CPU op starts before an op of its thread already closed: the file is read whole."""
-
-
-@dataclass
-class RankTotals:
-    """One rank file reduced: per name (code = position in `names`), the GPU work's duration and rows,
-    and the CPU ops' self time, counted calls, duration and rows."""
-    names: list[str]
-    kernel_rows: int
-    gpu_dur_us: np.ndarray
-    gpu_rows: np.ndarray
-    cpu_time_us: np.ndarray
-    cpu_calls: np.ndarray
-    cpu_dur_us: np.ndarray
-    cpu_rows: np.ndarray
-    cpu_read: bool  # were the CPU ops reduced (a file whose header names a GPU skips them)
-    warnings: list[str] = field(default_factory=list)
-    chunks_by_reader: dict[str, int] = field(default_factory=dict)  # {"c": .., "numpy": ..}
 
 
 def _grown(a: np.ndarray, n: int) -> np.ndarray:
@@ -249,76 +230,12 @@ def _reduce_one(path: str, workers: int = 1, as_payload: bool = False, rules=Non
         return path, None, None, f"{path}: {type(e).__name__}: {e}"
 
 
-@dataclass
-class StreamedBreakdown:
-    device: str
-    ranks: list[int]
-    # per rank and category: time_us, calls, share (of the rank's time), mean_us; by rank, then time
-    categories: list[dict]
-    # per rank, per name: time_us (self on CPU), dur_us, calls (counted), rows
-    names: dict[int, dict[str, dict]]
-    metas: list[TraceMeta]
-    warnings: list[str]
-    skipped: list[str]
-    chunks_by_reader: dict[str, int] = field(default_factory=dict)  # summed over the ranks read
-
-    def other_share(self) -> float:
-        total = sum(r["time_us"] for r in self.categories)
-        return sum(r["time_us"] for r in self.categories if r["category"] == OTHER) / total if total else 0.0
-
-
-def _by_category(rank: int, names: dict[str, dict], device: str, rules) -> list[dict]:
-    from decodescope.trace.categorize import categorize_names
-
-    mapping = categorize_names(list(names), device, rules)
-    acc: dict[str, list] = {}
-    for n, v in names.items():
-        a = acc.setdefault(mapping[n], [0.0, 0])
-        a[0] += v["time_us"]
-        a[1] += v["calls"]
-    total = sum(a[0] for a in acc.values())
-    rows = [{"rank": rank, "category": c, "time_us": t, "calls": k, "share": t / total if total else float("nan"),
-             "mean_us": t / k if k else float("nan")} for c, (t, k) in acc.items()]
-    return sorted(rows, key=lambda r: -r["time_us"])
-
-
-def breakdown_dir(trace_dir: "str | Path", workers: Optional[int] = None, rules=None) -> StreamedBreakdown:
-    """Every rank file of trace_dir reduced (rank files in parallel processes past the crossover), and
-    the time by category per rank, as category_breakdown gives it from the table."""
-    trace_dir = Path(trace_dir)
-    files, front = rank_trace_files(trace_dir)
-    workers = workers or (os.cpu_count() or 1)
-    # the rules and the scanner loaded before any worker is forked: each inherits them, not loads them again
-    from decodescope.trace.categorize import default_rules
-    from decodescope.trace.cscan import library
-
-    if rules is None:
-        default_rules()
-    library()
+def reduce_files(files: list[Path], workers: int, rules=None, cpu: Optional[bool] = None) -> list:
+    """(path, totals, meta, error) of each file, by the numpy reduction: rank files in processes of their
+    own past the crossover (STREAM_PROCESSES_MIN_BYTES)."""
     with small_pages():
-        results = parse_all(files, workers, one=partial(_reduce_one, rules=rules), min_bytes=STREAM_PROCESSES_MIN_BYTES)
-    chosen, metas, warnings, skipped = ranked(results, trace_dir, front)
-    device = "gpu" if any(t.kernel_rows for _, t, _ in chosen) else "cpu"
-    if device == "cpu":  # a file whose header named a GPU but that had no kernel: its CPU ops after all
-        chosen = [(p, t if t.cpu_read else reduce_file(p, rules, cpu=True)[0], m) for p, t, m in chosen]
-    categories, names = [], {}
-    for (path, t, meta) in chosen:
-        warnings += t.warnings
-        if device == "gpu":
-            per = {n: {"time_us": float(d), "dur_us": float(d), "calls": int(k), "rows": int(k)}
-                   for n, d, k in zip(t.names, t.gpu_dur_us.tolist(), t.gpu_rows.tolist()) if k}
-        else:
-            per = {n: {"time_us": float(s), "dur_us": float(d), "calls": int(c), "rows": int(k)}
-                   for n, s, d, c, k in zip(t.names, t.cpu_time_us.tolist(), t.cpu_dur_us.tolist(),
-                                            t.cpu_calls.tolist(), t.cpu_rows.tolist()) if k}
-        names[meta.rank] = per
-        categories += _by_category(meta.rank, per, device, rules)
-    readers: dict[str, int] = {}
-    for _, t, _ in chosen:
-        for k, v in t.chunks_by_reader.items():
-            readers[k] = readers.get(k, 0) + v
-    return StreamedBreakdown(device=device, ranks=sorted(names), categories=categories, names=names, metas=metas,
-                             warnings=warnings, skipped=skipped, chunks_by_reader=readers)
+        return parse_all(files, workers, one=partial(_reduce_one, rules=rules, cpu=cpu),
+                         min_bytes=STREAM_PROCESSES_MIN_BYTES)
 
 
 # Rank files in processes of their own from this much JSON handed to the others. Measured on this
