@@ -321,3 +321,38 @@ def test_an_unknown_collective_is_refused(tmp_path):
                                  "pattern": "a"}])
     with pytest.raises(ValueError, match="valid: all_reduce"):
         cz.load_rules(p)
+
+
+def test_rules_are_parsed_once_per_content_then_read_from_the_cache(tmp_path, repo):
+    """The first load of a rules file caches its parsed form under the hash of its bytes; a fresh
+    interpreter then loads the same rules without PyYAML; an edited file is parsed anew, not served
+    stale; a bad rule in it is still named."""
+    import subprocess
+    import sys
+
+    src = (repo / "params" / "kernel_categories.yaml").read_text()
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(src)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(repo / "lib")}
+    code = ("import sys; from decodescope.trace.categorize import load_rules, categorize_name; "
+            "r = load_rules(sys.argv[1]); print(categorize_name('ncclDevKernel_AllReduce_Sum_bf16_RING_LL', 'gpu', r), "
+            "len(r.gpu), 'yaml' in sys.modules)")
+
+    def load():
+        out = subprocess.run([sys.executable, "-c", code, str(rules_file)], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    cached = lambda: sorted(p.name for p in (tmp_path / "cache" / "decodescope").glob("rules-*"))  # noqa: E731
+    first = load()
+    assert len(cached()) == 1 and not [n for n in cached() if n.endswith(".tmp")]
+    second = load()
+    assert second[:2] == first[:2] and second[2] == "False"  # the categorize import itself may load yaml
+    rules_file.write_text(src.replace("allreduce_nccl", "allreduce_nccl_edited"))
+    edited = load()
+    assert edited[0] == "allreduce_nccl_edited" != first[0] and len(cached()) == 2
+    for bad, why in ((src.replace("pattern: '^(Memcpy|Memset)", "pattern: '^((Memcpy|Memset)", 1), "not a valid regex"),
+                     (src.replace("pattern: '^(Memcpy|Memset)", "pattern: {'^(Memcpy|Memset)", 1), "not valid YAML")):
+        rules_file.write_text(bad)
+        out = subprocess.run([sys.executable, "-c", code, str(rules_file)], capture_output=True, text=True, env=env)
+        assert out.returncode != 0 and why in out.stderr and str(rules_file) in out.stderr, out.stderr

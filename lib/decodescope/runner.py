@@ -27,7 +27,7 @@ RUN_ID_ENV = "DECODESCOPE_RUN_ID"
 # Kept free on the run's disk and released when a write fails, so the manifest can still say "failed".
 MANIFEST_RESERVE_BYTES = 256 * 1024
 # The repository checkout this runs from (None for an installed wheel) and the shipped notebooks,
-# found through importlib.resources (decodescope.resources).
+# found under the package's _data/ (decodescope.resources).
 REPO_ROOT = resources.source_checkout()
 NOTEBOOK_DIR = resources.notebook_dir()
 # Phases that talk to the inference server; the runner starts it once for all of them.

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from decodescope.resources import cache_dir
 from decodescope.trace.reader import COMM_CPU_OP, KEPT_CATS, LAUNCH_RUNTIME, _json_string
 
 if TYPE_CHECKING:  # numpy where chunks are read into columns: creduce.py loads the library without it
@@ -30,10 +31,6 @@ NOT_MINE, FULL = -1, -2
 _CPU_OP, _RUNTIME, _DRIVER = KEPT_CATS.index("cpu_op"), KEPT_CATS.index("cuda_runtime"), KEPT_CATS.index("cuda_driver")
 _UNSET = object()
 _lib = _UNSET
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "decodescope"
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -49,7 +46,7 @@ def library() -> Optional[ctypes.CDLL]:
 
         src = SOURCE.read_bytes()
         tag = hashlib.sha256(src + sys.platform.encode() + os.uname().machine.encode()).hexdigest()[:16]
-        so = _cache_dir() / f"kscan-{tag}.so"
+        so = cache_dir() / f"kscan-{tag}.so"
         if not so.exists():
             cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
             if not cc:
