@@ -1,12 +1,14 @@
-"""The Kineto event scanner in C (_kscan.c), for the streamed breakdown: built once per source version
-with the machine's C compiler into the user's cache, loaded with ctypes; where it cannot be built (no
-compiler) or is turned off (DECODESCOPE_NO_CSCAN=1), parse.py's numpy reader does the work, and so it
-does for any run of events the scanner leaves (KSCAN_NOT_MINE: an escaped name, a string where a number
-belongs, a layout that is not a run of objects).
+"""The Kineto event scanner in C (_kscan.c): built once per source version with the machine's C compiler
+into the user's cache, loaded with ctypes. Two uses: `kscan` reads a run of events into columns for the
+numpy reduction (scan_chunk, below), and `kr_*` reduce a whole rank file into per-name sums
+(creduce.py, the breakdown's fast path). Where it cannot be built (no compiler) or is turned off
+(DECODESCOPE_NO_CSCAN=1), parse.py's numpy reader does the work, and so it does for any run of events
+the scanner leaves (KSCAN_NOT_MINE: an escaped name, a string where a number belongs, a layout that is
+not a run of objects).
 
 Why C: the numpy reader makes some twenty passes over every byte (quotes, keys, fingerprints, number
 columns) and reads ~55 MB/s of JSON a core on this project's 2-core machine; one sweep with a small
-tokenizer reads several times that, so a rank file is read about as fast as it decompresses.
+tokenizer reads ~1 GB/s, so a rank file is read faster than it decompresses.
 """
 from __future__ import annotations
 
