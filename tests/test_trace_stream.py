@@ -82,13 +82,14 @@ def test_cpu_capture_breakdown_equals_the_tables(cpu_traces, monkeypatch, chunk,
 NAMES = ["c10d::allreduce_", "gloo:all_reduce", "aten::mm", "aten::add", "aten::copy_", "vllm::fused_moe"]
 
 
-def _write_cpu_trace(path, ops, rank: int, seed: int, world_size: int = 2):
+def _write_cpu_trace(path, ops, rank: int, seed: int, world_size: int = 2, names=None):
     """ops (tid, ts_us, dur_us) as a Kineto CPU trace, events in the given order, names drawn so that
     all-reduces nest inside all-reduces (calls counted once) and in other ops."""
     rng = np.random.default_rng(seed)
+    names = names or NAMES
     bodies = []
     for i, r in enumerate(ops.itertuples()):
-        name = NAMES[int(rng.integers(len(NAMES)))]
+        name = names[int(rng.integers(len(names)))]
         bodies.append(f'  {{\n    "ph": "X", "cat": "cpu_op", "name": "{name}", "pid": 7, "tid": {r.tid},\n'
                       f'    "ts": {r.ts_us}, "dur": {r.dur_us},\n    "args": {{"External id": {i}}}\n  }}')
     text = ('{\n  "schemaVersion": 1,\n  "distributedInfo": {"backend": "gloo", "rank": %d, "world_size": %d},\n'
@@ -137,6 +138,18 @@ def test_more_rank_files_than_threads(tmp_path, reader):
     s = breakdown_dir(tmp_path, workers=2)
     assert s.ranks == list(range(8)) and not s.warnings
     _assert_same_as_table(tmp_path, reader)
+
+
+def test_hundreds_of_names_and_threads_reduce_as_the_table(tmp_path, reader):
+    """More names, threads and (op, parent) pairs than the C reduction's tables start with (64 each):
+    every one still summed on its own."""
+    ops = _nested_ops(6, n_top=40)
+    ops["tid"] = ops["tid"].map({11: 0, 12: 1, 4000000000: 2}) * 1000 + (ops["ts_us"] // 7).astype(int) % 200
+    ops = ops[ops["rank"] == 0].sort_values("ts_us", kind="stable")
+    names = [f"aten::op_{k}" for k in range(400)] + NAMES
+    _write_cpu_trace(tmp_path / "t_rank0.pt.trace.json.gz", ops, 0, 6, world_size=1, names=names)
+    s = _assert_same_as_table(tmp_path, reader)
+    assert len(s.names[0]) > 200 and ops["tid"].nunique() > 100 and not s.warnings
 
 
 def test_ops_out_of_start_order_are_read_whole_with_a_warning(tmp_path, monkeypatch):

@@ -360,23 +360,20 @@ static int32_t name_id(kred *r, const char *b, int64_t off, int32_t len, uint64_
             continue;
         }
         int64_t id = r->n_names;
-        int64_t cap = r->names_cap;
-        if (grow((void **)&r->name_off, &cap, id + 1, sizeof(int64_t))) return -1;
-        cap = r->names_cap;
-        if (grow((void **)&r->name_len, &cap, id + 1, sizeof(int32_t))) return -1;
-        cap = r->names_cap;
-        if (grow((void **)&r->name_hash, &cap, id + 1, sizeof(uint64_t))) return -1;
-        cap = r->names_cap;
-        if (grow((void **)&r->gpu_dur, &cap, id + 1, sizeof(double))) return -1;
-        cap = r->names_cap;
-        if (grow((void **)&r->cpu_self, &cap, id + 1, sizeof(double))) return -1;
-        cap = r->names_cap;
-        if (grow((void **)&r->cpu_dur, &cap, id + 1, sizeof(double))) return -1;
-        cap = r->names_cap;
-        if (grow((void **)&r->gpu_rows, &cap, id + 1, sizeof(int64_t))) return -1;
-        cap = r->names_cap;
-        if (grow((void **)&r->cpu_rows, &cap, id + 1, sizeof(int64_t))) return -1;
-        r->names_cap = cap;
+        if (id + 1 > r->names_cap) { /* the per-name arrays grow together */
+            void **arrays[] = {(void **)&r->name_off, (void **)&r->name_len, (void **)&r->name_hash,
+                               (void **)&r->gpu_dur, (void **)&r->cpu_self, (void **)&r->cpu_dur,
+                               (void **)&r->gpu_rows, (void **)&r->cpu_rows};
+            size_t sizes[] = {sizeof(int64_t), sizeof(int32_t), sizeof(uint64_t), sizeof(double),
+                              sizeof(double), sizeof(double), sizeof(int64_t), sizeof(int64_t)};
+            int64_t cap = r->names_cap ? r->names_cap * 2 : 64;
+            for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+                void *q = realloc(*arrays[i], (size_t)cap * sizes[i]);
+                if (!q) return -1;
+                *arrays[i] = q;
+            }
+            r->names_cap = cap;
+        }
         if (grow((void **)&r->blob, &r->blob_cap, r->blob_len + len + 1, 1)) return -1;
         memcpy(r->blob + r->blob_len, b + off, (size_t)len);
         r->name_off[id] = r->blob_len;
