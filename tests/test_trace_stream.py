@@ -203,6 +203,10 @@ def test_breakdown_command_names_a_missing_directory(repo, tmp_path):
                           "--breakdown"], capture_output=True, text=True, env={"PYTHONPATH": str(repo / "lib")})
     assert out.returncode == 2
     assert str(tmp_path / "nope") in out.stderr and "not a directory" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "decodescope.cli", "analyze-trace", str(repo / GPU_REPLAY),
+                          "--breakdown", "--workers", "0"], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(repo / "lib")})
+    assert out.returncode == 2 and "--workers 0" in out.stderr and "1 or more" in out.stderr
 
 
 def test_streamed_memory_is_bounded_by_the_chunks_not_the_file(tmp_path):

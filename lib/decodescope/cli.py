@@ -184,8 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("trace_dir")
     at.add_argument("--model-config", help="HF config.json, for expected collectives per step")
     at.add_argument("--tp", type=int, help="tensor-parallel size (default: ranks found)")
-    at.add_argument("--out", help="directory for kernels.parquet and profile_summary.json")
-    at.add_argument("--workers", type=int, default=None, help="parallel parser processes")
+    at.add_argument("--out", help="directory for kernels.parquet and profile_summary.json (breakdown.json with "
+                                  "--breakdown); default: TRACE_DIR/analysis")
+    at.add_argument("--workers", type=int, default=None,
+                    help="rank files read at once (default: the cores): processes for the full analysis, threads "
+                         "for --breakdown")
     at.add_argument("--breakdown", action="store_true",
                     help="time by category and by name only, reduced as the files are read: memory stays a few "
                          "chunks whatever the traces' size (writes breakdown.json)")

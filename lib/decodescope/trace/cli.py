@@ -15,6 +15,10 @@ from decodescope.trace.reader import TraceError
 
 
 def analyze_trace_command(args) -> int:
+    if args.workers is not None and args.workers < 1:
+        print(f"error: --workers {args.workers}: give 1 or more rank files to read at once (default: the cores)",
+              file=sys.stderr)
+        return 2
     if getattr(args, "breakdown", False):
         return _breakdown(args)
     from decodescope.trace.parse import small_pages
