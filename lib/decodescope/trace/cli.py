@@ -80,7 +80,7 @@ def _analyze(args) -> int:
 
 def _breakdown(args) -> int:
     """--breakdown: time by category per rank and by name, reduced as the files are read
-    (stream.breakdown_dir); tables printed as plain text, breakdown.json written."""
+    (breakdown.breakdown_dir); tables printed as plain text, breakdown.json written."""
     import gc
 
     from decodescope.io import write_json_atomic
