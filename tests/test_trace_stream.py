@@ -39,11 +39,15 @@ def reader(request, monkeypatch):
 
 def _assert_same_as_table(trace_dir, reader=None):
     """Every (rank, category): time and calls as category_breakdown gives them; every (rank, name): the
-    summed duration of op_table's rows; the device; every chunk read by `reader`."""
+    summed duration of op_table's rows; the device; events seen and kept per rank; every chunk read by
+    `reader`."""
     s = breakdown_dir(trace_dir)
     if reader:
         assert set(k for k, v in s.chunks_by_reader.items() if v) == {reader}, s.chunks_by_reader
-    ops = op_table(load_trace_dir(trace_dir).events)
+    loaded = load_trace_dir(trace_dir)
+    assert ({m.rank: (m.events_seen, m.events_kept) for m in s.metas}
+            == {m.rank: (m.events_seen, m.events_kept) for m in loaded.metas})
+    ops = op_table(loaded.events)
     bd = category_breakdown(ops)
     assert s.device == ops.attrs["device"]
     ours = {(r["rank"], r["category"]): r for r in s.categories}
@@ -295,13 +299,45 @@ def test_c_scanner_reads_what_the_numpy_reader_reads(is_gpu):
     (seen_c, c), (seen_ref, ref) = _both_readers(buf, lo, hi, is_gpu)
     assert seen_c == seen_ref == len(events)
     got, want = c.drain(), ref.drain()
-    assert len(want["ts"]) == (6 if is_gpu else len(numbers) + 7)
+    assert len(want["ts"]) == (6 if is_gpu else len(numbers) + 6)  # cudaGetDevice launches nothing: never kept
     for col in ("ts", "dur", "tid"):
         assert got[col].tolist() == want[col].tolist(), col
     assert np.signbit(got["ts"]).tolist() == np.signbit(want["ts"]).tolist()
     names = lambda cols, a: [list(cols.dicts["name"])[i] for i in a["name"]]  # noqa: E731
     cats = lambda cols, a: [list(cols.dicts["cat"])[i] for i in a["cat"]]  # noqa: E731
     assert names(c, got) == names(ref, want) and cats(c, got) == cats(ref, want)
+
+
+# (category, name, kept on a CPU trace, kept on a GPU trace): reader.name_rule, worked by hand
+RULED = [("kernel", "void k()", True, True), ("user_annotation", "execute_context_0(0)", True, True),
+         ("cpu_op", "aten::mm", True, False), ("cpu_op", "c10d::allreduce_", True, True),
+         ("cuda_runtime", "cudaLaunchKernel", True, True), ("cuda_runtime", "cudaGetDevice", False, False),
+         ("cuda_driver", "cuLaunchKernel", True, True), ("cuda_driver", "cuCtxGetCurrent", False, False),
+         ("python_function", "f.py(1): g", False, False)]
+NAMELESS = ['  {\n    "ph": "X", "cat": "cpu_op", "pid": 3, "tid": 7,\n    "ts": 500, "dur": 1,\n    "args": {}\n  }',
+            '  {\n    "ph": "X", "cat": "cuda_runtime", "pid": 3, "tid": 7,\n    "ts": 510, "dur": 1,\n    "args": {}\n  }']
+
+
+@pytest.mark.parametrize("is_gpu", [False, True])
+def test_every_reader_keeps_the_events_the_name_rule_keeps(tmp_path, monkeypatch, reader, is_gpu):
+    """One rule for which events a trace keeps, whoever reads it: the table's layout reader, its decoder,
+    and the breakdown (C reduction, C scanner, numpy). Runtime calls that launch nothing are dropped on a
+    CPU trace too; a CPU trace keeps every CPU op, a nameless one included."""
+    from tests.test_trace_parse import _decoded_only
+
+    events = [_event(cat=c, name=n, ts=str(10 * i)) for i, (c, n, _, _) in enumerate(RULED)] + NAMELESS
+    want = sum(gpu if is_gpu else cpu for _, _, cpu, gpu in RULED) + (0 if is_gpu else 1)
+    head = '{\n  "schemaVersion": 1,\n' + ('  "deviceProperties": [{"id": 0}],\n' if is_gpu else "")
+    (tmp_path / "t_rank0.json").write_text(head + '  "traceEvents": [\n' + ",\n".join(events)
+                                           + '\n  ],\n  "traceName": "t"\n}')
+    s = breakdown_dir(tmp_path)
+    assert [(m.events_seen, m.events_kept) for m in s.metas] == [(len(events), want)]
+    assert set(k for k, v in s.chunks_by_reader.items() if v) == {reader}
+    _, meta = parse.parse_trace(tmp_path / "t_rank0.json")
+    assert meta.events_kept == want
+    _decoded_only(monkeypatch)
+    df, meta = parse.parse_trace(tmp_path / "t_rank0.json")
+    assert meta.events_kept == len(df) == want
 
 
 @pytest.mark.parametrize("event", [_event(name='"aten::foo(\\"x\\")"'), _event(tid='"7"'), _event(dur="null"),

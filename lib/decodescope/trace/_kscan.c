@@ -261,7 +261,7 @@ int64_t kscan(const char *b, int64_t lo, int64_t hi, int64_t cap, int8_t *cat, i
 #define KR_UNORDERED (-3) /* a CPU op starts before one of its thread already read: the caller reads whole */
 #define KR_NOMEM (-4)
 #define NEST_EPS_US 1e-9
-enum { CAT_KERNEL = 0, CAT_MEMCPY = 1, CAT_MEMSET = 2, CAT_CPU_OP = 5 };
+enum { CAT_KERNEL = 0, CAT_MEMCPY = 1, CAT_MEMSET = 2, CAT_CPU_OP = 5, CAT_RUNTIME = 6, CAT_DRIVER = 7 };
 
 typedef struct { double ts, dur, end, self; int32_t name; } kop;
 
@@ -283,10 +283,13 @@ typedef struct {
     int64_t *name_off; int32_t *name_len; uint64_t *name_hash;
     double *gpu_dur, *cpu_self, *cpu_dur;
     int64_t *gpu_rows, *cpu_rows;
+    /* events of the categories kept by name (reader.name_rule), per name: the caller applies the rule */
+    int64_t *op_rows, *rt_rows;
+    int64_t op_nameless, rt_nameless;
     kmap pairs;      /* child << 32 | (parent + 1) -> count */
     kmap tids;       /* tid -> thread index */
     kthread *thr; int64_t n_thr, thr_cap;
-    int64_t kernel_rows, kernel_seen, events_seen, kept;
+    int64_t kernel_rows, kernel_seen, events_seen, kept; /* kept: of the categories kept whatever the name */
     int failed;
 } kred;
 
@@ -342,6 +345,7 @@ void kr_free(kred *r) {
     free(r->names.s); free(r->pairs.s); free(r->tids.s); free(r->blob);
     free(r->name_off); free(r->name_len); free(r->name_hash);
     free(r->gpu_dur); free(r->cpu_self); free(r->cpu_dur); free(r->gpu_rows); free(r->cpu_rows);
+    free(r->op_rows); free(r->rt_rows);
     for (int64_t i = 0; i < r->n_thr; i++) { free(r->thr[i].stack); free(r->thr[i].group); }
     free(r->thr);
     free(r);
@@ -363,9 +367,11 @@ static int32_t name_id(kred *r, const char *b, int64_t off, int32_t len, uint64_
         if (id + 1 > r->names_cap) { /* the per-name arrays grow together */
             void **arrays[] = {(void **)&r->name_off, (void **)&r->name_len, (void **)&r->name_hash,
                                (void **)&r->gpu_dur, (void **)&r->cpu_self, (void **)&r->cpu_dur,
-                               (void **)&r->gpu_rows, (void **)&r->cpu_rows};
+                               (void **)&r->gpu_rows, (void **)&r->cpu_rows, (void **)&r->op_rows,
+                               (void **)&r->rt_rows};
             size_t sizes[] = {sizeof(int64_t), sizeof(int32_t), sizeof(uint64_t), sizeof(double),
-                              sizeof(double), sizeof(double), sizeof(int64_t), sizeof(int64_t)};
+                              sizeof(double), sizeof(double), sizeof(int64_t), sizeof(int64_t),
+                              sizeof(int64_t), sizeof(int64_t)};
             int64_t cap = r->names_cap ? r->names_cap * 2 : 64;
             for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
                 void *q = realloc(*arrays[i], (size_t)cap * sizes[i]);
@@ -381,7 +387,7 @@ static int32_t name_id(kred *r, const char *b, int64_t off, int32_t len, uint64_
         r->name_hash[id] = h;
         r->blob_len += len;
         r->gpu_dur[id] = r->cpu_self[id] = r->cpu_dur[id] = 0.0;
-        r->gpu_rows[id] = r->cpu_rows[id] = 0;
+        r->gpu_rows[id] = r->cpu_rows[id] = r->op_rows[id] = r->rt_rows[id] = 0;
         r->n_names++;
         s->val = id;
         return (int32_t)id;
@@ -466,18 +472,23 @@ int64_t kr_feed(kred *r, const char *b, int64_t lo, int64_t hi) {
         r->events_seen++;
         if (!e.is_x || e.cat < 0) continue;
         if (e.odd) { rc = KSCAN_NOT_MINE; break; }
-        r->kept++;
         if (e.cat == CAT_KERNEL) r->kernel_seen++;
+        int op = e.cat == CAT_CPU_OP, rt = e.cat == CAT_RUNTIME || e.cat == CAT_DRIVER;
+        if (!op && !rt) r->kept++;
+        else if (e.off < 0) { if (op) r->op_nameless++; else r->rt_nameless++; }
         int gpu = e.cat == CAT_KERNEL || e.cat == CAT_MEMCPY || e.cat == CAT_MEMSET;
-        if (e.off < 0 || !(gpu || (r->cpu && e.cat == CAT_CPU_OP))) continue;
+        if (e.off < 0 || !(gpu || op || rt)) continue;
         int32_t id = name_id(r, b, e.off, e.len, e.hash);
         if (id < 0) { rc = KR_NOMEM; break; }
         if (gpu) {
             r->gpu_dur[id] += e.dur;
             r->gpu_rows[id]++;
             if (e.cat == CAT_KERNEL) r->kernel_rows++;
-        } else if ((rc = add_cpu_op(r, id, e.ts, e.dur, e.tid)) != 0) {
-            break;
+        } else if (rt) {
+            r->rt_rows[id]++;
+        } else {
+            r->op_rows[id]++;
+            if (r->cpu && (rc = add_cpu_op(r, id, e.ts, e.dur, e.tid)) != 0) break;
         }
     }
     if (rc < 0) {
@@ -499,10 +510,18 @@ int64_t kr_finish(kred *r) {
     return 0;
 }
 
-/* sizes: names, bytes of names, pairs, kernel rows, kernel events (named or not), events seen, kept */
+/* sizes: names, bytes of names, pairs, kernel rows, kernel events (named or not), events seen, kept
+ * whatever the name, CPU ops and runtime/driver calls with no name */
 void kr_sizes(const kred *r, int64_t *out) {
     out[0] = r->n_names; out[1] = r->blob_len; out[2] = r->pairs.n; out[3] = r->kernel_rows;
-    out[4] = r->kernel_seen; out[5] = r->events_seen; out[6] = r->kept;
+    out[4] = r->kernel_seen; out[5] = r->events_seen; out[6] = r->kept; out[7] = r->op_nameless;
+    out[8] = r->rt_nameless;
+}
+
+/* per name: CPU ops, runtime and driver calls (kept by name: reader.name_rule) */
+void kr_ruled(const kred *r, int64_t *op_rows, int64_t *rt_rows) {
+    memcpy(op_rows, r->op_rows, (size_t)r->n_names * sizeof(int64_t));
+    memcpy(rt_rows, r->rt_rows, (size_t)r->n_names * sizeof(int64_t));
 }
 
 void kr_names(const kred *r, char *blob, int64_t *off, int32_t *len) {

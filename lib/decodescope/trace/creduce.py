@@ -15,7 +15,7 @@ from typing import Optional
 
 from decodescope.trace.breakdown import RankTotals
 from decodescope.trace.cscan import NOT_MINE, library
-from decodescope.trace.reader import TraceMeta, _kineto, body_start, finish_meta, opened
+from decodescope.trace.reader import TraceMeta, _kineto, body_start, finish_meta, name_rule, opened
 
 UNORDERED, NOMEM = -3, -4
 _WHY = {NOT_MINE: "a run of events the C scanner does not read", UNORDERED: "CPU ops out of start order on a thread",
@@ -34,10 +34,24 @@ def _array(ctype, n: int):
     return (ctype * max(n, 1))()
 
 
-def _results(lib, state, cpu: bool, rules) -> tuple[RankTotals, dict]:
-    sizes = _array(ctypes.c_int64, 7)
+def _kept(names: list[str], op_rows, rt_rows, op_nameless: int, rt_nameless: int, is_gpu: bool) -> int:
+    """Events of the categories kept by name that the rule keeps (reader.name_rule), as the readers
+    that build columns keep them."""
+    kept = 0
+    for cat, rows, nameless in (("cpu_op", op_rows, op_nameless), ("cuda_runtime", rt_rows, rt_nameless)):
+        rule = name_rule(cat, is_gpu)
+        if rule is None:
+            kept += sum(rows) + nameless
+            continue
+        kept += sum(k for x, k in zip(names, rows) if k and rule.search(x))
+        kept += nameless if rule.search("") else 0
+    return kept
+
+
+def _results(lib, state, cpu: bool, is_gpu: bool, rules) -> tuple[RankTotals, dict]:
+    sizes = _array(ctypes.c_int64, 9)
     lib.kr_sizes(state, sizes)
-    n, blob_len, n_pairs, kernel_rows, kernel_seen, seen, kept = sizes[:7]
+    n, blob_len, n_pairs, kernel_rows, kernel_seen, seen, kept, op_nameless, rt_nameless = sizes[:9]
     blob = ctypes.create_string_buffer(max(blob_len, 1))
     off, length = _array(ctypes.c_int64, n), _array(ctypes.c_int32, n)
     lib.kr_names(state, blob, off, length)
@@ -46,6 +60,9 @@ def _results(lib, state, cpu: bool, rules) -> tuple[RankTotals, dict]:
     gpu_dur, cpu_self, cpu_dur = (_array(ctypes.c_double, n) for _ in range(3))
     gpu_rows, cpu_rows = _array(ctypes.c_int64, n), _array(ctypes.c_int64, n)
     lib.kr_sums(state, gpu_dur, gpu_rows, cpu_self, cpu_dur, cpu_rows)
+    op_rows, rt_rows = _array(ctypes.c_int64, n), _array(ctypes.c_int64, n)
+    lib.kr_ruled(state, op_rows, rt_rows)
+    kept += _kept(names, op_rows[:n], rt_rows[:n], op_nameless, rt_nameless, is_gpu)
     calls = [0] * n
     if cpu and n_pairs:
         from decodescope.trace.categorize import categorize_names
@@ -93,7 +110,7 @@ def reduce_file(path: "str | Path", rules=None, cpu: Optional[bool] = None) -> t
             rc = lib.kr_finish(state)
             if rc:
                 raise NotReduced(_WHY.get(rc, f"kr_finish returned {rc}"))
-            totals, counts = _results(lib, state, cpu, rules)
+            totals, counts = _results(lib, state, cpu, is_gpu, rules)
     finally:
         if state:
             lib.kr_free(state)

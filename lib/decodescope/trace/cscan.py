@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from decodescope.resources import cache_dir
-from decodescope.trace.reader import COMM_CPU_OP, KEPT_CATS, LAUNCH_RUNTIME, _json_string
+from decodescope.trace.reader import COMM_CPU_OP, KEPT_CATS, LAUNCH_RUNTIME, _json_string, name_rule
 
 if TYPE_CHECKING:  # numpy where chunks are read into columns: creduce.py loads the library without it
     import numpy as np
@@ -76,6 +76,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib.kr_names.argtypes, lib.kr_names.restype = [p, p, p, p], None
     lib.kr_sums.argtypes, lib.kr_sums.restype = [p, p, p, p, p, p], None
     lib.kr_pairs.argtypes, lib.kr_pairs.restype = [p, p, p, p], None
+    lib.kr_ruled.argtypes, lib.kr_ruled.restype = [p, p, p], None
     _lib = lib
     return lib
 
@@ -110,7 +111,7 @@ class NameIndex:
 
 def scan_chunk(buf: bytes, lo: int, hi: int, is_gpu: bool, cols: _Columns, names: NameIndex) -> Optional[int]:
     """The kept events of buf[lo:hi] into cols (name, cat, ts, dur, tid; the other columns missing), by
-    the numpy reader's rules (on a GPU trace, CPU ops and runtime calls by name); returns the events
+    reader.name_rule (CPU ops on a GPU trace and runtime calls kept by name); returns the events
     seen, or None where the numpy reader must read it."""
     lib = library()
     if lib is None:
@@ -144,11 +145,14 @@ def scan_chunk(buf: bytes, lo: int, hi: int, is_gpu: bool, cols: _Columns, names
     if has_name.any():
         code[has_name], comm[has_name], launch[has_name] = names.lookup(cols, buf, hashes[has_name], off[has_name],
                                                                        length[has_name])
-    if is_gpu:  # by name on a GPU trace, as the numpy reader keeps them
-        keep = np.where(cat == _CPU_OP, comm, np.where((cat == _RUNTIME) | (cat == _DRIVER), launch, True))
-        rows = np.flatnonzero(keep)
-    else:
-        rows = np.arange(n)
+    keep = np.ones(n, bool)
+    by_name = {COMM_CPU_OP: comm, LAUNCH_RUNTIME: launch}
+    for ci in (_CPU_OP, _RUNTIME, _DRIVER):  # kept by name where the rule says so (reader.name_rule)
+        pattern = name_rule(KEPT_CATS[ci], is_gpu)
+        if pattern is not None:
+            sel = cat == ci
+            keep[sel] = by_name[pattern][sel]
+    rows = np.flatnonzero(keep)
     if not len(rows):
         return int(seen[0])
     cat = cat[rows]

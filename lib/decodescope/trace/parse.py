@@ -34,7 +34,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from decodescope.trace.reader import (  # noqa: F401
     CHUNK_BYTES, COMM_CPU_OP, COMM_NAME, EVENT_END, EVENT_START, GPU_CATS, KEPT_CATS, LAUNCH_NAME, LAUNCH_RUNTIME, PAD,
     RANK_IN_NAME, TraceError, TraceMeta, _generic, _gunzip, _json_string, _kineto, _parse_trailer, _rank_from_name,
-    _read_header, _Reader, _wanted, body_start, finish_meta, json_size, new_meta, opened)
+    _read_header, _Reader, _wanted, body_start, finish_meta, json_size, name_rule, new_meta, opened)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -443,23 +443,23 @@ def _layout_chunk(buf: bytes, lo: int, hi: int, is_gpu: bool, cols: _Columns, na
     if (A[V[nr]] != 34).any():
         raise _NotLayout
     texts = [buf[a:b] for a, b in zip((V[nr] + 1).tolist(), Q[kqh[nr] + 2].tolist())]
-    if is_gpu:
-        keep = np.ones(len(cand), bool)
-        for ci, pattern in ((_CPU_OP, COMM_CPU_OP), (_RUNTIME, LAUNCH_RUNTIME), (_DRIVER, LAUNCH_RUNTIME)):
-            sel = np.flatnonzero(cat[cand] == ci)
-            if not len(sel):
-                continue
-            seen = name_ok.setdefault(ci, {})
-            text_at = np.cumsum(has_name) - 1  # position in texts of each candidate with a name
-            for j in sel:
-                t = texts[text_at[j]] if has_name[j] else b""
-                ok = seen.get(t)
-                if ok is None:
-                    ok = seen[t] = bool(pattern.search(_json_string(t)))
-                keep[j] = ok
-        if not keep.all():
-            texts = [t for t, k in zip(texts, keep[has_name].tolist()) if k]
-            cand, has_name = cand[keep], has_name[keep]
+    keep = np.ones(len(cand), bool)
+    for ci in (_CPU_OP, _RUNTIME, _DRIVER):
+        pattern = name_rule(KEPT_CATS[ci], is_gpu)
+        sel = np.flatnonzero(cat[cand] == ci) if pattern is not None else ()
+        if not len(sel):
+            continue
+        seen = name_ok.setdefault(ci, {})
+        text_at = np.cumsum(has_name) - 1  # position in texts of each candidate with a name
+        for j in sel:
+            t = texts[text_at[j]] if has_name[j] else b""
+            ok = seen.get(t)
+            if ok is None:
+                ok = seen[t] = bool(pattern.search(_json_string(t)))
+            keep[j] = ok
+    if not keep.all():
+        texts = [t for t, k in zip(texts, keep[has_name].tolist()) if k]
+        cand, has_name = cand[keep], has_name[keep]
     n = len(cand)
     if not n:
         return n_ev

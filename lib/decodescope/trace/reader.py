@@ -28,8 +28,9 @@ KEPT_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "user_
 # what the breakdowns count as GPU work: the streamed one and the table's (analyze.GPU_WORK_CATS)
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # CPU ops kept on a GPU trace: those that describe communication (their args carry message sizes);
-# runtime calls kept: those that launch work. Each is written once and used on decoded events
-# (_wanted), as a lookahead on the raw text (_keep_pattern), and on the names the layout reader slices.
+# runtime calls kept: those that launch work. name_rule says which applies where; the patterns are
+# written once and used on decoded events, in a lookahead on the raw text (parse._keep_pattern), and
+# on the names the layout reader and the C scanner slice.
 COMM_NAME = (r"nccl|gloo|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
              r"broadcast|send|recv|barrier")
 LAUNCH_NAME = r"Launch|GraphLaunch|Memcpy|Memset"
@@ -73,15 +74,24 @@ def _rank_from_name(path: Path) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def name_rule(cat: str, is_gpu: bool) -> Optional[re.Pattern]:
+    """The pattern an event of a kept category must match by its name to be kept, or None where every
+    name is kept: CPU ops on a GPU trace only where they communicate, runtime and driver calls only
+    where they launch work (on any trace). The one statement of the rule: _wanted, _keep_pattern, the
+    layout reader, the C scanner and the C reduction's count of kept events all follow it."""
+    if cat == "cpu_op":
+        return COMM_CPU_OP if is_gpu else None
+    if cat in ("cuda_runtime", "cuda_driver"):
+        return LAUNCH_RUNTIME
+    return None
+
+
 def _wanted(ev: dict, is_gpu: bool) -> bool:
     cat = ev.get("cat", "")
-    if cat in GPU_CATS or cat == "user_annotation":
-        return True
-    if cat == "cpu_op":
-        return not is_gpu or bool(COMM_CPU_OP.search(ev.get("name", "")))
-    if cat in ("cuda_runtime", "cuda_driver"):
-        return bool(LAUNCH_RUNTIME.search(ev.get("name", "")))
-    return False
+    if cat not in KEPT_CATS:
+        return False
+    rule = name_rule(cat, is_gpu)
+    return rule is None or bool(rule.search(ev.get("name", "")))
 
 
 # ---- reading: decompression in a thread ------------------------------------------------------------
