@@ -18,8 +18,6 @@ from typing import Callable, Optional, Sequence
 from decodescope.trace.load import rank_trace_files, ranked
 from decodescope.trace.reader import TraceError, TraceMeta
 
-OTHER = "other"
-
 
 @dataclass
 class RankTotals:
@@ -53,6 +51,8 @@ class StreamedBreakdown:
     chunks_by_reader: dict[str, int] = field(default_factory=dict)  # summed over the ranks read
 
     def other_share(self) -> float:
+        from decodescope.trace.categorize import OTHER  # loads the rules, as breakdown_dir already has
+
         total = sum(r["time_us"] for r in self.categories)
         return sum(r["time_us"] for r in self.categories if r["category"] == OTHER) / total if total else 0.0
 

@@ -65,7 +65,7 @@ class ProfileResult:
             per_step_categories=self.per_step.assign(
                 category=self.per_step["category"].astype(str)).to_dict("records"),
             breakdown=self.breakdown.assign(category=self.breakdown["category"].astype(str)).to_dict("records"),
-            other_share=float(self.breakdown.loc[self.breakdown["category"].astype(str) == "other", "time_us"].sum()
+            other_share=float(self.breakdown.loc[self.breakdown["category"].astype(str) == an.OTHER, "time_us"].sum()
                               / max(self.breakdown["time_us"].sum(), 1e-9)),
             top_unknown=self.unknown.assign(category=self.unknown["category"].astype(str)).to_dict("records"),
             allreduce_transfer_us_per_step=allreduce_transfer_per_step(self.skew, self.steps, self.step_kind),
