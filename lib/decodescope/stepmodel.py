@@ -564,16 +564,17 @@ def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Componen
     """The profiler's measured cost at `batch` (across the profiled levels that measured it), as a share
     of the profile-sourced parts it inflated, taken off these parts in that share and never more than
     they add up to."""
-    measured = [s for s in samples if s.profiler_cost_us is not None and _profiled_parts_us(s) > 0]
+    parts_us = {id(s): _profiled_parts_us(s) for s in samples}
+    measured = [s for s in samples if s.profiler_cost_us is not None and parts_us[id(s)] > 0]
     if not measured:
         return []
     profiled = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps
                    if c.name not in ("gemm", "collectives", WAIT))
     # the cost as a share of what the profiler inflated, applied to these parts: where a fix shrinks
     # them (another tensor-parallel size), the profiler would have cost that step less too
-    share, _, _, notes = _across_batches(measured, batch, lambda s: s.profiler_cost_us / _profiled_parts_us(s))
-    lo_share = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[0] / _profiled_parts_us(s))[1]
-    hi_share = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[1] / _profiled_parts_us(s))[2]
+    share, _, _, notes = _across_batches(measured, batch, lambda s: s.profiler_cost_us / parts_us[id(s)])
+    lo_share = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[0] / parts_us[id(s)])[1]
+    hi_share = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[1] / parts_us[id(s)])[2]
     v, lo, hi = share * profiled, lo_share * profiled, hi_share * profiled
     if v > profiled:
         notes.append(f"capped at the profile-sourced parts ({profiled:.0f} us of {v:.0f})")
