@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from decodescope.probes.collectives import init_ranks, torch_communicator  # noqa: E402
-from decodescope.probes.gemm import _parse_cpus  # noqa: E402
+from decodescope.procs import parse_cpulist  # noqa: E402
 from decodescope.probes.step import build_step, variant_ops  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def gpu_cores(device) -> list[int]:
         cpulist = Path(f"/sys/bus/pci/devices/{bus}/local_cpulist").read_text().strip()
     except Exception:
         return sorted(os.sched_getaffinity(0))
-    return sorted(_parse_cpus(cpulist) & os.sched_getaffinity(0)) or sorted(os.sched_getaffinity(0))
+    return sorted(parse_cpulist(cpulist) & os.sched_getaffinity(0)) or sorted(os.sched_getaffinity(0))
 
 
 def timed_issue(fns, iters: int, warmup: int):

@@ -576,6 +576,30 @@ def test_at_a_tensor_parallel_size_that_frees_a_core_the_engine_core_stops_waiti
     assert sm.between_steps_at_freed_core(replace(sample, engine_cpu_us=0.0)) == 1500.0
 
 
+def test_cpu_step_order_meets_each_op_where_the_step_does(monkeypatch):
+    """Layer by layer, each layer's ops in the plan's order with that layer's own weights: the dense MLP
+    in the first layer, the MoE in the layers after it, the lm_head after the last layer's ops."""
+    from decodescope.probes import gemm as g
+
+    calls: list[tuple[str, int]] = []
+
+    def kernel(x, dtype):
+        made = sum(1 for c in kernels_made if c == x["op"])
+        kernels_made.append(x["op"])
+        return g.EngineKernel(lambda: calls.append((x["op"], made)), 1.0, 0.0, "spy")
+
+    kernels_made: list[str] = []
+    monkeypatch.setattr(g, "cpu_engine_kernel", kernel)
+    monkeypatch.setattr(g, "STEP_PAUSE_S", 0.0)
+    shapes = [{"op": op, "m": 1, "n": 8, "k": 8, "count": n, "layer_kind": kind, "dtype": "bf16"}
+              for op, n, kind in (("qkv_proj", 3, "attention"), ("gate_up_proj", 1, "dense_mlp"),
+                                  ("moe_w13", 2, "moe_expert"), ("lm_head", 1, "lm_head"))]
+    g.time_cpu_step_order(shapes, "bf16", iters=1, warmup=0)
+    assert calls == [("qkv_proj", 0), ("gate_up_proj", 0),
+                     ("qkv_proj", 1), ("moe_w13", 0),
+                     ("qkv_proj", 2), ("moe_w13", 1), ("lm_head", 0)]
+
+
 def test_cpu_gemms_are_timed_in_step_order_and_the_model_prices_them_so():
     """probes.gemm.time_cpu_step_order: one list of per-call times per shape, one entry per timed pass;
     vLLM's fused MoE is called once per layer at moe_w13 and split by FLOPs, so w2 reads half of w13

@@ -22,6 +22,15 @@ SHM_DIR = Path("/dev/shm")
 _VLLM_DIST_IDENT = re.compile(r"(vllm_dist_[0-9a-f]{16,})")
 
 
+def parse_cpulist(spec: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8} (the list taskset -c and VLLM_CPU_OMP_THREADS_BIND take)."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def new_run_token() -> str:
     return uuid.uuid4().hex
 
@@ -218,6 +227,22 @@ _ROLES = (("VLLM::Worker", "worker"), ("VLLM::EngineCor", "engine core"))
 def process_role(comm: str) -> str:
     """A vLLM server process's part, from its name: worker, engine core, or api server (the rest)."""
     return next((role for prefix, role in _ROLES if comm.startswith(prefix)), "api server")
+
+
+def cores_of(pids: Iterable[int]) -> dict[int, dict]:
+    """pid -> {role, cpus}: the cores each process's main thread may run on (Cpus_allowed_list; a
+    vLLM CPU worker's is where VLLM_CPU_OMP_THREADS_BIND put it). Processes that are gone are left out."""
+    out = {}
+    for pid in pids:
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        cpus = next((line.split(":", 1)[1].strip() for line in status.splitlines()
+                     if line.startswith("Cpus_allowed_list:")), None)
+        out[pid] = {"role": process_role(comm), "cpus": cpus}
+    return out
 
 
 def cpu_schedstat(pids: Iterable[int]) -> dict[int, tuple[str, int, int]]:

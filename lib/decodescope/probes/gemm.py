@@ -425,16 +425,20 @@ def time_cpu_step_order(shapes: list[dict], dtype: str, iters: int, warmup: int)
     # moe_w2 whose time is its share of moe_w13's fused call
     fused = {i for i, made in kernels.items() if shapes[i]["op"] == "moe_w2" and made[0].share < 1.0
              and w13 in kernels and kernels[w13][0].share < 1.0}
+    # the layer an op is first met in: dense MLPs in the first layers (DeepSeek-style first_k_dense_replace),
+    # every other op in the last `count` (MoE after the dense layers; the lm_head after the last layer's ops)
+    first = {i: 0 if shapes[i].get("layer_kind") == "dense_mlp" else layers - len(made) for i, made in kernels.items()}
     times: dict[int, list[float]] = {i: [] for i in kernels}
     for p in range(warmup + iters):
         time.sleep(STEP_PAUSE_S)
         spent = dict.fromkeys(kernels, 0.0)
         for layer in range(layers):
             for i, made in kernels.items():
-                if layer >= len(made) or i in fused:
+                j = layer - first[i]
+                if j < 0 or j >= len(made) or i in fused:
                     continue
                 t0 = time.perf_counter()
-                made[layer].fn()
+                made[j].fn()
                 spent[i] += (time.perf_counter() - t0) * 1e6
         if p < warmup:
             continue
@@ -453,15 +457,6 @@ def step_groups(shapes: list[dict]) -> dict[tuple, list[int]]:
     return out
 
 
-def _parse_cpus(spec: str) -> set[int]:
-    """'0-3,8' -> {0, 1, 2, 3, 8}."""
-    out: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", required=True, help="JSON list of shapes")
@@ -475,7 +470,9 @@ def main(argv=None) -> int:
                     "(VLLM_CPU_OMP_THREADS_BIND's first rank): the probe runs on them with that many threads")
     args = ap.parse_args(argv)
     if args.cpus and args.device == "cpu":
-        cores = _parse_cpus(args.cpus)
+        from decodescope.procs import parse_cpulist
+
+        cores = parse_cpulist(args.cpus)
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
     shapes = json.load(open(args.shapes))
