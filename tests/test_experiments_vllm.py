@@ -52,6 +52,10 @@ def test_every_variant_is_measured_or_recorded_failed_and_the_run_goes_on(campai
     assert len(m["servers"]) == 2 + 2  # bad-flag never came up, so it is not among the servers started
     assert "variant bad-flag (3 of 3) ... failed: server did not start" in proc.stderr
     assert port_is_free("127.0.0.1", PORT)
+    # the TP=1 server where its params put it: the worker on its bound core, the rest on the other
+    cores = json.loads((campaign["run_dir"] / "variants/tp1/data/server.json").read_text())["cores"]
+    assert {c["role"] for c in cores.values()} == {"api server", "engine core", "worker"}, cores
+    assert all(c["cpus"] == ("0" if c["role"] == "worker" else "1") for c in cores.values()), cores
     print(f"experiments run: {campaign['wall_s']:.0f} s")
 
 

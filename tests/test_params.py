@@ -1,6 +1,8 @@
+import sys
 import textwrap
 
 import numpy as np
+
 import pytest
 import yaml
 
@@ -55,6 +57,8 @@ BAD_FILES = [
     ("model:\n  tokenizer: /no/such/tokenizer\n", "model.tokenizer", "does not exist"),
     ("profile:\n  requests: 0\n", "profile.requests", ">= 1"),
     ("microbench:\n  batches: [1, -2]\n", "microbench.batches", ">= 1"),
+    ("server:\n  cpus: core one\n", "server.cpus", "'1', '2-3' or '0,4-7'"),
+    ("server:\n  cpus: 1-\n", "server.cpus", "as taskset -c does"),
 ]
 
 
@@ -290,6 +294,30 @@ def test_a_variant_runs_with_its_server_settings_merged_over_the_baseline(write_
     assert v.server.engine_args == {"load-format": "dummy", "enforce-eager": True}    # null removes a flag
     assert v.workload.concurrency == [1] and v.experiments == [] and v.run_name.endswith("+tp1")
     assert p.server.tensor_parallel == 2 and p.projected_tensor_parallel() == [1]      # the baseline untouched
+    assert v.server.cpus is None
+
+
+def test_server_cpus_start_the_servers_processes_there_and_a_variant_replaces_them(write_params, tmp_path):
+    """server.cpus: the server's argv starts with taskset -c (its workers then bind their own threads);
+    a variant's cpus replace the baseline's; cores this process may not use are refused, named, before
+    a server starts."""
+    import os
+
+    from decodescope.params import with_experiment
+    from decodescope.server import ServerError, _check_cpus, launch_spec
+
+    doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
+    doc["experiments"] = [{"name": "tp1", "tensor_parallel": 1, "cpus": "1"}]
+    p = load_params(write_params(yaml.safe_dump(doc)))
+    assert p.server.cpus is None and launch_spec(p, "m", "t").argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    v = with_experiment(p, "tp1")
+    spec = launch_spec(v, "m", "t")
+    assert spec.argv[:4] == ["taskset", "-c", "1", p.server.python or sys.executable] and spec.cpus == "1"
+    assert spec.describe()["argv"][:3] == ["taskset", "-c", "1"]    # the manifest says where it ran
+    have = sorted(os.sched_getaffinity(0))
+    _check_cpus(",".join(map(str, have)))
+    with pytest.raises(ServerError, match=rf"server.cpus '{have[-1] + 1}' names cores \[{have[-1] + 1}\]"):
+        _check_cpus(str(have[-1] + 1))
 
 
 @pytest.mark.parametrize("experiments,field,fragment", [

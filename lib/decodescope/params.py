@@ -47,6 +47,14 @@ def _positive(v: float) -> float:
     return v
 
 
+def _cpulist(v: Optional[str]) -> Optional[str]:
+    if v is not None and not CPULIST.fullmatch(v):
+        raise ValueError(f"{v!r} is not a list of cores; write it as taskset -c does, e.g. '1', '2-3' or '0,4-7'")
+    return v
+
+
+CPULIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+CpuList = Annotated[Optional[str], AfterValidator(_cpulist)]
 AtLeastOne = Annotated[int, _at_least(1)]
 NonNegative = Annotated[int, _at_least(0)]
 Positive = Annotated[float, AfterValidator(_positive)]
@@ -101,6 +109,9 @@ class ServerParams(_Section):
     python: Optional[str] = Field(None, description="interpreter that has vllm; defaults to this one")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM CLI flags, without --")
     env: dict[str, str] = Field(default_factory=dict)
+    cpus: CpuList = Field(None, description="the cores the server's processes start on (taskset -c), e.g. '1': "
+                          "vLLM's CPU workers then bind their threads where VLLM_CPU_OMP_THREADS_BIND says, "
+                          "and the API server and engine core stay off them. None: wherever the OS puts them")
     startup_timeout_s: Positive = 900.0
     api_key: Optional[str] = None
 
@@ -281,6 +292,7 @@ class ExperimentParams(_Section):
     engine_args: dict[str, Any] = Field(default_factory=dict, description="merged over server.engine_args; "
                                         "a value of null removes the flag")
     env: dict[str, Optional[str]] = Field(default_factory=dict, description="merged over server.env; null removes")
+    cpus: CpuList = Field(None, description="replaces server.cpus")
     workload: dict[str, Any] = Field(default_factory=dict, description="keys of workload to override")
     profile: bool = Field(False, description="also profile this variant (04_profile)")
 
@@ -291,7 +303,8 @@ class ExperimentParams(_Section):
         return name
 
     def server_overrides(self) -> dict:
-        return {"tensor_parallel": self.tensor_parallel, "engine_args": self.engine_args, "env": self.env}
+        return {"tensor_parallel": self.tensor_parallel, "engine_args": self.engine_args, "env": self.env,
+                "cpus": self.cpus}
 
 
 class PeakOverrides(_Section):
@@ -782,15 +795,16 @@ def _experiment_problems(params: Params, path: Path) -> list[tuple[str, str]]:
 
 def with_experiment(params: Params, name: str) -> Params:
     """The params a variant runs with: server.engine_args / env merged (null removes a key),
-    tensor_parallel and workload keys replaced. Validated like a params file; errors name the variant."""
+    tensor_parallel, cpus and workload keys replaced. Validated like a params file; errors name the variant."""
     exp = next((e for e in params.experiments if e.name == name), None)
     if exp is None:
         raise ParamsError(params.source_path or "params", [("experiments", f"no variant named {name!r}; defined: "
                                                             f"{[e.name for e in params.experiments]}")])
     data = params.model_dump()
     server = data["server"]
-    if exp.tensor_parallel is not None:
-        server["tensor_parallel"] = exp.tensor_parallel
+    for key in ("tensor_parallel", "cpus"):
+        if getattr(exp, key) is not None:
+            server[key] = getattr(exp, key)
     for key in ("engine_args", "env"):
         merged = dict(server.get(key) or {})
         for k, v in getattr(exp, key).items():

@@ -135,6 +135,7 @@ class LaunchSpec:
     api_key: Optional[str] = None
     extra_env_keys: list[str] = field(default_factory=list)
     run_token: str = ""
+    cpus: Optional[str] = None  # server.cpus: argv starts with taskset -c
 
     def describe(self) -> dict:
         # the api key is in env (VLLM_API_KEY), never argv; env shows only the params' own keys, redacted
@@ -154,6 +155,8 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
             "--host", s.bind_host, "--port", str(s.port),
             "--tensor-parallel-size", str(s.tensor_parallel)]
     argv += engine_flags(s.engine_args)
+    if s.cpus:  # the API server and engine core stay there; workers bind their threads by their own setting
+        argv = ["taskset", "-c", s.cpus] + argv
     env = dict(os.environ)
     env.update({k: str(v) for k, v in s.env.items()})
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -167,7 +170,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     if s.api_key:
         env["VLLM_API_KEY"] = s.api_key  # argv is readable by every local user (ps); the environment is not
     return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
-                      extra_env_keys=extra_keys, run_token=run_token)
+                      extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus)
 
 
 def _add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path,
@@ -187,6 +190,15 @@ def _add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profile
         for key in ("VLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_WITH_STACK"):
             if key not in extra_env_keys:
                 extra_env_keys.append(key)
+
+
+def _check_cpus(cpus: str) -> None:
+    """server.cpus against the cores this process may use (a server started here inherits them)."""
+    have = os.sched_getaffinity(0)
+    missing = procs.parse_cpulist(cpus) - have
+    if missing:
+        raise ServerError(f"server.cpus {cpus!r} names cores {sorted(missing)} this host does not offer; "
+                          f"valid: cores of {sorted(have)}")
 
 
 def _die_with_parent() -> None:
@@ -216,6 +228,7 @@ class VllmServer:
         self.run_token = spec.run_token if spec else run_token
         self.started_s: Optional[float] = None
         self.tree_pids: list[int] = []
+        self.cores: dict[int, dict] = {}  # pid -> {role, cpus}, at start (a server started here)
         self.shm_files: set[Path] = set()
         self.teardown: dict = {}
         self._held_port: Optional[int] = None
@@ -229,6 +242,8 @@ class VllmServer:
                run_dir: Optional[Path] = None, host=None, sync: tuple = ()) -> "VllmServer":
         if host is not None and host.remote:
             return cls._launch_on_host(spec, host, log_path, timeout_s, run_dir, sync)
+        if spec.cpus:
+            _check_cpus(spec.cpus)
         newly_held = spec.port not in _HELD_PORTS
         hold_port(spec.port, run_dir)  # LockHeld names the other run
         if not port_is_free(spec.host, spec.port):
@@ -265,6 +280,8 @@ class VllmServer:
             raise
         self.started_s = time.monotonic() - t0
         self.tree_pids = self.process_tree()
+        if self.remote is None:
+            self.cores = procs.cores_of(self.tree_pids)
 
     @classmethod
     def _launch_on_host(cls, spec: LaunchSpec, host, log_path: Path, timeout_s: float, run_dir: Optional[Path],
@@ -511,6 +528,7 @@ def write_server_info(run_dir: Path, server: VllmServer, params: Params) -> None
         "run_token": server.run_token,
         "log_path": str(server.log_path) if server.log_path else None,
         "tree_pids": server.tree_pids,
+        "cores": {str(pid): c for pid, c in getattr(server, "cores", {}).items()},  # where each process may run
         "start_s": server.started_s,
         "launch": server.spec.describe() if server.spec else None,
     })
