@@ -493,6 +493,21 @@ def test_fixes_are_calibrated_by_the_measured_tpot_and_ranked(tiny, repo):
     assert [p["gain_pct"] for p in proj] == sorted(p["gain_pct"] for p in proj)   # ranked, best first
     assert {c["component"] for c in comps} >= {"gemm", "collectives", "attention", "framework overhead", "between steps"}
 
+    # 04 ran concurrency 1 unprofiled on another start of the same server, its engine ITL 20% under
+    # 01's: the baseline is then the mean of the two starts, 3,000 x (1 + 0.8) / 2 = 2,700 us
+    from decodescope.verdict import baseline_tpot
+
+    levels2 = levels.assign(server_itl_mean_us=[2_500.0])
+    captures = {1: {"engine_itl_unprofiled_us": 2_000.0}}
+    assert baseline_tpot(levels2, captures) == {1.0: pytest.approx(2_700.0)}
+    assert baseline_tpot(levels2, {}) == {1.0: pytest.approx(3_000.0)}       # one start: 01's alone
+    rows2, _, proj2 = curves(inp, params, levels2, captures)
+    by2 = {(r["fix"], r["batch"]): r for r in rows2}
+    assert by2[("measured (01)", 1.0)]["tpot_us"] == pytest.approx(3_000.0)   # what 01 measured, shown as is
+    assert by2[("tensor-parallel 1 x 2 replicas", 1.0)]["tpot_us"] == pytest.approx(2_700.0 * tp1 / base)
+    tp1_proj = next(p for p in proj2 if p["fix"] == "tensor-parallel 1 x 2 replicas")
+    assert tp1_proj["gain_pct"] == pytest.approx(100 * (tp1 / base - 1))        # against the baseline it is priced on
+
 
 def test_a_step_plans_unknown_communicator_is_refused_by_name():
     import torch

@@ -291,7 +291,7 @@ def verdict(run_dir: Path, params) -> Verdict:
     inp = model_inputs(run_dir, params, summaries, captures)
     model: dict[float, tuple[float, float, float]] = {}
     if inp is not None:
-        curve_rows, comp_rows, proj_rows = curves(inp, params, levels)
+        curve_rows, comp_rows, proj_rows = curves(inp, params, levels, captures)
         out.curves = [CurveRow.model_validate(r) for r in curve_rows]
         out.step_model = comp_rows
         out.projections = [ProjectionRow.model_validate(r) for r in proj_rows]
@@ -308,7 +308,7 @@ def verdict(run_dir: Path, params) -> Verdict:
         out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(levels, summaries, model,
                                                                                       captures)]
     if params.experiments:
-        out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels)]
+        out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels, captures)]
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
     out.findings = [Finding.model_validate(f) for f in findings(out, summary, params.server.tensor_parallel)]
     if levels is not None and not levels.empty:
@@ -490,16 +490,36 @@ def _with_component(pred, comp):
     return dc_replace(pred, components=[comp if c.name == comp.name else c for c in pred.components])
 
 
-def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame]) -> tuple[list[dict], list[dict], list[dict]]:
+def baseline_tpot(levels: Optional[pd.DataFrame], captures: Optional[dict[int, dict]] = None) -> dict[float, float]:
+    """The baseline's TPOT per serving level, as fixes and variants are calibrated by it: 01's
+    (level_tpot), and where 04 also ran that concurrency unprofiled, the mean of the two server starts
+    (01's TPOT x the mean of 1 and 04's engine ITL / 01's). Each start of one server reads differently
+    on a small host (host_drift up to ~30% on two cores), and a projection calibrated by one start
+    carries that start's draw."""
+    out: dict[float, float] = {}
+    if levels is None or levels.empty:
+        return out
+    for lv in levels.sort_values("level").itertuples():
+        tpot = level_tpot(lv)[0]
+        itl01 = _positive(getattr(lv, "server_itl_mean_us", None))
+        itl04 = _positive((captures or {}).get(int(lv.level), {}).get("engine_itl_unprofiled_us"))
+        out[float(lv.level)] = tpot * (1 + itl04 / itl01) / 2 if itl01 and itl04 else tpot
+    return out
+
+
+def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame], captures: Optional[dict[int, dict]] = None
+           ) -> tuple[list[dict], list[dict], list[dict]]:
     """TPOT vs output tokens/s per GPU: the measured sweep, the step model, and every fix, at each
     serving level (and profiled batch). A fix's TPOT is calibrated where the sweep measured the batch:
-    measured TPOT x fix / base model, so the model's own error cancels; elsewhere it is the model's.
+    the baseline's TPOT (baseline_tpot: 01's, with 04's start where it ran that level) x fix / base
+    model, so the model's own error cancels; elsewhere it is the model's.
     Returns (curve rows, step-model component rows, projection rows at the lowest level)."""
     tp = inp.tp
     measured = {}
     if levels is not None and not levels.empty:
         for lv in levels.sort_values("level").itertuples():
             measured[float(lv.level)] = level_tpot(lv)[0]
+    calibration = baseline_tpot(levels, captures)
     batches = sorted(set(measured) | {s.batch for s in inp.samples}) or [1.0]
     rows, comps, proj = [], [], []
     for b, t in measured.items():
@@ -512,7 +532,7 @@ def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame]) -> tuple[li
         rows.append({"fix": "step model", "batch": b, "tpot_us": base.period_us, "tpot_low_us": lo, "tpot_high_us": hi,
                      "tok_s_per_gpu": b * 1e6 / base.period_us / tp, "model_us": base.period_us})
         comps += [{"batch": b, **r} for r in base.table().to_dict("records")]
-        scale = measured.get(b, base.period_us) / base.period_us
+        scale = calibration.get(b, base.period_us) / base.period_us
         for f in fixes_at(inp, b, params):
             flo, fhi = f.prediction.band_us
             tpot = f.prediction.period_us / f.tokens_per_step * scale
@@ -522,13 +542,13 @@ def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame]) -> tuple[li
                    "calibrated": b in measured, "notes": "; ".join(f.assumptions)}
             rows.append(row)
             if b == lowest:
-                ref = measured.get(b, base.period_us)
+                ref = calibration.get(b, base.period_us)  # the fix against the baseline it is calibrated by
                 proj.append({"fix": f.name, "step_us": f.prediction.period_us * scale, "low_us": flo * scale,
                              "high_us": fhi * scale, "tokens_per_step": f.tokens_per_step, "tpot_us": tpot,
                              "tpot_low_us": row["tpot_low_us"], "tpot_high_us": row["tpot_high_us"],
                              "gain_pct": 100 * (tpot / ref - 1), "batch": b, "tok_s_per_gpu": row["tok_s_per_gpu"],
                              "gpus_per_replica": f.gpus_per_replica,
-                             "assumptions": "; ".join(f.assumptions + ([f"calibrated: x {scale:.2f} (measured TPOT / "
+                             "assumptions": "; ".join(f.assumptions + ([f"calibrated: x {scale:.2f} (baseline TPOT / "
                                                                         "base model at this level)"] if b in measured else []))})
     return rows, comps, sorted(proj, key=lambda r: r["gain_pct"])
 
@@ -699,9 +719,10 @@ def _gist(error: str) -> str:
     return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:400]
 
 
-def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Optional[pd.DataFrame]) -> list[dict]:
-    """Per variant and serving level: its TPOT against the baseline's and against its projection
-    (calibrated like the fixes: measured baseline TPOT x fix / base model)."""
+def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Optional[pd.DataFrame],
+                 captures: Optional[dict[int, dict]] = None) -> list[dict]:
+    """Per variant and serving level: its TPOT against the baseline's (01) and against its projection
+    (calibrated like the fixes: the baseline's TPOT, baseline_tpot, x fix / base model)."""
     from decodescope.io import read_json
     from decodescope.params import with_experiment
     from decodescope.rundir import VARIANTS
@@ -709,6 +730,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
     manifest_path = Path(run_dir) / "manifest.json"
     states = (read_json(manifest_path).get("variants", {}) if manifest_path.is_file() else {})
     base = {int(r.level): level_tpot(r)[0] for r in levels.itertuples()} if levels is not None else {}
+    calibration = {int(k): v for k, v in baseline_tpot(levels, captures).items()}
     rows = []
     for exp in params.experiments:
         state = states.get(exp.name, {})
@@ -733,14 +755,17 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                     row["notes"] = why
                 else:
                     model = inp.predict(b).period_us
-                    scale = base.get(int(lv.level), model) / model
+                    scale = calibration.get(int(lv.level), model) / model
                     lo, hi = fix.prediction.band_us
                     proj = fix.prediction.period_us / fix.tokens_per_step * scale
                     row.update(projection=fix.name, projected_tpot_us=proj,
                                projected_low_us=lo / fix.tokens_per_step * scale,
                                projected_high_us=hi / fix.tokens_per_step * scale,
                                projection_error_pct=100 * (proj / tpot - 1),
-                               notes=("calibrated by the baseline's TPOT at this level" if int(lv.level) in base else
+                               notes=("calibrated by the baseline's TPOT at this level"
+                                      + (" (the mean of its 01 and 04 server starts)"
+                                         if calibration.get(int(lv.level)) != base.get(int(lv.level)) else "")
+                                      if int(lv.level) in base else
                                       "the model's own value (the baseline did not measure this level)"))
             rows.append(row)
     return rows
