@@ -59,6 +59,7 @@ BAD_FILES = [
     ("microbench:\n  batches: [1, -2]\n", "microbench.batches", ">= 1"),
     ("server:\n  cpus: core one\n", "server.cpus", "'1', '2-3' or '0,4-7'"),
     ("server:\n  cpus: 1-\n", "server.cpus", "as taskset -c does"),
+    ("server:\n  mode: attach\n  url: http://127.0.0.1:8000\n  cpus: '1'\n", "server.cpus", "server.mode: launch"),
 ]
 
 
@@ -374,7 +375,9 @@ def test_knee_resolves_against_the_serving_levels(write_params, tmp_path):
 def test_a_variant_cannot_change_a_server_it_does_not_start(write_params, tmp_path):
     doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
     doc["server"].update(mode="attach", url="http://127.0.0.1:9")
-    doc["experiments"] = [{"name": "tp1", "tensor_parallel": 1}, {"name": "more", "workload": {"concurrency": [8]}}]
+    doc["experiments"] = [{"name": "tp1", "tensor_parallel": 1}, {"name": "more", "workload": {"concurrency": [8]}},
+                          {"name": "pinned", "cpus": "1"}]
     with pytest.raises(ParamsError) as e:
         load_params(write_params(yaml.safe_dump(doc)))
-    assert [f for f, _ in e.value.problems] == ["experiments[tp1]"] and "server.mode is attach" in str(e.value)
+    assert [f for f, _ in e.value.problems] == ["experiments[tp1]", "experiments[pinned]"]
+    assert "server.mode is attach" in str(e.value)

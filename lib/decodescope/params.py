@@ -302,10 +302,6 @@ class ExperimentParams(_Section):
         check_run_name(name)
         return name
 
-    def server_overrides(self) -> dict:
-        return {"tensor_parallel": self.tensor_parallel, "engine_args": self.engine_args, "env": self.env,
-                "cpus": self.cpus}
-
 
 class PeakOverrides(_Section):
     bf16_tflops: Optional[float] = Field(None, description="dense bf16/fp16 tensor-core peak")
@@ -681,6 +677,9 @@ def _semantic_problems(raw: dict, path: Path) -> list[tuple[str, str]]:
         problems.append(("microbench.rdzv_endpoint", "host.nodes runs the probes on several hosts: give the "
                          "rendezvous endpoint every host reaches, host:port on the first host, e.g. 10.0.0.5:29400"))
 
+    if server.get("mode") == "attach" and server.get("cpus"):
+        problems.append(("server.cpus", "places a server decodescope starts; with server.mode: attach the server "
+                         "runs where it was started: remove cpus, or use server.mode: launch"))
     if server.get("mode") == "attach" and not server.get("url"):
         problems.append(("server.url", "attach mode needs the URL of a running server, "
                          "e.g. http://127.0.0.1:8000"))
@@ -779,7 +778,8 @@ def _experiment_problems(params: Params, path: Path) -> list[tuple[str, str]]:
     if "baseline" in names:
         problems.append(("experiments", "'baseline' names the run itself; choose another variant name"))
     for e in params.experiments:
-        if params.server.mode == "attach" and (e.tensor_parallel is not None or e.engine_args or e.env):
+        if params.server.mode == "attach" and (e.tensor_parallel is not None or e.cpus is not None or e.engine_args
+                                               or e.env):
             problems.append((f"experiments[{e.name}]", "changes the server, but server.mode is attach (a server "
                              "decodescope does not start); use server.mode: launch, or vary only `workload`"))
             continue
