@@ -207,10 +207,9 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
         m = model.get(float(level))
         if m:
             row.update(model_us=m[0], model_low_us=m[1], model_high_us=m[2], model_error=m[0] / tpot - 1)
-        itl01 = _positive(getattr(lv, "server_itl_mean_us", None))
-        cap = (captures or {}).get(level, {})
-        itl04 = _positive(cap.get("engine_itl_unprofiled_us"))
-        row.update(engine_itl_us=itl01, profile_engine_itl_us=itl04, window_noise=cap.get("window_noise"))
+        itl01, itl04 = _engine_itls(lv, captures)
+        row.update(engine_itl_us=itl01, profile_engine_itl_us=itl04,
+                   window_noise=(captures or {}).get(level, {}).get("window_noise"))
         if itl01 and itl04:
             row["host_drift"] = itl04 / itl01 - 1
         if m and itl04:
@@ -341,6 +340,13 @@ def profile_summaries(run_dir: Path, params) -> dict[int, ProfileSummary]:
 
 def _positive(x) -> Optional[float]:
     return float(x) if x is not None and x == x and x > 0 else None
+
+
+def _engine_itls(lv, captures: Optional[dict[int, dict]]) -> tuple[Optional[float], Optional[float]]:
+    """A serving level's engine inter-token latency on the baseline's two server starts: 01's (its
+    telemetry) and 04's unprofiled run at that concurrency (profile_capture.json), each None when absent."""
+    cap = (captures or {}).get(int(lv.level), {})
+    return _positive(getattr(lv, "server_itl_mean_us", None)), _positive(cap.get("engine_itl_unprofiled_us"))
 
 
 def host_cores(run_dir: Path) -> Optional[int]:
@@ -501,8 +507,7 @@ def baseline_tpot(levels: Optional[pd.DataFrame], captures: Optional[dict[int, d
         return out
     for lv in levels.sort_values("level").itertuples():
         tpot = level_tpot(lv)[0]
-        itl01 = _positive(getattr(lv, "server_itl_mean_us", None))
-        itl04 = _positive((captures or {}).get(int(lv.level), {}).get("engine_itl_unprofiled_us"))
+        itl01, itl04 = _engine_itls(lv, captures)
         out[float(lv.level)] = tpot * (1 + itl04 / itl01) / 2 if itl01 and itl04 else tpot
     return out
 
