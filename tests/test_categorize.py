@@ -1,10 +1,15 @@
 """Kernel names as they appear in public vLLM / SGLang / PyTorch traces and docs."""
+import math
+
 import pytest
 import yaml
 
 from decodescope import verdict
 from decodescope.trace import categorize as cz
-from decodescope.trace.categorize import OTHER, categorize_name, demangle
+from decodescope.trace.analyze import category_breakdown, op_table
+from decodescope.trace.breakdown import breakdown_dir
+from decodescope.trace.categorize import OTHER, categorize_name, categorize_names, demangle
+from decodescope.trace.load import load_trace_dir
 
 GPU_NAMES = [
     # NCCL all-reduce
@@ -356,3 +361,234 @@ def test_rules_are_parsed_once_per_content_then_read_from_the_cache(tmp_path, re
         rules_file.write_text(bad)
         out = subprocess.run([sys.executable, "-c", code, str(rules_file)], capture_output=True, text=True, env=env)
         assert out.returncode != 0 and why in out.stderr and str(rules_file) in out.stderr, out.stderr
+
+
+# ---- kernel names beyond the NVIDIA LLM path: ROCm, cuDNN, inductor (issue 25, item 6) -----------
+# (name, category, where the name comes from). "HTA" is facebookresearch/HolisticTraceAnalysis, "TL"
+# AMD-AGI/TraceLens; a trace named here is also a fixture under tests/fixtures/kernel_names/ (README.md).
+_HTA_MI250 = "HTA tests/data/amd_trace/mi250_minitoy_train_ROCm6_2_kineto.json.gz (MI250, ROCm 6.2)"
+_HTA_RESNET = "HTA tests/data/ns_resolution_trace/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz (V100, cuDNN)"
+_HTA_ALEXNET = "HTA tests/data/critical_path/alexnet/benchmark_result_2869224_1695835535_trace.json.gz (A100)"
+_TL_RESNET = "TL tests/traces/mi300/resnet_act_checkpoint.json.gz (MI300X, MIOpen, RCCL)"
+_TL_SGLANG = "TL tests/traces/inference/sglang_prefilldecode/sglang_Qwen3-8B_prefilldecode.json.gz (MI300X)"
+_TL_FLUX = "TL tests/traces/inference/xdit_flux.1_aiter_sage/profile_trace_rank_0.json.gz (MI300X, inductor)"
+_TL_FLUX_CAPTURE = "TL tests/traces/inference/xdit_flux.1/capture_traces/capture_trace_rank_0.json.gz (MI300X)"
+_TL_TIMESFORMER = "TL tests/traces/mi300/facebook_timesformer-base-finetuned-k400__1016002.json.gz (MI300X)"
+_TL_B200 = "TL tests/traces/b200/eager_trace.json.gz (B200, vLLM)"
+BEYOND_NVIDIA_LLM_NAMES = [
+    # Tensile GEMMs: rocBLAS (fp32 SB, the issue's 26% of `other`) and hipBLASLt (bf16 BBS), old and new naming
+    ("Cijk_Alik_Bljk_SB_Bias_AS_SAV_UserArgs_MT64x16x32_MI16x16x1_SN_LDSB0_AFC1_AFEM1_AFEM1_ASEM1_CLR1_CADS0_EPS0_GRVWA2_GRVWB2_GSUAMB_ISA90a_IU1_K1_LBSPPA128_LBSPPB128_LBSPPM0_LPA8_LPB8_LPM0_LRVW4_LWPMn1_MIAV0_MIWT1_1_MO40_NTn1_NTA0_NTB0_NTC0_NTD0_NTM0_NEPBS2_NLCA1_NLCB1_ONLL1_PGR2_PLR1_PKA1_SIA3_SS1_SPO1_SRVW0_SSO0_SVW1_TLDS1_USFGROn1_VSn1_VWA1_VWB1_WSGRA1_WSGRB1_WS64_WG64_4_1",
+     "gemm_dense", _HTA_MI250),
+    ("Cijk_Ailk_Bjlk_SB_Bias_AS_SAV_UserArgs_MT64x16x16_MI16x16x1_SN_LDSB0_AFC1_AFEM1_AFEM1_ASEM1_CLR1_CADS0_EPS0_GRVWA1_GRVWB1_GSUAMB_ISA90a_IU1_K1_LBSPPA0_LBSPPB0_LBSPPM0_LPA0_LPB0_LPM0_LRVW1_LWPMn1_MIAV0_MIWT1_1_MO40_NTn1_NTA0_NTB0_NTC0_NTD0_NTM0_NEPBS2_NLCA1_NLCB1_ONLL1_PGR2_PLR1_PKA1_SIA3_SS1_SPO1_SRVW0_SSO0_SVW1_TLDS0_USFGROn1_VSn1_VWA1_VWB1_WSGRA0_WSGRB0_WS64_WG64_4_1",
+     "gemm_dense", _HTA_MI250),
+    ("Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT128x256x32_MI16x16x1_SN_LDSB1_AFC1_AFEM1_AFEM1_ASEM1_CLR1_CADS0_DTLA0_DTLB0_DTVA0_DTVB0_EPS0_FDSI0_GRPM1_GRVWA4_GRVWB4_GSUAMB_GLS0_ISA942_IU1_K1_LBSPPA512_LBSPPB512_LBSPPM0_LPA16_LPB16_LPM0_LRVW4_LWPMn1_MIAV0_MIWT4_8_MO40_NTn1_NTA0_NTB0_NTC0_NTD0_NTM0_NEPBS0_NLCA1_NLCB1_ONLL1_PGR2_PLR1_PKA1_SIA3_SS1_SPO0_SRVW0_SSO0_SVW4_SK0_SKXCCM0_TLDS1_ULSGRO0_USL1_UIOFGRO0_USFGROn1_VSn1_VWA4_VWB4_WSGRA0_WSGRB0_WS64_WG32_8_1",
+     "gemm_dense", _TL_SGLANG),
+    ("Cijk_Ailk_Bljk_BBS_BH_MT128x64x64_MI32x32x8x1_SN_1LDSB0_APM1_AF0EM1_AF1EM1_AMAS3_ASE_ASGT_ASLT_ASM_ASAE01_ASCE01_ASEM1_BL1_BS1_CLR1_DTVA0_DTVB0_ETSP_EPS1_ELFLR0_EMLL0_FSSC10_FL0_GLVWA2_GLVWB2",
+     "gemm_dense", _TL_FLUX),
+    ("Cijk_SB_BiasS_HAS_ScaleAlphaVec_PostGSU16_VW4", "gemm_dense",
+     "TL tests/traces/compare_test/256thread/perf_56ch_rank7_perf_report_csvs/kernel_summary.csv (hipBLASLt split-K)"),
+    # vLLM ROCm skinny GEMMs (vllm-project/vllm csrc/rocm/skinny_gemms.cu): bf16 wvSplitK, fp8 wvSplitKQ, LLGemm1
+    ("void wvSplitK_hf_sml_<__hip_bfloat16, 64, 4, 16, 8, 1, 4>(int)", "gemm_dense",
+     "vllm csrc/rocm/skinny_gemms.cu: wvSplitK_hf_sml_<fptype, THRDS, YTILE, WvPrGrp, A_CHUNK, UNRL, N>"),
+    ("void wvSplitKQ_hf_sml_<__hip_bfloat16, __hip_fp8_e4m3, 64, 2, 16, 16, 2, 1>(int, int, int, int, int, int, __hip_fp8_e4m3 const*, __hip_fp8_e4m3 const*, __hip_bfloat16*, float const*, float const*, int)",
+     "gemm_quantized", "vllm csrc/rocm/skinny_gemms.cu: wvSplitKQ_hf_sml_<scalar_t, fp8_t, THRDS, ...>"),
+    ("void LLGemm1_kernel<__hip_bfloat16, 4>(__hip_bfloat16 const*, __hip_bfloat16 const*, __hip_bfloat16*, int)",
+     "gemm_dense", "vllm csrc/rocm/skinny_gemms.cu: LLGemm1_kernel"),
+    # aiter assembly GEMMs (ROCm/aiter, names of the shipped .co kernels)
+    ("_ZN5aiter42fp8gemm_bf16_blockscale_BpreShuffle_32x128E", "gemm_quantized",
+     "aiter hsa fp8gemm_bf16_blockscale_BpreShuffle (a tuned-gemm csv kernelName)"),
+    ("_ZN5aiter33f4gemm_bf16_per1x32Fp4_tn_256x256E", "gemm_quantized",
+     "aiter csrc asm_f4gemm: AiterAsmKernel(\"_ZN5aiter33f4gemm_bf16_per1x32Fp4_tn_256x256E\")"),
+    # RCCL: one generic kernel for every collective
+    ("ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)", "collective_other", _TL_RESNET),
+    ("ncclDevKernel_Generic_1(ncclDevKernelArgsStorage<4096ul>)", "collective_other",
+     "public MI355X vLLM profile (a prefill's top kernel, 20.8% of GPU time)"),
+    ("void rcclGenericKernel<1, false>(ncclDevKernelArgsStorage<4096ul>)", "collective_other",
+     "TL tests/fixtures/reporting.py"),
+    # aiter / CK attention, MoE and KV cache on ROCm (vLLM's and SGLang's aiter backends)
+    ("aiter::fmha_fwd_hd128_bf16_rtz", "attention", _TL_FLUX_CAPTURE),
+    ("_ZN7ck_tile6kentryILi2ENS_38FmhaBatchPrefillWithPagedKVCacheKernelINS_40BlockFmhaBatchPrefillPipelineQRKSVSAsyncINS_36BlockFmhaBatchPrefillPipelineProblemIDF16bDF16bDF16bffDF16bhfDF16bfDF16bNS_13TileFmhaShap",
+     "attention", _TL_SGLANG),
+    ("_ZN5aiter42pa_bf16_pertokenFp8_gqa10_1tg_4w_mtp3_msk1E", "attention",
+     "aiter op_tests/test_pa (kernelName of the assembly paged attention)"),
+    ("aiter::mla_a8w8_qh16_qseqlen1_gqaratio16_ps", "attention", "public MI355X DeepSeek decode profile (MLA decode)"),
+    ("attn_fwd", "attention", _TL_FLUX + "; vllm/attention/ops/triton_flash_attention.py attn_fwd"),
+    ("sage_fwd", "attention", _TL_FLUX),
+    ("sage_quant_kernel", "attention", _TL_FLUX),
+    ("_fwd_kernel", "attention", "vllm/attention/ops/prefix_prefill.py (@triton.jit def _fwd_kernel)"),
+    ("void paged_attention_ll4mi_QKV_mfma16_kernel<__hip_bfloat16, __hip_bfloat16, (vllm::Fp8KVCacheDataType)0, 16, 128, 256, true, 1>(...)",
+     "attention", "vllm csrc/rocm/attention.cu paged_attention_ll4mi_QKV_mfma16_kernel"),
+    ("void (anonymous namespace)::store_kvcache<2048l, 4, false, long>((anonymous namespace)::StoreKVCacheParams)",
+     "kv_cache_write", _TL_SGLANG),
+    ("_ZN5aiter50fmoe_bf16_blockscaleFp8_g1u1_vs_silutg_psx256E", "moe_experts",
+     "aiter hsa fmoe (the assembly kernel aiter::fmoe_fp8_blockscale_g1u1 runs)"),
+    ("_ZN5aiter59fmoe_stage1_bf16_pertokenFp8_blockscale_g1u1_32x128_3tg_pf3E", "moe_experts",
+     "aiter hsa fmoe_2stages (a tuned-fmoe profile)"),
+    ("void ck_tile::kentry<2, ck_tile::MoeSortingKernel<ck_tile::MoeSortingProblemEx<int>>>(...)", "moe_routing",
+     "aiter/fused_moe.py moe_sorting_fwd -> CK ck_tile::MoeSortingKernel"),
+    ("void moe::dev::routing::routingIndicesOffsetsKernel<moe::dev::routing::routingRenormalize::KernelParams<__nv_bfloat16, __nv_bfloat16, 128, false, true, true> >(moe::dev::routing::routingRenormalize::KernelParams<__nv_bfloat16, __nv_bfloat16, 128, false, true, true>)",
+     "moe_routing", _TL_B200),
+    ("void moe::dev::finalize::finalizeKernelVecLoad<moe::dev::finalize::KernelParams<cutlass::bfloat16_t, cutlass::bfloat16_t, 4, true> >(moe::dev::finalize::KernelParams<cutlass::bfloat16_t, cutlass::bfloat16_t, 4, true>)",
+     "moe_experts", _TL_B200),
+    ("__amd_rocclr_copyBuffer", "memcpy_memset", "TL TraceLens/Agent/Analysis/utils/classify_kernels.py (ROCclr blit)"),
+    ("__amd_rocclr_fillBufferAligned", "memcpy_memset", "TL TraceLens/Agent/Analysis/utils/classify_kernels.py"),
+    ("void rocprim::ROCPRIM_400200_NS::detail::trampoline_kernel<rocprim::ROCPRIM_400200_NS::detail::wrapped_scan_config<rocprim::ROCPRIM_400200_NS::default_config, long>, ...>(...)",
+     "elementwise_other", _TL_SGLANG),
+    # convolution: cuDNN (NVIDIA), MIOpen and Composable Kernel (ROCm)
+    ("sm80_xmma_fprop_implicit_gemm_indexed_tf32f32_tf32f32_f32_nhwckrsc_nchw_tilesize128x128x16_stage4_warpsize2x2x1_g1_tensor16x8x8_alignc4_execute_kernel_cudnn",
+     "convolution", _HTA_ALEXNET),
+    ("cudnn_ampere_scudnn_128x64_relu_xregs_large_nn_v1", "convolution", _HTA_ALEXNET),
+    ("cudnn_infer_volta_scudnn_128x64_relu_medium_nn_v1", "convolution", _HTA_RESNET),
+    ("cudnn_train_volta_scudnn_128x128_stridedB_splitK_medium_nn_v1", "convolution", _HTA_RESNET),
+    ("void cudnn::detail::dgrad_engine<float, 512, 6, 5, 3, 3, 3, false>(int, int, int, float const*, int, float const*, int, float*, kernel_grad_params, unsigned long long, int, unsigned long long, int, float, int, int, int)",
+     "convolution", _HTA_RESNET),
+    ("void wgrad_alg0_engine<float, 128, 6, 7, 3, 3, 5, false, 512>(int, int, int, float const*, int, float*, float const*, kernel_grad_params, unsigned long long, int, float, int, int, int, int)",
+     "convolution", _HTA_RESNET),
+    ("void cudnn::winograd_nonfused::winogradForwardData4x4<float, float>(cudnn::winograd_nonfused::WinogradDataParams<float, float>)",
+     "convolution", _HTA_RESNET),
+    ("void cudnn::cnn::reduce_wgrad_nchw_helper<float, float>(void*, void const*, float, int, int)", "convolution",
+     _HTA_RESNET),
+    ("void fft2d_r2c_32x32<float, false, 5u, true>(float2*, float const*, int, int, int, int, int, int, int, int, int, cudnn::reduced_divisor, bool, int2, int, int)",
+     "convolution", _HTA_ALEXNET),
+    ("void cask_cudnn::computeOffsetsKernel<false, false>(cask_cudnn::ComputeOffsetsParams)", "convolution",
+     _HTA_ALEXNET),
+    ("void implicit_convolve_sgemm<float, float, 512, 6, 8, 3, 3, 5, 1, false, false, true>(int, int, int, float const*, int, float*, float const*, kernel_conv_params, unsigned long long, int, float, float, int, float const*, float const*, bool, int, int)",
+     "convolution", "a public TensorFlow profiler trace (cuDNN SIMT convolution)"),
+    ("igemm_fwd_gtcx3_nhwc_bf16_bx0_ex1_bt128x128x32_wt32x32x8_ws1x1_wr2x2_ta1x8x2x1_1x4x1x64_tb1x8x2x1_1x4x1x64_gkgs",
+     "convolution", _TL_RESNET),
+    ("igemm_wrw_gtcx3_nhwc_bf16_bx0_ex1_bt64x64x64_wt32x32x8_ws1x1_wr1x1_ta1x4x1x4_1x16x1x16_tb1x4x1x4_1x16x1x16_gkgs",
+     "convolution", _TL_RESNET),
+    ("Im2d2Col_v2", "convolution", _TL_FLUX),
+    ("_ZN2ck16tensor_operation6device12_GLOBAL__N_149kernel_grouped_conv_fwd_multiple_abd_xdl_cshuffleINS_34GridwiseGemmMultipleD_xdl_cshuffleItttftNS_5TupleIJEEEtNS0_12element_wise11PassThroughES8_S8_LNS_25InMemoryDataOperationEnumE0ELi1ELi256E",
+     "convolution", _TL_RESNET),
+    ("_ZN2ck16tensor_operation6device37kernel_batched_gemm_xdlops_bwd_weightINS_47GridwiseGemm_bk0mk1_bk0nk1_mn_xdlops_bwd_weightILi64EttftLNS_25InMemoryDataOperationEnumE1E",
+     "convolution", _TL_RESNET + "; CK device_grouped_conv_bwd_weight_xdl_cshuffle.hpp"),
+    # batch / group / layer norm
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 128, true, 1, true>(cudnnTensorStruct, float const*, cudnnTensorStruct, float*, float const*, float const*, float, float, float*, float*, float*, float*, float, float)",
+     "norm", _HTA_RESNET),
+    ("void cudnn::bn_bw_1C11_kernel_new<float, float, float2, 128, true, 1>(float, float, float, float, cudnnTensorStruct, float const*, cudnnTensorStruct, float const*, cudnnTensorStruct, float*, float const*, float*, float*, float const*, float const*, float)",
+     "norm", _HTA_RESNET),
+    ("void cudnn::bn_fw_tr_1C11_singleread<float, 512, true, 1, 2, 0>(cudnn::bn_fw_tr_1C11_args<float>)", "norm",
+     _HTA_RESNET),
+    ("MIOpenBatchNormFwdTrainSpatialMeanVariance", "norm", _TL_RESNET),
+    ("MIOpenBatchNormBwdSpatial", "norm", _TL_RESNET),
+    ("void at::native::batch_norm_backward_kernel<c10::BFloat16, c10::BFloat16, float, int>(at::GenericPackedTensorAccessor<c10::BFloat16 const, 3ul, at::DefaultPtrTraits, int>)",
+     "norm", _TL_RESNET),
+    ("void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>(long, float, float const*, float*, float*)",
+     "norm", _TL_FLUX),
+    ("void at::native::(anonymous namespace)::ComputeFusedParamsCUDAKernel<float>(long, long, long, float const*, float const*, float const*, float const*, float*, float*)",
+     "norm", _TL_FLUX),
+    ("void at::native::(anonymous namespace)::cuComputePartGradGammaBeta<float, float, true>(float const*, float const*, long, long, float const*, float const*, float*, float*)",
+     "norm", _TL_TIMESFORMER),
+    # layout transforms, pooling, dropout, the optimizer's foreach kernels
+    ("void cudnn::ops::nchwToNhwcKernel<float, float, float, false, true, (cudnnKernelDataType_t)2>(cudnn::ops::nchw2nhwc_params_t<float>, float const*, float*)",
+     "elementwise_other", _HTA_ALEXNET),
+    ("void cudnn::ops::scalePackedTensor_kernel<float, float>(long, float*, float)", "elementwise_other", _HTA_RESNET),
+    ("batched_transpose_32x32_half", "elementwise_other", _TL_RESNET),
+    ("transpose_NCHW2CNHW_V2_2D_WG_off64", "elementwise_other", _TL_FLUX),
+    ("SubTensorOpWithScalar1d", "elementwise_other", _TL_RESNET),
+    ("void at::native::(anonymous namespace)::max_pool_forward_nchw<float, float>(int, float const*, long, long, long, int, int, int, int, int, int, int, int, int, int, float*, long*)",
+     "elementwise_other", _HTA_ALEXNET),
+    ("void at::native::(anonymous namespace)::adaptive_average_pool<float>(float const*, float*, int, int, int, int, long, long, long)",
+     "elementwise_other", _HTA_ALEXNET),
+    ("void at::native::(anonymous namespace)::fused_dropout_kernel_vec<float, float, unsigned int, 1, 4, bool>(at::cuda::detail::TensorInfo<float, unsigned int>, at::cuda::detail::TensorInfo<float, unsigned int>, at::cuda::detail::TensorInfo<bool, unsigned int>, unsigned int, float, at::PhiloxCudaState)",
+     "elementwise_other", _HTA_ALEXNET),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<2>, at::native::(anonymous namespace)::BinaryOpListAlphaFunctor<float, 2, 2, 0>, std::plus<float>, float>(at::native::(anonymous namespace)::TensorListMetadata<2>, at::native::(anonymous namespace)::BinaryOpListAlphaFunctor<float, 2, 2, 0>, std::plus<float>, float)",
+     "elementwise_other", _HTA_MI250),
+    ("void at::native::(anonymous namespace)::upsample_nearest2d_out_frame<c10::BFloat16, &at::native::nearest_neighbor_compute_source_index>(c10::BFloat16 const*, c10::BFloat16*, unsigned long, unsigned long, unsigned long, unsigned long, unsigned long, float, float)",
+     "elementwise_other", _TL_FLUX),
+    ("void cub::DeviceReduceByKeyKernel<cub::DispatchReduceByKey<long*, long*, cub::ConstantInputIterator<int, int>, int*, int*, cub::Equality, cub::Sum, int>::PtxReduceByKeyPolicy, long*, long*, cub::ConstantInputIterator<int, int>, int*, int*, cub::ReduceByKeyScanTileState<int, int, true>, cub::Equality, cub::Sum, int>(...)",
+     "elementwise_other", "HTA tests/data/trace_filter/sampled_rank-0.json.gz"),
+    # inductor: triton_<poi|red|per|for|tem>_fused_<ops>_<n>, filed by what the name says it fuses
+    ("triton_tem_fused_bmm_7", "gemm_dense", "a public inductor decode profile (P.V bmm template)"),
+    ("triton_tem_fused__to_copy_addmm_gelu_t_view_9", "gemm_dense", "a public inductor max-autotune crash report"),
+    ("triton_tem_fused__to_copy_convolution_repeat_unsqueeze_view_2", "convolution",
+     "an inductor output_code.py (convolution template)"),
+    ("triton_tem_fused_flex_attention_backward", "attention", "a public flex_attention out-of-resource report"),
+    ("triton_red_fused_add_addmm_mul_native_layer_norm_split_unsqueeze_view_6", "norm", _TL_FLUX),
+    ("triton_red_fused__to_copy_add_addmm_as_strided_fmha_v3_fwd_mean_mul_neg_pow_rsqrt_stack_unbind_unsqueeze_view_24",
+     "norm", _TL_FLUX_CAPTURE),
+    ("triton_per_fused__softmax_native_dropout_2", "sampling", "an inductor output_code.py"),
+    ("triton_poi_fused_add_cos_sin_0", "rope", "HTA tests/data/triton_example/triton_example.json.gz"),
+    ("triton_poi_fused_addmm_gelu_view_17", "activation", _TL_FLUX),
+    ("triton_poi_fused_addmm_silu_2", "activation", _TL_FLUX),
+    ("triton_poi_fused_add_addmm_mul_split_unsqueeze_view_26", "elementwise_other", _TL_FLUX),
+    ("triton_poi_fused__to_copy_add_cat_fmha_v3_fwd_mul_neg_stack_unbind_unsqueeze_view_13", "elementwise_other",
+     _TL_FLUX_CAPTURE),
+    ("triton_poi_fused__scaled_dot_product_flash_attention_cat_transpose_view_10", "elementwise_other",
+     _TL_FLUX_CAPTURE),
+    ("triton_for_fused_0", "elementwise_other", "pytorch test/inductor/test_profiler.py (foreach kernel)"),
+]
+
+
+@pytest.mark.parametrize("name,category,source", BEYOND_NVIDIA_LLM_NAMES,
+                         ids=[n[:60] for n, *_ in BEYOND_NVIDIA_LLM_NAMES])
+def test_rocm_cudnn_and_inductor_kernel_category(name, category, source):
+    """Through categorize_names, as the trace paths file names (mangled names demangled first)."""
+    assert categorize_names([name], "gpu")[name] == category, f"{name} ({source})"
+
+
+def test_every_name_beyond_the_nvidia_llm_path_names_its_source():
+    assert all(source for *_, source in BEYOND_NVIDIA_LLM_NAMES)
+    assert len({n for n, *_ in BEYOND_NVIDIA_LLM_NAMES}) == len(BEYOND_NVIDIA_LLM_NAMES)
+
+
+def test_a_convolution_is_a_gemm_class_category_apart_from_dense_gemm():
+    assert cz.class_of("convolution") == "gemm"
+    assert categorize_name("sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_stage6_warpsize2x2x1_tensor16x8x16_kernel") == "gemm_dense"
+
+
+def test_the_generic_nccl_kernel_is_communication_of_no_named_collective():
+    """RCCL runs every collective in ncclDevKernel_Generic; the name cannot say it was an all-reduce."""
+    cat = categorize_name("ncclDevKernel_Generic_4(ncclDevKernelArgsStorage<4096ul>)")
+    assert cat == "collective_other" and cat in cz.COMM_CATEGORIES_GPU
+    assert cat not in cz.ALLREDUCE_CATEGORIES
+    assert categorize_name("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "send_recv"
+
+
+def test_a_template_kernel_whose_name_says_no_op_stays_other():
+    # flex_attention without descriptive names (a public report: "out of resource: triton_tem_fused_0")
+    assert categorize_name("triton_tem_fused_0") == OTHER
+
+
+def test_cudnn_sdpa_is_still_attention_once_convolution_fprop_is_not():
+    assert categorize_name("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0") == "attention"
+    assert categorize_name("sm86_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x32_stage4_warpsize2x2x1_g1_tensor16x8x16_kernel") == "convolution"
+
+
+# Public traces of those kinds (tests/fixtures/kernel_names/README.md): `other` was 2.7% to 85.6% of GPU
+# time under the rules before these; the target is under 5%, through the streamed breakdown (C) and the
+# event table alike. Each also names the category its largest share must now be in.
+KERNEL_NAME_TRACES = [
+    ("rocm_mi250_train_hta", "elementwise_other", {"gemm_dense": 0.15}),
+    ("rocm_mi300_sglang_prefilldecode_tracelens", "gemm_dense", {"gemm_dense": 0.8, "attention": 0.03}),
+    ("rocm_mi300_resnet_train_tracelens", "collective_other", {"convolution": 0.05, "norm": 0.05}),
+    ("rocm_mi300_flux_inductor_tracelens", "gemm_dense", {"gemm_dense": 0.6, "attention": 0.05, "norm": 0.05}),
+    ("cudnn_v100_resnet_train_hta", "convolution", {"convolution": 0.3, "norm": 0.15, "gemm_dense": 0.2}),
+    ("cudnn_a100_alexnet_hta", "memcpy_memset", {"convolution": 0.05, "gemm_dense": 0.04}),
+]
+
+
+@pytest.mark.parametrize("trace,largest,at_least", KERNEL_NAME_TRACES, ids=[t for t, *_ in KERNEL_NAME_TRACES])
+def test_other_is_under_five_percent_on_public_rocm_cudnn_and_inductor_traces(repo, trace, largest, at_least):
+    trace_dir = repo / "tests" / "fixtures" / "kernel_names" / trace
+    streamed = breakdown_dir(trace_dir)
+    assert streamed.device == "gpu" and streamed.chunks_by_reader.get("c_reduce")
+    assert streamed.other_share() < 0.05
+    share = {r["category"]: r["share"] for r in streamed.categories}
+    assert max(share, key=share.get) == largest
+    for category, least in at_least.items():
+        assert share.get(category, 0.0) >= least, (category, share)
+    table = category_breakdown(op_table(load_trace_dir(trace_dir).events))
+    by_table = dict(zip(table["category"].astype(str), table["share"]))
+    assert by_table.get(OTHER, 0.0) < 0.05
+    assert by_table.keys() == share.keys()
+    assert all(math.isclose(by_table[c], share[c], rel_tol=1e-9, abs_tol=1e-12) for c in share)
+
+
+def test_no_convolution_of_the_alexnet_trace_is_attention_or_activation(repo):
+    """cuDNN's xmma_fprop convolutions had fallen into attention (`_fprop_`), its scudnn *_relu_* ones
+    into activation."""
+    streamed = breakdown_dir(repo / "tests" / "fixtures" / "kernel_names" / "cudnn_a100_alexnet_hta")
+    cats = {r["category"] for r in streamed.categories}
+    assert not cats & {"attention", "activation", OTHER}
