@@ -52,3 +52,49 @@ def make_cpu_traces(out_dir: Path, steps: int = 5, per_step: int = 3, gzip_them:
 @pytest.fixture(scope="session")
 def cpu_traces(tmp_path_factory) -> Path:
     return make_cpu_traces(tmp_path_factory.mktemp("cpu_traces"))
+
+
+# ---- which vLLM CPU path the tests run on (issue 25): the host's own, or AVX2 forced on any x86 host ----
+def pytest_addoption(parser):
+    parser.addoption("--cpu-path", choices=("native", "avx2"), default=os.environ.get("DECODESCOPE_CPU_PATH") or "native",
+                     help="native: vLLM CPU as this host loads it; avx2: every process the tests start sees no "
+                          "AVX-512/AMX (decodescope.engine_comm's sitecustomize), so vLLM loads _C_AVX2 and "
+                          "all-reduces through gloo. Default: $DECODESCOPE_CPU_PATH, else native")
+
+
+def pytest_configure(config):
+    from decodescope.engine_comm import apply_cpu_path
+
+    config.addinivalue_line("markers", "torchrun: uses real torchrun ranks (the cpu_traces fixture); "
+                                       "`make test-fast` leaves them out")
+
+    apply_cpu_path(config.getoption("--cpu-path"))  # into os.environ: every server, probe and run inherits it
+
+
+def _engine_allreduce_here():
+    """The all-reduce path a process started by the tests finds, found there as vLLM finds it."""
+    import subprocess
+
+    from decodescope.records import EngineAllReduce
+
+    code = ("from decodescope.engine_comm import engine_allreduce; "
+            "print(engine_allreduce(has_gpu=False).model_dump_json())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return EngineAllReduce.model_validate_json(r.stdout.strip().splitlines()[-1])
+
+
+def pytest_report_header(config):
+    return f"cpu path: {config.getoption('--cpu-path')} (decodescope.engine_comm; --cpu-path=avx2 forces vLLM CPU's AVX2 path)"
+
+
+@pytest.fixture(scope="session")
+def engine_allreduce():
+    """The host's vLLM all-reduce path under this session's --cpu-path: what a test that names the engine's
+    communicator asserts (vllm_shm where vLLM CPU loads _C/_C_AVX512, torch_gloo where it loads _C_AVX2)."""
+    return _engine_allreduce_here()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # the real two-rank traces come from torchrun: not for `make test-fast`
+        if "cpu_traces" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.torchrun)

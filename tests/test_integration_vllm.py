@@ -206,14 +206,19 @@ def test_profile_finds_the_allreduces_the_architecture_expects(e2e):
     assert list((e2e["run_dir"] / "traces").rglob("*profiler_out*"))
 
 
-def test_the_step_replay_runs_through_the_engines_communicator_and_is_priced_by_it(e2e):
-    """03 replays the step through vLLM CPU's shm all-reduce (what the engine calls), and 05 prices it
+def test_the_step_replay_runs_through_the_engines_communicator_and_is_priced_by_it(e2e, engine_allreduce):
+    """00 records which all-reduce path the host's vLLM takes (vLLM CPU's shm all-reduce where it loads _C or
+    _C_AVX512, gloo where it loads _C_AVX2); 03 replays the step through that communicator, and 05 prices it
     with 03's back-to-back timing of that same communicator."""
+    host = json.loads((e2e["run_dir"] / "data/host.json").read_text())["engine_allreduce"]
+    assert host["path"] == engine_allreduce.path and host["cpu_extension"] == engine_allreduce.cpu_extension
+    engine = host["communicator"]
+    assert engine == {"shm": "vllm_shm", "gloo": "torch_gloo"}[host["path"]]
     replay = pd.read_parquet(e2e["run_dir"] / "data/step_replay.parquet")
-    assert set(replay["communicator"]) == {"vllm_shm"}
+    assert set(replay["communicator"]) == {engine}
     rows = json.loads((e2e["run_dir"] / "data/verdict.json").read_text())["replay"]
     assert {r["batch"] for r in rows} == set(e2e["params"].microbench.batches)
-    assert {r["communicator"] for r in rows} == {"vllm_shm"}
+    assert {r["communicator"] for r in rows} == {engine}
     print("step replay vs model:", [(r["batch"], round(r["replay_us"]), round(r["predicted_us"]), round(r["error"], 3))
                                     for r in rows])
 

@@ -54,29 +54,39 @@ def test_sweep_reports_nccl_tests_bandwidths(coll):
     assert {"all_reduce"} <= set(fit["op"]) and (fit["alpha_us"] >= 0).all()
 
 
-def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_sizes(params, coll):
-    """Like for like: vLLM CPU's shared-memory all-reduce (what the embedded default's server runs), at
-    the step's message sizes, through the same burst and the same back-to-back timing as gloo."""
+def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_sizes(params, coll, run_dir,
+                                                                                 engine_allreduce):
+    """Like for like: the all-reduce the embedded default's server runs, as this host's vLLM picks it
+    (vLLM CPU's shared-memory all-reduce where it loads _C or _C_AVX512; gloo where it loads _C_AVX2, which
+    has none), at the step's message sizes, through the same burst and the same back-to-back timing."""
+    engine = engine_allreduce.communicator
+    assert engine == {"shm": "vllm_shm", "gloo": "torch_gloo"}[engine_allreduce.path]
     arch = archmod.normalize_config(params.model_config_dict())
     step_sizes = {c.msg_bytes for b in params.microbench.batches for c in archmod.collective_schedule(arch, 2, b)
                   if c.op == "all_reduce"}
     ok = coll[coll["status"] == "ok"]
-    shm = ok[(ok["communicator"] == "vllm_shm") & (ok["part"] == "sweep")]
-    assert step_sizes <= set(shm["bytes"])
-    assert set(shm["timing"]) == {"back_to_back", "late_rank", "isolated"}
+    mine = ok[(ok["communicator"] == engine) & (ok["part"] == "sweep") & ok["inplace"].astype(bool)]
+    assert step_sizes <= set(mine["bytes"])
+    assert set(mine["timing"]) == {"back_to_back", "late_rank", "isolated"}
     # the last rank's op with the others already waiting, read by torch.profiler as an engine step's op is
     # (no Python call around it, no waiting): below the back-to-back time; both ranks carry its figures
-    by = shm[shm["bytes"] == min(step_sizes)].groupby(["timing", "rank"])["time_us"].first()
-    print("shm at", min(step_sizes), "B:", by.round(2).to_dict())
+    by = mine[mine["bytes"] == min(step_sizes)].groupby(["timing", "rank"])["time_us"].first()
+    print(f"{engine} at", min(step_sizes), "B:", by.round(2).to_dict())
     assert by[("late_rank", 0)] == by[("late_rank", 1)]
     assert by[("late_rank", 0)] < by[("back_to_back", 0)]
     burst = ok[ok["part"] == "burst"]
-    assert set(burst["communicator"]) == {"torch_gloo", "vllm_shm"}
     per_call = burst.groupby("communicator")["per_call_us"].median()
     print("burst per call (us):", per_call.round(1).to_dict())
-    assert per_call["vllm_shm"] < per_call["torch_gloo"]  # the engine's path is the fast one on CPU
     fit = mb.latency_fit(coll)
-    assert {("vllm_shm", "back_to_back"), ("torch_gloo", "back_to_back")} <= set(zip(fit["communicator"], fit["timing"]))
+    assert {(engine, "back_to_back"), ("torch_gloo", "back_to_back")} <= set(zip(fit["communicator"], fit["timing"]))
+    metas = [json.loads(p.read_text())["meta"] for p in sorted(run_dir.rglob("collectives_rank*.json"))]
+    assert len(metas) == 2
+    if engine == "vllm_shm":
+        assert set(burst["communicator"]) == {"torch_gloo", "vllm_shm"}
+        assert per_call["vllm_shm"] < per_call["torch_gloo"]  # the engine's path is the fast one on CPU
+    else:  # vLLM's _C_AVX2 has no shm all-reduce: the probe says so instead of measuring it
+        assert set(burst["communicator"]) == {"torch_gloo"}
+        assert all(f"vllm.{engine_allreduce.cpu_extension}" in m["communicators_skipped"]["vllm_shm"] for m in metas), metas
     assert not list(__import__("pathlib").Path("/dev/shm").glob("decodescope-probe-*"))  # segments removed
 
 

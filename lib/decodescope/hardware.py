@@ -18,6 +18,7 @@ from typing import Optional
 
 import pandas as pd
 
+from decodescope import engine_comm
 from decodescope.records import (TOPOLOGY_PAIR_COLUMNS, CpuInfo, CpuMatmul, GpuInfo, HostInventory, Peaks,
                                  TopologyPair)
 
@@ -244,6 +245,7 @@ def inventory(gpu_override: Optional[str] = None, peak_overrides: Optional[dict]
         peaks=resolve_peaks(gpu_name, peak_overrides),
         cpu_matmul=[measure_cpu_matmul_peak(dtype="float32"), measure_cpu_matmul_peak(dtype="bfloat16")]
         if not gpus and measure_cpu else None,
+        engine_allreduce=engine_comm.engine_allreduce(has_gpu=bool(gpus)),
     )
 
 
@@ -290,8 +292,10 @@ def host_headline(inv: HostInventory) -> str:
         best = max((m.gflops for m in inv.cpu_matmul or []), default=None)
         peak = f"; best CPU matmul {best:,.0f} GFLOP/s" if best else ""
         return (f"**CPU-only host** ({cpu.model}, {cpu.logical_cores} logical cores, "
-                f"{cpu.memory_gib} GiB, {cpu.numa_nodes} NUMA node(s)){peak}.")
+                f"{cpu.memory_gib} GiB, {cpu.numa_nodes} NUMA node(s)){peak}; "
+                f"{engine_comm.describe(inv.engine_allreduce)}.")
     names = sorted({g.name for g in inv.gpus})
     return (f"**{len(inv.gpus)} x {', '.join(names)}**, interconnect **{inv.interconnect}**, "
             f"driver {inv.gpus[0].driver}, CUDA {inv.versions.get('cuda')}, "
-            f"NCCL {inv.versions.get('nccl')}; CPU {cpu.model} ({cpu.numa_nodes} NUMA node(s)).")
+            f"NCCL {inv.versions.get('nccl')}; CPU {cpu.model} ({cpu.numa_nodes} NUMA node(s)); "
+            f"{engine_comm.describe(inv.engine_allreduce)}.")

@@ -180,6 +180,21 @@ class CpuInfo(_Model):
     hostname: str
 
 
+class EngineAllReduce(_Model):
+    """Which all-reduce path the host's vLLM takes at tensor parallelism > 1, found as vLLM finds it
+    (decodescope.engine_comm): on CPUs the kernel library it loads and whether that has the shared-memory
+    all-reduce; on GPUs the device communicators it may pick."""
+
+    vllm: Optional[str] = Field(None, description="vLLM's version; None where vLLM is not installed")
+    platform: str = Field(description="cpu or gpu")
+    cpu_extension: Optional[str] = Field(None, description="_C, _C_AVX512 or _C_AVX2: the kernel library vLLM CPU loads")
+    path: str = Field(description="shm, gloo (vLLM CPU), gpu (vLLM's device communicators), none (no vLLM)")
+    communicator: Optional[str] = Field(None, description="the micro-benchmark's name for it: vllm_shm, torch_gloo")
+    gpu_communicators: list[str] = Field(default_factory=list, description="on GPUs: the communicators vLLM may pick")
+    forced: Optional[str] = Field(None, description="'avx2' when DECODESCOPE_CPU_PATH forced vLLM CPU's AVX2 path")
+    why: str = ""
+
+
 class CpuMatmul(_Model):
     """A CPU matmul measurement: the stand-in roofline of a host without GPUs."""
 
@@ -204,6 +219,8 @@ class HostInventory(Record):
     cpu: CpuInfo
     peaks: Optional[Peaks] = None
     cpu_matmul: Optional[list[CpuMatmul]] = Field(None, description="measured on hosts without GPUs")
+    engine_allreduce: Optional[EngineAllReduce] = Field(
+        None, description="which all-reduce path the host's vLLM takes (None in host.json written before 00 recorded it)")
 
 
 # ---- serving levels (a row of data/serving_levels.parquet) -----------------------------------------

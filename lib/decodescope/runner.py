@@ -310,6 +310,12 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
     from decodescope.params import OVERRIDES_ENV, with_overrides
 
     params = load_params(params_path)
+    from decodescope.engine_comm import CpuPathError, apply_cpu_path
+
+    try:  # DECODESCOPE_CPU_PATH=avx2: every process of the run (server, probes, notebooks) sees an AVX2-only host
+        apply_cpu_path()
+    except CpuPathError as e:
+        raise RunError(str(e)) from None
     if resume and not overrides and (Path(resume) / "manifest.json").is_file():
         overrides = read_json(Path(resume) / "manifest.json").get("overrides")  # as the run began
     params = with_overrides(params, overrides or {})

@@ -105,6 +105,18 @@ def torch_communicator(device) -> Communicator:
                         all_gather=lambda out, part: dist.all_gather_into_tensor(out, part))
 
 
+def vllm_cpu_extension() -> str:
+    """The kernel library vLLM CPU loads on this host, chosen as vllm/platforms/cpu.py (import_kernels)
+    chooses it: `_C` or `_C_AVX512` with AVX-512, `_C_AVX2` without (no shared-memory all-reduce there)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return "_C"
+    if torch.cpu._is_avx512_supported():
+        return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    return "_C_AVX2"
+
+
 def vllm_shm_communicator(world: int, rank: int) -> Communicator:
     """vLLM CPU's shared-memory all-reduce, set up as its CpuCommunicator does (one segment per group,
     named by rank 0); raises when vllm or its CPU kernels are not there."""
@@ -112,6 +124,9 @@ def vllm_shm_communicator(world: int, rank: int) -> Communicator:
 
     current_platform.import_kernels()
     if not hasattr(torch.ops._C, "init_shm_manager"):
+        if current_platform.device_type == "cpu":
+            raise RuntimeError(f"vLLM CPU's vllm.{vllm_cpu_extension()} (loaded on a host without AVX-512) has no "
+                               "shared-memory all-reduce: the engine all-reduces through gloo here")
         raise RuntimeError("this vllm build has no torch.ops._C.init_shm_manager (not the CPU build)")
     # named after the run token that the launcher (microbench._run) gives its probes, so it can remove
     # the segments even when the ranks were killed

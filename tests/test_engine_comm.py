@@ -1,0 +1,102 @@
+"""Which all-reduce path the host's vLLM takes (00's record), and the switch that forces vLLM CPU's AVX2
+path on any x86 host (decodescope.engine_comm; `pytest --cpu-path=avx2`, DECODESCOPE_CPU_PATH=avx2)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from decodescope import engine_comm
+from decodescope.records import CpuInfo, EngineAllReduce, HostInventory
+
+DETECT = ("from decodescope.engine_comm import engine_allreduce; "
+          "print(engine_allreduce(has_gpu=False).model_dump_json())")
+
+
+def test_the_avx2_switch_goes_into_the_environment_once_and_names_what_it_set():
+    env = {"PYTHONPATH": "/somewhere"}
+    assert engine_comm.apply_cpu_path("avx2", env) == "avx2"
+    engine_comm.apply_cpu_path("avx2", env)  # idempotent
+    parts = env["PYTHONPATH"].split(os.pathsep)
+    assert parts == [str(engine_comm.AVX2_ONLY_DIR), "/somewhere"]
+    assert (engine_comm.AVX2_ONLY_DIR / "sitecustomize.py").is_file()
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env[engine_comm.CPU_PATH_ENV] == "avx2"
+    native = {}
+    engine_comm.apply_cpu_path("native", native)
+    assert native == {engine_comm.CPU_PATH_ENV: "native"}
+
+
+def test_an_unknown_cpu_path_is_refused_with_the_valid_ones():
+    with pytest.raises(engine_comm.CpuPathError, match="expected one of native, avx2"):
+        engine_comm.cpu_path({engine_comm.CPU_PATH_ENV: "avx512"})
+
+
+def _detect(env) -> EngineAllReduce:
+    r = subprocess.run([sys.executable, "-c", DETECT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return EngineAllReduce.model_validate_json(r.stdout.strip().splitlines()[-1])
+
+
+def test_under_the_switch_vllm_cpu_loads_its_avx2_library_and_all_reduces_through_gloo():
+    """As on an AVX2-only host: vllm/platforms/cpu.py picks _C_AVX2, which has no init_shm_manager."""
+    env = dict(os.environ)
+    engine_comm.apply_cpu_path("avx2", env)
+    rec = _detect(env)
+    assert (rec.cpu_extension, rec.path, rec.communicator, rec.forced) == ("_C_AVX2", "gloo", "torch_gloo", "avx2")
+    assert "no shared-memory all-reduce" in rec.why
+    r = subprocess.run([sys.executable, "-c", "import torch; print(torch.cpu._is_avx512_supported(), "
+                        "torch.cpu._is_amx_tile_supported())"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "False"]
+
+
+def test_without_the_switch_the_record_follows_the_cpus_own_flags():
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", engine_comm.CPU_PATH_ENV)}
+    rec = _detect(env)
+    flags = open("/proc/cpuinfo").read()
+    if " avx512f" in flags:
+        assert rec.cpu_extension in ("_C", "_C_AVX512") and rec.path == "shm" and rec.communicator == "vllm_shm"
+    else:
+        assert (rec.cpu_extension, rec.path) == ("_C_AVX2", "gloo")
+    assert rec.forced is None
+
+
+def test_the_record_is_in_host_json_and_named_in_the_headline_and_an_older_host_json_still_reads(tmp_path):
+    from decodescope import hardware
+    from decodescope.records import read_record, write_record
+
+    cpu = CpuInfo(model="x", numa_nodes=1, memory_gib=1.0, avx2=True, avx512f=False, amx=False, kernel="k",
+                  hostname="h")
+    rec = EngineAllReduce(vllm="0.32.0", platform="cpu", cpu_extension="_C_AVX2", path="gloo",
+                          communicator="torch_gloo", why="...")
+    inv = HostInventory(has_gpu=False, cpu=cpu, engine_allreduce=rec)
+    write_record(tmp_path / "host.json", inv)
+    back = read_record(tmp_path / "host.json", HostInventory)
+    assert back.engine_allreduce == rec
+    assert "`vllm._C_AVX2`: tensor-parallel all-reduce through **gloo** (torch_gloo)" in hardware.host_headline(back)
+    assert engine_comm.recorded(tmp_path) == rec
+    raw = json.loads((tmp_path / "host.json").read_text())
+    raw.pop("engine_allreduce")
+    (tmp_path / "host.json").write_text(json.dumps(raw))
+    assert engine_comm.recorded(tmp_path) is None
+    assert "was not recorded" in engine_comm.describe(None)
+
+
+def test_03_04_and_05_name_the_path_00_recorded():
+    import pandas as pd
+
+    rec = EngineAllReduce(vllm="0.32.0", platform="cpu", cpu_extension="_C_AVX2", path="gloo",
+                          communicator="torch_gloo")
+    coll = pd.DataFrame({"status": ["ok", "skipped"], "communicator": ["torch_gloo", "vllm_shm"]})
+    assert "Measured here as **torch_gloo**" in engine_comm.collectives_note(rec, coll)
+    shm = rec.model_copy(update={"cpu_extension": "_C", "path": "shm", "communicator": "vllm_shm"})
+    assert "**Not measured here**" in engine_comm.collectives_note(shm, coll)
+    assert "They differ" not in engine_comm.profile_note(rec, {"torch_gloo": 1.0})
+    assert "**They differ**" in engine_comm.profile_note(shm, {"torch_gloo": 1.0})
+    gpu = EngineAllReduce(vllm="0.26.0", platform="gpu", path="gpu", gpu_communicators=["custom all-reduce", "pynccl"])
+    assert "can pick: custom all-reduce, pynccl" in engine_comm.describe(gpu)
+
+    class Row:
+        piece = "all-reduces per step (torch_gloo)"
+    assert "all-reduces per step (torch_gloo)" in engine_comm.verdict_note(rec, [Row()])
