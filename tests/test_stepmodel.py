@@ -199,7 +199,7 @@ def test_a_communicator_the_probe_did_not_measure_is_named(tiny):
 
 
 @pytest.mark.integration
-def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tiny, tmp_path):
+def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tiny, tmp_path, engine_allreduce):
     import os
     before = {f for f in os.listdir("/dev/shm") if f.startswith("decodescope-probe-")}
     plan = {"dtype": "bf16", "iters": 3, "warmup": 1, "communicator": "engine",
@@ -217,10 +217,16 @@ def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tin
     assert ops[(1, "gemm_only")] == n_gemm and ops[(1, "comm_only")] == 1 + 2 * 4 + 1
     assert ops[(1, "full")] == n_gemm + 10
     assert (table["time_us"] > 0).all()
-    # the collectives went through vLLM CPU's shared-memory all-reduce and all-gather, as the engine's do
-    assert set(table["communicator"]) == {"vllm_shm"}
+    # the collectives went through the engine's own path, as this host's vLLM picks it: vLLM CPU's
+    # shared-memory all-reduce and all-gather (_C, _C_AVX512), or gloo where _C_AVX2 has no shm all-reduce
+    engine = engine_allreduce.communicator
+    assert set(table["communicator"]) == {engine}
     meta = json.loads((tmp_path / "step_rank0.json").read_text())["meta"]
-    assert meta["communicator"] == "vllm_shm" and meta["communicator_note"] == ""
+    assert meta["communicator"] == engine
+    if engine == "vllm_shm":
+        assert meta["communicator_note"] == ""
+    else:
+        assert f"vllm.{engine_allreduce.cpu_extension}" in meta["communicator_note"], meta
     assert {f for f in os.listdir("/dev/shm") if f.startswith("decodescope-probe-")} <= before
 
 
@@ -347,6 +353,47 @@ def test_the_ranks_wait_in_the_all_reduces_is_added_to_the_lock_step_micro_bench
     # without the transfer (one rank traced, or an older summary) nothing is added
     (bare,) = sm.step_samples({1: _summary(1, 1.0, {0: {"allreduce": 300.0}}, 1000.0, 1500.0, 500.0, 0.0)}, 40.0)
     assert bare.allreduce_wait_us == 0.0
+
+
+def test_where_the_wait_is_an_op_of_its_own_a_call_costs_both_and_is_priced_back_to_back(tiny, tmp_path):
+    """gloo (vLLM CPU's _C_AVX2 path): each all-reduce is an `allreduce` op that hands the tensor over and a
+    collective_wait op for the other rank. By hand: rank 0 pays 70 + 900 = 970 us per step, rank 1
+    230 + 700 = 930 us (it waits least); 03's nine calls of 512 B back to back cost 100 us each, waits
+    included: profile over micro = 930 / 900. The hand-over alone (20 us per step at the least time over
+    the ranks) is set against the late rank's op (15 us a call) in a row of its own, named so. The step
+    model prices the calls back to back and adds no wait on top of them."""
+    from decodescope.records import write_record
+    from decodescope.verdict import reconcile
+
+    s = _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0, "attention": 50.0},
+                          1: {"allreduce": 230.0, "collective_wait": 700.0, "attention": 60.0}},
+                 3000.0, 4000.0, 500.0, 0.0, transfer=20.0)
+    s = s.model_copy(update={"allreduce_communicators": {"torch_gloo": 1.0}})
+    assert sm.wait_in_own_op(s)
+    assert not sm.wait_in_own_op(s.model_copy(update={"device": "gpu"}))
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "torch_gloo",
+                          "timing": t, "inplace": True, "rank": 0, "bytes": n, "time_us": us, "p10_us": us,
+                          "p90_us": us} for t, us in (("back_to_back", 100.0), ("late_rank", 15.0))
+                         for n in (256, 512, 65536)])
+    (tmp_path / "data").mkdir()
+    coll.to_parquet(tmp_path / "data/collectives.parquet")
+    write_record(tmp_path / "data/profile_summary.json", s)
+    rows = reconcile(tmp_path, 1, s, tiny, 2).set_index("piece")
+    paid = rows.loc["all-reduces per step (torch_gloo)"]
+    assert paid["profile_us"] == pytest.approx(930.0) and paid["micro_benchmark_us"] == pytest.approx(900.0)
+    assert "back_to_back" in paid["micro_source"] and "rank 1" in paid["profile_source"]
+    assert paid["profile_over_micro"] == pytest.approx(930.0 / 900.0)
+    hand_over = rows.loc["all-reduce hand-over only (torch_gloo), without its wait"]
+    assert hand_over["profile_us"] == pytest.approx(20.0) and hand_over["micro_benchmark_us"] == pytest.approx(9 * 15.0)
+    assert "late_rank" in hand_over["micro_source"]
+    (sample,) = sm.step_samples({1: s}, 40.0)
+    assert sample.allreduce_wait_us == 0.0 and sample.wait_own_op_us == pytest.approx(700.0)
+    assert sm.step_timings(True) == ("cuda_graph", "back_to_back")
+    gemm = pd.DataFrame([{"op": g.op, "batch": 1, "dtype": "bf16", "status": "ok", "time_us": 10.0}
+                         for g in archmod.gemm_shapes(tiny, 2, 1)])
+    pred = sm.predict_step(gemm, coll, tiny, 2, 1, "torch_gloo", "back_to_back", [sample], 40.0)
+    parts = {c.name: c.us for c in pred.components}
+    assert parts["collectives"] == pytest.approx(10 * 100.0) and sm.WAIT not in parts  # 9 all-reduces + 1 all-gather
 
 
 def test_the_profilers_measured_cost_comes_off_the_period_not_the_profiled_wall(tiny):

@@ -31,6 +31,16 @@ from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE
 # CPUs the late rank's own time (the profile's wait for the last rank is its own component), else back
 # to back.
 STEP_TIMINGS = ("cuda_graph", "late_rank", "back_to_back")
+# Where a communicator's wait for the other ranks is an op of its own (gloo on CPUs: its c10d wait, booked
+# to collective_wait, beside an `allreduce` op that only hands the tensor over), what a step pays per call
+# is both ops, and the micro-benchmark that matches it is the calls back to back, waits included: the
+# late rank's own op time (late_rank) is the hand-over alone.
+WAIT_INCLUDED_TIMINGS = ("cuda_graph", "back_to_back")
+
+
+def step_timings(wait_in_own_op: bool) -> tuple[str, ...]:
+    """03's timings, in order of preference, that price a step's all-reduces like for like."""
+    return WAIT_INCLUDED_TIMINGS if wait_in_own_op else STEP_TIMINGS
 
 
 @dataclass
@@ -322,6 +332,7 @@ class StepSample:
     source: str
     profiler_cost_us: Optional[float] = None
     allreduce_wait_us: float = 0.0
+    wait_own_op_us: float = 0.0     # the rank's collective-wait ops per step, where the wait is an op of its own
     profiler_cost_band_us: tuple = ()   # (low, high), set with profiler_cost_us (profiler_cost)
     profiler_cost_how: str = ""
     preempted_us: float = 0.0
@@ -363,6 +374,27 @@ def allreduce_wait_us(cats: pd.DataFrame, rank, transfer_us: Optional[float]) ->
     return max(0.0, float(mine) - float(transfer_us))
 
 
+def own_op_wait_by_rank(cats: pd.DataFrame) -> pd.Series:
+    """Each rank's time per step in collective-wait ops (categorize.WAIT_CATEGORIES: gloo's c10d wait,
+    functional collectives' wait_tensor): where a communicator waits for the other ranks in an op of its own."""
+    from decodescope.trace.categorize import WAIT_CATEGORIES
+
+    if cats.empty:
+        return pd.Series(dtype=float)
+    return cats[cats["category"].isin(WAIT_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
+
+
+def wait_in_own_op(summary) -> bool:
+    """Whether a CPU profile's all-reduces wait in ops of their own on every rank (gloo: vLLM CPU's _C_AVX2
+    path), so that a call costs its all-reduce op plus its wait op."""
+    if summary is None or summary.device != "cpu":
+        return False
+    cats = pd.DataFrame(summary.per_step_categories)
+    wait = own_op_wait_by_rank(cats)
+    ranks = set(cats["rank"]) if not cats.empty else set()
+    return bool(ranks) and all(float(wait.get(r, 0.0)) > 0 for r in ranks)
+
+
 def step_samples(summaries: dict, context_tokens: float, captures: Optional[dict] = None) -> list[StepSample]:
     """ProfileSummary per profiled concurrency -> StepSample per level, sorted by batch. captures
     (concurrency -> 04's profile_capture.json) give the profiler's own cost of a step (profiler_cost)
@@ -382,6 +414,9 @@ def step_samples(summaries: dict, context_tokens: float, captures: Optional[dict
         cost, band, how = profiler_cost(cap, cats, rank)
         roles = cap.get("host_cpu_per_step") or {}
         worker, engine = roles.get("worker") or {}, roles.get("engine core") or {}
+        # with the wait in an op of its own the calls are priced back to back, waits included (03): the
+        # wait is not added again on top of them
+        own_wait = float(own_op_wait_by_rank(cats).get(rank, 0.0)) if wait_in_own_op(s) else 0.0
         overlap = (ps.busy_us_median / ps.summed_us_median) if ps.summed_us_median and ps.busy_us_median else 1.0
         out.append(StepSample(batch=float(ps.batch_median or conc), context_tokens=context_tokens,
                               classes_us={str(k): float(v) for k, v in by.loc[rank].items()},
@@ -392,7 +427,9 @@ def step_samples(summaries: dict, context_tokens: float, captures: Optional[dict
                               preempted_us=float(worker.get("runq_wait_us") or 0.0),
                               engine_cpu_us=float(engine.get("cpu_us") or 0.0),
                               engine_wait_us=float(engine.get("runq_wait_us") or 0.0),
-                              allreduce_wait_us=allreduce_wait_us(cats, rank, s.allreduce_transfer_us_per_step)))
+                              allreduce_wait_us=0.0 if own_wait else allreduce_wait_us(
+                                  cats, rank, s.allreduce_transfer_us_per_step),
+                              wait_own_op_us=own_wait))
     return sorted(out, key=lambda x: x.batch)
 
 

@@ -60,6 +60,8 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
               tp: int = 1) -> pd.DataFrame:
     """Micro-benchmarks against the profile, per decode step, at the batch the profile ran (the
     profile's summary is read from the run directory unless given)."""
+    from decodescope import stepmodel as sm
+
     rows = []
     summary = summary if summary is not None else _profile_summary(run_dir)
     per_step = pd.DataFrame(summary.per_step_categories) if summary else pd.DataFrame()
@@ -71,6 +73,10 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
         ar_by_rank = att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
         observed_ar = float(ar_by_rank.min())
         transfer = summary.allreduce_transfer_us_per_step
+        if sm.wait_in_own_op(summary):
+            # gloo: each call is an all-reduce op and a wait op; a step pays both (the rank that waits least)
+            return _reconcile_wait_in_own_op(run_dir, summary, per_step, ar_by_rank, transfer, profile_batch,
+                                             arch, tp, rows, by_rank)
         if transfer is not None:  # per call, the least time over the ranks: no waiting at all
             from decodescope.stepmodel import allreduce_wait_us
 
@@ -80,6 +86,43 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
     coll = _read_parquet(run_dir, "collectives.parquet")
     if coll is not None and not coll.empty and observed_ar is not None:
         rows.append(allreduce_reconcile_row(coll, summary, observed_ar, profile_batch, arch, tp, observed_wait))
+    return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm)
+
+
+def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: pd.DataFrame,
+                              ar_by_rank: pd.Series, transfer: Optional[float], profile_batch: int, arch, tp: int,
+                              rows: list, by_rank: pd.DataFrame) -> pd.DataFrame:
+    """The all-reduce rows where the wait is an op of its own (gloo): a step's calls (all-reduce op plus
+    wait op, on the rank that waits least) against 03's calls back to back, waits included; then the
+    hand-over alone (each call's least time over the ranks against the late rank's op), named for what it is."""
+    from decodescope import stepmodel as sm
+
+    wait = sm.own_op_wait_by_rank(per_step).reindex(ar_by_rank.index, fill_value=0.0)
+    paid = ar_by_rank + wait
+    rank = paid.idxmin()
+    observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
+    coll = _read_parquet(run_dir, "collectives.parquet")
+    if coll is not None and not coll.empty:
+        row = allreduce_reconcile_row(coll, summary, float(paid.min()), profile_batch, arch, tp,
+                                      timings=sm.WAIT_INCLUDED_TIMINGS)
+        row["profile_source"] = (f"profile_summary.json per_step_categories, rank {rank} (the one that waits least): "
+                                 f"all-reduce {float(ar_by_rank[rank]):,.0f} us + its wait op (collective_wait) "
+                                 f"{float(wait[rank]):,.0f} us per step: on this path a call costs both")
+        row["note"] = (row.get("note", "") + "; the wait is an op of its own here (gloo), so both sides take the calls "
+                       "as a step issues them, waits included").lstrip("; ")
+        rows.append(row)
+        if transfer is not None:
+            t = allreduce_reconcile_row(coll, summary, float(transfer), profile_batch, arch, tp, timings=("late_rank",))
+            comm = next(iter(summary.allreduce_communicators), "unknown")
+            t["piece"] = f"all-reduce hand-over only ({comm}), without its wait"
+            t["profile_source"] = ("profile_summary.json allreduce_transfer_us_per_step (each call's all-reduce op at "
+                                   "its least time over the ranks, its wait op left out)")
+            t["note"] = "the all-reduce op alone: not what a step pays per call on this path (see the row above)"
+            rows.append(t)
+    return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm)
+
+
+def _with_gemm_row(run_dir: Path, rows: list, profile_batch: int, observed_gemm: Optional[float]) -> pd.DataFrame:
     gemm = _read_parquet(run_dir, "gemm.parquet")
     if gemm is not None and not gemm.empty:
         ok = gemm[gemm["status"] == "ok"]
@@ -100,7 +143,8 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
 
 
 def allreduce_reconcile_row(coll: pd.DataFrame, summary: ProfileSummary, observed_us: float, batch: int,
-                            arch=None, tp: int = 1, wait_us: Optional[float] = None) -> dict:
+                            arch=None, tp: int = 1, wait_us: Optional[float] = None,
+                            timings: Optional[tuple] = None) -> dict:
     """The step's all-reduces from the micro-benchmark of the communicator the profile saw, like for
     like: calls per step x the latency at the step's message size, timed as a step issues them (CUDA
     graph on GPUs; on CPUs the late rank's own time, set against the profile's per-call least time over
@@ -123,7 +167,7 @@ def allreduce_reconcile_row(coll: pd.DataFrame, summary: ProfileSummary, observe
         return {**row, "micro_benchmark_us": float("nan"), "micro_source": "collectives.parquet",
                 "note": f"the profile ran {profile_comm}; the probe measured {measured}, not it: not compared"}
     calls = [c for c in archmod.collective_schedule(arch, tp, batch) if c.op == "all_reduce"] if arch else []
-    for timing in sm.STEP_TIMINGS if calls and "op" in coll else ():
+    for timing in (timings or sm.STEP_TIMINGS) if calls and "op" in coll else ():
         curve = sm.latency_curve(coll, micro_comm, timing)
         if not curve.empty:
             us = sum(c.count * sm.latency_at(curve, c.msg_bytes)[0] for c in calls)
@@ -170,6 +214,10 @@ def measured_step(summary: ProfileSummary, batch: int) -> Optional["whatif.Measu
         ["calls_per_step", "time_per_step_us"]].sum()
     if ar.empty or ar["calls_per_step"].median() <= 0:
         return None
+    from decodescope import stepmodel as sm
+
+    if sm.wait_in_own_op(summary):  # gloo: a call pays its wait op too
+        ar["time_per_step_us"] += sm.own_op_wait_by_rank(per_step).reindex(ar.index, fill_value=0.0)
     calls = int(round(ar["calls_per_step"].median()))
     return whatif.MeasuredStep(wall_us=ps.wall_us_median, summed_us=ps.summed_us_median, allreduce_calls=calls,
                                allreduce_us_per_call=float(ar["time_per_step_us"].median()) / calls, batch=batch)
@@ -419,15 +467,16 @@ def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
     primary = summaries[min(summaries)] if summaries else None
     engine_comm = categorize.micro_communicator_for(next(iter(primary.allreduce_communicators), "")
                                                     if primary else "")
+    prof, wl = params.profile, params.workload
+    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2, captures)
     comm, timing = engine_comm, "back_to_back"
     if coll is not None and not coll.empty:
         measured = [c for c in sorted(set(coll["communicator"].dropna()))]
         comm = engine_comm if engine_comm in measured else (measured[0] if measured else engine_comm)
-        timing = next((t for t in sm.STEP_TIMINGS if not sm.latency_curve(coll, comm, t).empty), "")
+        timings = sm.step_timings(sm.wait_in_own_op(primary))
+        timing = next((t for t in timings if not sm.latency_curve(coll, comm, t).empty), "")
         if not timing:
             return None
-    prof, wl = params.profile, params.workload
-    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2, captures)
     return ModelInputs(gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
                        else pd.DataFrame(), arch=archmod.normalize_config(params.model_config_dict()), tp=tp,
                        communicator=comm, timing=timing, samples=samples,
