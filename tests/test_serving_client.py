@@ -38,8 +38,14 @@ async def completions(request: web.Request):
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     n = body["max_tokens"]
-    if behaviour == "held":  # decodes at the usual pace but releases every token at the end
+    if behaviour == "held":  # decodes at the usual pace but releases every token at the end, in one burst
         await asyncio.sleep(ITL_S * n)
+        # one write: the burst reaches the client as one read, so the gaps between its tokens are the
+        # client's own parsing, not this thread's turns for the GIL between n writes on a loaded host
+        await resp.write(b"".join(_chunk(f" t{i}") for i in range(n))
+                         + _chunk("", usage={"prompt_tokens": len(body["prompt"]), "completion_tokens": n})
+                         + b"data: [DONE]\n\n")
+        return resp
     for i in range(n):
         if behaviour != "held":
             await asyncio.sleep(ITL_S)
