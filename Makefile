@@ -8,7 +8,7 @@ CORE_STAMP := $(VENV)/.stamp-core-cpu
 DEV_STAMP := $(VENV)/.stamp-dev
 PARAMS ?= params/default.yaml
 
-.PHONY: run test venv install install-dev chromium sshd clean-venv
+.PHONY: run test test-fast venv install install-dev chromium sshd clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,16 @@ sshd:
 run: $(CORE_STAMP)
 	$(VENV)/bin/decodescope run $(PARAMS)
 
+# CPU_PATH=avx2 runs every test as on an AVX2-only x86 host (vLLM CPU's _C_AVX2, all-reduce through gloo),
+# whatever this CPU has; unset: the host's own path (tests/conftest.py --cpu-path, decodescope.engine_comm).
+CPU_PATH_ARG = $(if $(CPU_PATH),--cpu-path=$(CPU_PATH))
+
 test: $(DEV_STAMP) chromium sshd
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(CPU_PATH_ARG) $(PYTEST_ARGS)
+
+# The edit loop's partial check, not the suite: no vLLM server, no torchrun, no sshd, no browser.
+test-fast: $(DEV_STAMP)
+	$(PY) -m pytest -m "not integration and not ssh and not gpu and not torchrun" $(CPU_PATH_ARG) $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
