@@ -85,16 +85,12 @@ def _run(argv, env=None, **kw):
     return proc
 
 
-def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(repo, tmp_path):
-    """Build a wheel (offline, no build isolation), install it NON-editable into a fresh venv that sees this
-    venv's dependencies but not lib/, and use it from a directory outside the repository."""
-    import json
+def source_copy(repo: Path, src: Path) -> Path:
+    """The files a wheel is built from, copied: an in-tree build writes build/ and egg-info into a tree
+    others edit meanwhile. The copy keeps lib/decodescope/_data's relative symlinks pointing at the copied
+    notebooks/ and params/."""
     import shutil
-    import sysconfig
 
-    # Build from a copy: an in-tree build writes build/ and egg-info into a tree others edit meanwhile.
-    # The copy keeps lib/decodescope/_data's relative symlinks pointing at the copied notebooks/ and params/.
-    src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(repo / name, src / name)
@@ -102,6 +98,17 @@ def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(r
     for name in ("notebooks", "params"):
         shutil.copytree(repo / name, src / name, ignore=ignore)
     shutil.copytree(repo / "lib" / "decodescope", src / "lib" / "decodescope", symlinks=True, ignore=ignore)
+    return src
+
+
+def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(repo, tmp_path):
+    """Build a wheel (offline, no build isolation), install it NON-editable into a fresh venv that sees this
+    venv's dependencies but not lib/, and use it from a directory outside the repository."""
+    import json
+    import shutil
+    import sysconfig
+
+    src = source_copy(repo, tmp_path / "src")
     dist = tmp_path / "dist"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
           "-w", dist, src])

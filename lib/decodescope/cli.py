@@ -138,6 +138,24 @@ def _cmd_analyze_trace(args) -> int:
     return analyze_trace_command(args)
 
 
+def _cmd_wheelhouse(args) -> int:
+    from decodescope.wheelhouse import MANYLINUX_X86_64, Target, WheelhouseError, build
+
+    platforms = tuple(args.platform) or (MANYLINUX_X86_64 if args.python_version else ())
+    target = Target(python_version=args.python_version, platforms=platforms)
+    try:
+        made = build(Path(args.out), Path(args.project), extras=tuple(args.extras or ()), target=target,
+                     host_packages=Path(args.host_packages) if args.host_packages else None,
+                     skip=tuple(args.skip or ()))
+    except (WheelhouseError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: {made['decodescope_wheel']} and {len(made['downloaded'])} wheels "
+          f"({len(made['left_to_host'])} left to the host)")
+    print(f"on the host: pip install --no-index --find-links {args.out} decodescope")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decodescope",
                                      description="Where does decode time go on this host, and what would move it?")
@@ -193,6 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time by category and by name only, reduced as the files are read: memory stays a few "
                          "chunks whatever the traces' size (writes breakdown.json)")
     at.set_defaults(func=_cmd_analyze_trace)
+
+    wh = sub.add_parser("wheelhouse", help="decodescope's wheel and the wheels it needs that a GPU host without a "
+                                           "package index lacks, for that host's Python and platform")
+    wh.add_argument("out", help="folder for the wheels (made if missing)")
+    wh.add_argument("--project", default=".", help="the decodescope source tree (default: .)")
+    wh.add_argument("--extras", nargs="*", help="extras to include, e.g. gpu (torch and vllm: leave them out "
+                                                "where the host has its own)")
+    wh.add_argument("--python-version", help="the host's Python, e.g. 3.12 (default: this interpreter's)")
+    wh.add_argument("--platform", action="append", default=[],
+                    help="pip platform tag, repeatable (default with --python-version: manylinux x86_64 2.17-2.39)")
+    wh.add_argument("--host-packages", help="the host's `pip list --format=freeze`: pinned as constraints and "
+                                            "left out of the downloads")
+    wh.add_argument("--skip", nargs="*", help="packages to leave out too (e.g. vllm where a bundle brings it)")
+    wh.set_defaults(func=_cmd_wheelhouse)
     return parser
 
 

@@ -5,6 +5,7 @@ Peaks are vendor datasheet figures for dense math (no structured sparsity). A pa
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import os
@@ -243,8 +244,9 @@ def inventory(gpu_override: Optional[str] = None, peak_overrides: Optional[dict]
         versions={**package_versions(), **torch_versions(), "python": platform.python_version()},
         cpu=cpu_summary(),
         peaks=resolve_peaks(gpu_name, peak_overrides),
+        # an analysis-side machine may have no torch (decodescope's core needs none): no matmul to time there
         cpu_matmul=[measure_cpu_matmul_peak(dtype="float32"), measure_cpu_matmul_peak(dtype="bfloat16")]
-        if not gpus and measure_cpu else None,
+        if not gpus and measure_cpu and importlib.util.find_spec("torch") is not None else None,
         engine_allreduce=engine_comm.engine_allreduce(has_gpu=bool(gpus)),
     )
 
