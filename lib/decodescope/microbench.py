@@ -442,7 +442,8 @@ def collectives_method_note(coll: pd.DataFrame) -> str:
     metas = coll.attrs.get("meta") or []
     m = metas[0] if metas else {}
     env = ", ".join(f"{k}={v}" for k, v in (m.get("nccl_env") or {}).items()) or "none"
-    skipped = "; ".join(f"{k} not measured ({v})" for k, v in (m.get("communicators_skipped") or {}).items())
+    skipped = "; ".join([f"{k} not measured ({v})" for k, v in (m.get("communicators_skipped") or {}).items()]
+                        + burst_skipped(coll))
     return (f"**Method:** backend {m.get('backend')} on {m.get('device')}, world size {m.get('world_size')}, "
             f"{m.get('dtype')}; communicators measured: {', '.join(m.get('communicators') or ['torch'])}"
             f"{'; ' + skipped if skipped else ''}. All-reduce latency is timed **back to back** "
@@ -458,8 +459,24 @@ def collectives_method_note(coll: pd.DataFrame) -> str:
             "x (n-1)/n (all-to-all), as nccl-tests.")
 
 
+BURST_COLUMNS = ["communicator", "batch", "mode", "calls", "msg_bytes", "step_us_median_over_ranks",
+                 "step_us_max_over_ranks", "per_call_us"]
+
+
+def burst_skipped(coll: pd.DataFrame) -> list[str]:
+    """Why the step's burst was not replayed, where it was not (once per reason)."""
+    if "skip_reason" not in coll.columns:
+        return []
+    rows = coll[(coll["part"] == "burst") & (coll["status"] == "skipped")]
+    return [f"burst not replayed: {r}" for r in dict.fromkeys(rows["skip_reason"].dropna())]
+
+
 def burst_table(coll: pd.DataFrame) -> pd.DataFrame:
+    """The step's all-reduce burst per (communicator, batch, mode); no rows where nothing was replayed (at
+    world size 1 a step issues no all-reduce: burst_skipped says so)."""
     b = with_timing_columns(coll[(coll["part"] == "burst") & (coll["status"] == "ok")])
+    if b.empty:
+        return pd.DataFrame(columns=BURST_COLUMNS)
     return (b.groupby(["communicator", "batch", "mode"]).agg(calls=("calls", "first"), msg_bytes=("msg_bytes", "first"),
                                              step_us_median_over_ranks=("time_us", "median"),
                                              step_us_max_over_ranks=("time_us", "max"),

@@ -281,14 +281,18 @@ def burst(plan: dict, device, dtype, timer: Timer, world: int, rank: int,
         for step in plan.get("burst", []):
             bufs = [torch.ones(_elems(c["msg_bytes"], dtype), device=device, dtype=dtype)
                     for c in step["calls"] for _ in range(c["count"])]
+            base = {"part": "burst", "op": "all_reduce", "communicator": comm.name, "batch": step["batch"],
+                    "rank": rank, "world_size": world}
+            if not bufs:  # world size 1: the step issues no all-reduce, there is no burst to replay
+                rows.append({**base, "mode": "eager", "status": "skipped",
+                             "skip_reason": f"the step issues no all-reduce at world size {world}"})
+                continue
 
             def run_step():
                 for b in bufs:
                     comm.all_reduce(b)
             total_bytes = sum(b.numel() * b.element_size() for b in bufs)
             modes = [("eager", run_step)]
-            base = {"part": "burst", "op": "all_reduce", "communicator": comm.name, "batch": step["batch"],
-                    "rank": rank, "world_size": world}
             if comm.graphable:
                 try:
                     modes.append(("cuda_graph", graph_of(run_step, 1).replay))

@@ -20,6 +20,7 @@ Results are appended to --out after every shape (atomically), so a crash keeps w
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -29,14 +30,15 @@ from typing import Callable, Optional
 
 import torch
 
-from decodescope.dtypes import bytes_per_element
+from decodescope.dtypes import INT4_GROUP_SIZE, bytes_per_element
 from decodescope.io import write_json_atomic
 from decodescope.probes.timing import HostRef, host_issue_us, median_spread
 
 FP8_MIN_DIM = 16
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HOST_ISSUE_CALLS = 32  # calls issued back to back per repetition of the host-cost timing
-MARLIN_GROUP = 128  # int4 weights' group size in the W4A16 probe (one fp16 scale per 128 weights)
+# int4 weights' group size in the W4A16 probe: the one whose scales dtypes.bytes_per_element counts
+MARLIN_GROUP = INT4_GROUP_SIZE
 
 
 class Flusher:
@@ -315,6 +317,12 @@ def make_gemm(m: int, n: int, k: int, dtype: str, device: torch.device,
     return None, f"unknown dtype {dtype!r}; valid: bf16, fp16, fp32, fp8, int4", 0.0
 
 
+def accepted_kwargs(fn: Callable, given: dict) -> dict:
+    """The arguments of `given` that fn takes, by name."""
+    names = inspect.signature(fn).parameters
+    return {name: value for name, value in given.items() if name in names}
+
+
 def _marlin_w4a16(m: int, n: int, k: int, device: torch.device):
     try:
         from vllm.model_executor.layers.quantization.utils import marlin_utils_test as mt  # noqa: F401
@@ -327,14 +335,16 @@ def _marlin_w4a16(m: int, n: int, k: int, device: torch.device):
         from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
         from vllm.scalar_type import scalar_types
 
-        a = torch.randn(m, k, device=device, dtype=torch.float16)
-        w = torch.randn(k, n, device=device, dtype=torch.float16)
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(k, n, device=device, dtype=torch.bfloat16)
         _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(w, scalar_types.uint4b8, MARLIN_GROUP, False)
         ws = torch.zeros(n // 64 * 16, dtype=torch.int, device=device)
-        from vllm import _custom_ops as ops
-
-        fn = lambda: ops.gptq_marlin_gemm(a, None, q_w, None, s, None, None, g_idx, sort_idx, ws,  # noqa: E731
-                                          scalar_types.uint4b8, m, n, k, is_k_full=True)
+        # by name: the positional order changed between vLLM releases (b_bias, a_scales were added)
+        given = {"a": a, "c": None, "b_q_weight": q_w, "b_bias": None, "b_scales": s, "a_scales": None,
+                 "global_scale": None, "b_zeros": None, "g_idx": g_idx, "perm": sort_idx, "workspace": ws,
+                 "b_q_type": scalar_types.uint4b8, "size_m": m, "size_n": n, "size_k": k, "is_k_full": True}
+        kwargs = accepted_kwargs(ops.gptq_marlin_gemm, given)
+        fn = lambda: ops.gptq_marlin_gemm(**kwargs)  # noqa: E731
         fn()
         return fn, "", float(m * k * 2 + n * k * bytes_per_element("int4", MARLIN_GROUP) + m * n * 2)
     except Exception as e:

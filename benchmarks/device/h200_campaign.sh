@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# decodescope's campaign on the lent H200 machine, which has torch 2.11.0+cu130 and no package index.
+# The vLLM 0.26.0 bundle (shared/tools/vllm-gpu-bundle.sh) and decodescope's wheelhouse (`decodescope
+# wheelhouse --python-version 3.12 --host-packages ...`) travel as one tar in pieces, one piece per call
+# (the tool's 64 MiB a call), each copied out of the tree at once; the campaign then runs in its own
+# process session, from a copy of the tree, so that later calls can poll it and a changed tree never
+# reaches a running campaign.
+#   stash                  copy this call's pieces to $VB
+#   setup                  check and unpack the pieces; vLLM onto $SITE, the wheelhouse into $DS
+#   start PARAMS [ARGS..]  copy the tree to $REPO and start `decodescope run PARAMS ARGS` there
+#   resume PARAMS          copy lib/, notebooks/ and params/ again and resume the last run
+#   poll SECONDS           wait until the run ends or SECONDS pass; print the log's tail
+#   collect                tar the run directory into $OUT (pieces of at most 15 MiB)
+set -u
+VB=/root/vb SITE=/tmp/site DS=/tmp/ds REPO=/root/ds-repo LOG=/root/ds-run.log
+# --target puts the wheels' data files (nbconvert's templates) under $DS/share, where jupyter looks when told
+export PYTHONPATH=$REPO/lib:$DS:$SITE JUPYTER_PATH=$DS/share/jupyter VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+running() { pgrep -f "decodescope.cli run" >/dev/null; }
+case "${1:?stash|setup|start|resume|poll|collect}" in
+stash)
+  mkdir -p $VB && cp .gpu/p*/* $VB/ && ls -l $VB ;;
+setup)
+  set -e
+  (cd $VB && sha256sum -c PIECES.SHA256 && mkdir -p x && cat piece-* | tar -C x -xf -)
+  (cd $VB/x && sha256sum -c SHA256SUMS && mkdir -p $SITE && cat vllm-site.tgz.part-* | tar -C $SITE -xzf -)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $DS $VB/x/wh/*.whl
+  rm -rf $REPO && mkdir -p $REPO && tar -C "$PWD" --exclude=./.gpu --exclude=./.venv -cf - . | tar -C $REPO -xf -
+  cd $REPO && python3 -c "import torch, vllm, papermill, plotly, decodescope; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ;;
+start)
+  shift; rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
+  cd $REPO && setsid nohup python3 -m decodescope.cli run "$@" > $LOG 2>&1 < /dev/null &
+  sleep 5; cat $LOG ;;
+resume)
+  rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
+  last=$(ls -d $REPO/outputs/*/ | tail -1)
+  cd $REPO && setsid nohup python3 -m decodescope.cli run "${2:?resume PARAMS}" --resume "$last" >> $LOG 2>&1 < /dev/null &
+  sleep 5; tail -5 $LOG ;;
+poll)
+  end=$((SECONDS + ${2:-60})); while running && [ $SECONDS -lt $end ]; do sleep 5; done
+  running && echo "== still running" || echo "== finished"; tail -${3:-40} $LOG ;;
+collect)
+  last=$(ls -d $REPO/outputs/*/ | tail -1); name=$(basename "$last")
+  cp $LOG "$last/logs/decodescope-run.log" 2>/dev/null
+  tar -C $REPO/outputs -czf /root/run.tgz "$name" && split -b 15M -d /root/run.tgz "$OUT/run.tgz.part-" && ls -l $OUT ;;
+esac

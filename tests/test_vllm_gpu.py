@@ -1,0 +1,116 @@
+"""The real vLLM GPU engine's conventions, read from what it wrote: vLLM 0.26.0 on one H200 serving a
+Qwen3-30B-A3B-shaped MoE (16 layers, CUDA graphs FULL_AND_PIECEWISE, torch.compile), profiled through
+/start_profile../stop_profile at concurrency 16 by `decodescope run params/h200-qwen3moe.yaml`
+(benchmarks/results/h200_vllm_qwen3moe). The fixture holds the engine core's rank trace and the API
+server's own front-end trace, as the server wrote them."""
+import gzip
+import inspect
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from decodescope import microbench as mb
+from decodescope.probes import collectives as pc
+from decodescope.probes.gemm import accepted_kwargs
+from decodescope.trace.breakdown import breakdown_dir
+from decodescope.trace.load import load_trace_dir
+from decodescope.trace.profile import analyze_traces
+
+FIXTURE = Path(__file__).parent / "fixtures" / "traces" / "vllm_gpu_h200_c16"
+MODEL = Path(__file__).parent.parent / "params" / "models" / "qwen3-30b-a3b-16l.json"
+
+
+@pytest.fixture(scope="module")
+def analysed():
+    return analyze_traces(load_trace_dir(FIXTURE), json.loads(MODEL.read_text()), 1)
+
+
+def _raw_gpu_events() -> list[dict]:
+    """An independent read: the rank file's JSON, every complete GPU event (kernels and copies)."""
+    (rank_file,) = FIXTURE.glob("dp0_*rank0*.pt.trace.json.gz")
+    events = json.load(gzip.open(rank_file))["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def test_the_fixture_is_small_enough_to_commit():
+    assert sum(f.stat().st_size for f in FIXTURE.iterdir()) < 2 << 20
+
+
+def test_the_api_servers_front_end_trace_is_not_taken_for_a_rank(analysed):
+    assert len(list(FIXTURE.glob("vm_*.async_llm.*.pt.trace.json.gz"))) == 1
+    assert analysed.device == "gpu"
+    assert sorted(analysed.ops["rank"].unique()) == [0] and analysed.summary().ranks == [0]
+
+
+def test_decode_steps_are_found_and_every_graph_replayed_kernel_belongs_to_a_step(analysed):
+    k = analysed.ops
+    steps = analysed.summary().steps
+    assert steps["decode"] >= 60
+    # CUDA-graph replays launch their kernels from one cudaGraphLaunch: still each falls in its step's
+    # annotation (execute_context_*); what falls outside (step -1) is the sampler's few kernels, which vLLM
+    # runs after the model's forward, outside that annotation: under 1% of GPU time
+    inside = k[k["step"] >= 0]
+    assert inside["step"].nunique() == sum(steps.values())
+    assert inside["dur_us"].sum() / k["dur_us"].sum() > 0.99
+    outside = k[k["step"] < 0]
+    assert outside["name"].str.contains("softmax|DivFunctor|direct_copy|sort|argmax|exponential", regex=True).mean() > 0.5
+
+
+def test_the_kernels_sums_equal_an_independent_sum_of_the_json(analysed):
+    raw = _raw_gpu_events()
+    k = analysed.ops
+    assert len(k) == len(raw)
+    assert k["dur_us"].sum() == pytest.approx(sum(e["dur"] for e in raw), rel=1e-9)
+    by_name = pd.Series([e["dur"] for e in raw], index=[e["name"] for e in raw]).groupby(level=0).sum()
+    ours = k.groupby("name")["dur_us"].sum()
+    assert set(ours.index) == set(by_name.index)
+    assert (ours - by_name[ours.index]).abs().max() < 1e-6
+
+
+def test_every_kernel_of_the_engine_is_categorized(analysed):
+    b = analysed.breakdown
+    share = b.loc[b["category"] == "other", "share"].sum()
+    assert share < 0.01, b
+    top = b.sort_values("time_us", ascending=False)["category"].tolist()
+    # the fused MoE (Triton) leads; cuBLAS nvjet GEMMs, FlashAttention 3 and the engine's own kernels follow
+    assert top[0] == "moe_experts" and {"gemm_dense", "attention", "kv_cache_write"} <= set(top)
+
+
+def test_the_streamed_breakdown_reads_the_same_gpu_time_as_the_event_table(analysed, tmp_path):
+    streamed = breakdown_dir(FIXTURE)
+    got = {r["category"]: r["time_us"] for r in streamed.categories if r["rank"] == 0}
+    want = analysed.breakdown.set_index("category")["time_us"].to_dict()
+    assert set(got) == set(want)
+    for cat, us in want.items():
+        assert got[cat] == pytest.approx(us, rel=1e-6), cat
+
+
+# ---- world size 1 (the one-GPU campaign): 03 says what does not apply --------------------------------
+def test_at_world_size_1_the_burst_is_recorded_as_not_applicable_not_a_crash():
+    comm = pc.Communicator("torch_nccl", all_reduce=lambda t: None, graphable=True)
+    plan = {"burst": [{"batch": 1, "calls": []}, {"batch": 8, "calls": []}], "iters": 3, "warmup": 1}
+    rows = pc.burst(plan, "cpu", None, timer=None, world=1, rank=0, comms=[comm])
+    assert [r["status"] for r in rows] == ["skipped", "skipped"]
+    assert rows[0]["skip_reason"] == "the step issues no all-reduce at world size 1"
+    coll = pd.DataFrame(rows + [{"part": "sweep", "status": "ok", "op": "all_reduce", "rank": 0}])
+    table = mb.burst_table(coll)
+    assert table.empty and list(table.columns) == mb.BURST_COLUMNS
+    assert mb.burst_skipped(coll) == ["burst not replayed: the step issues no all-reduce at world size 1"]
+    assert "burst not replayed: the step issues no all-reduce at world size 1" in mb.collectives_method_note(coll)
+
+
+def test_marlin_arguments_are_passed_by_name_to_either_signature():
+    def older(a, c, b_q_weight, b_bias, b_scales, global_scale, b_zeros, g_idx, perm, workspace, b_q_type,
+              size_m, size_n, size_k, is_k_full=True):
+        return locals()
+
+    def newer(a, c, b_q_weight, b_bias, b_scales, a_scales, global_scale, b_zeros, g_idx, perm, workspace,
+              b_q_type, size_m, size_n, size_k, is_k_full=True, use_atomic_add=False):
+        return locals()
+
+    given = {name: name.upper() for name in inspect.signature(newer).parameters if name != "use_atomic_add"}
+    assert older(**accepted_kwargs(older, given))["b_scales"] == "B_SCALES"
+    got = newer(**accepted_kwargs(newer, given))
+    assert got["a_scales"] == "A_SCALES" and got["global_scale"] == "GLOBAL_SCALE" and got["size_k"] == "SIZE_K"
