@@ -14,7 +14,9 @@ from decodescope.serving.client import RequestRecord, RequestSpec
 from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import COALESCED_FRAC_LIMIT, knee, level_summary, per_request
 from decodescope.serving.report import coalesced_note
-from decodescope.serving.sweep import SweepConfig, load_finished_levels, run_sweep, arrival_offsets_s
+from decodescope.serving.client import run_async
+from decodescope.serving.sweep import (SweepConfig, arrival_offsets_s, build_prompts, load_finished_levels, run_level,
+                                      run_sweep, warmup_count)
 
 TOKENS = 8
 ITL_S = 0.01
@@ -615,3 +617,17 @@ def test_a_handshake_that_takes_long_is_awaited_on_the_loop():
     lsock.close()
     assert r.ok, (r.error_class, r.error_text)
     assert r.connect_us > 5_000, r.connect_us   # past the in-place wait: the loop path ran
+
+
+def test_every_level_is_warmed_by_a_full_wave_before_it_is_timed(server):
+    """An engine JIT-compiling kernels for a batch size it has not seen (vLLM's Triton fused MoE on the H200)
+    must do it before the timed window: the warm-up fills every slot of the level at once."""
+    assert warmup_count(2, 1) == 2 and warmup_count(2, 8) == 8 and warmup_count(0, 8) == 0
+    cfg = SweepConfig(base_url=server.url, model="m", endpoint="completions", levels=[6], input_tokens=16,
+                      output_tokens=TOKENS, requests_per_level=2, warmup_requests=1, timeout_s=5)
+    prompts = run_async(build_prompts(cfg, 8))
+    records, _ = run_async(run_level(cfg, 6, prompts))
+    warm = [r for r in records if r.warmup]
+    assert len(warm) == 6 and sum(not r.warmup for r in records) == 2
+    # all six in flight together: the last one was sent before the first one ended
+    assert all(r.ok for r in warm) and max(r.send_ns for r in warm) < min(r.end_ns for r in warm)

@@ -159,7 +159,8 @@ class WorkloadParams(_Section):
     input_tokens: AtLeastOne = 64
     output_tokens: AtLeastOne = 32
     requests_per_level: AtLeastOne = 8
-    warmup_requests: NonNegative = 2
+    warmup_requests: NonNegative = Field(2, description="untimed requests before each level, at least one per "
+                                         "concurrent slot (serving.sweep.warmup_count); 0: none")
     request_timeout_s: Positive = 300.0
     seed: int = 0
     request_rate: Optional[float] = Field(None, description="requests/s (open loop); None: closed loop at "
@@ -243,7 +244,8 @@ class ProfileParams(_Section):
                     "level when throughput still grows; left out when 01 did not run). A single integer is one level")
     input_tokens: AtLeastOne = 32
     output_tokens: AtLeastOne = 16
-    warmup_requests: NonNegative = 2
+    warmup_requests: NonNegative = Field(2, description="untimed requests before each level, at least one per "
+                                         "concurrent slot (serving.sweep.warmup_count); 0: none")
     flush_timeout_s: Positive = 600.0
     @field_validator("concurrency", mode="before")
     @classmethod

@@ -67,13 +67,21 @@ def _server_on_this_host(params) -> bool:
     return getattr(host, "url", host) == "local"
 
 
+def warmup_count(warmup_requests: int, level: int) -> int:
+    """Warm-up requests before a level is timed: at least one per slot of the level, so that every batch
+    size the level reaches has run once. An engine that compiles kernels for a batch size it has not seen
+    (vLLM's Triton fused MoE picks a config per size and JIT-compiles it) would otherwise do it inside the
+    timed window: on the H200 a level of 64 so read TPOT 23.4 ms against an ITL p50 of 5.8 ms. 0 keeps none."""
+    return max(warmup_requests, level) if warmup_requests > 0 else 0
+
+
 async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int], str]],
                     n_requests: Optional[int] = None, warmup: Optional[int] = None,
                     on_measured_start: Optional[Callable[[], None]] = None) -> tuple[list[RequestRecord], dict]:
     """Warm-up then measured requests, at most `level` in flight. Returns records and client health.
     `on_measured_start` runs (blocking, with nothing in flight) between the two: telemetry's mark."""
     n_requests = cfg.requests_per_level if n_requests is None else n_requests
-    warmup = cfg.warmup_requests if warmup is None else warmup
+    warmup = warmup_count(cfg.warmup_requests if warmup is None else warmup, level)
     records: list[RequestRecord] = []
     prompt_cycle = itertools.cycle(prompts)
 

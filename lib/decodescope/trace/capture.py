@@ -24,7 +24,8 @@ from typing import Optional
 from decodescope.server import ServerHTTPError, ServerUnreachable
 from decodescope.serving.client import run_async
 from decodescope.serving.telemetry import Scraper
-from decodescope.serving.sweep import SERVER_FAILURE_CLASSES, SweepConfig, build_prompts, records_frame, run_level
+from decodescope.serving.sweep import (SERVER_FAILURE_CLASSES, SweepConfig, build_prompts, records_frame, run_level,
+                                      warmup_count)
 from decodescope.trace.load import find_trace_files
 
 
@@ -167,7 +168,8 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
                       api_key=params.server.api_key)
     prompts = run_async(build_prompts(cfg, n_requests + prof.warmup_requests))
     if prof.warmup_requests:  # at least one full batch: a batch size's first step is not a decode step's cost
-        run_async(run_level(cfg, concurrency, prompts, n_requests=max(prof.warmup_requests, concurrency), warmup=0))
+        run_async(run_level(cfg, concurrency, prompts, n_requests=warmup_count(prof.warmup_requests, concurrency),
+                            warmup=0))
     scraper = Scraper(server.base_url, params.server.api_key)
     # the server's processes, where /proc can see them: their CPU time and run-queue wait per step
     local = getattr(server, "remote", None) is None and hasattr(server, "process_tree")
