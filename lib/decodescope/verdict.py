@@ -71,7 +71,8 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
         by_rank = att.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
         # the rank that arrives last at each all-reduce waits least: its time is closest to the transfer
         ar_by_rank = att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
-        observed_ar = float(ar_by_rank.min())
+        # none in the profile (one GPU: a step issues none): nothing to set 03 against, no row
+        observed_ar = float(ar_by_rank.min()) if not ar_by_rank.empty else None
         transfer = summary.allreduce_transfer_us_per_step
         if sm.wait_in_own_op(summary):
             # gloo: each call is an all-reduce op and a wait op; a step pays both (the rank that waits least)
