@@ -149,3 +149,21 @@ def test_the_step_model_meets_client_tpot_where_the_level_was_measured_warm(gpu_
     # concurrency 64 was measured before every level got a full warm-up wave: vLLM JIT-compiled its fused
     # MoE kernel inside the timed window (client TPOT 23.4 ms against ITL p50 5.8 ms), so the model misses it
     assert levels[64].model_error < -0.5
+
+
+def test_a_variants_tpot_is_split_into_gpu_time_and_the_gpus_wait_for_the_host():
+    from decodescope.verdict import gpu_host_split
+
+    # baseline 2 ms at 50% busy: 1 ms GPU, 1 ms host; variant 10 ms at 20% busy: 2 ms GPU, 8 ms host
+    text = gpu_host_split(2000.0, 50.0, 10000.0, 20.0)
+    assert text == ("GPU busy 20% of the level against 50% in the baseline: GPU time per token 2.00 ms vs 1.00 ms, "
+                    "the GPU waiting on the host 8.00 ms vs 1.00 ms")
+    assert gpu_host_split(2000.0, None, 10000.0, 20.0) == "" and gpu_host_split(2000.0, 50.0, 1.0, float("nan")) == ""
+
+
+def test_eager_on_the_h200_is_host_bound_as_the_gpu_telemetry_shows(gpu_verdict):
+    eager = next(r for r in gpu_verdict.variants if r.variant == "eager" and r.level == 1)
+    # without CUDA graphs the GPU was busy 6% of the level: 1.78 ms of GPU time per token, 27 ms waiting
+    assert eager.measured_gain_pct > 500
+    assert "GPU busy 6% of the level against 61% in the baseline" in eager.gpu_host_split
+    assert any("Variant eager" in f.text and "waiting on the host 27.23 ms" in f.text for f in gpu_verdict.findings)

@@ -538,6 +538,8 @@ class VariantRow(_Model):
     projected_high_us: Optional[float] = None
     projection_error_pct: Optional[float] = Field(None, description="projected / measured TPOT - 1, %")
     notes: str = ""
+    gpu_host_split: str = Field("", description="where the TPOT went against the baseline's: the GPU's busy share "
+                                "of the level (NVML) x TPOT, and the rest, the GPU waiting on the host")
 
 
 # The verdict page's sections, in order: a finding's topic -> the heading the report gives it.

@@ -699,7 +699,8 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
                 if r.projected_tpot_us else f"; no projection ({r.notes})" if r.notes else "")
         out.append({"topic": "measured", "figure": "verdict-variants", "files": [f"variants/{r.variant}/data/serving_levels.parquet"],
                     "text": f"Variant {r.variant}, measured: TPOT {r.measured_gain_pct:+.0f}% at concurrency {r.level} "
-                            f"({r.tpot_p50_us / 1e3:.2f} ms vs {r.baseline_tpot_p50_us / 1e3:.2f} ms){proj}."})
+                            f"({r.tpot_p50_us / 1e3:.2f} ms vs {r.baseline_tpot_p50_us / 1e3:.2f} ms){proj}"
+                            f"{'. ' + r.gpu_host_split[0].upper() + r.gpu_host_split[1:] if r.gpu_host_split else ''}."})
     for r in [r for r in v.variants if r.status != "ok" and r.level is None]:
         out.append({"topic": "measured", "figure": "verdict-variants", "files": ["manifest.json"],
                     "text": f"Variant {r.variant} {r.status}: {r.error}"})
@@ -786,6 +787,8 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
     states = (read_json(manifest_path).get("variants", {}) if manifest_path.is_file() else {})
     base = {int(r.level): level_tpot(r)[0] for r in levels.itertuples()} if levels is not None else {}
     calibration = {int(k): v for k, v in baseline_tpot(levels, captures).items()}
+    utils = ({int(r.level): r.gpu_util_mean_pct for r in levels.itertuples()}
+             if levels is not None and "gpu_util_mean_pct" in levels.columns else {})
     rows = []
     for exp in params.experiments:
         state = states.get(exp.name, {})
@@ -804,6 +807,10 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                    "tok_s_per_gpu": float(lv.output_throughput_tok_s) / vparams.server.tensor_parallel}
             if int(lv.level) in base:
                 row.update(baseline_tpot_p50_us=base[int(lv.level)], measured_gain_pct=100 * (tpot / base[int(lv.level)] - 1))
+                split = gpu_host_split(base[int(lv.level)], utils.get(int(lv.level)), tpot,
+                                       getattr(lv, "gpu_util_mean_pct", None))
+            else:
+                split = None
             if inp is not None:
                 fix, why = variant_fix(inp, params, vparams, exp, b, acceptance)
                 if fix is None:
@@ -822,8 +829,24 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                                          if calibration.get(int(lv.level)) != base.get(int(lv.level)) else "")
                                       if int(lv.level) in base else
                                       "the model's own value (the baseline did not measure this level)"))
+            if split:
+                row["gpu_host_split"] = split
             rows.append(row)
     return rows
+
+
+def gpu_host_split(base_tpot_us: float, base_util_pct: Optional[float], tpot_us: float,
+                   util_pct: Optional[float]) -> str:
+    """Where a variant's TPOT change went, from the GPU's busy share over each level (NVML utilization: the
+    share of time a kernel ran): GPU time per token = busy share x TPOT, the rest is time the GPU waited on
+    the host (launches, drafting, scheduling). '' where either level has no GPU telemetry."""
+    if base_util_pct is None or util_pct is None or pd.isna(base_util_pct) or pd.isna(util_pct):
+        return ""
+    gpu_base, gpu_var = base_util_pct / 100 * base_tpot_us, util_pct / 100 * tpot_us
+    host_base, host_var = base_tpot_us - gpu_base, tpot_us - gpu_var
+    return (f"GPU busy {util_pct:.0f}% of the level against {base_util_pct:.0f}% in the baseline: GPU time per "
+            f"token {gpu_var / 1e3:.2f} ms vs {gpu_base / 1e3:.2f} ms, the GPU waiting on the host "
+            f"{host_var / 1e3:.2f} ms vs {host_base / 1e3:.2f} ms")
 
 
 REPLAY_TOLERANCE = 0.10  # the step model's GEMMs + collectives against the replayed step
