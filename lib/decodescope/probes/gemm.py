@@ -229,7 +229,12 @@ def _vllm_cpu_fused_moe(shape: dict, dt: torch.dtype) -> Optional[tuple[Callable
         hidden, inter = shape["k"], shape["n"] // 2
     else:
         hidden, inter = shape["n"], shape["k"]
-    isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"  # as the engine picks its experts class
+    # as the engine picks its experts class (vllm fused_moe/experts/cpu_moe.py): AMX for bf16 activations
+    # only (its AMX kernel aborts the process on fp32: "Unsupported data type for TileGemm122"), else vec
+    amx = torch.cpu._is_amx_tile_supported() and dt == torch.bfloat16
+    isa = "amx" if amx else "vec"
+    if amx:  # the process's permission for AMX tile state (Linux arch_prctl), which the engine's processes
+        torch._C._cpu._init_amx()  # have; without it the first AMX instruction raises SIGILL
     try:
         w13 = ops.cpu_prepack_moe_weight(torch.randn(groups, 2 * inter, hidden, dtype=dt), isa)
         w2 = ops.cpu_prepack_moe_weight(torch.randn(groups, hidden, inter, dtype=dt), isa)
