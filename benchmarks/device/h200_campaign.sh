@@ -5,6 +5,7 @@
 # (the tool's 64 MiB a call), each copied out of the tree at once; the campaign then runs in its own
 # process session, from a copy of the tree, so that later calls can poll it and a changed tree never
 # reaches a running campaign.
+#   pack BUNDLE WHEELHOUSE (here) the bundle's parts and the wheelhouse as one tar in 53 MiB pieces, .gpu/p0..p3
 #   stash                  copy this call's pieces to $VB
 #   setup                  check and unpack the pieces; vLLM onto $SITE, the wheelhouse into $DS
 #   start PARAMS [ARGS..]  copy the tree to $REPO and start `decodescope run PARAMS ARGS` there
@@ -16,7 +17,13 @@ VB=/root/vb SITE=/tmp/site DS=/tmp/ds REPO=/root/ds-repo LOG=/root/ds-run.log
 # --target puts the wheels' data files (nbconvert's templates) under $DS/share, where jupyter looks when told
 export PYTHONPATH=$REPO/lib:$DS:$SITE JUPYTER_PATH=$DS/share/jupyter VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 running() { pgrep -f "decodescope.cli run" >/dev/null; }
-case "${1:?stash|setup|start|resume|poll|collect}" in
+case "${1:?pack|stash|setup|start|resume|poll|collect}" in
+pack)
+  set -e; rm -rf .gpu/stage .gpu/p? && mkdir -p .gpu/stage/wh
+  cp "${2:?bundle parts dir}"/* .gpu/stage/ && cp "${3:?wheelhouse}"/*.whl .gpu/stage/wh/ && rm -f .gpu/stage/wh/decodescope-*.whl
+  tar -C .gpu/stage -cf - . | (cd .gpu && split -b 53M -d - piece-) && (cd .gpu && sha256sum piece-* > PIECES.SHA256)
+  i=0; for f in .gpu/piece-*; do mkdir -p .gpu/p$i && mv $f .gpu/p$i/; i=$((i+1)); done; cp .gpu/PIECES.SHA256 .gpu/p$((i-1))/
+  ls -l .gpu/p* ;;
 stash)
   mkdir -p $VB && cp .gpu/p*/* $VB/ && ls -l $VB ;;
 setup)
