@@ -79,7 +79,7 @@ def main() -> None:
     gemm = mb.gemm_table(json.loads(Path(args.gemm).read_text()), None)
     coll = mb.collectives_table(Path(args.collectives))
     rows = [r for f in sorted(glob.glob(f"{args.step}/step_rank*.json")) for r in json.load(open(f))["rows"]]
-    replay = sm.replay_table(rows)
+    replay = mb.replay_table(rows)
     batches = sorted(replay["batch"].unique())
     print(f"step model vs step replay: {arch.model_type} TP={args.tp} shapes per rank, world size "
           f"{rows[0]['world_size']}, {args.communicator}")

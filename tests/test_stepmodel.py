@@ -169,7 +169,7 @@ def test_the_replays_host_speed_is_its_slowest_rank_per_step():
              "p10_us": 1.0, "p90_us": 1.0, "ops": 3, "host_ref_iter_us": refs}
             for r, refs in ((0, [5.0, 6.0, 2.0, 2.0]), (1, [2.0, 2.0, 7.0, 2.0]))]
     rows.append({**rows[0], "mode": "cuda_graph", "host_ref_iter_us": None})
-    table = sm.replay_table(rows)
+    table = mb.replay_table(rows)
     assert sm.replay_host_refs(table) == {2: pytest.approx(5.5)}
     assert table.loc[table["mode"] == "cuda_graph", "host_ref_us"].isna().all()
     # sampled after each step too: each rank's step speed is the mean of the two, rank 0's [5, 6, 3, 2]
@@ -177,9 +177,9 @@ def test_the_replays_host_speed_is_its_slowest_rank_per_step():
     rows[0]["host_ref_after_iter_us"] = [5.0, 6.0, 4.0, 2.0]
     rows[1]["host_ref_after_iter_us"] = [2.0, 6.0, 7.0, 2.0]
     rows[2]["host_ref_after_iter_us"] = None
-    assert sm.replay_host_refs(sm.replay_table(rows)) == {2: pytest.approx(5.5)}
+    assert sm.replay_host_refs(mb.replay_table(rows)) == {2: pytest.approx(5.5)}
     rows[1]["host_ref_after_iter_us"] = [2.0, 12.0, 7.0, 2.0]   # rank 1 [2, 7, 7, 2] -> max [5, 7, 7, 2]
-    assert sm.replay_host_refs(sm.replay_table(rows)) == {2: pytest.approx(6.0)}
+    assert sm.replay_host_refs(mb.replay_table(rows)) == {2: pytest.approx(6.0)}
 
 
 def test_without_the_hosts_cost_per_call_the_eager_model_is_not_priced(tiny):
@@ -209,7 +209,7 @@ def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tin
                     "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path)],
                    check=True, capture_output=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     rows = [r for rank in (0, 1) for r in json.loads((tmp_path / f"step_rank{rank}.json").read_text())["rows"]]
-    table = sm.replay_table(rows)
+    table = mb.replay_table(rows)
     assert sorted(table["batch"].unique()) == [1, 4]
     ops = table.set_index(["batch", "variant"])["ops"]
     # on a CPU with vllm the experts run as the engine runs them: one cpu_fused_moe per layer, w2 inside it

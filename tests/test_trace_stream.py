@@ -14,7 +14,7 @@ from decodescope.trace import parse
 from decodescope.trace import reader as trace_reader
 from decodescope.trace.analyze import category_breakdown, op_table
 from decodescope.trace.load import load_trace_dir
-from decodescope.trace.stream import breakdown_dir
+from decodescope.trace.breakdown import breakdown_dir
 
 from tests.test_trace_parse import _nested_ops
 

@@ -253,9 +253,7 @@ def step_plan(params, dtype: str = "bf16") -> dict:
 
 def run_step_replay(params, run_dir: Path, device: Optional[str] = None) -> pd.DataFrame:
     """The decode step's skeleton replayed on the tensor-parallel ranks (GEMMs and collectives in model
-    order, nothing else): per (batch, variant, mode) the slowest rank's median (stepmodel.replay_table)."""
-    from decodescope.stepmodel import replay_table
-
+    order, nothing else): per (batch, variant, mode) the slowest rank's median (replay_table)."""
     data = run_dir / "data"
     plan_path = data / "step_plan.json"
     dtype = "bf16" if "bf16" in params.microbench.dtypes else params.microbench.dtypes[0]
@@ -488,3 +486,44 @@ def sweep_table(coll: pd.DataFrame) -> pd.DataFrame:
     s = s[s["rank"] == s["rank"].min()]
     return s[["op", "communicator", "timing", "inplace", "bytes", "time_us", "p10_us", "p90_us", "algbw_gbps",
               "busbw_gbps"]]
+
+
+def replay_table(step_rows: list[dict]) -> pd.DataFrame:
+    """probes/step.py output (all ranks) -> one row per (batch, variant, mode): the slowest rank's median,
+    since a step ends when its last rank does."""
+    df = pd.DataFrame([r for r in step_rows if r.get("status") == "ok"])
+    if "communicator" not in df:  # written before the probe named its communicator: torch's
+        df["communicator"] = None
+    out = (df.groupby(["batch", "variant", "mode"]).agg(time_us=("time_us", "max"), p10_us=("p10_us", "max"),
+                                                          p90_us=("p90_us", "max"), ops=("ops", "first"),
+                                                          communicator=("communicator", "first"))
+           .reset_index())
+    if "host_ref_iter_us" in df:
+        # each rank's speed over a step: the mean of its samples before and after it, where taken
+        after = df["host_ref_after_iter_us"] if "host_ref_after_iter_us" in df else pd.Series(None, index=df.index)
+        df["host_ref_step_us"] = [step_host_refs(b, a) for b, a in zip(df["host_ref_iter_us"], after)]
+        refs = df.groupby(["batch", "variant", "mode"])["host_ref_step_us"].apply(paced_host_ref_us)
+    else:
+        refs = None
+    out["host_ref_us"] = out.set_index(["batch", "variant", "mode"]).index.map(refs).astype(float) \
+        if refs is not None else np.nan
+    return out
+
+
+def step_host_refs(before, after) -> Optional[list]:
+    """One rank's host speed per step: the mean of its reference sampled before and after each step
+    (a VM core can change speed inside a 30 ms step), or the before samples alone."""
+    if not isinstance(before, (list, np.ndarray)) or not len(before):
+        return None
+    if isinstance(after, (list, np.ndarray)) and len(after) == len(before):
+        return list((np.asarray(before, float) + np.asarray(after, float)) / 2)
+    return list(before)
+
+
+def paced_host_ref_us(per_rank: pd.Series) -> Optional[float]:
+    """The host speed an eager step ran at: per step, the slowest rank's reference (a step ends with
+    its slowest host), median over the steps. per_rank: each rank's list, one sample per step."""
+    lists = [x for x in per_rank if isinstance(x, (list, np.ndarray)) and len(x)]
+    if not lists or len({len(x) for x in lists}) != 1:
+        return None
+    return float(np.median(np.max(np.array(lists, dtype=float), axis=0)))

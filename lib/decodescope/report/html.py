@@ -11,6 +11,8 @@ import nbformat
 from decodescope.io import read_json, write_text_atomic
 from decodescope.params import PHASES
 from decodescope.report.escape import html_text
+from decodescope.report.index import headline_html
+from decodescope.report.status import status_colour
 
 PHASE_TITLES = {
     "00_host": "Host inventory",
@@ -22,12 +24,10 @@ PHASE_TITLES = {
 }
 _EXTERNAL = re.compile(r"<script[^>]*\ssrc=\"https?://[^\"]*\"[^>]*>\s*</script>|<link[^>]*\shref=\"https?://[^\"]*\"[^>]*>",
                        re.I)
-STATUS_COLOURS = {"ok": "#1a7f37", "failed": "#cf222e", "skipped": "#9a6700", "pending": "#57606a",
-                  "running": "#0969da"}
 
 
 def _status_badge(status: str) -> str:
-    colour = STATUS_COLOURS.get(status, "#57606a")
+    colour = status_colour(status)
     return (f'<span class="ds-status ds-status-{html_text(status)}" style="background:{colour};color:#fff;'
             f'padding:1px 8px;border-radius:8px;font-size:90%">{html_text(status)}</span>')
 
@@ -35,8 +35,6 @@ def _status_badge(status: str) -> str:
 def header_html(manifest: dict, run_dir: Optional[Path] = None) -> str:
     """The report's header: run, params, model, status, the headline numbers (read from run_dir's data
     files, as the output folder's index reads them; '–' where a file is missing) and the phases."""
-    from decodescope.report.index import headline_html
-
     rows = []
     for phase, info in manifest.get("phases", {}).items():
         err = info.get("error") or ""

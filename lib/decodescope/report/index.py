@@ -24,6 +24,7 @@ import pandas as pd
 
 from decodescope.io import write_text_atomic
 from decodescope.report.escape import html_text
+from decodescope.report.status import status_colour
 
 INDEX_NAME = "index.html"
 MISSING = "–"  # what a number that could not be read is shown as
@@ -323,15 +324,13 @@ def _none_if_nan(v: Any) -> Any:
 
 def render_index(rows: pd.DataFrame, compare: list[str], title: str = "decodescope runs") -> str:
     """The index page: one row per run, sortable and filterable, self-contained (no network)."""
-    from decodescope.report.html import STATUS_COLOURS
-
     body = []
     for rec in rows.to_dict("records"):
         rec = {k: _none_if_nan(v) for k, v in rec.items()}
         h = Headline(**{k: rec.get(k) for k in ("peak_output_tok_s", "tpot_p50_us", "tpot_level",
                                                  "bottleneck", "bottleneck_share")})
         status = _text(rec.get("status"))
-        colour = STATUS_COLOURS.get(status, "#57606a")
+        colour = status_colour(status)
         report = rec.get("report")
         link = (f'<a href="{_href(report)}">report</a>' if report else "<em>no report</em>")
         body.append("<tr>" + "".join([

@@ -13,28 +13,12 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from decodescope.trace.load import rank_trace_files, ranked
 from decodescope.trace.reader import TraceError, TraceMeta
-
-
-@dataclass
-class RankTotals:
-    """One rank file reduced: per name (code = position in `names`), the GPU work's duration and rows,
-    and the CPU ops' self time, counted calls, duration and rows."""
-    names: list[str]
-    kernel_rows: int
-    gpu_dur_us: Sequence[float]
-    gpu_rows: Sequence[int]
-    cpu_time_us: Sequence[float]
-    cpu_calls: Sequence[int]
-    cpu_dur_us: Sequence[float]
-    cpu_rows: Sequence[int]
-    cpu_read: bool  # were the CPU ops reduced (a file whose header names a GPU skips them)
-    warnings: list[str] = field(default_factory=list)
-    # chunks by the reader that read them: "c_reduce" (creduce.py), "c" (the C scanner), "numpy"
-    chunks_by_reader: dict[str, int] = field(default_factory=dict)
+from decodescope.trace import creduce
+from decodescope.trace.totals import RankTotals
 
 
 @dataclass
@@ -97,12 +81,10 @@ def _in_threads(fn: Callable, items: list, n_threads: int) -> list:
 
 def _reduce_in_c(path: Path, rules, cpu: Optional[bool] = None):
     """(path, totals, meta, error), or None where the numpy reduction must read the file."""
-    from decodescope.trace.creduce import NotReduced, reduce_file
-
     try:
-        totals, meta = reduce_file(path, rules, cpu)
+        totals, meta = creduce.reduce_file(path, rules, cpu)
         return str(path), totals, meta, None
-    except NotReduced:
+    except creduce.NotReduced:
         return None
     except TraceError as e:
         return str(path), None, None, str(e)
@@ -113,12 +95,10 @@ def _reduce_in_c(path: Path, rules, cpu: Optional[bool] = None):
 def reduce_all(files: list[Path], workers: int, rules=None, cpu: Optional[bool] = None) -> list:
     """(path, totals, meta, error) of every file: in C in threads, the files it leaves by the numpy
     reduction."""
-    from decodescope.trace.creduce import available
-
-    results = _in_threads(lambda f: _reduce_in_c(f, rules, cpu), files, workers) if available() else [None] * len(files)
+    results = _in_threads(lambda f: _reduce_in_c(f, rules, cpu), files, workers) if creduce.available() else [None] * len(files)
     left = [i for i, r in enumerate(results) if r is None]
     if left:
-        from decodescope.trace.stream import reduce_files
+        from decodescope.trace.stream import reduce_files  # numpy: imported only where a file needs it
 
         for i, r in zip(left, reduce_files([files[i] for i in left], workers, rules, cpu)):
             results[i] = r

@@ -13,7 +13,7 @@ import ctypes
 from pathlib import Path
 from typing import Optional
 
-from decodescope.trace.breakdown import RankTotals
+from decodescope.trace.totals import RankTotals
 from decodescope.trace.cscan import NOT_MINE, library
 from decodescope.trace.reader import TraceMeta, _kineto, body_start, finish_meta, name_rule, opened
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from decodescope.trace.breakdown import RankTotals, StreamedBreakdown, breakdown_dir  # noqa: F401
+from decodescope.trace.totals import RankTotals
 from decodescope.trace.load import parse_all
 from decodescope.trace.nesting import NEST_EPS_US, parents_in_order, prev_in_thread
 from decodescope.trace.parse import TraceError, TraceMeta, _Columns, _read_chunk, parse_columns, small_pages
