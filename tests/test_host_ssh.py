@@ -623,7 +623,7 @@ def paced_server(tmp_path):
 def test_the_load_generator_runs_beside_the_server_and_its_levels_come_back(sshd, tmp_path, session, paced_server):
     from decodescope.notebook import PhaseContext
     from decodescope.serving.remote import link_note
-    from decodescope.serving.sweep import sweep_for_phase
+    from decodescope.serving.phase import sweep_for_phase
 
     text = _params_text(sshd, tmp_path, extra_host="  loadgen: remote")
     text = text.replace("server:\n", f"server:\n  mode: attach\n  url: http://127.0.0.1:{paced_server}\n")

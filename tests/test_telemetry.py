@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from decodescope.records import TELEMETRY_COLUMNS
 from decodescope.serving import telemetry as T
-from decodescope.serving.sweep import SweepConfig, run_sweep
+from decodescope.serving.sweep import SweepConfig, run_sweep, warmup_count
 from tests.test_serving_client import _free_port
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_metrics"
@@ -200,9 +200,13 @@ def test_sweep_writes_telemetry_per_level_and_the_engines_tpot_from_its_histogra
         assert not df["metric"].str.endswith(("_bucket", "_created")).any()
     lv = levels.set_index("level")
     tpots, ttfts = server.metrics.log["tpot"], server.metrics.log["ttft"]
-    for i, level in enumerate((1, 2)):
-        # the server saw 1 warm-up then 4 measured requests per level, one level after the other
-        measured = slice(5 * i + 1, 5 * i + 5)
+    start = 0
+    for level in (1, 2):
+        # the server saw the level's warm-up (1 request, at least one per slot: 1 then 2) then 4 measured
+        # requests, one level after the other
+        start += warmup_count(1, level)
+        measured = slice(start, start + 4)
+        start += 4
         df = pd.read_parquet(T.level_path(tmp_path, level))
         assert lv.loc[level, "server_tpot_mean_us"] == pytest.approx(_mean(tpots[measured]) * 1e6, rel=1e-9)
         assert lv.loc[level, "server_tpot_mean_us"] == pytest.approx(

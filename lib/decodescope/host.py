@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from decodescope import __version__, procs
+from decodescope.io import gzip_complete
 
 SESSION_ENV = "DECODESCOPE_SSH_SESSION"      # the run's ControlMaster, inherited by its kernels
 HOST_RUN_ID_ENV = "DECODESCOPE_HOST_RUN_ID"  # the run id, on every process the run starts on the host
@@ -848,8 +849,6 @@ def node_traces(params, trace_dir: Path):
     if params.server.mode != "attach" or not params.host.trace_dir:
         yield
         return
-    from decodescope.trace.capture import gzip_complete
-
     nodes = [(i, h) for i, h in enumerate(node_hosts(params)) if h.remote]
     done = {i: set() for i, _ in nodes}
     sizes: dict[Path, int] = {}

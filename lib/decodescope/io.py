@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +58,17 @@ def write_parquet_atomic(path: Path, df) -> Path:
 
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def gzip_complete(path: Path) -> bool:
+    """True when the file is a whole gzip stream (decompresses to its end with a valid trailer)."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                d.decompress(chunk, 0)
+                if d.eof:
+                    return True
+    except (OSError, zlib.error):
+        return False
+    return d.eof

@@ -3,10 +3,6 @@ programs (plain python / torchrun child processes), and turn their per-rank file
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 

@@ -715,7 +715,7 @@ def _not_writable(directory: Path) -> Optional[str]:
 def load_params(path: str | Path) -> Params:
     path = Path(path)
     if not path.is_file():
-        raise ParamsError(path, [("", f"file does not exist; see params/default.yaml for an example")])
+        raise ParamsError(path, [("", "file does not exist; see params/default.yaml for an example")])
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,8 +18,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from decodescope import resources
-from decodescope.io import read_json, write_json_atomic, write_text_atomic
+from decodescope.io import read_json, write_text_atomic
 from decodescope.params import PHASES, Params, dump_yaml, load_params, params_as_dict
+from decodescope.records import RunManifest
 from decodescope.rundir import make_run_dir
 
 RUN_ID_ENV = "DECODESCOPE_RUN_ID"
@@ -104,10 +104,8 @@ class Manifest:
         self._lock = threading.Lock()
 
     @property
-    def record(self) -> "RunManifest":
+    def record(self) -> RunManifest:
         """The manifest as it stands, typed."""
-        from decodescope.records import RunManifest
-
         return RunManifest.model_validate(self.data)
 
     @classmethod

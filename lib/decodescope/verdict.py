@@ -15,6 +15,7 @@ import pandas as pd
 
 from decodescope.records import (AttributionRow, Bottleneck, CurveRow, Finding, ReplayRow, VariantRow, LevelReconcileRow, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
                                  ServingLevel, Verdict, WhatIfRow, read_record)
+from decodescope import whatif
 from decodescope.trace import categorize
 
 
@@ -202,11 +203,9 @@ def what_if(wall_us: float, attribution: pd.DataFrame, comm_speedup: float = 2.0
     return pd.DataFrame(rows)
 
 
-def measured_step(summary: ProfileSummary, batch: int) -> Optional["whatif.MeasuredStep"]:
+def measured_step(summary: ProfileSummary, batch: int) -> "Optional[whatif.MeasuredStep]":
     """The profiled decode step as the what-ifs take it: wall and summed time, and what the step pays
     per all-reduce (median rank, waits included)."""
-    from decodescope import whatif
-
     ps = summary.per_step
     per_step = pd.DataFrame(summary.per_step_categories)
     if per_step.empty or not ps.wall_us_median or not ps.summed_us_median:
@@ -293,8 +292,6 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
 def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> list[dict]:
     """Each fix priced on the profiled step from what 02/03 measured (decodescope.whatif)."""
     from decodescope import arch as archmod
-    from decodescope import whatif
-
     if summary is None:
         return []
     step = measured_step(summary, summary.concurrency or 1)
@@ -496,8 +493,6 @@ class Fix:
 def fixes_at(inp: ModelInputs, batch: float, params) -> list[Fix]:
     """Every fix the measured inputs price at `batch`, each as a whole predicted step."""
     from decodescope import stepmodel as sm
-    from decodescope import whatif
-
     from decodescope import arch as archmod
 
     out = []
@@ -741,8 +736,6 @@ def _acceptance(levels: pd.DataFrame) -> tuple[Optional[float], bool]:
 def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance: tuple) -> tuple[Optional[Fix], str]:
     """The verdict's projection of what this variant changes, at `batch`; (None, why) when there is none."""
     from decodescope import stepmodel as sm
-    from decodescope import whatif
-
     ea = vparams.server.engine_args
     tp, vtp = inp.tp, vparams.server.tensor_parallel
     if vtp != tp:

@@ -6,7 +6,6 @@ A request's record keeps every content chunk's arrival so TTFT, TPOT and ITL can
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import asdict, dataclass, field

@@ -361,17 +361,3 @@ async def build_prompts(cfg: SweepConfig, n: int) -> list[tuple[list[int], str]]
         rng = random.Random(cfg.seed)
         return [([rng.randrange(100, 900) for _ in range(cfg.input_tokens)], "hello " * cfg.input_tokens)
                 for _ in range(n)]
-
-
-def sweep_for_phase(ctx, progress=True) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The phase's sweep against the run's server (or one started for this notebook alone)."""
-    from decodescope.server import phase_server
-
-    with phase_server(ctx.params, ctx.run_dir) as server:
-        server.raise_if_dead("the start of the serving sweep")
-        if ctx.params.host.is_remote and ctx.params.host.loadgen == "remote":
-            from decodescope.serving.remote import sweep_on_host  # the client beside the server, over ssh
-
-            return sweep_on_host(ctx, server)
-        return run_sweep(SweepConfig.from_params(ctx.params, server.base_url), ctx.data_dir, progress,
-                         check_server=server.raise_if_dead)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -27,6 +26,7 @@ from decodescope.serving.telemetry import Scraper
 from decodescope.serving.sweep import (SERVER_FAILURE_CLASSES, SweepConfig, build_prompts, records_frame, run_level,
                                       warmup_count)
 from decodescope.trace.load import find_trace_files
+from decodescope.io import gzip_complete
 
 
 class CaptureError(RuntimeError):
@@ -102,20 +102,6 @@ def profiler_step_cost_us(runs_us: list, profiled_us: Optional[float]) -> Option
     """What the profiler added to each step: the profiled run's inter-token latency less the unprofiled runs'."""
     base = unprofiled_itl_us(runs_us)
     return profiled_us - base if base and profiled_us else None
-
-
-def gzip_complete(path: Path) -> bool:
-    """True when the file is a whole gzip stream (decompresses to its end with a valid trailer)."""
-    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                d.decompress(chunk, 0)
-                if d.eof:
-                    return True
-    except (OSError, zlib.error):
-        return False
-    return d.eof
 
 
 def wait_for_traces(trace_dir: Path, before: set[Path], expected_ranks: int, timeout_s: float,

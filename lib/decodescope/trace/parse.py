@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from array import array
 from contextlib import contextmanager
 from pathlib import Path

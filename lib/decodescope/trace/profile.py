@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import pandas as pd
 
@@ -12,6 +12,9 @@ from decodescope.io import write_parquet_atomic
 from decodescope.records import ProfileSummary, StepMedians, write_record
 from decodescope.trace import analyze as an
 from decodescope.trace.load import LoadedTraces
+
+if TYPE_CHECKING:  # a type name only: capture (a phase) imports this module
+    from decodescope.trace.capture import CaptureResult
 
 KERNEL_COLUMNS = ["rank", "step", "category", "name", "ts_us", "dur_us", "time_us", "lane", "msg_bytes",
                   "correlation", "coll_name"]
