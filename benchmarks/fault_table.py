@@ -1,6 +1,6 @@
-"""The README's fault table from what tests/test_faults.py measured (outputs/fault_table.json).
+"""The fault table (docs/faults.md) from what tests/test_faults.py measured (outputs/fault_table.json).
 
-    python benchmarks/fault_table.py [--json outputs/fault_table.json] [--readme README.md]
+    python benchmarks/fault_table.py [--json outputs/fault_table.json] [--readme docs/faults.md]
 
 Prints the table; with --readme, replaces the block between the fault-table markers in the README.
 """

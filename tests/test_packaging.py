@@ -159,3 +159,14 @@ def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(r
     breakdown = json.loads((outside / "analysis" / "breakdown.json").read_text())
     assert breakdown["ranks"] == [0, 1] and set(breakdown["chunks_by_reader"]) == {"c_reduce"}, breakdown
     assert breakdown["chunks_by_reader"]["c_reduce"] > 0 and list((outside / "cache" / "decodescope").glob("kscan-*.so"))
+
+
+def test_the_readme_is_read_in_minutes_and_its_links_resolve(repo):
+    text = (repo / "README.md").read_text()
+    assert len(text.split()) <= 2200, "the README is for a newcomer: methods and results go to docs/"
+    assert "make run" in text and "make test" in text
+    links = re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", text)
+    assert links and all((repo / link).exists() for link in links), [l for l in links if not (repo / l).exists()]
+    for doc, heading in (("docs/methods.md", "## The ssh host"), ("docs/methods.md", "## Analysing traces alone"),
+                         ("docs/faults.md", "<!-- fault-table:start -->"), ("docs/results.md", "## Benchmarks")):
+        assert heading in (repo / doc).read_text(), (doc, heading)
