@@ -199,3 +199,28 @@ def test_the_gpu_levels_carry_the_engines_own_latencies_and_nvml_samples():
     # the engine's ITL and the client's agree where delivery is token by token (concurrency 1-32)
     warm = levels[levels["level"] <= 32]
     assert ((warm["server_itl_mean_us"] / warm["itl_p50_us"] - 1).abs() < 0.10).all()
+
+
+# ---- the engine's graph and compilation modes, as both engines log them ---------------------------------
+def test_the_engines_modes_are_read_from_its_own_log_on_both_engines():
+    from decodescope.enginelog import engine_modes, last_engine_modes
+
+    starts = engine_modes((RUN / "logs" / "server.log").read_text())
+    assert len(starts) == 2  # 01's server and 04's
+    assert {(m.vllm_version, m.cudagraph_mode, m.compilation_mode, m.enforce_eager) for m in starts} == {
+        ("0.26.0", "FULL_AND_PIECEWISE", "VLLM_COMPILE", False)}
+    eager = last_engine_modes(RUN / "variants" / "eager" / "logs" / "server.log")
+    assert (eager.cudagraph_mode, eager.compilation_mode, eager.enforce_eager) == ("NONE", "NONE", True)
+    assert eager.describe() == "vLLM 0.26.0: no CUDA graphs, no torch.compile"
+    cpu = last_engine_modes(Path(__file__).parent / "fixtures" / "vllm_engine_lines" / "vllm_cpu_0.32_tp2.log")
+    assert (cpu.vllm_version, cpu.cudagraph_mode, cpu.compilation_mode) == ("0.32.0", "NONE", "DYNAMO_TRACE_ONCE")
+    assert last_engine_modes(RUN / "no-such.log") is None and engine_modes("no engine line\n") == []
+
+
+def test_the_verdict_names_the_engines_modes_for_the_baseline_and_each_variant(gpu_verdict):
+    assert gpu_verdict.engine == "vLLM 0.26.0: CUDA graphs FULL_AND_PIECEWISE, torch.compile VLLM_COMPILE"
+    modes = {r.variant: r.engine_modes for r in gpu_verdict.variants}
+    assert modes["eager"] == "vLLM 0.26.0: no CUDA graphs, no torch.compile"
+    assert modes["spec-ngram"] == modes["seqs16"] == gpu_verdict.engine
+    assert any(f.text.startswith("Variant eager (vLLM 0.26.0: no CUDA graphs, no torch.compile), measured")
+               for f in gpu_verdict.findings)

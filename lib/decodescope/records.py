@@ -540,6 +540,7 @@ class VariantRow(_Model):
     notes: str = ""
     gpu_host_split: str = Field("", description="where the TPOT went against the baseline's: the GPU's busy share "
                                 "of the level (NVML) x TPOT, and the rest, the GPU waiting on the host")
+    engine_modes: str = Field("", description="the variant's engine as its log states it: CUDA graphs, torch.compile")
 
 
 # The verdict page's sections, in order: a finding's topic -> the heading the report gives it.
@@ -577,6 +578,8 @@ class Verdict(Record):
     findings: list[Finding] = Field(default_factory=list, description="the verdict page, sentence by sentence")
     variants: list[VariantRow] = Field(default_factory=list, description="each variant measured against its projection")
     replay: list[ReplayRow] = Field(default_factory=list, description="the step replay against the step model")
+    engine: str = Field("", description="the baseline's engine as its log (logs/server.log) states it: vLLM "
+                        "version, CUDA graphs, torch.compile")
 
 
 # ---- run manifest (manifest.json) ------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pandas as pd
 from decodescope.records import (AttributionRow, Bottleneck, CurveRow, Finding, ReplayRow, VariantRow, LevelReconcileRow, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
                                  ServingLevel, Verdict, WhatIfRow, read_record)
 from decodescope import whatif
+from decodescope.enginelog import last_engine_modes
 from decodescope.trace import categorize
 
 
@@ -355,6 +356,8 @@ def verdict(run_dir: Path, params) -> Verdict:
     if params.experiments:
         out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels, captures)]
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
+    modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
+    out.engine = modes.describe() if modes else ""
     out.findings = [Finding.model_validate(f) for f in findings(out, summary, params.server.tensor_parallel)]
     if levels is not None and not levels.empty:
         lv = [ServingLevel.model_validate(r) for r in levels.sort_values("level").to_dict("records")]
@@ -634,6 +637,9 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
                                 "between step starts" if ps.period_us_median else "") +
                                 (": streams overlap." if ps.summed_us_median > ps.wall_us_median else
                                  ": the step is not overlapped; the rest is host time.")})
+    if v.engine:
+        out.append({"topic": "bottleneck", "figure": "profile-breakdown", "files": ["logs/server.log"],
+                    "text": f"The engine measured: {v.engine} (its own log)."})
     for r in v.reconcile:
         ratio = r.profile_over_micro
         if ratio != ratio:  # NaN: not comparable
@@ -693,7 +699,8 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
         proj = (f"; projected {r.projected_tpot_us / 1e3:.2f} ms ({r.projection}), {r.projection_error_pct:+.0f}% off"
                 if r.projected_tpot_us else f"; no projection ({r.notes})" if r.notes else "")
         out.append({"topic": "measured", "figure": "verdict-variants", "files": [f"variants/{r.variant}/data/serving_levels.parquet"],
-                    "text": f"Variant {r.variant}, measured: TPOT {r.measured_gain_pct:+.0f}% at concurrency {r.level} "
+                    "text": f"Variant {r.variant}{' (' + r.engine_modes + ')' if r.engine_modes else ''}, measured: "
+                            f"TPOT {r.measured_gain_pct:+.0f}% at concurrency {r.level} "
                             f"({r.tpot_p50_us / 1e3:.2f} ms vs {r.baseline_tpot_p50_us / 1e3:.2f} ms){proj}"
                             f"{'. ' + r.gpu_host_split[0].upper() + r.gpu_host_split[1:] if r.gpu_host_split else ''}."})
     for r in [r for r in v.variants if r.status != "ok" and r.level is None]:
@@ -793,6 +800,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
             continue
         vparams = with_experiment(params, exp.name)
         acceptance = _acceptance(vlev)
+        modes = last_engine_modes(Path(run_dir) / VARIANTS / exp.name / "logs" / "server.log")
         for lv in vlev.sort_values("level").itertuples():
             b, (tpot, basis) = float(lv.level), level_tpot(lv)
             row = {"variant": exp.name, "status": status, "error": (state.get("error") or "").splitlines()[0][:300]
@@ -824,6 +832,8 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                                       "the model's own value (the baseline did not measure this level)"))
             if split:
                 row["gpu_host_split"] = split
+            if modes:
+                row["engine_modes"] = modes.describe()
             rows.append(row)
     return rows
 
