@@ -16,7 +16,7 @@ from decodescope.records import (LATENCY_FIT_COLUMNS, SERVING_LEVEL_COLUMNS, Att
                                  CollectivesFit, CpuInfo, CpuMatmul, GpuInfo, HostInventory, LatencyFit,
                                  ManifestHost, Peaks, PhaseEntry, ProfileSummary, ReconcileRow, RecordError,
                                  RunManifest, ServingHeadline, ServingLevel, StepMedians, TopologyPair, Verdict,
-                                 WhatIfRow, read_record, write_record)
+                                 read_record, write_record)
 from decodescope.serving.metrics import level_summary, per_request
 
 CPU = CpuInfo(model="Test CPU", logical_cores=2, physical_cores=2, numa_nodes=1, memory_gib=16.0, avx2=True,
@@ -61,8 +61,6 @@ def _verdict():
         sources={"attribution": "profile_summary.json (04_profile)"}, verdict="communication is the largest share",
         attribution=[AttributionRow(rank=0, cls="communication", time_per_step_us=450.0, share=0.53)],
         bottleneck=Bottleneck(cls="communication", share=0.53), wall_us=1000.0,
-        what_if=[WhatIfRow(what_if="GEMMs 2x faster", step_us=850.0, saved_us=150.0, speedup_x=1.18,
-                           tok_s_per_sequence=1176.5)],
         reconcile=[ReconcileRow(piece="GEMMs per step", micro_benchmark_us=250.0, micro_source="gemm.parquet",
                                 profile_us=None, profile_source="profile_summary.json")],
         serving=ServingHeadline(lowest_level=1, tpot_p50_us=1100.0, max_output_tok_s=900.0,
@@ -263,10 +261,10 @@ def test_verdict_from_the_phases_files_round_trips(tmp_path, repo):
     assert v.verdict.startswith("communication is the largest share") and "rank 0 50%" in v.verdict
     assert read_record(write_record(data / "verdict.json", v), Verdict) == v
     for show in (sections.verdict_headline, sections.verdict_attribution, sections.verdict_reconcile,
-                 sections.verdict_what_if, sections.verdict_serving):
+                 sections.verdict_serving):
         show(v)
     empty = verdict(tmp_path / "nothing", params)
-    assert empty.verdict is None and empty.what_if == [] and empty.serving is None
+    assert empty.verdict is None and empty.projections == [] and empty.serving is None
 
 
 def test_the_manifest_keeps_its_keys_and_refuses_another_version(tmp_path, repo):
@@ -374,3 +372,14 @@ def test_a_level_whose_tokens_arrived_in_bursts_is_set_against_the_engines_own_t
     assert tpot == 2_876.0 and "99% of the client's token gaps coalesced" in why
     no_metrics = SimpleNamespace(tpot_p50_us=7.4, itl_coalesced_frac=0.99, server_tpot_mean_us=float("nan"))
     assert level_tpot(no_metrics)[0] == 7.4   # nothing better measured: the client's, as it is
+
+
+def test_a_verdict_written_with_the_fixed_factor_view_is_still_read_without_it(tmp_path):
+    """verdict.json of earlier runs held `what_if` (fixed factors on the profiled shares), since removed: the
+    step model's projections are the one projection engine."""
+    old = _verdict().model_dump(mode="json", by_alias=True)
+    old["what_if"] = [{"what_if": "GEMMs 2x faster", "step_us": 850.0, "saved_us": 150.0, "speedup_x": 1.18,
+                       "tok_s_per_sequence": 1176.5}]
+    (tmp_path / "verdict.json").write_text(json.dumps(old))
+    v = read_record(tmp_path / "verdict.json", Verdict)
+    assert v == _verdict() and "what_if" not in v.model_dump()

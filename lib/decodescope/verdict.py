@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from decodescope.records import (AttributionRow, Bottleneck, CurveRow, Finding, ReplayRow, VariantRow, LevelReconcileRow, ProfileSummary, ProjectionRow, ReconcileRow, ServingHeadline,
-                                 ServingLevel, Verdict, WhatIfRow, read_record)
+                                 ServingLevel, Verdict, read_record)
 from decodescope import whatif
 from decodescope.enginelog import last_engine_modes
 from decodescope.trace import categorize
@@ -188,22 +188,6 @@ def allreduce_reconcile_row(coll: pd.DataFrame, summary: ProfileSummary, observe
             "note": f"same communicator ({micro_comm}); burst aligned by a barrier (no back-to-back sweep)"}
 
 
-def what_if(wall_us: float, attribution: pd.DataFrame, comm_speedup: float = 2.0) -> pd.DataFrame:
-    """Projected decode step if a class got faster, assuming the rest stays serial with it (an upper
-    bound on the gain when work overlaps)."""
-    med = attribution.groupby("cls")["time_per_step_us"].median()
-    rows = []
-    for cls, factor, label in (("communication", comm_speedup, f"communication {comm_speedup:g}x faster"),
-                               ("communication", np.inf, "communication removed (e.g. one GPU per replica)"),
-                               ("gemm", 2.0, "GEMMs 2x faster"), ("attention", 2.0, "attention 2x faster")):
-        t = float(med.get(cls, 0.0))
-        saved = t - (0.0 if factor == np.inf else t / factor)
-        new = max(wall_us - saved, 1e-9)
-        rows.append({"what_if": label, "step_us": new, "saved_us": saved, "speedup_x": wall_us / new,
-                     "tok_s_per_sequence": 1e6 / new})
-    return pd.DataFrame(rows)
-
-
 def measured_step(summary: ProfileSummary, batch: int) -> "Optional[whatif.MeasuredStep]":
     """The profiled decode step as the what-ifs take it: wall and summed time, and what the step pays
     per all-reduce (median rank, waits included)."""
@@ -321,7 +305,6 @@ def verdict(run_dir: Path, params) -> Verdict:
         out.attribution = [AttributionRow.model_validate(r) for r in att.to_dict("records")]
         out.bottleneck = Bottleneck(cls=cls, share=share)
         out.wall_us = wall
-        out.what_if = [WhatIfRow.model_validate(r) for r in what_if(wall, att).to_dict("records")]
         out.sources["attribution"] = "profile_summary.json (04_profile)"
         ar_share = summary.allreduce_share_of_time
         out.verdict = (f"{cls} is the largest share of a decode step ({100 * share:.0f}% of op time on the median "

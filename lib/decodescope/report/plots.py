@@ -392,12 +392,3 @@ def variant_bars(variants: pd.DataFrame) -> go.Figure:
     fig.update_layout(barmode="group", title="Variants: measured TPOT against the baseline and the projection",
                       yaxis_title="TPOT p50 (ms)")
     return fig
-
-
-def what_if_bars(what_if: pd.DataFrame, wall_us: float) -> go.Figure:
-    fig = go.Figure(go.Bar(y=what_if["what_if"], x=what_if["step_us"] / 1e3, orientation="h",
-                           text=[f"{s:.2f}x" for s in what_if["speedup_x"]], textposition="auto"))
-    fig.add_vline(x=wall_us / 1e3, line_dash="dash", annotation_text="measured step")
-    fig.update_layout(title="What would move the decode step (projected, serial upper bound)",
-                      xaxis_title="ms per decode step")
-    return fig

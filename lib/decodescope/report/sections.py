@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from decodescope.records import LevelReconcileRow, ProjectionRow, AttributionRow, HostInventory, ReconcileRow, Verdict, WhatIfRow, frame
+from decodescope.records import LevelReconcileRow, ProjectionRow, AttributionRow, HostInventory, ReconcileRow, Verdict, frame
 from decodescope.report import plots
 from decodescope.report.display import show, show_note, show_table
 
@@ -45,15 +45,6 @@ def verdict_attribution(v: Verdict) -> None:
 def verdict_reconcile(v: Verdict) -> None:
     show_table(frame(v.reconcile, ReconcileRow) if v.reconcile else pd.DataFrame(),
                caption="per decode step - verdict.json")
-
-
-def verdict_what_if(v: Verdict) -> None:
-    if not v.what_if:
-        show_note("*No profile in this run: no projection.*")
-        return
-    what_if = frame(v.what_if, WhatIfRow)
-    show(plots.what_if_bars(what_if, v.wall_us))
-    show_table(what_if, caption="projections from the measured step - verdict.json")
 
 
 def verdict_levels(v: Verdict) -> None:
