@@ -99,3 +99,19 @@ def test_the_detector_finds_a_cycle_behind_a_function_local_import(tmp_path):
 def test_the_package_has_no_import_cycle():
     found = cycles(import_graph(module_files(PACKAGE)))
     assert found == [], f"import cycles: {found}"
+
+
+def test_the_phases_are_named_in_one_registry():
+    """The runner's, the host's, the report's and the comparison's phase sets all come from decodescope.phases."""
+    from decodescope import host, params, phases, runner
+    from decodescope.report import compare, html
+
+    assert params.PHASES is runner.PHASES is html.PHASES is compare.PHASES is phases.PHASES
+    assert runner.SERVER_PHASES is phases.SERVER_PHASES == {"01_serving", "04_profile"}
+    assert host.HOST_PHASES is phases.HOST_PHASES and "05_verdict" not in phases.HOST_PHASES
+    assert html.PHASE_TITLES is phases.PHASE_TITLES and set(phases.PHASE_TITLES) == set(phases.PHASES)
+    assert compare.PHASE_OF is phases.PHASE_OF and phases.PHASE_OF["gemm.parquet"] == "02_gemm"
+    # nothing else in the package spells the phase tuple out again
+    spelled = [f for f in PACKAGE.rglob("*.py") if f.name != "phases.py"
+               and '"00_host", "01_serving", "02_gemm"' in f.read_text()]
+    assert spelled == []

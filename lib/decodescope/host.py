@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from decodescope import __version__, procs
+from decodescope.phases import HOST_PHASES
 from decodescope.io import gzip_complete
 
 SESSION_ENV = "DECODESCOPE_SSH_SESSION"      # the run's ControlMaster, inherited by its kernels
@@ -809,10 +810,6 @@ def node_hosts(params) -> list["LocalHost | SshHost"]:
             hp = hp.model_copy(update={"python": None})
         hosts.append(host_from_spec(hp, params.output_root()))
     return hosts
-
-
-# The phases that run something on the host; the others (the verdict, comparisons) only read files here.
-HOST_PHASES = ("00_host", "01_serving", "02_gemm", "03_collectives", "04_profile")
 
 
 def preflight(params, resume: Optional[Path] = None, phases: Optional[Sequence[str]] = None) -> "LocalHost | SshHost":

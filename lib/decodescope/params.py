@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PHASES = ("00_host", "01_serving", "02_gemm", "03_collectives", "04_profile", "05_verdict")
+from decodescope.phases import PHASES, SERVER_PHASES
 # Secret-looking keys: HF_TOKEN, api_key, AUTH-TOKEN, password... but not input_tokens or tokenizer.
 SECRET_KEY_PATTERN = re.compile(
     r"(api[_-]?key|access[_-]?key|(^|[_\-.])(token|secret|password|passwd|authorization|credentials?)($|[_\-.]))", re.I)
@@ -453,7 +453,7 @@ class Params(_Section):
 # so a key nothing reads cannot come back unnoticed; `decodescope params validate` warns about keys a
 # file sets that none of the phases it runs reads.
 RUNNER = "runner"
-_SERVER_PHASES = ("01_serving", "04_profile")  # the runner starts (or attaches to) the server for these
+_SERVER_PHASES = tuple(p for p in PHASES if p in SERVER_PHASES)  # the runner starts (or attaches to) the server for these
 READERS: dict[str, tuple[str, ...]] = {
     "run": (RUNNER,),
     "host": (RUNNER,),

@@ -19,7 +19,8 @@ from typing import Callable, Optional
 
 from decodescope import resources
 from decodescope.io import read_json, write_text_atomic
-from decodescope.params import PHASES, Params, dump_yaml, load_params, params_as_dict
+from decodescope.params import Params, dump_yaml, load_params, params_as_dict
+from decodescope.phases import PHASES, SERVER_PHASES
 from decodescope.records import RunManifest
 from decodescope.rundir import make_run_dir
 
@@ -31,7 +32,6 @@ MANIFEST_RESERVE_BYTES = 256 * 1024
 REPO_ROOT = resources.source_checkout()
 NOTEBOOK_DIR = resources.notebook_dir()
 # Phases that talk to the inference server; the runner starts it once for all of them.
-SERVER_PHASES = {"01_serving", "04_profile"}
 
 
 class RunError(RuntimeError):

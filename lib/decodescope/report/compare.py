@@ -42,6 +42,7 @@ import plotly.graph_objects as go
 
 from decodescope import stats
 from decodescope.io import write_text_atomic
+from decodescope.phases import PHASE_OF, PHASES
 from decodescope.report.display import figure_bundle, table_html
 from decodescope.report.escape import html_text
 from decodescope.report.index import COMPARE_DIR  # default home of the pages: <output folder>/compare/
@@ -51,9 +52,6 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 MISSING = "–"
 MAX_ROWS = 400
 
-# data file -> the phase that writes it (for the "missing" notes)
-PHASE_OF = {"serving_levels.parquet": "01_serving", "gemm.parquet": "02_gemm",
-            "collectives.parquet": "03_collectives", "profile_summary.json": "04_profile"}
 # serving metrics compared per level: column, label, factor from the column's unit to the shown one
 SERVING_METRICS = (("output_throughput_tok_s", "output tok/s", 1.0),
                    ("tpot_p50_us", "TPOT p50 (ms)", 1e-3),
@@ -353,8 +351,6 @@ def runs_table(sources: list[Source], out_dir: Optional[Path] = None) -> pd.Data
 
 
 def phases_table(sources: list[Source]) -> pd.DataFrame:
-    from decodescope.params import PHASES
-
     phases = list(dict.fromkeys([*PHASES, *(p for s in sources for p in (s.manifest.get("phases") or {}))]))
     return pd.DataFrame([{"phase": p, **{s.letter: s.phase_status(p) for s in sources}} for p in phases])
 

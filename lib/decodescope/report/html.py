@@ -9,19 +9,11 @@ from typing import Optional
 import nbformat
 
 from decodescope.io import read_json, write_text_atomic
-from decodescope.params import PHASES
+from decodescope.phases import PHASE_TITLES, PHASES
 from decodescope.report.escape import html_text
 from decodescope.report.index import headline_html
 from decodescope.report.status import status_colour
 
-PHASE_TITLES = {
-    "00_host": "Host inventory",
-    "01_serving": "Serving sweep",
-    "02_gemm": "GEMM micro-benchmarks",
-    "03_collectives": "Collective micro-benchmarks",
-    "04_profile": "Profile of decode steps",
-    "05_verdict": "Verdict",
-}
 _EXTERNAL = re.compile(r"<script[^>]*\ssrc=\"https?://[^\"]*\"[^>]*>\s*</script>|<link[^>]*\shref=\"https?://[^\"]*\"[^>]*>",
                        re.I)
 
