@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
 import queue
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -69,14 +67,6 @@ class HostVersionMismatch(HostError):
 
 class LinkDropped(HostError):
     """The ssh link went away while something ran there (which the host then stopped by itself)."""
-
-
-def _new_session_dying_with_parent() -> None:
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _ssh_env() -> dict:
@@ -201,7 +191,7 @@ class LocalHost:
                 f.flush()
             proc = subprocess.Popen(list(argv), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**os.environ, **(env or {}), procs.RUN_TOKEN_ENV: token}, cwd=cwd,
-                                    preexec_fn=_new_session_dying_with_parent)
+                                    preexec_fn=procs.new_session_dying_with_parent)
         return LocalHandle(proc, token, grace_s, [g.format(token12=token[:12]) for g in shm_globs])
 
     def run_job(self, argv: Sequence[str], log: Path, timeout_s: float, env: Optional[dict] = None,
@@ -507,7 +497,7 @@ class SshHost:
                 self.hostname]
         with open(err, "wb") as f:
             self._master = _ssh_popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f,
-                                            preexec_fn=_new_session_dying_with_parent)
+                                            preexec_fn=procs.new_session_dying_with_parent)
         deadline = time.monotonic() + self.hp.connect_timeout_s + 5
         while time.monotonic() < deadline:
             if self._master.poll() is not None:
@@ -690,7 +680,7 @@ class SshHost:
         with open(err, "wb") as f:
             ssh = _ssh_popen(self.ssh_argv(f"cd {shlex.quote(self.workdir)} && exec {cmd}"),
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f,
-                                   preexec_fn=_new_session_dying_with_parent)
+                                   preexec_fn=procs.new_session_dying_with_parent)
         handle = SshHandle(self, ssh, Path(err), token, [log, *sync], self.hp.heartbeat_timeout_s, str(argv[0]))
         handle.begin(spec, timeout_s=self.hp.connect_timeout_s + 30)
         return handle

@@ -23,7 +23,6 @@ Only the standard library and `decodescope.procs` are imported, so this starts i
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -45,14 +44,6 @@ def _emit(msg: dict) -> None:
         sys.stdout.flush()
     except (BrokenPipeError, OSError, ValueError):
         pass  # the controller is gone: the teardown goes on without it
-
-
-def _new_session_dying_with_parent() -> None:
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class _Stop(Exception):
@@ -89,7 +80,7 @@ def supervise() -> int:
     try:
         child = subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd") or None, stdout=logf,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 preexec_fn=_new_session_dying_with_parent)
+                                 preexec_fn=procs.new_session_dying_with_parent)
     except OSError as e:
         _emit({"event": "error", "error": f"cannot start {spec['argv'][0]}: [Errno {e.errno}] {e.strerror}",
                "errno": e.errno})

@@ -7,6 +7,7 @@ walk /proc by process group and by that token instead.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -20,6 +21,17 @@ SHM_DIR = Path("/dev/shm")
 # vLLM CPU workers name their shared-memory segments after the distributed init file
 # (file:///tmp/vllm_dist_<hex>): <ident>-<group>-[ranks]-cpushm...; all segments of one server share it.
 _VLLM_DIST_IDENT = re.compile(r"(vllm_dist_[0-9a-f]{16,})")
+
+
+def new_session_dying_with_parent() -> None:
+    """For preexec_fn, between fork and exec: the child leads a session of its own (its tree is stopped by
+    process group) and gets SIGTERM if the launching process is killed outright (PR_SET_PDEATHSIG), so a
+    server or probe never outlives the run that started it."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def parse_cpulist(spec: str) -> set[int]:

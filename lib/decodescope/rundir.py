@@ -37,3 +37,9 @@ def make_run_dir(root: Path, name: str, now: Optional[datetime] = None) -> Path:
             n += 1
             continue
         return ensure_layout(run_dir)
+
+
+def level_file(level: int, repeat: int = 1) -> str:
+    """A serving level's file name, as 01's records and its telemetry both name them: level_<c>.parquet;
+    a repeat after the first: level_<c>_r<n>.parquet."""
+    return f"level_{level:05d}.parquet" if repeat == 1 else f"level_{level:05d}_r{repeat}.parquet"

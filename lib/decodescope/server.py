@@ -14,10 +14,8 @@ its environment (VLLM_API_KEY), never its command line.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -201,17 +199,6 @@ def _check_cpus(cpus: str) -> None:
                           f"valid: cores of {sorted(have)}")
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: if the launching process is killed outright, the
-    # kernel sends SIGTERM to the API server, which shuts its engine and workers down.
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class VllmServer:
     """One OpenAI-compatible server: launched here (and owned), or attached to by URL. `pid` is the API
     server's pid when known (launched here, or by the run that wrote server.json)."""
@@ -257,7 +244,7 @@ class VllmServer:
                   f"# {json.dumps(spec.describe()['argv'])}\n".encode())
         t0 = time.monotonic()
         proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                stdin=subprocess.DEVNULL, preexec_fn=procs.new_session_dying_with_parent)
         log.close()
         server = cls(f"http://{spec.host}:{spec.port}", proc=proc, log_path=log_path, spec=spec)
         server._until_ready(spec.port if newly_held else None, t0, timeout_s)

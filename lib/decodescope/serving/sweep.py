@@ -20,6 +20,7 @@ import aiohttp
 import pandas as pd
 
 from decodescope.io import write_json_atomic, write_parquet_atomic
+from decodescope.rundir import level_file
 from decodescope.serving.client import InFlight, LoopHealth, RequestRecord, RequestSpec, make_prompts, run_async
 from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import level_summary, per_request
@@ -139,8 +140,7 @@ def records_frame(records: list[RequestRecord]) -> pd.DataFrame:
 
 def level_path(data_dir: Path, level: int, repeat: int = 1) -> Path:
     """data/serving/level_<c>.parquet; a repeat after the first: level_<c>_r<n>.parquet."""
-    name = f"level_{level:05d}.parquet" if repeat == 1 else f"level_{level:05d}_r{repeat}.parquet"
-    return data_dir / "serving" / name
+    return Path(data_dir) / "serving" / level_file(level, repeat)
 
 
 # Failures that say the server (not the request) was at fault: a level that has them is measured again

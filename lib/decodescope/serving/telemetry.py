@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 from urllib.parse import urlsplit
 
+from decodescope.rundir import level_file
+
 TELEMETRY_DIR = "telemetry"
 SCRAPE_TIMEOUT_S = 5.0
 SETTLE_S = 0.25          # after the last request, before the closing sample: the engine records its stats
@@ -78,8 +80,7 @@ def throttle_names(mask: int) -> list[str]:
 
 def level_path(data_dir: Path, level: int, repeat: int = 1) -> Path:
     """data/telemetry/level_<c>.parquet; a repeat after the first: level_<c>_r<n>.parquet."""
-    return Path(data_dir) / TELEMETRY_DIR / (f"level_{level:05d}.parquet" if repeat == 1 else
-                                             f"level_{level:05d}_r{repeat}.parquet")
+    return Path(data_dir) / TELEMETRY_DIR / level_file(level, repeat)
 
 
 def _labels(d: dict) -> str:
