@@ -22,8 +22,8 @@ VLLM_KEYS = {
 }
 
 
-class CompareError(ValueError):
-    pass
+class BenchResultError(ValueError):
+    """A `vllm bench serve` result that cannot be set beside our levels (the message names the file)."""
 
 
 def load_vllm_bench_result(path: Path) -> dict:
@@ -31,9 +31,9 @@ def load_vllm_bench_result(path: Path) -> dict:
     try:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CompareError(f"{path}: not a readable JSON file ({e})") from None
+        raise BenchResultError(f"{path}: not a readable JSON file ({e})") from None
     if "median_tpot_ms" not in doc and "mean_tpot_ms" not in doc:
-        raise CompareError(f"{path}: no TPOT fields: not a `vllm bench serve --save-result` file")
+        raise BenchResultError(f"{path}: no TPOT fields: not a `vllm bench serve --save-result` file")
     row = {ours: doc[k] * scale for k, (ours, scale) in VLLM_KEYS.items() if doc.get(k) is not None}
     row["level"] = doc.get("max_concurrency") or doc.get("request_rate")
     row["source"] = f"vllm bench serve ({path.name})"
@@ -48,7 +48,7 @@ def load_vllm_bench_requests(path: Path) -> pd.DataFrame:
     doc = json.loads(path.read_text())
     missing = [k for k in ("ttfts", "latencies", "itls", "output_lens") if k not in doc]
     if missing:
-        raise CompareError(f"{path}: no per-request {missing}: save it with `--save-result --save-detailed`")
+        raise BenchResultError(f"{path}: no per-request {missing}: save it with `--save-result --save-detailed`")
     df = pd.DataFrame({"ttft_us": [t * 1e6 for t in doc["ttfts"]], "e2e_us": [t * 1e6 for t in doc["latencies"]],
                        "itl_us": [[x * 1e6 for x in l] for l in doc["itls"]], "n_out": doc["output_lens"]})
     if len(doc.get("start_times") or []) == len(df):
@@ -103,5 +103,5 @@ def run_vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency:
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     out = result_dir / result_name
     if proc.returncode != 0 or not out.is_file():
-        raise CompareError(f"vllm bench serve failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        raise BenchResultError(f"vllm bench serve failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     return out
