@@ -115,3 +115,14 @@ def test_the_phases_are_named_in_one_registry():
     spelled = [f for f in PACKAGE.rglob("*.py") if f.name != "phases.py"
                and '"00_host", "01_serving", "02_gemm"' in f.read_text()]
     assert spelled == []
+
+
+def test_the_package_passes_its_linter():
+    """ruff with the project's own settings (pyproject.toml [tool.ruff]): no undefined or unused names, no
+    syntax errors, no function past the complexity ceiling."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", str(PACKAGE)],
+                          capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

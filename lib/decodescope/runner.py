@@ -333,7 +333,7 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
     try:
         if resume:
             run_dir = Path(resume).resolve()
-            manifest = Manifest.load(run_dir)
+            Manifest.load(run_dir)  # refuses a directory with no readable manifest before taking its lock
             dir_lock = run_dir_lock(run_dir).acquire(holder_info(run_dir))
         else:
             try:

@@ -215,8 +215,7 @@ def gemm_time_vs_batch(gemm: pd.DataFrame, dtype: str) -> go.Figure:
     fig = go.Figure()
     for op, g in ok.groupby("op"):
         g = g.sort_values("batch")
-        line = fig.add_trace(go.Scatter(x=g["batch"], y=g["time_us"], mode="lines+markers", name=op,
-                                        legendgroup=op))
+        fig.add_trace(go.Scatter(x=g["batch"], y=g["time_us"], mode="lines+markers", name=op, legendgroup=op))
         floor = _roofline_floor_us(g)
         if floor is not None:
             fig.add_trace(go.Scatter(x=g["batch"], y=floor, mode="lines", line=dict(dash="dot"), name=f"{op} roofline",
