@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from decodescope import procs
@@ -47,13 +48,17 @@ def record_fault(fault: str, guarantee: str, **measured) -> None:
 class Run:
     """`decodescope run` in its own process group (as a terminal's job), output to files."""
 
-    def __init__(self, tmp: Path, params: Path, *args: str, label: str = "run"):
+    def __init__(self, tmp: Path, params: Path, *args: str, label: str = "run", sigint_ignored: bool = False):
+        """sigint_ignored: started with SIGINT ignored, as a shell script's background job is
+        (`decodescope run ... &`); the run must still stop on it."""
         self.tmp, self.params = tmp, params
         self.out = tmp / f"{label}.stdout"
         self.err = tmp / f"{label}.stderr"
         with open(self.out, "w") as o, open(self.err, "w") as e:
             self.proc = subprocess.Popen(DECODESCOPE + ["run", str(params), *args], cwd=REPO, stdout=o, stderr=e,
-                                         text=True, start_new_session=True)
+                                         text=True, start_new_session=True,
+                                         preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                                         if sigint_ignored else None)
         self.t0 = time.monotonic()
 
     def wait(self, timeout: float = 900) -> int:
@@ -424,18 +429,23 @@ def test_disk_full_at_the_report_says_failed_and_leaves_no_report(tmp_path):
 # ---- interruptions and concurrency --------------------------------------------------------------
 def test_ctrl_c_in_every_phase_keeps_what_finished_and_leaves_nothing_running(tmp_path):
     """One run interrupted once in each phase, resumed after each interrupt: every interrupt exits 130
-    with no traceback, the phases already ok keep their files byte-identical, nothing is left running."""
+    with no traceback, the phases already ok keep their files byte-identical, nothing is left running
+    and the port is free. Each run starts with SIGINT ignored, as a shell script's background job does
+    (`decodescope run ... &`): the run must still stop on it (this covers the interrupt once the server
+    is up, which test_integration_vllm.py ran as a run of its own)."""
     params = fault_params(tmp_path, 8806, "ctrlc")
     run_dir, kept, times = None, {}, {}
     for phase in PHASES:
         args = ("--resume", str(run_dir)) if run_dir else ()
-        run = Run(tmp_path, params, *args, label=f"ctrlc-{phase}")
+        run = Run(tmp_path, params, *args, label=f"ctrlc-{phase}", sigint_ignored=True)
         run_dir = run_dir or run.run_dir()
         wait_until(lambda: phase_running(run_dir, phase), 900, f"{phase} to run", run)
         if phase in ("01_serving", "04_profile"):
             wait_until(lambda: (run_dir / "logs/server.log").is_file() and
                        "POST /v1/completions" in (run_dir / "logs/server.log").read_text(errors="replace"),
                        300, "requests to reach the server", run)
+            up = server_up(run_dir)
+            assert up and psutil.pid_exists(up["pid"]), "the server is up and running when Ctrl-C comes"
         else:
             time.sleep(1.0)
         os.killpg(run.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
@@ -449,6 +459,7 @@ def test_ctrl_c_in_every_phase_keeps_what_finished_and_leaves_nothing_running(tm
         assert m["phases"][phase]["status"] == "failed" and "interrupted" in m["phases"][phase]["error"]
         assert digests(kept) == kept, phase
         assert_nothing_left(run_dir)
+        assert port_is_free("127.0.0.1", 8806), phase
         # what this resume will keep: the files of every phase that is ok by now
         # (files the interrupted phase wrote before the interrupt are its own: the resume may redo them)
         started = datetime.fromisoformat(m["phases"][phase]["start"].replace("Z", "+00:00")).timestamp()
