@@ -104,8 +104,7 @@ def build_wheel(project_dir: Path, out_dir: Path) -> Path:
     """decodescope's own wheel from its source tree (no build isolation: setuptools is here)."""
     if not (Path(project_dir) / "pyproject.toml").is_file():
         raise WheelhouseError(f"{project_dir} has no pyproject.toml: give --project the decodescope source tree")
-    before = set(Path(out_dir).glob("decodescope-*.whl"))
-    for old in before:
+    for old in Path(out_dir).glob("decodescope-*.whl"):
         old.unlink()
     _pip(["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out_dir), str(project_dir)], "wheel")
     wheels = sorted(Path(out_dir).glob("decodescope-*.whl"))
@@ -148,11 +147,10 @@ def build(out_dir: Path, project_dir: Path, extras: tuple[str, ...] = (), target
     report = resolve(requirement, target, constraints, out_dir)
     wheels = to_download(report, have, skip_set | {"decodescope"})
     download(wheels, target, out_dir)
+    resolved = {canonical(i["metadata"]["name"]) for i in report.get("install", [])}
     manifest = {"decodescope_wheel": own.name, "extras": list(extras),
                 "python_version": target.python_version, "platforms": list(target.platforms),
                 "downloaded": [f"{n}=={v}" for n, v in wheels],
-                "left_to_host": sorted(canonical(i["metadata"]["name"]) for i in report.get("install", [])
-                                       if canonical(i["metadata"]["name"]) in have or
-                                       canonical(i["metadata"]["name"]) in skip_set)}
+                "left_to_host": sorted(resolved & (set(have) | skip_set))}
     write_text_atomic(out_dir / "wheelhouse.json", json.dumps(manifest, indent=1) + "\n")
     return manifest
