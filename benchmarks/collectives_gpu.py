@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
-from decodescope import microbench as mb  # noqa: E402
+from decodescope import microbench as mb, microbench_report as mbr  # noqa: E402
 from decodescope.params import load_params  # noqa: E402
 
 params = load_params(Path(__file__).resolve().parents[1] / "params/kimi-k2.5-int4-8x-pcie.yaml")
@@ -18,10 +18,10 @@ run = Path(tempfile.mkdtemp())
 (run / "data").mkdir()
 (run / "logs").mkdir()
 coll = mb.run_collectives_probe(params, run, device="cuda")
-print(mb.collectives_method_note(coll))
-print(mb.burst_table(coll).to_string())
+print(mbr.collectives_method_note(coll))
+print(mbr.burst_table(coll).to_string())
 print(mb.latency_fit(coll).to_string())
-print(mb.sweep_table(coll).to_string())
+print(mbr.sweep_table(coll).to_string())
 a = coll[coll["part"] == "all_to_all"]
 print(a[["tokens_per_gpu", "bytes", "status", "time_us"]].to_string())
 if len(sys.argv) > 2:

@@ -18,7 +18,8 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from decodescope.arch import gemm_shapes, normalize_config  # noqa: E402
-from decodescope.probes.gemm import Flusher, make_gemm, measure  # noqa: E402
+from decodescope.probes.gemm import Flusher, measure  # noqa: E402
+from decodescope.probes.gemm_kernels import make_gemm  # noqa: E402
 
 ROUNDS = 4
 KIMI = Path(__file__).resolve().parents[1] / "params/models/kimi-k2.5.json"

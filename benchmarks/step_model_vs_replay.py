@@ -18,6 +18,7 @@ import pandas as pd
 from decodescope import arch as archmod
 from decodescope import microbench as mb
 from decodescope import stepmodel as sm
+from decodescope import stepparts as sp
 from decodescope.params import load_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -37,7 +38,7 @@ def print_comparison(title: str, cmp, *parts: tuple[str, str]) -> None:
 def print_host_refs(gemm, coll, communicator: str, replay) -> None:
     """The host speed (us per reference launch) each input was measured at: 02's, 03's, the replay's."""
     g = gemm["host_ref_us"].dropna() if "host_ref_us" in gemm else []
-    c = sm.latency_curve(coll, communicator, sm.HOST_AFTER_GEMM)
+    c = sp.latency_curve(coll, communicator, sm.HOST_AFTER_GEMM)
     c = c["host_ref_us"].dropna() if "host_ref_us" in c else []
     print(f"host reference, us per launch: 02 median {pd.Series(g).median():.2f} (p10-p90 "
           f"{pd.Series(g).quantile(0.1):.2f}-{pd.Series(g).quantile(0.9):.2f}); 03 median {pd.Series(c).median():.2f}")
@@ -55,9 +56,9 @@ def print_eager_parts(gemm, coll, arch, tp: int, batches, communicator: str, rep
         return
     cols = {}
     for v in variants:
-        pred = sm.predict_replay_eager(gemm, coll, arch, tp, batches, communicator,
-                                       host_ref_us=sm.replay_host_refs(replay, variant=v), variant=v)
-        cmp = sm.compare_with_replay(pred, replay, mode="eager", variant=v)
+        pred = sp.predict_replay_eager(gemm, coll, arch, tp, batches, communicator,
+                                       host_ref_us=sp.replay_host_refs(replay, variant=v), variant=v)
+        cmp = sp.compare_with_replay(pred, replay, mode="eager", variant=v)
         cols[v] = dict(zip(cmp["batch"], cmp["predicted_us"] / cmp["replay_us"]))
     print("\neager parts at each one's host speed, model/replay: " + ", ".join(variants))
     print(f"{'batch':>5} " + " ".join(f"{v:>10}" for v in variants))
@@ -84,19 +85,19 @@ def main() -> None:
     print(f"step model vs step replay: {arch.model_type} TP={args.tp} shapes per rank, world size "
           f"{rows[0]['world_size']}, {args.communicator}")
     for timing, mode in (("cuda_graph", "cuda_graph"), ("back_to_back", "eager")):
-        cmp = sm.compare_with_replay(sm.predict_replay(gemm, coll, arch, args.tp, batches, args.communicator, timing),
+        cmp = sp.compare_with_replay(sp.predict_replay(gemm, coll, arch, args.tp, batches, args.communicator, timing),
                                      replay, mode=mode)
         print_comparison(f"{mode} replay (model: GEMMs from 02 + {timing} collective latency, in series)", cmp,
                          ("GEMMs ms", "gemm_us"), ("colls ms", "collectives_us"))
-    if sm.has_host_costs(gemm, coll, args.communicator):
-        cmp = sm.compare_with_replay(sm.predict_replay_eager(gemm, coll, arch, args.tp, batches, args.communicator),
+    if sp.has_host_costs(gemm, coll, args.communicator):
+        cmp = sp.compare_with_replay(sp.predict_replay_eager(gemm, coll, arch, args.tp, batches, args.communicator),
                                      replay, mode="eager")
         print_comparison("eager replay (model: host-paced walk: 02's and 03's host cost per call issue each op, "
                          "the GPU runs it at its cold-weights / CUDA-graph time once issued)", cmp,
                          ("host ms", "host_us"), ("GPU ms", "gpu_us"))
-        refs = sm.replay_host_refs(replay)
+        refs = sp.replay_host_refs(replay)
         if refs:
-            cmp = sm.compare_with_replay(sm.predict_replay_eager(gemm, coll, arch, args.tp, batches, args.communicator,
+            cmp = sp.compare_with_replay(sp.predict_replay_eager(gemm, coll, arch, args.tp, batches, args.communicator,
                                                                  host_ref_us=refs), replay, mode="eager")
             print_comparison("eager replay, the same walk at the replay's host speed (each host cost x the replay's "
                              "host reference / the one sampled beside it in 02/03)", cmp,

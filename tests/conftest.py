@@ -50,6 +50,15 @@ def make_cpu_traces(out_dir: Path, steps: int = 5, per_step: int = 3, gzip_them:
 
 
 @pytest.fixture(scope="session")
+def e2e_run(repo, tmp_path_factory) -> dict:
+    """The embedded default run end to end once per session (secrets and markup planted in its inputs):
+    read by test_integration_vllm and, as the local run to compare with, by test_integration_ssh."""
+    from tests.test_integration_vllm import run_e2e
+
+    return run_e2e(repo, tmp_path_factory.mktemp("e2e"))
+
+
+@pytest.fixture(scope="session")
 def cpu_traces(tmp_path_factory) -> Path:
     return make_cpu_traces(tmp_path_factory.mktemp("cpu_traces"))
 

@@ -167,3 +167,25 @@ def test_expert_parallel_routes_every_token_on_every_rank(repo):
     one = {s.op: s for s in gemm_shapes(a, tp=8, batch=16, ep=1)}
     assert moe["moe_w13"].m == one["moe_w13"].m                      # tokens per expert as without EP
     assert moe["moe_w13"].n == 2 * 2048 and one["moe_w13"].n == 2 * 2048 // 8  # experts not TP-sharded under EP
+
+
+def test_the_late_rank_reads_what_a_step_reads_between_two_all_reduces(repo):
+    """03's late_rank timing reads, before each call, the weight bytes one rank reads between two of a
+    batch-1 step's all-reduces (issue 25: a fixed 2 MiB write, this host's whole L2, made the figure jump
+    between ~2 and ~8 us per size while the profiled engine paid 2.3 us per call)."""
+    from decodescope import arch as archmod
+    from decodescope import microbench as mb
+    from decodescope.params import load_params
+    from decodescope.probes import collectives
+
+    params = load_params(repo / "params/default.yaml")
+    plan = mb.collectives_plan(params)
+    arch = normalize_config(params.model_config_dict())
+    weights = archmod.weight_bytes_per_step(archmod.gemm_shapes(arch, 2, 1))["total"]
+    assert archmod.expected_all_reduces_per_step(arch, 2) == 9          # 1 + 2 x 4 layers
+    assert plan["between_calls_bytes"] == int(weights / 9) == 294_912  # 2,654,208 B per step on each rank
+    collectives._SCRATCH.clear()
+    collectives._read_between_calls(0)                                   # nothing to read: no buffer made
+    assert collectives._SCRATCH == []
+    collectives._read_between_calls(4096)
+    assert len(collectives._SCRATCH[0]) == 4096 and set(collectives._SCRATCH[0]) == {1}

@@ -16,6 +16,7 @@ from decodescope.io import write_parquet_atomic
 from decodescope.params import load_params, params_as_dict
 from decodescope.records import ProfileSummary, RunManifest, StepMedians, write_record
 from decodescope.report import compare
+from decodescope.runmanifest import RunError
 from decodescope.serving.metrics import level_summary, per_request
 
 REPO = Path(__file__).resolve().parents[1]
@@ -360,7 +361,7 @@ def test_06_compare_is_a_notebook_but_not_a_phase(repo, tmp_path):
     assert (runner.NOTEBOOK_DIR / "06_compare.ipynb").is_file()   # shipped with the others
     p = load_params(repo / "params" / "default.yaml")
     assert "06_compare" not in runner.select_phases(p, None)
-    with pytest.raises(runner.RunError, match="06_compare"):
+    with pytest.raises(RunError, match="06_compare"):
         runner.select_phases(p, ["06_compare"])
 
 

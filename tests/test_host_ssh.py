@@ -25,7 +25,9 @@ import psutil
 import pytest
 
 from decodescope import procs
-from decodescope.host import HostError, HostKeyUnknown, HostVersionMismatch, LinkDropped, SshHost, host_for
+from decodescope.host import host_for
+from decodescope.hostcore import HostError, HostKeyUnknown, HostVersionMismatch, LinkDropped
+from decodescope.sshhost import SshHost
 from decodescope.params import HostParams, load_params
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -249,7 +251,7 @@ import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
 os.environ["DECODESCOPE_SSH_SESSION"] = os.urandom(8).hex()
-from decodescope.host import SshHost
+from decodescope.sshhost import SshHost
 from decodescope.params import HostParams
 hp = HostParams.model_validate({host_params(sshd, tmp_path).model_dump()!r})
 h = SshHost(hp, Path({str(tmp_path / 'out')!r}))
@@ -419,7 +421,7 @@ def test_remote_disk_full_is_one_clear_error_and_nothing_is_left_there(sshd, tmp
 
 # ---- the server seam, with a stand-in server ---------------------------------------------------------
 def _fake_spec(port: int, token: str):
-    from decodescope.server import LaunchSpec, alias_for
+    from decodescope.serverlaunch import LaunchSpec, alias_for
 
     argv = [sys.executable, str(FAKE_SERVER), "--served-model-name", "m", alias_for(token), "--host", "127.0.0.1",
             "--port", str(port)]
@@ -442,7 +444,8 @@ def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(h
         shm = server.remote.tree() and server.remote.shm
         assert len(shm) == 2
         link = host.measure_link(server.base_url + "/health", f"http://127.0.0.1:{port}/health", n=10)
-        assert link["via_tunnel_p50_ms"] > 0 and link["on_host_p50_ms"] > 0 and "added_p50_ms" in link
+        assert link.via_tunnel_p50_ms > 0 and link.on_host_p50_ms > 0
+        assert link.added_p50_ms == link.via_tunnel_p50_ms - link.on_host_p50_ms
     finally:
         server.stop()
     assert token_processes(spec.run_token) == []
@@ -645,7 +648,7 @@ def test_the_load_generator_runs_beside_the_server_and_its_levels_come_back(sshd
 
 # ---- a run ---------------------------------------------------------------------------------------------
 def _ssh_processes_of(run_id: str) -> list[int]:
-    from decodescope.host import SSH_RUN_ID_ENV
+    from decodescope.hostcore import SSH_RUN_ID_ENV
 
     return procs.run_processes(run_id, env_name=SSH_RUN_ID_ENV)
 
@@ -654,7 +657,7 @@ def test_the_probe_phases_run_over_ssh_from_the_cli_over_one_connection(sshd, tm
     """`decodescope run` with an ssh host, the phases that need no vLLM server: the host's inventory is
     taken there, the probes run there, their files come back, the notebooks and report stay here; the
     run's kernels multiplex over the runner's one ControlMaster; nothing is left on either side."""
-    from decodescope.host import HOST_RUN_ID_ENV
+    from decodescope.hostcore import HOST_RUN_ID_ENV
 
     text = _params_text(sshd, tmp_path).replace("  batches: [1, 2]\n", "  batches: [1]\n  dtypes: [fp32]\n")
     params = _write(tmp_path, text)

@@ -9,6 +9,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from decodescope.io import write_parquet_atomic
+from decodescope.progress import Progress
 from decodescope.records import Bottleneck, RunManifest, Verdict, write_record
 from decodescope.report.index import (MISSING, build_index, collect_rows, compare_pages, headline,
                                       headline_html, render_index)
@@ -137,7 +138,7 @@ def test_an_index_failure_only_warns(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", str(output_dir / "index.html"))
     monkeypatch.setattr(index, "build_index", fail)
     out = io.StringIO()
-    runner._rebuild_index(tmp_path, runner.Progress(1, stream=out))   # returns: the run is not failed
+    runner._rebuild_index(tmp_path, Progress(1, stream=out))   # returns: the run is not failed
     assert "warning: could not rebuild" in out.getvalue() and "Permission denied" in out.getvalue()
 
 

@@ -3,8 +3,9 @@ GPU host: tests/test_host_ssh.Sshd), and the faults of a remote run injected for
 killed mid-sweep and mid-profile (then --resume), the remote vLLM server killed. Each starts the real
 vLLM CPU server (only one at a time on a 2-core machine), so they are `integration` tests.
 
-The whole-run test also makes a local run of the same params and checks the two reports have the same
-sections (figure titles, table captions) and the two runs' data files the same columns and keys.
+The whole-run test also sets the session's local end-to-end run of the same params (tests/conftest.py
+e2e_run) beside it: the two reports have the same sections (figure titles, table captions) and the two
+runs' data files the same columns and keys.
 """
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ import pytest
 
 from decodescope import procs
 from decodescope.cli import EXIT_PHASE_FAILED
-from decodescope.host import HOST_RUN_ID_ENV
-from decodescope.runner import RUN_ID_ENV
+from decodescope.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV
 from tests.test_faults import Run, digests, manifest, record_fault, wait_until
 from tests.test_host_ssh import SSHD, Sshd
 from tests.test_integration_vllm import DECODESCOPE, _params
@@ -109,12 +109,13 @@ def over_ssh(sshd, tmp_path_factory):
     return {"proc": proc, "run_dir": run_dir, "wall_s": time.monotonic() - t0, "tmp": tmp}
 
 
-@pytest.fixture(scope="module")
-def local(over_ssh, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e-local")
-    proc, run_dir = _run(_params(REPO, tmp, 8822, name="e2elocal"), tmp, "local")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+@pytest.fixture
+def local(over_ssh, e2e_run):
+    """The local run of the same params: the session's end-to-end run (tests/conftest.py e2e_run), which
+    test_integration_vllm checks in full; it differs from these params only in what it plants (secrets,
+    and markup as the served model's name, which outline() reads as the model's name)."""
+    assert e2e_run["proc"].returncode == 0, e2e_run["proc"].stderr[-3000:]
+    return e2e_run["run_dir"]
 
 
 def test_the_embedded_default_runs_end_to_end_over_ssh(over_ssh):
@@ -145,8 +146,15 @@ def outline(run_dir: Path) -> dict:
     numbers as N (the profiled levels follow each run's own knee)."""
     import re
 
+    from html import escape
+
+    import yaml
+
+    model = yaml.safe_load((run_dir / "params.yaml").read_text())["model"]["name"]
+
     def norm(text) -> str:
-        return re.sub(r"\d+(\.\d+)?", "N", str(text or ""))
+        text = str(text or "").replace(model, "MODEL").replace(escape(model), "MODEL")
+        return re.sub(r"\d+(\.\d+)?", "N", text)
     out = {}
     for nb_path in sorted((run_dir / "notebooks").glob("*.ipynb")):
         nb = nbformat.read(nb_path, as_version=4)

@@ -1,3 +1,4 @@
+import subprocess
 import sys
 import textwrap
 
@@ -6,8 +7,8 @@ import numpy as np
 import pytest
 import yaml
 
-from decodescope.cli import main as cli_main
-from decodescope.params import REDACTED, ParamsError, dump_yaml, load_params, params_as_dict, redact
+from decodescope.cli import _variants_kept, main as cli_main
+from decodescope.params import REDACTED, ParamsError, dump_yaml, load_params, params_as_dict, redact, with_overrides
 
 MINIMAL = """
 model:
@@ -171,7 +172,7 @@ def test_cli_validate_bad_file_exits_2(write_params, capsys):
 def test_profiler_launch_flags_leave_python_stacks_out_unless_asked(repo, tmp_path, style):
     import json as _json
 
-    from decodescope.server import launch_spec
+    from decodescope.serverlaunch import launch_spec
 
     params = load_params(repo / "params/default.yaml")
     for with_stack in (False, True):
@@ -255,7 +256,8 @@ def test_weight_dtype_and_context_tokens_set_the_step_memory_floor(repo):
 
 
 def test_int4_and_fp32_rooflines_are_explicit_and_in_the_method_note():
-    from decodescope.microbench import gemm_method_note, gemm_table
+    from decodescope.microbench import gemm_table
+    from decodescope.microbench_report import gemm_method_note
     from decodescope.records import Peaks
 
     rows = [{"op": "o_proj", "batch": 1, "dtype": d, "m": 1, "n": 64, "k": 64, "count": 1, "status": "ok",
@@ -305,7 +307,8 @@ def test_server_cpus_start_the_servers_processes_there_and_a_variant_replaces_th
     import os
 
     from decodescope.params import with_experiment
-    from decodescope.server import ServerError, _check_cpus, launch_spec
+    from decodescope.server import ServerError, _check_cpus
+    from decodescope.serverlaunch import launch_spec
 
     doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
     doc["experiments"] = [{"name": "tp1", "tensor_parallel": 1, "cpus": "1"}]
@@ -381,3 +384,18 @@ def test_a_variant_cannot_change_a_server_it_does_not_start(write_params, tmp_pa
         load_params(write_params(yaml.safe_dump(doc)))
     assert [f for f, _ in e.value.problems] == ["experiments[tp1]", "experiments[pinned]"]
     assert "server.mode is attach" in str(e.value)
+
+
+def test_run_measures_only_the_variants_named_and_refuses_an_unknown_one(repo):
+    """`run --variants`: the params' experiments narrowed to the names given (none: the baseline alone),
+    applied as an override every phase sees; an unknown name is refused before anything starts."""
+    path = str(repo / "params/h200-qwen3moe.yaml")
+    p = load_params(path)
+    kept = with_overrides(p, {"experiments": _variants_kept(path, ["seqs16", "eager"])})
+    assert [e.name for e in kept.experiments] == ["eager", "seqs16"]
+    assert kept.experiments[0].engine_args == {"enforce-eager": True}
+    assert with_overrides(p, {"experiments": _variants_kept(path, ["none"])}).experiments == []
+    out = subprocess.run([sys.executable, "-m", "decodescope.cli", "run", path, "--variants", "eager", "nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--variants nope: no such variant; valid: spec-ngram, eager, seqs16, or none" in out.stderr

@@ -2,6 +2,7 @@ from pathlib import Path
 """Typed records: each file a phase writes round-trips through its model, and a file of another
 schema_version, or one missing a field, is refused with an error naming the file."""
 import json
+import tempfile
 import math
 
 import numpy as np
@@ -17,7 +18,10 @@ from decodescope.records import (LATENCY_FIT_COLUMNS, SERVING_LEVEL_COLUMNS, Att
                                  ManifestHost, Peaks, PhaseEntry, ProfileSummary, ReconcileRow, RecordError,
                                  RunManifest, ServingHeadline, ServingLevel, StepMedians, TopologyPair, Verdict,
                                  read_record, write_record)
+from decodescope.records_server import LinkMeasure, ProcessCores, ServerInfo
+from decodescope.server import VllmServer, write_server_info
 from decodescope.serving.metrics import level_summary, per_request
+from decodescope.serving.remote import link_note
 
 CPU = CpuInfo(model="Test CPU", logical_cores=2, physical_cores=2, numa_nodes=1, memory_gib=16.0, avx2=True,
               avx512f=False, amx=False, kernel="6.1", hostname="h")
@@ -76,8 +80,47 @@ def _manifest():
                                "05_verdict": PhaseEntry(status="pending")})
 
 
+def _profile_capture():
+    """What 04 writes for one level: its CaptureResult as a record (the writer's own path), with the
+    host's CPU per step as procs.cpu_per_step gives it."""
+    from decodescope.procs import cpu_per_step
+    from decodescope.trace.capture import CaptureResult
+
+    before = {10: ("worker", 1_000_000, 0), 11: ("engine core", 0, 0)}
+    after = {10: ("worker", 5_000_000, 800_000), 11: ("engine core", 2_000_000, 3_000_000)}
+    result = CaptureResult(Path("/tmp/traces/c1"), [Path("/tmp/traces/c1/rank0.pt.trace.json.gz")], [], [], 12, 0,
+                           0.2, 3.5, 0.4, 1.1, expected_ranks=2, concurrency=1,
+                           engine_itl_unprofiled_runs_us=[3_000.0, 3_300.0], engine_itl_profiled_us=3_600.0,
+                           host_cpu_per_step=cpu_per_step(before, after, 1.0))
+    rec = result.to_record()
+    assert rec.role("worker").runq_wait_us == 800.0 and rec.role("api server").cpu_us == 0.0
+    assert rec.engine_itl_unprofiled_us == 3_150.0 and rec.profiler_step_cost_us == 450.0
+    return rec
+
+
+LINK = LinkMeasure(host="root@gpu-box", n=20, via_tunnel_p50_ms=1.75, via_tunnel_p90_ms=2.5, on_host_p50_ms=0.5,
+                   on_host_p90_ms=0.75, added_p50_ms=1.25)
+
+
+def _server_info():
+    """server.json as the runner writes it (write_server_info), read back through its record."""
+    server = VllmServer("http://127.0.0.1:8000", run_token="feed" * 8)
+    server.link, server.tree_pids = LINK, [4242, 4243]
+    server.cores = {4242: {"role": "api server", "cpus": "0-1"}, 4243: {"role": "worker", "cpus": "1"}}
+    with tempfile.TemporaryDirectory() as d:
+        write_server_info(Path(d), server, load_params(Path(__file__).parent.parent / "params/default.yaml"))
+        rec = read_record(Path(d) / "data/server.json", ServerInfo)
+        assert read_record(Path(d) / "data/link.json", LinkMeasure) == LINK
+    assert rec.owned is False and rec.pid is None and rec.model == "tiny-qwen3-moe"
+    assert rec.cores["4243"] == ProcessCores(role="worker", cpus="1") and rec.link == LINK
+    return rec
+
+
 RECORDS = {
     "peaks": _peaks,
+    "server_info": _server_info,
+    "link": lambda: LINK,
+    "profile_capture": _profile_capture,
     "host": _host,
     "cpu_host": lambda: HostInventory(has_gpu=False, cpu=CPU, cpu_matmul=[
         CpuMatmul(n=1024, dtype="float32", threads=2, reps=9, best_us=20000.0, gflops=107.4, method="torch.mm")]),
@@ -268,7 +311,7 @@ def test_verdict_from_the_phases_files_round_trips(tmp_path, repo):
 
 
 def test_the_manifest_keeps_its_keys_and_refuses_another_version(tmp_path, repo):
-    from decodescope.runner import Manifest, RunError
+    from decodescope.runmanifest import Manifest, RunError
 
     params = load_params(repo / "params/default.yaml")
     m = Manifest.create(tmp_path, params, ["00_host", "05_verdict"])
@@ -383,3 +426,17 @@ def test_a_verdict_written_with_the_fixed_factor_view_is_still_read_without_it(t
     (tmp_path / "verdict.json").write_text(json.dumps(old))
     v = read_record(tmp_path / "verdict.json", Verdict)
     assert v == _verdict() and "what_if" not in v.model_dump()
+
+
+def test_the_link_note_reads_the_tunnels_cost_from_its_record(tmp_path, repo):
+    params = load_params(repo / "params/default.yaml")
+    assert link_note(tmp_path, params) == ""  # a local host writes no link.json
+    write_record(tmp_path / "link.json", LINK)
+    note = link_note(tmp_path, params)
+    assert "server runs on root@gpu-box" in note and "adds about 1.25 ms" in note
+    assert "p50 1.75 ms through the tunnel, 0.50 ms on the host itself, 20 round trips" in note
+    write_record(tmp_path / "link.json", LINK.model_copy(update={"on_host_p50_ms": None, "added_p50_ms": None}))
+    assert "adds about nan ms" in link_note(tmp_path, params)  # the host answered none of its round trips
+    (tmp_path / "link.json").write_text(json.dumps({"host": "h", "n": 3}))
+    with pytest.raises(RecordError, match="link.json.*no schema_version"):
+        link_note(tmp_path, params)

@@ -7,6 +7,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from decodescope import runner
+from decodescope.runmanifest import RunError
 from tests.browser import inspect_report
 
 
@@ -95,7 +96,7 @@ def test_report_is_offline_with_every_figure_drawn_and_failures_shown(params_fil
 
 
 def test_unknown_phase_is_rejected_before_anything_runs(params_file, phase_notebooks):
-    with pytest.raises(runner.RunError, match="07_magic"):
+    with pytest.raises(RunError, match="07_magic"):
         runner.run(params_file, phases=["07_magic"], notebook_dir=phase_notebooks)
 
 
@@ -118,3 +119,16 @@ def test_run_dir_layout_is_defined_once_and_names_never_collide(tmp_path, params
     bare = tmp_path / "bare"
     ctx = open_phase(str(params_file), str(bare))
     assert sorted(p.name for p in bare.iterdir()) == sorted(rundir.SUBDIRS) and ctx.data_dir == bare.resolve() / "data"
+
+
+def test_the_micro_benchmarks_run_before_the_server_phases_so_one_server_serves_both():
+    from decodescope.phases import PHASES, execution_order
+
+    assert execution_order(list(PHASES)) == ["00_host", "02_gemm", "03_collectives", "01_serving", "04_profile",
+                                             "05_verdict"]
+    # what comes before the first server phase keeps its place; a phase after it that is not a
+    # micro-benchmark (the verdict) stays after it; a selection without a server phase is as listed
+    assert execution_order(["01_serving", "03_collectives", "05_verdict"]) == ["03_collectives", "01_serving",
+                                                                              "05_verdict"]
+    assert execution_order(["00_host", "01_serving", "04_profile"]) == ["00_host", "01_serving", "04_profile"]
+    assert execution_order(["02_gemm", "05_verdict"]) == ["02_gemm", "05_verdict"]

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from aiohttp import web
 
-from decodescope.serving.client import RequestRecord, RequestSpec
+from decodescope.serving.client import RequestRecord, RequestSpec, request_body
 from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import COALESCED_FRAC_LIMIT, knee, level_summary, per_request
 from decodescope.serving.report import coalesced_note
@@ -131,6 +131,17 @@ def _one(url, timeout_s=5.0):
         spec = RequestSpec("completions", "m", list(range(16)), "", TOKENS, timeout_s)
         return await send_streaming_raw(url, spec, RequestRecord(level=1, index=0, warmup=False, send_ns=0))
     return asyncio.run(go())
+
+
+def test_a_completions_prompt_goes_as_token_ids_or_as_text_and_nothing_else():
+    ids_spec = RequestSpec("completions", "m", [5, 6, 7], "five six seven", 4, 5.0)
+    assert request_body(ids_spec) == ("/v1/completions", {
+        "model": "m", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+        "ignore_eos": True, "prompt": [5, 6, 7]})
+    text_spec = RequestSpec("completions", "m", [5, 6, 7], "five six seven", 4, 5.0, completions_prompt="text")
+    assert request_body(text_spec)[1]["prompt"] == "five six seven"
+    with pytest.raises(ValueError, match="completions_prompt 'ids'.*'token_ids' or 'text'"):
+        request_body(RequestSpec("completions", "m", [5], "five", 4, 5.0, completions_prompt="ids"))
 
 
 def test_ok_stream_records_every_chunk_and_usage(server):

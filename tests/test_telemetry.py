@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from decodescope.records import TELEMETRY_COLUMNS
-from decodescope.serving import telemetry as T
+from decodescope.serving import promtext as P, telemetry as T, telemetry_read as R
 from decodescope.serving.sweep import SweepConfig, run_sweep, warmup_count
 from tests.test_serving_client import _free_port
 
@@ -191,7 +191,7 @@ def _hist_mean_from_rows(df: pd.DataFrame, base: str) -> float:
 def test_sweep_writes_telemetry_per_level_and_the_engines_tpot_from_its_histogram(server, tmp_path):
     _, levels = run_sweep(_cfg(server.url), tmp_path, progress=False)
     for level in (1, 2):
-        df = pd.read_parquet(T.level_path(tmp_path, level))
+        df = pd.read_parquet(R.level_path(tmp_path, level))
         assert list(df.columns) == TELEMETRY_COLUMNS and set(df["level"]) == {level}
         marks = set(df.loc[df["metric"] == "mark", "labels"])
         assert marks == {'{"mark":"level_start"}', '{"mark":"measured_start"}', '{"mark":"level_end"}'}
@@ -207,7 +207,7 @@ def test_sweep_writes_telemetry_per_level_and_the_engines_tpot_from_its_histogra
         start += warmup_count(1, level)
         measured = slice(start, start + 4)
         start += 4
-        df = pd.read_parquet(T.level_path(tmp_path, level))
+        df = pd.read_parquet(R.level_path(tmp_path, level))
         assert lv.loc[level, "server_tpot_mean_us"] == pytest.approx(_mean(tpots[measured]) * 1e6, rel=1e-9)
         assert lv.loc[level, "server_tpot_mean_us"] == pytest.approx(
             _hist_mean_from_rows(df, "vllm:request_time_per_output_token_seconds"), rel=1e-9)
@@ -237,8 +237,8 @@ def test_a_metrics_endpoint_that_fails_is_recorded_and_the_sweep_completes(serve
     assert list(levels["ok"]) == [4, 4]                      # the requests were measured all the same
     assert (levels["telemetry_scrape_failures"] == levels["telemetry_scrapes"]).all()
     assert levels["server_tpot_mean_us"].isna().all()
-    df = T.load_telemetry(tmp_path)
-    assert T.failures(df)[0][1].startswith(error)
+    df = R.load_telemetry(tmp_path)
+    assert R.failures(df)[0][1].startswith(error)
 
 
 def test_a_server_that_vanishes_is_recorded_and_the_sweep_completes(server, tmp_path):
@@ -248,7 +248,7 @@ def test_a_server_that_vanishes_is_recorded_and_the_sweep_completes(server, tmp_
     lv = levels.set_index("level")
     assert lv.loc[1, "telemetry_scrape_failures"] == 0       # measured before: kept as it was
     assert lv.loc[2, "failed"] == 4 and lv.loc[2, "telemetry_scrape_failures"] == lv.loc[2, "telemetry_scrapes"]
-    errors = [e for lv_, e, _ in T.failures(T.load_telemetry(tmp_path)) if lv_ == 2]
+    errors = [e for lv_, e, _ in R.failures(R.load_telemetry(tmp_path)) if lv_ == 2]
     assert any("Connection refused" in e or "ConnectionRefused" in e for e in errors), errors
 
 
@@ -259,9 +259,9 @@ def test_a_metrics_endpoint_that_hangs_costs_at_most_the_scrape_timeout(server, 
         with tel.level(3):
             tel.mark()
     assert time.monotonic() - t0 < 10
-    summary = T.level_telemetry(tmp_path, 3)
+    summary = R.level_telemetry(tmp_path, 3)
     assert summary["telemetry_scrapes"] >= 3 and summary["telemetry_scrape_failures"] == summary["telemetry_scrapes"]
-    assert any("timed out" in e for _, e, _ in T.failures(T.load_level(tmp_path, 3)))
+    assert any("timed out" in e for _, e, _ in R.failures(R.load_level(tmp_path, 3)))
 
 
 def test_the_api_key_is_sent_as_a_header_and_written_nowhere(tmp_path):
@@ -274,7 +274,7 @@ def test_the_api_key_is_sent_as_a_header_and_written_nowhere(tmp_path):
         with T.Telemetry(server.url, tmp_path / "without", interval_s=0.2, settle_s=0.0) as tel:
             with tel.level(1):
                 pass
-        assert T.failures(T.load_level(tmp_path / "without", 1))[0][1].startswith("HTTP 401")
+        assert R.failures(R.load_level(tmp_path / "without", 1))[0][1].startswith("HTTP 401")
     finally:
         server.stop()
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
@@ -283,7 +283,7 @@ def test_the_api_key_is_sent_as_a_header_and_written_nowhere(tmp_path):
 
 
 def test_telemetry_off_leaves_no_file_and_removes_a_stale_one(server, tmp_path):
-    stale = T.level_path(tmp_path, 1)
+    stale = R.level_path(tmp_path, 1)
     stale.parent.mkdir(parents=True)
     pd.DataFrame([(1, 0, 0.0, "telemetry", "scrape_ok", "{}", 1.0)], columns=TELEMETRY_COLUMNS).to_parquet(stale)
     _, levels = run_sweep(_cfg(server.url, levels=[1], interval_s=0), tmp_path, progress=False)
@@ -296,13 +296,13 @@ def test_samples_reach_the_file_while_the_level_runs(server, tmp_path):
         with tel.level(8):
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                p = T.level_path(tmp_path, 8)
+                p = R.level_path(tmp_path, 8)
                 if p.exists() and pd.read_parquet(p)["scrape"].max() >= 3:
                     break
                 time.sleep(0.1)
-            during = pd.read_parquet(T.level_path(tmp_path, 8))
+            during = pd.read_parquet(R.level_path(tmp_path, 8))
     assert during["scrape"].max() >= 3          # a crash now would keep these
-    assert len(pd.read_parquet(T.level_path(tmp_path, 8))) > len(during)
+    assert len(pd.read_parquet(R.level_path(tmp_path, 8))) > len(during)
 
 
 def test_a_telemetry_process_that_dies_leaves_the_level_recorded_and_the_sweep_going(server, tmp_path):
@@ -312,7 +312,7 @@ def test_a_telemetry_process_that_dies_leaves_the_level_recorded_and_the_sweep_g
         tel.proc.wait()
         with tel.level(2):
             tel.mark()
-    summary = T.level_telemetry(tmp_path, 2)
+    summary = R.level_telemetry(tmp_path, 2)
     assert summary["telemetry_scrape_failures"] == summary["telemetry_scrapes"] == 1
     assert lines and "goes on without it" in lines[0]
 
@@ -326,30 +326,30 @@ class _Replay:
 
     def scrape(self):
         self.t += 1.0
-        return self.t, 0.002, T.parse_metrics(self.texts.pop(0)), None
+        return self.t, 0.002, P.parse_metrics(self.texts.pop(0)), None
 
 
 def _summary_of(before: str, after: str) -> dict:
     log = T.LevelLog(4, Path("/nonexistent"))
     replay = _Replay([before, before, after, after])
     log.sample(replay, None, mark="level_start")
-    log.sample(replay, None, mark=T.MEASURED_START)
+    log.sample(replay, None, mark=R.MEASURED_START)
     log.sample(replay, None)
     log.sample(replay, None, mark="level_end")
-    return T.summarize(pd.DataFrame(log.rows, columns=TELEMETRY_COLUMNS))
+    return R.summarize(pd.DataFrame(log.rows, columns=TELEMETRY_COLUMNS))
 
 
 def _check_real_exposition(directory: Path):
     truth = json.loads((directory / "truth.json").read_text())
     after = (directory / "scrape_1.txt").read_text()
-    samples = {(n, json.dumps(l, sort_keys=True)): v for n, l, v in T.parse_metrics(after)}
+    samples = {(n, json.dumps(l, sort_keys=True)): v for n, l, v in P.parse_metrics(after)}
     labels = json.dumps({"engine": "0", "model_name": truth["served_model_name"]}, sort_keys=True)
     assert samples[("vllm:num_requests_running", labels)] == truth["running"]
     assert samples[("vllm:kv_cache_usage_perc", labels)] == truth["kv_cache_usage"]
     assert samples[("vllm:num_preemptions_total", labels)] == truth["preemptions"]
     assert samples[("vllm:request_time_per_output_token_seconds_count", labels)] == len(truth["tpot_s"])
     assert not [n for n, _ in samples if n.endswith(("_bucket", "_created"))]
-    assert not [n for n, _ in samples if not n.startswith("vllm:") and n not in T.PROCESS_SAMPLES]
+    assert not [n for n, _ in samples if not n.startswith("vllm:") and n not in P.PROCESS_SAMPLES]
     s = _summary_of((directory / "scrape_0.txt").read_text(), after)
     spec = truth["spec"]
     assert s["server_running_mean"] == truth["running"] and s["server_waiting_max"] == truth["waiting"]
@@ -463,13 +463,13 @@ def test_gpu_samples_are_summarised_per_level():
     log = T.LevelLog(2, Path("/nonexistent"))
     replay = _Replay([""] * 4)
     gpus = T.NvmlSampler(nvml=FakeNvml())
-    for mark in ("level_start", T.MEASURED_START, None, "level_end"):
+    for mark in ("level_start", R.MEASURED_START, None, "level_end"):
         log.sample(replay, gpus, mark=mark)
-    s = T.summarize(pd.DataFrame(log.rows, columns=TELEMETRY_COLUMNS))
+    s = R.summarize(pd.DataFrame(log.rows, columns=TELEMETRY_COLUMNS))
     assert s["gpu_power_mean_w"] == pytest.approx(351.0) and s["gpu_power_max_w"] == pytest.approx(351.5)
     assert s["gpu_sm_clock_min_mhz"] == 1880 and s["gpu_temp_max_c"] == 71
     assert s["gpu_throttle_reasons"] == "sw_power_cap, hw_slowdown"
-    _, gpu = T.timeseries(pd.DataFrame(log.rows, columns=TELEMETRY_COLUMNS))
+    _, gpu = R.timeseries(pd.DataFrame(log.rows, columns=TELEMETRY_COLUMNS))
     assert sorted(set(gpu["gpu"])) == [0, 1] and {"power_w", "sm_clock_mhz", "sweep_s"} <= set(gpu.columns)
 
 
@@ -496,13 +496,13 @@ def test_the_reason_for_no_gpu_samples_is_in_the_level_file(server, tmp_path):
     with T.Telemetry(server.url, tmp_path, interval_s=0.2, settle_s=0.0, gpu=False) as tel:
         with tel.level(1):
             pass
-    assert T.gpu_unavailable(T.load_level(tmp_path, 1)) == "GPU sampling is off"
+    assert R.gpu_unavailable(R.load_level(tmp_path, 1)) == "GPU sampling is off"
 
 
 def test_throttle_names_decode_every_known_bit_and_keep_unknown_ones():
-    assert T.throttle_names(0) == []
-    assert T.throttle_names(0x1 | 0x40) == ["gpu_idle", "hw_thermal_slowdown"]
-    assert T.throttle_names(0x4 | 0x1000) == ["sw_power_cap", "0x1000"]
+    assert R.throttle_names(0) == []
+    assert R.throttle_names(0x1 | 0x40) == ["gpu_idle", "hw_thermal_slowdown"]
+    assert R.throttle_names(0x4 | 0x1000) == ["sw_power_cap", "0x1000"]
 
 
 # ---- params, tables and the plot -------------------------------------------------------------------
@@ -529,11 +529,11 @@ def test_the_notebooks_tables_and_plot_read_a_sweeps_telemetry(server, tmp_path)
     assert t["client - server ms"].tolist() == pytest.approx(
         ((levels["tpot_mean_us"] - levels["server_tpot_mean_us"]) / 1e3).tolist())
     assert "preemptions" in telemetry_table(levels).columns
-    telemetry = T.load_telemetry(tmp_path)
+    telemetry = R.load_telemetry(tmp_path)
     assert "no GPU samples" in telemetry_note(telemetry)
-    fig = plots.telemetry_over_time(*T.timeseries(telemetry))
+    fig = plots.telemetry_over_time(*R.timeseries(telemetry))
     assert {tr.name for tr in fig.data} == {"running", "waiting", "KV cache"}
-    assert plots.telemetry_over_time(*T.timeseries(T.load_telemetry(tmp_path / "none"))) is None
+    assert plots.telemetry_over_time(*R.timeseries(R.load_telemetry(tmp_path / "none"))) is None
     assert server_vs_client_table(levels.drop(columns=["server_tpot_mean_us"])).empty
 
 
@@ -555,16 +555,16 @@ def test_a_histograms_mean_between_two_scrapes_is_its_new_observations_only():
     h = Histogram("vllm:inter_token_latency_seconds", "itl", ["engine"], registry=reg)
     for v in (0.010, 0.030):
         h.labels(engine="0").observe(v)
-    before = T.parse_metrics(generate_latest(reg).decode())
+    before = P.parse_metrics(generate_latest(reg).decode())
     for v in (0.002, 0.004):                   # the window's observations, on two engines
         h.labels(engine="0").observe(v)
     h.labels(engine="1").observe(0.006)
-    after = T.parse_metrics(generate_latest(reg).decode())
-    names = T.HISTOGRAM_MEANS["server_itl_mean_us"]
-    assert T.histogram_mean_between(before, after, names) == pytest.approx(0.004)
-    assert T.histogram_mean_between(after, after, names) is None      # nothing observed
-    assert T.histogram_mean_between(None, after, names) is None       # a failed scrape
-    assert T.histogram_mean_between(before, after, ("vllm:absent_seconds",)) is None
+    after = P.parse_metrics(generate_latest(reg).decode())
+    names = P.HISTOGRAM_MEANS["server_itl_mean_us"]
+    assert P.histogram_mean_between(before, after, names) == pytest.approx(0.004)
+    assert P.histogram_mean_between(after, after, names) is None      # nothing observed
+    assert P.histogram_mean_between(None, after, names) is None       # a failed scrape
+    assert P.histogram_mean_between(before, after, ("vllm:absent_seconds",)) is None
 
 
 def test_the_engines_steps_between_two_scrapes_are_its_iteration_histograms_new_count():
@@ -572,14 +572,14 @@ def test_the_engines_steps_between_two_scrapes_are_its_iteration_histograms_new_
     h = Histogram("vllm:iteration_tokens_total", "tokens per engine step", ["engine"], registry=reg)
     for n in (4, 4, 1):
         h.labels(engine="0").observe(n)
-    before = T.parse_metrics(generate_latest(reg).decode())
+    before = P.parse_metrics(generate_latest(reg).decode())
     for n in (2, 3, 3, 3):
         h.labels(engine="0").observe(n)
     h.labels(engine="1").observe(1)
-    after = T.parse_metrics(generate_latest(reg).decode())
-    assert T.counter_delta(before, after, T.ENGINE_STEPS) == 5.0
-    assert T.counter_delta(None, after, T.ENGINE_STEPS) is None               # a failed scrape
-    assert T.counter_delta(before, after, "vllm:absent_total") is None       # not exposed
+    after = P.parse_metrics(generate_latest(reg).decode())
+    assert P.counter_delta(before, after, P.ENGINE_STEPS) == 5.0
+    assert P.counter_delta(None, after, P.ENGINE_STEPS) is None               # a failed scrape
+    assert P.counter_delta(before, after, "vllm:absent_total") is None       # not exposed
 
 
 def test_a_process_cpu_time_and_run_queue_wait_are_read_per_step_from_proc():

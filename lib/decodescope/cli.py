@@ -13,15 +13,18 @@ EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
 
 def _cmd_run(args) -> int:
-    from decodescope.host import HostError
+    from decodescope.hostcore import HostError
     from decodescope.locks import LockHeld
     from decodescope.params import ParamsError
-    from decodescope.runner import ResultsWriteError, RunError, Terminated, run
+    from decodescope.runmanifest import ResultsWriteError, RunError
+    from decodescope.runner import Terminated, run
 
     try:
-        overrides = {"workload.repeats": args.repeats} if args.repeats else None
+        overrides = {"workload.repeats": args.repeats} if args.repeats else {}
+        if args.variants is not None:
+            overrides["experiments"] = _variants_kept(args.params, args.variants)
         run_dir, ok = run(Path(args.params), phases=args.phases, resume=Path(args.resume) if args.resume else None,
-                          overrides=overrides)
+                          overrides=overrides or None)
     except ResultsWriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_WRITE_FAILED
@@ -38,6 +41,22 @@ def _cmd_run(args) -> int:
         print("some phases failed: see manifest.json and the report", file=sys.stderr)
     print(run_dir / "report.html")
     return EXIT_OK if ok else EXIT_PHASE_FAILED
+
+
+def _variants_kept(params_path: str, names: list[str]) -> list[dict]:
+    """The params' experiments named on the command line (`--variants none`: none), as the override
+    of `experiments`; an unknown name is an error that lists the valid ones."""
+    from decodescope.params import ParamsError, load_params
+
+    experiments = load_params(params_path).experiments
+    if names == ["none"]:
+        return []
+    known = [e.name for e in experiments]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ParamsError(params_path, [("experiments", f"--variants {', '.join(unknown)}: no such variant; "
+                                         f"valid: {', '.join(known) or '(none defined)'}, or none")])
+    return [e.model_dump() for e in experiments if e.name in names]
 
 
 def _load_or_report(path: str):
@@ -165,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("params", help="params YAML, e.g. params/default.yaml")
     run.add_argument("--phases", nargs="+", help="phases to run (default: all notebooks), e.g. 00_host 04_profile")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a run, skipping phases already ok")
+    run.add_argument("--variants", nargs="+", metavar="NAME", help="measure only these of the params' experiments "
+                     "(`none`: the baseline alone)")
     run.add_argument("--repeats", type=int, metavar="N", help="measure each serving level N times "
                      "(workload.repeats): medians with a 95%% band")
     run.set_defaults(func=_cmd_run)

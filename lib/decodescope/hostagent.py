@@ -176,7 +176,7 @@ def info(workdir: str = "") -> int:
 
 def http_rtt(url: str, n: int) -> int:
     """Round trips of GET url on this host, in ms (a fresh connection each, as the client opens)."""
-    from decodescope.host import http_rtt_ms
+    from decodescope.hostcore import http_rtt_ms
 
     print(json.dumps(http_rtt_ms(url, n)))
     return 0

@@ -3,6 +3,7 @@ programs (plain python / torchrun child processes), and turn their per-rank file
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -10,10 +11,13 @@ import numpy as np
 import pandas as pd
 
 from decodescope import arch as archmod
+from decodescope.hardware import resolve_peaks
+from decodescope.host import host_for, node_hosts
 from decodescope.io import write_json_atomic, write_parquet_atomic
 from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE
 from decodescope.records import LATENCY_FIT_COLUMNS, CollectivesFit, HostInventory, LatencyFit, Peaks, read_record, \
     write_record
+from decodescope.server import log_tail
 
 
 class ProbeError(RuntimeError):
@@ -47,7 +51,12 @@ def collectives_plan(params, dtype: str = "bf16") -> dict:
                                             for c in calls]})
     ep = mb.expert_parallel if mb.expert_parallel > 1 else (mb.world_size or tp)
     a2a = [{"tokens_per_gpu": t, **archmod.all_to_all_bytes(arch, ep, t, dtype)} for t in mb.all_to_all_tokens]
+    # what a rank reads between two all-reduces of a batch-1 step (its weights over its all-reduces): the
+    # late_rank timing reads as much before each call, as the engine's call follows the layer's GEMMs
+    between = (archmod.weight_bytes_per_step(archmod.gemm_shapes(arch, tp, 1, mb.expert_parallel, mb.moe_skew))["total"]
+               / max(1, archmod.expected_all_reduces_per_step(arch, tp)))
     return {"dtype": dtype, "iters": mb.iterations, "warmup": mb.warmup, "burst": burst,
+            "between_calls_bytes": int(between),
             "sweep": {"min_bytes": mb.sweep_min_bytes, "max_bytes": mb.sweep_max_bytes,
                       "ops": ["all_reduce", "all_to_all"]},
             "all_to_all": [{"tokens_per_gpu": x["tokens_per_gpu"], "dispatch_bytes": x["dispatch_bytes"]} for x in a2a]}
@@ -57,19 +66,14 @@ def collectives_plan(params, dtype: str = "bf16") -> dict:
 PROBE_SHM_GLOBS = ("decodescope-probe-{token12}*",)
 
 
-def _run(argv: list[str], log_path: Path, timeout_s: float, env: Optional[dict] = None, host=None,
+def _run(argv: list[str], log_path: Path, timeout_s: float, host, env: Optional[dict] = None,
          inputs: tuple = (), outputs: tuple = ()) -> None:
     """A probe on the run's host (decodescope.host: here or over ssh, inputs copied there and outputs
     back), in its own session and with its own run token, so an interrupt, a timeout or a dropped link
     stops every rank (torchrun's workers included, even re-parented ones)."""
-    from decodescope.host import LocalHost
-
-    host = host or LocalHost()
     rc = host.run_job(argv, log_path, timeout_s, env=env, inputs=inputs, outputs=outputs,
                       shm_globs=PROBE_SHM_GLOBS)
     if rc != 0:
-        from decodescope.server import log_tail
-
         raise ProbeError(f"{argv[2] if len(argv) > 2 else argv[0]} exited with {rc}; last lines of {log_path}:\n"
                          f"{log_tail(log_path, 25)}")
 
@@ -80,7 +84,6 @@ def run_gemm_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.Da
     shapes_path = data / "gemm_shapes.json"
     write_json_atomic(shapes_path, plan)
     out = data / "gemm_raw.json"
-    from decodescope.host import host_for
 
     host = host_for(params)
     argv = [host.python, "-m", "decodescope.probes.gemm", "--shapes", host.path(shapes_path), "--out", host.path(out),
@@ -118,8 +121,6 @@ def rank_cpus(params) -> Optional[str]:
 def peaks_for(run_dir: Path, params) -> Optional[Peaks]:
     """Peaks from the host phase's file (GPU datasheet or the measured CPU matmul), else from the params;
     None when nothing is known."""
-    from decodescope.hardware import resolve_peaks
-
     host_path = run_dir / "data" / "host.json"
     host = read_record(host_path, HostInventory) if host_path.is_file() else None
     peaks = (host.peaks if host else None) or resolve_peaks(params.hardware.gpu, params.hardware.peaks.model_dump())
@@ -271,8 +272,6 @@ def run_torchrun_probe(params, run_dir: Path, module: str, args: list, world: in
     host.nodes (one torchrun agent per host, launched over ssh, meeting at microbench.rdzv_endpoint
     through torchrun's c10d rendezvous; `world` ranks split evenly over the hosts). Path arguments
     (Paths of the run directory) become the host's paths; inputs are copied there, outputs back."""
-    from decodescope.host import node_hosts
-
     mb = params.microbench
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     hosts = node_hosts(params)
@@ -290,7 +289,7 @@ def run_torchrun_probe(params, run_dir: Path, module: str, args: list, world: in
         return argv + ["-m", module] + [host.path(a) if isinstance(a, Path) else str(a) for a in args]
 
     if len(hosts) == 1:
-        _run(argv_on(hosts[0], mb.nnodes, world, mb.node_rank), log, mb.probe_timeout_s, env, host=hosts[0],
+        _run(argv_on(hosts[0], mb.nnodes, world, mb.node_rank), log, mb.probe_timeout_s, hosts[0], env,
              inputs=inputs, outputs=outputs)
         return
     if world % len(hosts):
@@ -303,8 +302,6 @@ def run_torchrun_probe(params, run_dir: Path, module: str, args: list, world: in
 
 def _run_on_nodes(hosts, argvs, logs, timeout_s: float, env: dict, inputs: tuple, outputs: tuple) -> None:
     """One agent per host, started together, waited for together; any failure stops all of them."""
-    import time
-
     handles, failed, timed_out = [], [], []
     try:
         for host, argv, log in zip(hosts, argvs, logs):
@@ -325,7 +322,6 @@ def _run_on_nodes(hosts, argvs, logs, timeout_s: float, env: dict, inputs: tuple
         for host in hosts:
             for p in outputs:
                 host.pull(p, quiet=True)
-    from decodescope.server import log_tail
 
     module = argvs[0][argvs[0].index("-m", 3) + 1]
     for i in failed or range(len(handles)):
@@ -390,98 +386,6 @@ def save_collectives(df: pd.DataFrame, fit: pd.DataFrame, data_dir: Path) -> Non
     write_parquet_atomic(Path(data_dir) / "collectives.parquet", df)
     write_record(Path(data_dir) / "collectives_fit.json",
                  CollectivesFit(fits=[LatencyFit.model_validate(r) for r in fit.to_dict("records")]))
-
-
-# ---- display helpers for the notebooks -------------------------------------------------------------
-def measured_dtypes(gemm: pd.DataFrame) -> list[str]:
-    return sorted(gemm.loc[gemm["status"] == "ok", "dtype"].unique())
-
-
-def gemm_method_note(gemm: pd.DataFrame) -> str:
-    ok = gemm[gemm["status"] == "ok"]
-    skipped = gemm[gemm["status"] != "ok"]
-    parts = [f"**Method:** {ok['method'].iloc[0]}." if len(ok) else "**No GEMM could be measured.**"]
-    if len(ok) and "peak_source" in ok:
-        peaks = ok.groupby("dtype").agg(peak=("peak_tflops", "first"), source=("peak_source", "first"))
-        parts.append("Compute rooflines: " + "; ".join(
-            f"{dt} {p.peak:,.1f} TFLOP/s ({p.source})" if p.peak == p.peak else f"{dt}: none, {p.source}"
-            for dt, p in peaks.iterrows()) + ".")
-    if len(skipped):
-        reasons = "; ".join(f"{dt}: {r}" for dt, r in skipped.groupby("dtype")["skip_reason"].first().items())
-        parts.append(f"Skipped ({len(skipped)} rows): {reasons}.")
-    if len(ok) and "graph_time_us" in ok and ok["graph_time_us"].notna().any():
-        gap = (ok["eager_time_us"] - ok["graph_time_us"]).median()
-        parts.append(f"Timed alone between events, a GEMM also carries launch gaps: eager minus graph is {gap:.1f} us "
-                     "(median); time_us is the graph time, as in a decode step that vLLM replays as a CUDA graph.")
-    if len(ok) and ok["pct_of_peak"].notna().any():
-        best = ok.loc[ok["pct_of_peak"].idxmax()]
-        parts.append(f"Closest to a peak: {best['op']} at batch {best['batch']} ({best['dtype']}), "
-                     f"{best['pct_of_peak']:.0f}% of its roofline.")
-    return " ".join(parts)
-
-
-def gemm_display(gemm: pd.DataFrame) -> pd.DataFrame:
-    # cold_weights (GPU) and step_order (CPU): the timings the step model prices a step's GEMMs with
-    cols = ["op", "layer_kind", "batch", "dtype", "m", "n", "k", "count", "status", "time_us", "p10", "p90",
-            "eager_time_us", "cold_weights_time_us", "step_order_time_us", "tflops", "gbps", "pct_of_compute_peak",
-            "pct_of_mem_peak", "skip_reason"]
-    timed = "graph" if "graph_time_us" in gemm and gemm["graph_time_us"].notna().any() else "eager"
-    g = gemm.rename(columns={f"{timed}_p10_us": "p10", f"{timed}_p90_us": "p90"})  # the spread of time_us
-    if timed == "eager":
-        g = g.drop(columns=["eager_time_us"], errors="ignore")
-    return g[[c for c in cols if c in g]]
-
-
-def collectives_method_note(coll: pd.DataFrame) -> str:
-    metas = coll.attrs.get("meta") or []
-    m = metas[0] if metas else {}
-    env = ", ".join(f"{k}={v}" for k, v in (m.get("nccl_env") or {}).items()) or "none"
-    skipped = "; ".join([f"{k} not measured ({v})" for k, v in (m.get("communicators_skipped") or {}).items()]
-                        + burst_skipped(coll))
-    return (f"**Method:** backend {m.get('backend')} on {m.get('device')}, world size {m.get('world_size')}, "
-            f"{m.get('dtype')}; communicators measured: {', '.join(m.get('communicators') or ['torch'])}"
-            f"{'; ' + skipped if skipped else ''}. All-reduce latency is timed **back to back** "
-            f"({m.get('back_to_back_calls', '?')} calls between one timer pair, divided; also as one CUDA graph on "
-            f"GPUs), the way a decode step issues them, and **isolated** (a barrier before each call, which adds "
-            f"wake-up and launch cost); the fits the verdict uses are the back-to-back ones. On GPUs, "
-            f"**host_issue** is the host's own time per call of issuing the same calls (GPU drained first): "
-            f"what an eager step pays per call when its host, not its GPU, sets the pace; **host_after_gemm** the "
-            f"same with each call issued right after a GEMM that writes its input, less that GEMM alone (the "
-            f"cost between a step's other launches, which the eager step model uses). {m.get('warmup')} "
-            f"warm-up and {m.get('iters')} timed repetitions, median with p10/p90; NCCL "
-            f"{m.get('nccl_version') or 'n/a'}, NCCL_* settings: {env}. busbw = algbw x 2(n-1)/n (all-reduce), "
-            "x (n-1)/n (all-to-all), as nccl-tests.")
-
-
-BURST_COLUMNS = ["communicator", "batch", "mode", "calls", "msg_bytes", "step_us_median_over_ranks",
-                 "step_us_max_over_ranks", "per_call_us"]
-
-
-def burst_skipped(coll: pd.DataFrame) -> list[str]:
-    """Why the step's burst was not replayed, where it was not (once per reason)."""
-    if "skip_reason" not in coll.columns:
-        return []
-    rows = coll[(coll["part"] == "burst") & (coll["status"] == "skipped")]
-    return [f"burst not replayed: {r}" for r in dict.fromkeys(rows["skip_reason"].dropna())]
-
-
-def burst_table(coll: pd.DataFrame) -> pd.DataFrame:
-    """The step's all-reduce burst per (communicator, batch, mode); no rows where nothing was replayed (at
-    world size 1 a step issues no all-reduce: burst_skipped says so)."""
-    b = with_timing_columns(coll[(coll["part"] == "burst") & (coll["status"] == "ok")])
-    if b.empty:
-        return pd.DataFrame(columns=BURST_COLUMNS)
-    return (b.groupby(["communicator", "batch", "mode"]).agg(calls=("calls", "first"), msg_bytes=("msg_bytes", "first"),
-                                             step_us_median_over_ranks=("time_us", "median"),
-                                             step_us_max_over_ranks=("time_us", "max"),
-                                             per_call_us=("per_call_us", "median")).reset_index())
-
-
-def sweep_table(coll: pd.DataFrame) -> pd.DataFrame:
-    s = with_timing_columns(coll[(coll["part"] == "sweep") & (coll["status"] == "ok")])
-    s = s[s["rank"] == s["rank"].min()]
-    return s[["op", "communicator", "timing", "inplace", "bytes", "time_us", "p10_us", "p90_us", "algbw_gbps",
-              "busbw_gbps"]]
 
 
 def replay_table(step_rows: list[dict]) -> pd.DataFrame:

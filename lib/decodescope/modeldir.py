@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from decodescope.params import Params
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
@@ -50,8 +52,6 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> Path:
     Dummy weights sample any id, so every id must decode to text on its own: the alphabet is the
     corpus's ASCII (no lone bytes of a multi-byte UTF-8 character, which the server would hold back),
     and the ids past the learned merges are plain added words rather than unused slots."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

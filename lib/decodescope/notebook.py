@@ -10,8 +10,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from decodescope.params import OVERRIDES_ENV, Params, load_params, with_overrides
+from decodescope.params import OVERRIDES_ENV, Params, load_params, with_experiment, with_overrides
 from decodescope.rundir import DATA, ensure_layout
+from decodescope.runner import new_run_dir
 
 
 @dataclass
@@ -39,14 +40,10 @@ def open_phase(params_path: str, run_dir: str = "", variant: str = "") -> PhaseC
     if overrides:  # the command line's, set by the runner for every phase
         params = with_overrides(params, json.loads(overrides))
     if variant:
-        from decodescope.params import with_experiment
-
         params = with_experiment(params, variant)
     if run_dir:
         path = Path(run_dir)
     else:
-        from decodescope.runner import new_run_dir
-
         params.run.name = f"{params.run_name}-interactive"
         path = new_run_dir(params)
     return PhaseContext(params=params, run_dir=ensure_layout(path).resolve())

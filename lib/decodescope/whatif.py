@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from decodescope import arch as archmod
+from decodescope import stepparts as sp
+from decodescope.microbench import with_timing_columns
+from decodescope.engine_comm import micro_communicator_for
+
 
 @dataclass(frozen=True)
 class MeasuredStep:
@@ -119,11 +124,6 @@ def measured_projections(step: MeasuredStep, coll, gemm, arch, tp: int, profile_
     the step's message size, timed as a step issues them), expert parallelism from 03's all-to-all at
     batch x top_k tokens per GPU, and speculative decoding with the verify step grown by the GEMMs (02)
     and collectives (03) at batch x (k+1)."""
-    from decodescope import arch as archmod
-    from decodescope import stepmodel as sm
-    from decodescope.microbench import with_timing_columns
-    from decodescope.trace.categorize import micro_communicator_for
-
     out: list[Projection] = []
     msg = next(c.msg_bytes for c in archmod.collective_schedule(arch, tp, step.batch, dtype) if c.op == "all_reduce")
     sweep = with_timing_columns(coll[(coll["part"] == "sweep") & (coll["status"] == "ok")]) if coll is not None \
@@ -132,11 +132,11 @@ def measured_projections(step: MeasuredStep, coll, gemm, arch, tp: int, profile_
     if sweep is not None and not sweep.empty:
         for comm, g in sweep[sweep["op"] == "all_reduce"].groupby("communicator"):
             timing = "cuda_graph" if (g["timing"] == "cuda_graph").any() else "back_to_back"
-            curve = sm.latency_curve(coll, comm, timing)
+            curve = sp.latency_curve(coll, comm, timing)
             if curve.empty:
                 continue
             best_timing[comm] = timing
-            lat, extrapolated = sm.latency_at(curve, msg)
+            lat, extrapolated = sp.latency_at(curve, msg)
             label = f"{comm}, 03 {timing}" + (", extrapolated" if extrapolated else "")
             out.append(allreduce_latency(step, lat, label))
         a2a = coll[(coll["part"] == "all_to_all") & (coll["status"] == "ok")]
@@ -152,9 +152,9 @@ def measured_projections(step: MeasuredStep, coll, gemm, arch, tp: int, profile_
     if sm_comm is not None and gemm is not None and not gemm.empty:
         for k in spec_k:
             grown = step.batch * (k + 1)
-            d_gemm = (sm.gemm_component(gemm, arch, tp, grown, dtype).us - sm.gemm_component(gemm, arch, tp, step.batch, dtype).us)
-            d_coll = (sm.collective_component(coll, arch, tp, grown, sm_comm, best_timing[sm_comm], dtype).us
-                      - sm.collective_component(coll, arch, tp, step.batch, sm_comm, best_timing[sm_comm], dtype).us)
+            d_gemm = (sp.gemm_component(gemm, arch, tp, grown, dtype).us - sp.gemm_component(gemm, arch, tp, step.batch, dtype).us)
+            d_coll = (sp.collective_component(coll, arch, tp, grown, sm_comm, best_timing[sm_comm], dtype).us
+                      - sp.collective_component(coll, arch, tp, step.batch, sm_comm, best_timing[sm_comm], dtype).us)
             verify = step.wall_us + d_gemm + d_coll
             for alpha in spec_alpha:
                 p = speculative(step, k, alpha, verify)

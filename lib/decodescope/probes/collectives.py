@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -40,9 +41,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from decodescope.io import write_json_atomic
-from decodescope.probes.gemm import TORCH_DTYPES
+from decodescope.probes.gemm_kernels import TORCH_DTYPES
 from decodescope.probes.timing import (HOST_AFTER_GEMM, HOST_ISSUE, HostRef, host_issue_after_us, host_issue_us,
                                       median_spread)
 
@@ -108,8 +110,6 @@ def torch_communicator(device) -> Communicator:
 def vllm_cpu_extension() -> str:
     """The kernel library vLLM CPU loads on this host, chosen as vllm/platforms/cpu.py (import_kernels)
     chooses it: `_C` or `_C_AVX512` with AVX-512, `_C_AVX2` without (no shared-memory all-reduce there)."""
-    import platform
-
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return "_C"
     if torch.cpu._is_avx512_supported():
@@ -120,6 +120,7 @@ def vllm_cpu_extension() -> str:
 def vllm_shm_communicator(world: int, rank: int) -> Communicator:
     """vLLM CPU's shared-memory all-reduce, set up as its CpuCommunicator does (one segment per group,
     named by rank 0); raises when vllm or its CPU kernels are not there."""
+    # vllm: the cpu/gpu extras only; without it this says so instead of failing the import
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
@@ -182,17 +183,18 @@ def back_to_back(timer: "Timer", fn, calls: int, iters: int, warmup: int) -> lis
 
 
 LATE_US = 100.0  # how late the last rank arrives at each call in the `late_rank` timing
+# What the last rank reads between two calls when the plan does not say (plans written before it did)
+DEFAULT_BETWEEN_CALLS_BYTES = 2 << 20
 
 
-def late_rank(fn, calls: int, iters: int, warmup: int, world: int, rank: int) -> list[float]:
+def late_rank(fn, calls: int, iters: int, warmup: int, world: int, rank: int,
+              between_calls_bytes: int = DEFAULT_BETWEEN_CALLS_BYTES) -> list[float]:
     """Per-call microseconds on the last rank when it arrives LATE_US after the others at every call
     (it spins first), read as torch.profiler reads an engine's op: the op's own duration, without the
     Python call around it (which a profiled step books to the host's time, not the collective). That
     is the collective's own cost when no one waits for it, as a profiled step's per-call least time
     over the ranks is. The other ranks spend the interval waiting inside each call. Every rank
     returns the last rank's figures (the median call of each repetition)."""
-    from torch.profiler import ProfilerActivity, profile
-
     last = rank == world - 1
     out: list[float] = []
     for i in range(warmup + iters):
@@ -204,7 +206,7 @@ def late_rank(fn, calls: int, iters: int, warmup: int, world: int, rank: int) ->
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(calls):
                 t_spin = time.perf_counter() + LATE_US * 1e-6
-                _evict_caches()  # a step runs a layer's GEMMs between its all-reduces
+                _read_between_calls(between_calls_bytes)  # a step reads a layer's weights between its all-reduces
                 while time.perf_counter() < t_spin:
                     pass
                 fn()
@@ -218,13 +220,18 @@ def late_rank(fn, calls: int, iters: int, warmup: int, world: int, rank: int) ->
 _SCRATCH: list = []
 
 
-def _evict_caches() -> None:
-    """Write 2 MB (more than this core's L2) without a recorded op: the next call meets cold caches,
-    as a step's all-reduce does after the layer's weights went through."""
-    if not _SCRATCH:
-        _SCRATCH.append(bytearray(2 << 20))
-    buf = _SCRATCH[0]
-    buf[::64] = bytes(len(buf[::64]))
+def _read_between_calls(nbytes: int) -> None:
+    """Read `nbytes` (one byte per 64-byte line) without a recorded op, as a step's GEMMs read the weights
+    of a layer between two all-reduces (the plan's between_calls_bytes: weight bytes per rank per step over
+    all-reduces per step). A fixed 2 MiB written here, this core's whole L2, made the late rank's figure
+    jump between ~2 and ~8 us per size (tight within a size) on an AVX-512 host where the profiled engine,
+    reading 0.3 MiB of weights per interval, paid 2.3 us; the read of the step's own bytes is what the
+    engine's call meets."""
+    if nbytes <= 0:
+        return
+    if not _SCRATCH or len(_SCRATCH[0]) < nbytes:
+        _SCRATCH[:] = [bytearray(b"\x01" * nbytes)]  # written once, so its pages are real, not the zero page
+    _SCRATCH[0][:nbytes:64]  # a copy of every 64th byte: each line read once
 
 
 def _median_top_level_op_us(events) -> float:
@@ -367,7 +374,8 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
             timings = [("back_to_back", "eager", lambda: back_to_back(timer, fn, calls, plan["iters"], plan["warmup"]))]
             if not comm.graphable and world > 1:
                 timings.append(("late_rank", "eager",
-                                lambda: late_rank(fn, calls, plan["iters"], plan["warmup"], world, rank)))
+                                lambda: late_rank(fn, calls, plan["iters"], plan["warmup"], world, rank,
+                                                  int(plan.get("between_calls_bytes", DEFAULT_BETWEEN_CALLS_BYTES)))))
             if comm.graphable:
                 # the host's own cost per call (GPU drained, ranks aligned first): what an eager step
                 # pays per collective when the host, not the GPU, sets its pace

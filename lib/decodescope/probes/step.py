@@ -24,18 +24,21 @@ after each batch.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import sys
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from decodescope.io import write_json_atomic
 from decodescope.probes.collectives import (Communicator, Timer, _elems, graph_of, init_ranks, torch_communicator,
                                             vllm_shm_or_why)
-from decodescope.probes.gemm import TORCH_DTYPES, cpu_engine_kernel, make_gemm
+from decodescope.probes.gemm_kernels import TORCH_DTYPES, cpu_engine_kernel, make_gemm
 from decodescope.probes.timing import HostRef, median_spread
 
 VARIANTS = ("full", "gemm_only", "comm_only")
@@ -155,11 +158,6 @@ def profile_steps(items, batch: int, steps: int, use_cuda: bool, rank: int, out_
     """`steps` full steps under torch.profiler, each inside a range named as vLLM names a decode step
     (execute_context_0(0)_generation_<b>(<b>)), replayed as one CUDA graph on GPUs; returns the gzipped
     trace's path (step_replay_b<b>_rank<r>.pt.trace.json.gz)."""
-    import gzip
-    import shutil
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     fn, _ = variant_fn(items, "full")
     run = graph_of(fn, 1).replay if use_cuda else fn
     run()

@@ -33,6 +33,7 @@ class HostRef:
     code (dispatcher, cuBLAS) as the step's own launches. Each call appends to `samples_us`."""
 
     def __init__(self, device, sync: Callable[[], None]):
+        # torch: the analysis side uses this module's statistics without torch
         import torch
 
         self._a = torch.ones(1, REF_DIM, device=device, dtype=torch.bfloat16)
@@ -43,6 +44,7 @@ class HostRef:
         self._burst()  # first calls pay for library set-up (cuBLAS handles): not the host's speed
 
     def _burst(self) -> float:
+        # torch: the analysis side uses this module's statistics without torch
         import torch
 
         self._sync()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 import pandas as pd
+from IPython.display import HTML, Markdown, display
 
 from decodescope.report.escape import html_text, markdown_text
 
@@ -23,8 +24,6 @@ def figure_bundle(fig) -> dict:
 
 def show(fig) -> None:
     """Displays a plotly figure; None shows nothing (a builder with nothing to draw says why in a note)."""
-    from IPython.display import display
-
     if fig is not None:
         display(figure_bundle(fig), raw=True)
 
@@ -33,8 +32,6 @@ def show_table(df: pd.DataFrame, caption: Optional[str] = None, float_format: st
                max_rows: int = 60) -> None:
     """A styled table; the caption says where the numbers came from. Cells, headers and caption are
     escaped: they hold names from params, traces and logs."""
-    from IPython.display import HTML, display
-
     display(HTML(table_html(df, caption, max_rows)))
 
 
@@ -50,6 +47,4 @@ def table_html(df: pd.DataFrame, caption: Optional[str] = None, max_rows: int = 
 
 def show_note(markdown: str) -> None:
     """A note in markdown; text from data inside it is shown as text (see report.escape)."""
-    from IPython.display import Markdown, display
-
     display(Markdown(markdown_text(markdown)))

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 import nbformat
+from nbconvert import HTMLExporter
+from plotly.offline import get_plotlyjs
 
 from decodescope.io import read_json, write_text_atomic
 from decodescope.phases import PHASE_TITLES, PHASES
@@ -119,16 +121,12 @@ def combined_notebook(run_dir: Path, manifest: dict) -> nbformat.NotebookNode:
 
 
 def plotly_js() -> str:
-    from plotly.offline import get_plotlyjs
-
     return get_plotlyjs()
 
 
 def notebook_html(nb: nbformat.NotebookNode) -> str:
     """A notebook as one self-contained page (the report's shell: code hidden, nothing from a network,
     plotly.js inlined once); the compare pages use it too."""
-    from nbconvert import HTMLExporter
-
     exporter = HTMLExporter(template_name="lab", exclude_input=True, exclude_input_prompt=True,
                             exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(nb)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -22,9 +21,11 @@ from urllib.parse import quote
 
 import pandas as pd
 
-from decodescope.io import write_text_atomic
+from decodescope.io import read_json_dict, write_text_atomic
+from decodescope.records import RunManifest, Verdict, read_record
 from decodescope.report.escape import html_text
 from decodescope.report.status import status_colour
+from decodescope.resources import source_checkout
 
 INDEX_NAME = "index.html"
 MISSING = "–"  # what a number that could not be read is shown as
@@ -71,14 +72,6 @@ def _number(value: Any) -> Optional[float]:
     return v if math.isfinite(v) else None
 
 
-def _read_json_dict(path: Path) -> Optional[dict]:
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return raw if isinstance(raw, dict) else None
-
-
 def _serving_headline(run_dir: Path) -> tuple[Optional[float], Optional[float], Optional[int]]:
     path = run_dir / "data" / "serving_levels.parquet"
     try:
@@ -101,13 +94,11 @@ def _serving_headline(run_dir: Path) -> tuple[Optional[float], Optional[float], 
 def _verdict_bottleneck(run_dir: Path) -> tuple[Optional[str], Optional[float], Optional[dict]]:
     """(class, share, the serving headline) from data/verdict.json: the typed record when it validates,
     else the same keys read from plain JSON (a verdict written by another version)."""
-    from decodescope.records import Verdict, read_record
-
     path = run_dir / "data" / "verdict.json"
     try:
         v = read_record(path, Verdict)
     except (OSError, ValueError):  # RecordError is a ValueError; so is a file that is not UTF-8
-        raw = _read_json_dict(path) or {}
+        raw = read_json_dict(path) or {}
         b = raw.get("bottleneck") if isinstance(raw.get("bottleneck"), dict) else {}
         s = raw.get("serving") if isinstance(raw.get("serving"), dict) else None
         cls = b.get("class", b.get("cls"))
@@ -154,15 +145,13 @@ def headline_html(run_dir: Path) -> str:
 def read_manifest(run_dir: Path) -> Optional[dict]:
     """manifest.json as a dict: through RunManifest when it validates, else as plain JSON; None when
     the directory has none; {} when it cannot be read as a JSON object."""
-    from decodescope.records import RunManifest, read_record
-
     path = Path(run_dir) / "manifest.json"
     if not path.is_file():
         return None
     try:
         return read_record(path, RunManifest).to_json_dict()
     except (OSError, ValueError):  # RecordError is a ValueError; so is a file that is not UTF-8
-        return _read_json_dict(path) or {}
+        return read_json_dict(path) or {}
 
 
 def _get(d: Any, *keys: str) -> Any:
@@ -177,7 +166,7 @@ def _text(value: Any) -> str:
 
 def host_text(run_dir: Path, manifest: dict) -> str:
     """Hostname and GPUs ('2x NVIDIA H200', or 'no GPU') from the manifest and data/host.json."""
-    inv = _read_json_dict(Path(run_dir) / "data" / "host.json") or {}
+    inv = read_json_dict(Path(run_dir) / "data" / "host.json") or {}
     hostname = _get(manifest, "host", "hostname") or _get(inv, "cpu", "hostname")
     gpus = inv.get("gpus") if isinstance(inv.get("gpus"), list) else []
     names = Counter(str(g.get("name", "GPU")) for g in gpus if isinstance(g, dict))
@@ -378,8 +367,6 @@ step's op time on the median rank) from <code>data/verdict.json</code>; {html_te
 
 def default_output_dir() -> Path:
     """The repository's outputs/ (the current directory's for an installed wheel)."""
-    from decodescope.resources import source_checkout
-
     root = source_checkout()
     return (root if root is not None else Path.cwd()) / "outputs"
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from decodescope.microbench import with_timing_columns
 
 LINK_CLASS_ORDER = ["self", "nvlink", "pcie_switch", "host_bridge", "cross_socket", "unknown"]
 
@@ -94,8 +97,6 @@ def telemetry_over_time(server: pd.DataFrame, gpu: pd.DataFrame):
     """The server's running and waiting requests and KV-cache usage over the sweep, and per GPU its power
     and SM clock when NVML was sampled; each level shaded and named (serving.telemetry.timeseries's tables,
     x = sweep_s). None when nothing was sampled."""
-    from plotly.subplots import make_subplots
-
     if server.empty and gpu.empty:
         return None
     panels = [("requests", [("running", "running"), ("waiting", "waiting")]),
@@ -247,8 +248,6 @@ def gemm_step_total(per_step: pd.DataFrame) -> go.Figure:
 
 
 def collective_latency_vs_size(coll: pd.DataFrame, fit: pd.DataFrame) -> go.Figure:
-    from decodescope.microbench import with_timing_columns
-
     ok = coll[(coll["part"] == "sweep") & (coll["status"] == "ok") & (coll["rank"] == coll["rank"].min())]
     ok = with_timing_columns(ok)
     fig = go.Figure()
@@ -271,8 +270,6 @@ def collective_latency_vs_size(coll: pd.DataFrame, fit: pd.DataFrame) -> go.Figu
 
 
 def burst_vs_batch(coll: pd.DataFrame) -> go.Figure:
-    from decodescope.microbench import with_timing_columns
-
     b = with_timing_columns(coll[(coll["part"] == "burst") & (coll["status"] == "ok")])
     b = b[b["rank"] == b["rank"].min()]
     fig = go.Figure([go.Scatter(x=g["batch"], y=g["time_us"] / 1e3, mode="lines+markers", name=f"{comm} {mode}",

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pandas as pd
 
-from decodescope.records import LevelReconcileRow, ProjectionRow, AttributionRow, HostInventory, ReconcileRow, Verdict, frame
+from decodescope.hardware import pairs_frame
+from decodescope.microbench_report import measured_dtypes
+from decodescope.records import (AttributionRow, CurveRow, FINDING_TOPICS, HostInventory, LevelReconcileRow,
+                                 ProjectionRow, ReconcileRow, ReplayRow, VariantRow, Verdict, frame)
 from decodescope.report import plots
 from decodescope.report.display import show, show_note, show_table
+from decodescope.verdict import LEVEL_TOLERANCE
 
 
 def host_interconnect(inv: HostInventory, tables: dict, source: str) -> None:
-    from decodescope.hardware import pairs_frame
-
     if "gpus" not in tables:
         show_note("**No NVIDIA GPU on this host** (`nvidia-smi` absent or found none): the embedded default "
                   "runs on the CPU.")
@@ -31,8 +33,6 @@ def host_peaks(tables: dict, source: str) -> None:
 
 
 def gemm_per_dtype(gemm: pd.DataFrame) -> None:
-    from decodescope.microbench import measured_dtypes
-
     for dtype in measured_dtypes(gemm):
         show(plots.gemm_time_vs_batch(gemm, dtype))
 
@@ -52,7 +52,6 @@ def verdict_levels(v: Verdict) -> None:
     if not v.levels:
         show_note("*No serving sweep in this run: nothing to set the step against.*")
         return
-    from decodescope.verdict import LEVEL_TOLERANCE
 
     df = frame(v.levels, LevelReconcileRow)
     off = df[df["within_tolerance"] == False]  # noqa: E712 (None = no profile to compare with)
@@ -83,7 +82,6 @@ def verdict_curves(v: Verdict) -> None:
     if not v.curves:
         show_note("*No step model in this run: it needs 02 (GEMMs) and, above one GPU, 03 (collectives).*")
         return
-    from decodescope.records import CurveRow
 
     show(plots.tpot_vs_throughput(frame(v.curves, CurveRow)))
     if v.step_model:
@@ -97,7 +95,6 @@ def verdict_findings(v: Verdict) -> None:
     """The verdict page: each sentence with a link to its figure and its files."""
     if not v.findings:
         return
-    from decodescope.records import FINDING_TOPICS
 
     lines = []
     for topic, title in FINDING_TOPICS.items():
@@ -117,7 +114,6 @@ def verdict_replay(v: Verdict) -> None:
     if not v.replay:
         show_note("*No step replay in this run (03 runs it), or no GEMMs (02) to price it.*")
         return
-    from decodescope.records import ReplayRow
 
     df = frame(v.replay, ReplayRow)
     show(plots.replay_vs_model(df))
@@ -129,7 +125,6 @@ def verdict_variants(v: Verdict) -> None:
     if not v.variants:
         show_note("*No variants in this run (params `experiments:`).*")
         return
-    from decodescope.records import VariantRow
 
     df = frame(v.variants, VariantRow)
     show(plots.variant_bars(df))

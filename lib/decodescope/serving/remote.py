@@ -20,6 +20,14 @@ from typing import Optional
 
 import pandas as pd
 
+from decodescope.host import host_for
+from decodescope.hostcore import LinkDropped
+from decodescope.records import read_record
+from decodescope.records_server import LinkMeasure
+from decodescope.server import log_tail
+from decodescope.serving.sweep import SweepConfig, combine, run_sweep
+from decodescope.serving.telemetry_read import TELEMETRY_DIR
+
 CONFIG_ENV = "DECODESCOPE_SWEEP_CONFIG"
 
 
@@ -34,11 +42,6 @@ def url_on_host(params) -> str:
 def sweep_on_host(ctx, server) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The phase's sweep run by the load generator on the server's host; levels already finished here are
     skipped there too (they are copied there first), each finished level comes back as it is written."""
-    from decodescope.host import LinkDropped, host_for
-    from decodescope.server import log_tail
-    from decodescope.serving.sweep import SweepConfig, combine
-    from decodescope.serving.telemetry import TELEMETRY_DIR
-
     params = ctx.params
     host = host_for(params)
     cfg = dataclasses.replace(SweepConfig.from_params(params, url_on_host(params)), telemetry_gpu=True)
@@ -66,30 +69,31 @@ def sweep_on_host(ctx, server) -> tuple[pd.DataFrame, pd.DataFrame]:
     return combine(ctx.data_dir, cfg.slo)
 
 
+def _ms(value: Optional[float]) -> str:
+    return f"{float('nan') if value is None else value:.2f}"
+
+
 def link_note(data_dir: Path, params) -> str:
     """What the network between this client and the server adds to the figures ('' for a local host)."""
     path = Path(data_dir) / "link.json"
     if not path.is_file():
         return ""
-    link = json.loads(path.read_text())
-    added = link.get("added_p50_ms")
-    measured = (f"GET /health p50 {link.get('via_tunnel_p50_ms', float('nan')):.2f} ms through the tunnel, "
-                f"{link.get('on_host_p50_ms', float('nan')):.2f} ms on the host itself, {link.get('n')} round trips "
-                f"each ({path.parent.parent.name}/data/link.json)")
+    link = read_record(path, LinkMeasure)
+    added = link.added_p50_ms
+    measured = (f"GET /health p50 {_ms(link.via_tunnel_p50_ms)} ms through the tunnel, {_ms(link.on_host_p50_ms)} "
+                f"ms on the host itself, {link.n} round trips each ({path.parent.parent.name}/data/link.json)")
     if params.host.loadgen == "remote":
-        return (f"**Network:** the load generator ran on {link.get('host')}, next to the server, and its records "
+        return (f"**Network:** the load generator ran on {link.host}, next to the server, and its records "
                 f"were copied back: these figures carry no network. (The ssh tunnel from here would add about "
                 f"{added:.2f} ms per round trip: {measured}.)") if added is not None else ""
-    return (f"**Network:** the server runs on {link.get('host')} and this client reaches it through an ssh tunnel, "
-            f"which adds about {added if added is not None else float('nan'):.2f} ms to every round trip "
+    return (f"**Network:** the server runs on {link.host} and this client reaches it through an ssh tunnel, "
+            f"which adds about {_ms(added)} ms to every round trip "
             f"({measured}). TTFT and E2E below include it once per request; ITL and TPOT carry only its jitter. "
             "A client far from the server measures the network too: to leave it out, set `host.loadgen: remote` "
             "(the load generator then runs on the host and its records are copied back).")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from decodescope.serving.sweep import SweepConfig, run_sweep
-
     argv = sys.argv[1:] if argv is None else argv
     doc = json.loads(os.environ.pop(CONFIG_ENV))
     fields = {f.name for f in dataclasses.fields(SweepConfig)}

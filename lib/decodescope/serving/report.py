@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pandas as pd
 
+from decodescope.serving.compare import load_vllm_bench_result, side_by_side
 from decodescope.serving.metrics import (CLIENT_CPU_LIMIT_PCT, COALESCED_FRAC_LIMIT, COALESCED_GAP_US,
                                          LITTLES_LIMIT_PCT, LOOP_LAG_P99_LIMIT_MS)
+from decodescope.serving.telemetry_read import failures, gpu_unavailable
 
 
 def levels_table(levels: pd.DataFrame) -> pd.DataFrame:
@@ -68,8 +70,6 @@ def littles_note(levels: pd.DataFrame) -> str:
 
 def comparison_table(levels: pd.DataFrame, params) -> pd.DataFrame:
     """Our levels beside any `vllm bench serve --save-result` files the params name (ms)."""
-    from decodescope.serving.compare import load_vllm_bench_result, side_by_side
-
     rows = [load_vllm_bench_result(params.resolve(p)) for p in params.workload.compare_with]
     if not rows:
         return pd.DataFrame()
@@ -123,8 +123,6 @@ def telemetry_table(levels: pd.DataFrame) -> pd.DataFrame:
 def telemetry_note(telemetry: pd.DataFrame) -> str:
     """What the telemetry sampled and what it could not: failed /metrics samples (by error) and why there
     are no GPU samples."""
-    from decodescope.serving.telemetry import failures, gpu_unavailable
-
     if telemetry.empty:
         return ("**Telemetry:** none recorded (`workload.telemetry_interval_s: 0`, or the levels were measured "
                 "before telemetry existed).")

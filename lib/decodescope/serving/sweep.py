@@ -20,11 +20,14 @@ import aiohttp
 import pandas as pd
 
 from decodescope.io import write_json_atomic, write_parquet_atomic
+from decodescope.report.display import show_note
 from decodescope.rundir import level_file
 from decodescope.serving.client import InFlight, LoopHealth, RequestRecord, RequestSpec, make_prompts, run_async
 from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import level_summary, per_request
-from decodescope.serving.telemetry import NoTelemetry, Telemetry, level_telemetry
+from decodescope.serving.telemetry import NoTelemetry, Telemetry
+from decodescope.serving.telemetry_read import level_telemetry
+from decodescope.stats import band
 
 REQUEST_COLUMNS = ["level", "index", "warmup", "ok", "error_class", "error_text", "send_ns", "first_chunk_ns",
                    "end_ns", "chunk_ns", "n_out_usage", "n_out_chunks", "n_in_usage", "n_in_sent", "connect_us"]
@@ -49,6 +52,7 @@ class SweepConfig:
     telemetry_interval_s: float = 1.0     # 0: no server/GPU telemetry (serving.telemetry)
     telemetry_gpu: bool = True            # NVML on this host too (when the server is on it)
     repeats: int = 1                      # each level measured this many times (the sweep, again and again)
+    completions_prompt: str = "token_ids"  # or "text" (serving.client.RequestSpec)
 
     @classmethod
     def from_params(cls, params, base_url: str, model: Optional[str] = None) -> "SweepConfig":
@@ -88,7 +92,8 @@ async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int],
 
     async def one(i: int, is_warmup: bool) -> RequestRecord:
         ids, text = next(prompt_cycle)
-        spec = RequestSpec(cfg.endpoint, cfg.model, ids, text, cfg.output_tokens, cfg.timeout_s)
+        spec = RequestSpec(cfg.endpoint, cfg.model, ids, text, cfg.output_tokens, cfg.timeout_s,
+                           cfg.completions_prompt)
         rec = RequestRecord(level=level, index=i, warmup=is_warmup, send_ns=0)
         return await send_streaming_raw(cfg.base_url, spec, rec, cfg.api_key)
 
@@ -177,8 +182,6 @@ BAND_COLUMNS = ("tpot_p50_us", "ttft_p50_us", "itl_p50_us", "e2e_p50_us", "outpu
 def merge_repeats(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per level from its repeats: the median of every number, the first of anything else,
     `repeats`, and a 95% band (bootstrap of the median, decodescope.stats) for BAND_COLUMNS."""
-    from decodescope.stats import band
-
     out = []
     for level, g in rows.groupby("level", sort=True):
         row = {}
@@ -338,13 +341,12 @@ def _reader_note(text: str) -> None:
     except (OSError, ValueError):
         pass
     try:
+        # IPython: a note for a notebook's reader, only where IPython runs
         from IPython import get_ipython
     except ImportError:
         return
     shell = get_ipython()
     if shell is not None and getattr(shell, "kernel", None) is not None:
-        from decodescope.report.display import show_note
-
         show_note(f"**Note:** {text}")
 
 

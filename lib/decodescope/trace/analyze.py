@@ -128,6 +128,8 @@ def steps_from_annotations(events: pd.DataFrame) -> pd.DataFrame:
         sel = sel[sel["name"].astype(str).str.contains(STEP_ANY)]
         if sel.empty:
             continue
+        if source == "gpu_user_annotation":
+            sel = _one_span_per_step(sel)
         for r in sel.itertuples():
             m = STEP_NAME.search(str(r.name))
             ctx_reqs, ctx_tok, gen_reqs, gen_tok = (int(g) for g in m.groups()) if m else (0, 0, 0, 0)
@@ -142,6 +144,19 @@ def steps_from_annotations(events: pd.DataFrame) -> pd.DataFrame:
     steps = steps.sort_values(["rank", "start_us"]).reset_index(drop=True)
     steps["step"] = steps.groupby("rank").cumcount()
     return steps
+
+
+def _one_span_per_step(spans: pd.DataFrame) -> pd.DataFrame:
+    """The GPU-side spans of one step as one: Kineto writes a step's annotation once per stream its
+    kernels ran on (vLLM 0.26's CUDA-graph decode runs on two: a 3 ms span and a 0.5 ms span inside it,
+    both with the CPU range's External id), so a step spans from its first start to its last end."""
+    if "external_id" not in spans or not (spans["external_id"] >= 0).any():
+        return spans
+    keyed = spans[spans["external_id"] >= 0]
+    end = (keyed["ts_us"] + keyed["dur_us"]).groupby([keyed["rank"], keyed["external_id"]]).transform("max")
+    start = keyed.groupby(["rank", "external_id"])["ts_us"].transform("min")
+    merged = keyed.assign(ts_us=start, dur_us=end - start).drop_duplicates(["rank", "external_id"])
+    return pd.concat([merged, spans[spans["external_id"] < 0]])
 
 
 def steps_from_gaps(ops: pd.DataFrame, min_gap_us: float = 200.0) -> pd.DataFrame:

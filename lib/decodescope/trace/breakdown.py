@@ -18,6 +18,8 @@ from typing import Callable, Optional
 from decodescope.trace.load import rank_trace_files, ranked
 from decodescope.trace.reader import TraceError, TraceMeta
 from decodescope.trace import creduce
+from decodescope.trace.categorize import categorize_names
+from decodescope.trace.cscan import library
 from decodescope.trace.totals import RankTotals
 
 
@@ -42,8 +44,6 @@ class StreamedBreakdown:
 
 
 def _by_category(rank: int, names: dict[str, dict], device: str, rules) -> list[dict]:
-    from decodescope.trace.categorize import categorize_names
-
     mapping = categorize_names(list(names), device, rules)
     acc: dict[str, list] = {}
     for n, v in names.items():
@@ -121,7 +121,6 @@ def breakdown_dir(trace_dir: "str | Path", workers: Optional[int] = None, rules=
     workers = workers or (os.cpu_count() or 1)
     # the rules and the C library loaded once, before any thread or worker needs them
     from decodescope.trace.categorize import default_rules
-    from decodescope.trace.cscan import library
 
     if rules is None:
         default_rules()

@@ -14,19 +14,28 @@ measured too as profiler_event_cost_us: the fallback where /metrics has no inter
 """
 from __future__ import annotations
 
-
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from decodescope.server import ServerHTTPError, ServerUnreachable
+import pandas as pd
+
+from decodescope.host import mirror_move, node_traces
+from decodescope.server import ServerHTTPError, ServerUnreachable, log_tail, phase_server
 from decodescope.serving.client import run_async
-from decodescope.serving.telemetry import Scraper
+from decodescope.serving.promtext import ENGINE_STEPS, HISTOGRAM_MEANS, Scraper, counter_delta, histogram_mean_between
+from decodescope.serving.telemetry import SETTLE_S
 from decodescope.serving.sweep import (SERVER_FAILURE_CLASSES, SweepConfig, build_prompts, records_frame, run_level,
                                       warmup_count)
 from decodescope.trace.load import find_trace_files
-from decodescope.io import gzip_complete
+from decodescope.io import gzip_complete, write_parquet_atomic
+from decodescope.params_schema import KNEE
+from decodescope.procs import cpu_per_step, cpu_schedstat
+from decodescope.recordbase import write_record
+from decodescope.records import ProfileCapture, ProfileCaptures
+from decodescope.serving.metrics import knee
 
 
 class CaptureError(RuntimeError):
@@ -63,7 +72,7 @@ class CaptureResult:
     def engine_itl_unprofiled_us(self) -> Optional[float]:
         return unprofiled_itl_us(self.engine_itl_unprofiled_runs_us)
 
-    def to_dict(self) -> dict:
+    def to_record(self) -> ProfileCapture:
         d = dict(self.__dict__)
         d["trace_dir"] = str(self.trace_dir)
         for k in ("rank_files", "frontend_files", "tables"):
@@ -72,7 +81,7 @@ class CaptureResult:
         d["window_noise"] = itl_window_noise(self.engine_itl_unprofiled_runs_us, self.engine_itl_profiled_us)
         d["profiler_step_cost_us"] = profiler_step_cost_us(self.engine_itl_unprofiled_runs_us,
                                                            self.engine_itl_profiled_us)
-        return d
+        return ProfileCapture.model_validate(d)
 
     def raise_if_incomplete(self) -> None:
         """After the traces that arrived were analysed: a capture that lost ranks fails the phase."""
@@ -183,8 +192,6 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     t2 = time.monotonic()
     df = records_frame(records)
     if records_path is not None:
-        from decodescope.io import write_parquet_atomic
-
         write_parquet_atomic(records_path, df)
     if df["error_class"].isin(SERVER_FAILURE_CLASSES).any():
         server.raise_if_dead("the profiled workload")
@@ -221,6 +228,7 @@ def profiler_event_cost_us(n_ops: int = 20000, repeats: int = 3) -> Optional[flo
     """What torch.profiler (CPU activity, no stacks or shapes: how the server is started) adds to one
     recorded op: a tiny op timed n_ops times with and without it, the least difference of `repeats`."""
     try:
+        # torch: the cpu/gpu extras only; the analysis side imports this module without it
         import torch
         from torch.profiler import ProfilerActivity, profile
     except Exception:
@@ -255,10 +263,6 @@ class EngineWindow:
 
 def _engine_window(scraper, workload, pids=()):
     """(what `workload()` returned, its EngineWindow); a failed scrape leaves the /metrics figures None."""
-    from decodescope.procs import cpu_per_step, cpu_schedstat
-    from decodescope.serving.telemetry import (ENGINE_STEPS, HISTOGRAM_MEANS, SETTLE_S, counter_delta,
-                                               histogram_mean_between)
-
     before, cpu0 = scraper.scrape()[2], cpu_schedstat(pids)
     result = workload()
     time.sleep(SETTLE_S)  # the engine records the last iteration's stats after its output went out
@@ -271,8 +275,6 @@ def _engine_window(scraper, workload, pids=()):
 
 def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:
     """/stop_profile failed: the workers died or failed writing their traces; the server log says why."""
-    from decodescope.server import log_tail
-
     log_path = getattr(server, "log_path", None)
     where = (f"last lines of {log_path}:\n{log_tail(log_path)}" if log_path and Path(log_path).is_file()
              else "see the server's own log")
@@ -284,11 +286,6 @@ def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:
 def profile_levels(params, serving_levels_path: Optional[Path]) -> tuple[list[int], list[str]]:
     """profile.concurrency resolved against 01's levels: ('knee' -> 01's knee, or its highest level
     when throughput still grows), duplicates dropped, in the order given; and notes on what changed."""
-    import pandas as pd
-
-    from decodescope.params import KNEE
-    from decodescope.serving.metrics import knee
-
     out: list[int] = []
     notes: list[str] = []
     for c in params.profile.concurrency:
@@ -324,12 +321,8 @@ def level_dir_name(concurrency: int) -> str:
 def _file_level(result: CaptureResult, trace_dir: Path, params=None) -> CaptureResult:
     """Move one capture's files into traces/c<N>/ (an earlier capture there is replaced), so each level
     is its own trace directory."""
-    import shutil
-
     dest = trace_dir / level_dir_name(result.concurrency)
     if params is not None:  # on an ssh host the same move there first, or copying traces/ back brings them back
-        from decodescope.host import mirror_move
-
         mirror_move(params, [*result.rank_files, *result.frontend_files,
                              *(p for p in result.tables if p.parent == trace_dir)], dest)
     if dest.exists():
@@ -351,13 +344,9 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str]]:
     its profiler directory (or a server started here for this notebook alone, with the same
     directory); each level's files end in traces/c<N>/ and its records in data/profile/c<N>/. A level
     whose capture loses ranks is kept (its problems say so); one with no trace at all stops the phase."""
-    from decodescope.io import write_json_atomic
-    from decodescope.server import phase_server
-
     trace_dir = ctx.run_dir / "traces"
     levels, notes = profile_levels(ctx.params, ctx.data("serving_levels.parquet"))
     results = []
-    from decodescope.host import node_traces
 
     # node_traces: an attached server's traces on the ssh host(s) (host.trace_dir) copied into traces/node<i>/
     with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server, node_traces(ctx.params, trace_dir):
@@ -368,10 +357,10 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str]]:
             result = capture_profile(server, ctx.params, trace_dir, concurrency=c,
                                      records_path=level_data / "profile_requests.parquet")
             result = _file_level(result, trace_dir, ctx.params)
-            write_json_atomic(level_data / "profile_capture.json", result.to_dict())
+            write_record(level_data / "profile_capture.json", result.to_record())
             if not result.rank_files:
                 result.raise_if_incomplete()
             results.append(result)
-    write_json_atomic(ctx.data("profile_capture.json"), {"levels": levels, "notes": notes,
-                                                         "captures": [r.to_dict() for r in results]})
+    write_record(ctx.data("profile_capture.json"), ProfileCaptures(levels=levels, notes=notes,
+                                                                    captures=[r.to_record() for r in results]))
     return results, notes

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -127,6 +129,7 @@ def _rules_document(path: Path) -> dict:
         return json.loads(cached.read_bytes())
     except (OSError, ValueError):
         pass
+    # yaml only when the rules' JSON cache is stale (analyze-trace's start-up budget)
     import yaml
 
     try:
@@ -153,8 +156,6 @@ def demangle(names: Iterable[str]) -> dict[str, str]:
     names = list(dict.fromkeys(names))
     mangled = [n for n in names if n.startswith("_Z")]
     out = {n: n for n in names}
-    import shutil
-    import subprocess
 
     if mangled and shutil.which("c++filt"):
         res = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True, timeout=60)
@@ -178,6 +179,7 @@ def categorize_names(names: Iterable[str], device: str, rules: Optional[RuleSet]
 def add_categories(df: "pd.DataFrame", device: str, rules: Optional[RuleSet] = None) -> "pd.DataFrame":
     """A `category` column, computed once per distinct name (through the name's categorical codes,
     so long kernel names are never copied per row)."""
+    # lean: analyze-trace --breakdown loads this module without numpy or pandas (cli.py's start-up budget)
     import numpy as np
     import pandas as pd
 
@@ -230,7 +232,3 @@ def communicator_of(name: str) -> str:
             return comm
     return "unknown"
 
-
-def micro_communicator_for(profile_comm: str) -> str:
-    """The probe's communicator name for the one the profile saw."""
-    return {"nccl": "torch_nccl"}.get(profile_comm, profile_comm)

@@ -13,6 +13,7 @@ import ctypes
 from pathlib import Path
 from typing import Optional
 
+from decodescope.trace.categorize import categorize_names
 from decodescope.trace.totals import RankTotals
 from decodescope.trace.cscan import NOT_MINE, library
 from decodescope.trace.reader import TraceMeta, _kineto, body_start, finish_meta, name_rule, opened
@@ -65,8 +66,6 @@ def _results(lib, state, cpu: bool, is_gpu: bool, rules) -> tuple[RankTotals, di
     kept += _kept(names, op_rows[:n], rt_rows[:n], op_nameless, rt_nameless, is_gpu)
     calls = [0] * n
     if cpu and n_pairs:
-        from decodescope.trace.categorize import categorize_names
-
         child, parent = _array(ctypes.c_int32, n_pairs), _array(ctypes.c_int32, n_pairs)
         count = _array(ctypes.c_int64, n_pairs)
         lib.kr_pairs(state, child, parent, count)

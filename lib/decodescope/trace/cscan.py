@@ -13,6 +13,7 @@ tokenizer reads ~1 GB/s, so a rank file is read faster than it decompresses.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ from decodescope.trace.reader import COMM_CPU_OP, KEPT_CATS, LAUNCH_RUNTIME, _js
 if TYPE_CHECKING:  # numpy where chunks are read into columns: creduce.py loads the library without it
     import numpy as np
 
-    from decodescope.trace.parse import _Columns
+    from decodescope.trace.columns import _Columns
 
 SOURCE = Path(__file__).with_name("_kscan.c")
 NOT_MINE, FULL = -1, -2
@@ -44,8 +45,6 @@ def library() -> Optional[ctypes.CDLL]:
     if os.environ.get("DECODESCOPE_NO_CSCAN"):
         return None
     try:
-        import hashlib
-
         src = SOURCE.read_bytes()
         tag = hashlib.sha256(src + sys.platform.encode() + os.uname().machine.encode()).hexdigest()[:16]
         so = cache_dir() / f"kscan-{tag}.so"
@@ -90,6 +89,7 @@ class NameIndex:
 
     def lookup(self, cols: _Columns, buf: bytes, hashes: np.ndarray, off: np.ndarray, length: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # lean: analyze-trace --breakdown loads this module without numpy or pandas (cli.py's start-up budget)
         import numpy as np
 
         uniq, first, inv = np.unique(hashes, return_index=True, return_inverse=True)
@@ -116,6 +116,7 @@ def scan_chunk(buf: bytes, lo: int, hi: int, is_gpu: bool, cols: _Columns, names
     lib = library()
     if lib is None:
         return None
+    # lean: analyze-trace --breakdown loads this module without numpy or pandas (cli.py's start-up budget)
     import numpy as np
 
     cap = (hi - lo) // 64 + 64

@@ -17,7 +17,7 @@ from decodescope.trace.reader import TraceError, TraceMeta, json_size
 if TYPE_CHECKING:
     import pandas as pd
 
-    from decodescope.trace.parse import _Columns
+    from decodescope.trace.columns import _Columns
 
 TRACE_FILE = re.compile(r"\.json(\.gz)?$")
 FRONTEND_TRACE = re.compile(r"async_llm|api_server|frontend", re.I)
@@ -90,6 +90,7 @@ def plan_processes(sizes: list[int], workers: int, min_bytes: int = FILES_IN_PRO
 
 def _parse_one(path: str, workers: int = 1, as_payload: bool = False):
     """(path, columns, meta, error) of one file; the columns as plain arrays when sent back from a worker."""
+    # lean: trace.parse loads pandas; analyze-trace --breakdown loads this module without it (start-up budget)
     from decodescope.trace.parse import parse_columns
 
     try:
@@ -105,7 +106,8 @@ def _columns_from(payload) -> Optional[_Columns]:
     """A worker's columns, as _parse_one sent them back."""
     if payload is None:
         return None
-    from decodescope.trace.parse import _Columns
+    # lean: trace.parse loads pandas; analyze-trace --breakdown loads this module without it (start-up budget)
+    from decodescope.trace.columns import _Columns
 
     cols = _Columns()
     cols.merge(payload)
@@ -121,6 +123,7 @@ def parse_all(files: list[Path], workers: int, one=_parse_one, received=lambda p
     n_workers = max(owner)
     if not n_workers:
         return [one(str(f), workers) for f in files]
+    # lean: trace.parse loads pandas; analyze-trace --breakdown loads this module without it (start-up budget)
     from decodescope.trace.parse import _process_pool
 
     results: list = [None] * len(files)
@@ -155,6 +158,7 @@ def _lone_trace_as_rank0(results: list, trace_dir: Path) -> Optional[str]:
 
 
 def load_trace_dir(trace_dir: Path, workers: Optional[int] = None) -> LoadedTraces:
+    # lean: trace.parse loads pandas; analyze-trace --breakdown loads this module without it (start-up budget)
     from decodescope.trace.parse import small_pages
 
     with small_pages():
@@ -211,10 +215,11 @@ def ranked(results: list, trace_dir: Path, front: list[Path]
 def _table(parts: list[_Columns], metas: list[TraceMeta]) -> "pd.DataFrame":
     """One table of every rank's columns, built once (no per-rank tables to concatenate): the string
     dictionaries are united in rank order, as pandas' union_categoricals would."""
+    # lean: trace.parse loads pandas; analyze-trace --breakdown loads this module without it (start-up budget)
     import numpy as np
     import pandas as pd
 
-    from decodescope.trace.parse import _Columns
+    from decodescope.trace.columns import _Columns
 
     if not parts:
         return pd.DataFrame()

@@ -11,7 +11,9 @@ from decodescope import arch as archmod
 from decodescope.io import write_parquet_atomic
 from decodescope.records import ProfileSummary, StepMedians, write_record
 from decodescope.trace import analyze as an
-from decodescope.trace.load import LoadedTraces
+from decodescope.trace.capture import capture_for_phase, level_dir_name
+from decodescope.trace.categorize import class_of, communicator_of
+from decodescope.trace.load import LoadedTraces, load_trace_dir
 
 if TYPE_CHECKING:  # a type name only: capture (a phase) imports this module
     from decodescope.trace.capture import CaptureResult
@@ -98,8 +100,6 @@ def allreduce_transfer_per_step(skew: pd.DataFrame, steps: pd.DataFrame, kind: s
 
 def allreduce_communicators(ops: pd.DataFrame) -> dict[str, float]:
     """Which all-reduce implementation ran (from op/kernel names), as shares of all-reduce time."""
-    from decodescope.trace.categorize import communicator_of
-
     ar = ops[ops["category"].astype(str).isin(an.ALLREDUCE_CATEGORIES)]
     if ar.empty:
         return {}
@@ -180,9 +180,6 @@ def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
     """04_profile's work: capture every level of profile.concurrency, analyse each level's traces and
     write its files to data/profile/c<N>/; the first level is also written to data/ (the detailed
     sections of 04 and the verdict's reconciliation read it there)."""
-    from decodescope.trace.capture import capture_for_phase, level_dir_name
-    from decodescope.trace.load import load_trace_dir
-
     captures, notes = capture_for_phase(ctx)
     out = []
     for cap in captures:
@@ -198,8 +195,6 @@ def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
 def growth_table(levels: list[ProfiledLevel]) -> pd.DataFrame:
     """The step at each profiled level, median rank: batch, wall, period (with the host's time
     between steps), and the time per step of each verdict class."""
-    from decodescope.trace.categorize import class_of
-
     rows = []
     for lv in levels:
         ps = lv.summary.per_step

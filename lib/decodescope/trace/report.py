@@ -6,6 +6,7 @@ from typing import Optional
 import pandas as pd
 
 from decodescope.records import ProfileSummary
+from decodescope.report import plots
 from decodescope.trace.profile import ProfileResult
 
 
@@ -92,7 +93,5 @@ def timeline_step(result: ProfileResult) -> tuple[Optional[int], str]:
 def timeline_figure(result: ProfileResult):
     """(sentence, figure) for the profile notebook's timeline: the step `timeline_step` picks, drawn on
     every rank, or None for the figure when no step can be shown (the sentence says why)."""
-    from decodescope.report import plots
-
     step, why = timeline_step(result)
     return why, (plots.step_timeline(result.ops, result.steps, step) if step is not None else None)

@@ -17,15 +17,19 @@ whose ops go back in time on a thread is read whole instead, with a warning: cor
 from __future__ import annotations
 
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
+from decodescope.trace.categorize import categorize_names
+from decodescope.trace.cscan import NameIndex, scan_chunk
 from decodescope.trace.totals import RankTotals
 from decodescope.trace.load import parse_all
 from decodescope.trace.nesting import NEST_EPS_US, parents_in_order, prev_in_thread
-from decodescope.trace.parse import TraceError, TraceMeta, _Columns, _read_chunk, parse_columns, small_pages
+from decodescope.trace.columns import _Columns
+from decodescope.trace.parse import TraceError, TraceMeta, _read_chunk, parse_columns, small_pages
 from decodescope.trace.reader import GPU_WORK
 
 
@@ -87,10 +91,6 @@ class _Reduction:
     # -- CPU ops: self times across chunks -------------------------------------------------------
     def _categories(self, codes: np.ndarray) -> np.ndarray:
         if len(self.category_of) < len(self.cols.dicts["name"]):  # new names this chunk: only they are listed
-            from itertools import islice
-
-            from decodescope.trace.categorize import categorize_names
-
             new = list(islice(self.cols.dicts["name"], len(self.category_of), None))
             mapping = categorize_names(new, "cpu", self.rules)
             ids = [self.category_ids.setdefault(mapping[n], len(self.category_ids)) for n in new]
@@ -184,8 +184,6 @@ class _Reduction:
 def _scanned_chunk(names, readers: dict[str, int]):
     """parse_columns' read_chunk: the C scanner (cscan.py), else the numpy reader; `readers` counts
     the chunks each read."""
-    from decodescope.trace.cscan import scan_chunk
-
     def read(buf: bytes, lo: int, hi: int, is_gpu: bool, cols: _Columns, name_ok: dict) -> int:
         seen = scan_chunk(buf, lo, hi, is_gpu, cols, names)
         if seen is not None:
@@ -198,8 +196,6 @@ def _scanned_chunk(names, readers: dict[str, int]):
 
 def reduce_file(path: "str | Path", rules=None, cpu: Optional[bool] = None) -> tuple[RankTotals, TraceMeta]:
     """One rank file reduced as it is read. Raises TraceError naming the file."""
-    from decodescope.trace.cscan import NameIndex
-
     red = _Reduction(rules, cpu)
     readers = {"c": 0, "numpy": 0}
     try:
