@@ -126,9 +126,10 @@ def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(r
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    where = json.loads(_run([vpy, "-c", "import json, decodescope.runner as r, decodescope.trace.categorize as c; "
+    where = json.loads(_run([vpy, "-c", "import json, decodescope.runner as r, decodescope.runmanifest as m, "
+                                        "decodescope.trace.categorize as c; "
                                         "print(json.dumps([r.__file__, str(r.NOTEBOOK_DIR), r.available_phases(), "
-                                        "str(c.DEFAULT_RULES), r.REPO_ROOT]))"], cwd=outside).stdout)
+                                        "str(c.DEFAULT_RULES), m.REPO_ROOT]))"], cwd=outside).stdout)
     module, notebooks, phases, rules, repo_root = where
     for path in (module, notebooks, rules):
         # the wheel's copies, not the repository's files
