@@ -278,8 +278,7 @@ FUNCTION_MAX_LINES = 80
 # Ratchets for what is still over (issue 28): each may shrink, none may grow, and each leaves the list
 # once under the limit (the test says so). trace/_kscan.c, the C scanner, is not Python and not counted.
 MODULES_OVER = {}
-FUNCTIONS_OVER = {"verdict.py:findings": 105,
-                  "hostagent.py:supervise": 104}
+FUNCTIONS_OVER: dict[str, int] = {}
 
 
 def function_lengths(source: str) -> dict[str, int]:

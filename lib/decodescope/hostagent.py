@@ -52,17 +52,46 @@ class _Stop(Exception):
 
 def supervise() -> int:
     fd = sys.stdin.fileno()
+    got = _read_spec(fd)
+    if got is None:
+        return 2
+    spec, buf = got
+    token = spec["token"]
+    child = _start_child(spec, token)
+    if isinstance(child, int):
+        return child
+    pgid = child.pid
+    _emit({"event": "started", "pid": child.pid, "pgid": pgid, "host": socket.gethostname()})
+
+    def on_signal(signum, frame):
+        raise _Stop(f"signal {signum}")
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+    shm: set[Path] = set()
+    reason, rc = _watch(child, fd, buf, token, float(spec.get("heartbeat_timeout_s") or 0), shm)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # the teardown finishes whatever arrives now
+    _teardown(spec, child, token, shm, reason, rc)
+    return 0
+
+
+def _read_spec(fd: int) -> tuple[dict, bytes] | None:
+    """The spec line, read unbuffered: what follows it (control lines) is read from fd later."""
     buf = b""
-    while b"\n" not in buf:  # the spec line, read unbuffered: what follows it is read from fd below
+    while b"\n" not in buf:
         data = os.read(fd, 65536)
         if not data:
-            return 2
+            return None
         buf += data
     line, buf = buf.split(b"\n", 1)
-    spec = json.loads(line)
-    token = spec["token"]
+    return json.loads(line), buf
+
+
+def _start_child(spec: dict, token: str) -> subprocess.Popen | int:
+    """The main process in its own session, its output appended to the log; an exit code on failure."""
     log = Path(spec["log"])
-    heartbeat_s = float(spec.get("heartbeat_timeout_s") or 0)
     try:
         for d in [log.parent, *map(Path, spec.get("mkdirs", []))]:
             d.mkdir(parents=True, exist_ok=True)
@@ -78,38 +107,32 @@ def supervise() -> int:
     env.update(spec.get("env", {}))
     env[procs.RUN_TOKEN_ENV] = token
     try:
-        child = subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd") or None, stdout=logf,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 preexec_fn=procs.new_session_dying_with_parent)
+        return subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd") or None, stdout=logf,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=procs.new_session_dying_with_parent)
     except OSError as e:
         _emit({"event": "error", "error": f"cannot start {spec['argv'][0]}: [Errno {e.errno}] {e.strerror}",
                "errno": e.errno})
         return 3
     finally:
         logf.close()
+
+
+def _watch(child: subprocess.Popen, fd: int, buf: bytes, token: str, heartbeat_s: float,
+           shm: set[Path]) -> tuple[str, int | None]:
+    """Until the tree must go: why, and the main process's exit code if it exited. The tree's /dev/shm
+    files seen meanwhile are added to shm."""
     pgid = child.pid
-    _emit({"event": "started", "pid": child.pid, "pgid": pgid, "host": socket.gethostname()})
-
-    def on_signal(signum, frame):
-        raise _Stop(f"signal {signum}")
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-
-    shm: set[Path] = set()
     last_seen = last_scan = time.monotonic()
-    reason, rc = "", None
     try:
         while True:
             rc = child.poll()
             if rc is not None:
-                reason = f"the main process exited with code {rc}"
                 _emit({"event": "exited", "rc": rc})
-                break
+                return f"the main process exited with code {rc}", rc
             now = time.monotonic()
             if heartbeat_s and now - last_seen > heartbeat_s:
-                reason = f"no word from the controller for {heartbeat_s:.0f} s (link hung)"
-                break
+                return f"no word from the controller for {heartbeat_s:.0f} s (link hung)", None
             if now - last_scan > SHM_SCAN_S:
                 shm |= procs.mapped_shm_files(procs.run_processes(token, [pgid]))
                 last_scan = now
@@ -118,8 +141,7 @@ def supervise() -> int:
                 continue
             data = os.read(fd, 4096)
             if not data:
-                reason = "the controller went away (ssh channel closed)"
-                break
+                return "the controller went away (ssh channel closed)", None
             last_seen = time.monotonic()
             buf += data
             stop = False
@@ -127,19 +149,22 @@ def supervise() -> int:
                 cmd, buf = buf.split(b"\n", 1)
                 cmd = cmd.strip().decode(errors="replace")
                 if cmd == "stop":
-                    reason, stop = "stopped by the controller", True
+                    stop = True
                 elif cmd == "tree":
                     pids = procs.run_processes(token, [pgid])
                     shm |= procs.mapped_shm_files(pids)
                     _emit({"event": "tree", "pids": pids, "shm": sorted(map(str, shm))})
             if stop:
-                break
+                return "stopped by the controller", None
     except _Stop as e:
-        reason = f"the supervisor got {e}"
+        return f"the supervisor got {e}", None
     except KeyboardInterrupt:
-        reason = "the supervisor was interrupted"
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)  # the teardown finishes whatever arrives now
+        return "the supervisor was interrupted", None
+
+
+def _teardown(spec: dict, child: subprocess.Popen, token: str, shm: set[Path], reason: str,
+              rc: int | None) -> None:
+    pgid = child.pid
     left = procs.run_processes(token, [pgid])
     shm |= procs.mapped_shm_files(left)
     signalled = procs.terminate(token, [pgid], grace_s=float(spec.get("grace_s", 15))) if left else []
@@ -153,7 +178,6 @@ def supervise() -> int:
     removed = procs.remove_shm(procs.shm_idents(shm), shm)
     _emit({"event": "teardown", "reason": reason, "rc": rc, "signalled": signalled,
            "shm_removed": [str(p) for p in removed], "left": procs.run_processes(token, [pgid])})
-    return 0
 
 
 def info(workdir: str = "") -> int:

@@ -345,6 +345,11 @@ NO_HELP_PCT = -5.0          # a fix projected to gain less than 5% of TPOT "woul
 
 def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dict]:
     """The campaign's reasoning, sentence by sentence, each with the figure and files it reads."""
+    return (_bottleneck_findings(v, summary, tp) + _reconcile_findings(v) + _model_findings(v)
+            + _preemption_findings(v) + _variant_findings(v) + _fix_findings(v))
+
+
+def _bottleneck_findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dict]:
     out = []
     prof = ["data/profile_summary.json"]
     if v.bottleneck and summary:
@@ -352,16 +357,7 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
         out.append({"topic": "bottleneck", "figure": "profile-breakdown", "files": prof, "text":
                     f"The largest share of a decode step is {v.bottleneck.cls}: {100 * v.bottleneck.share:.0f}% of op time "
                     f"on the median rank; all-reduce alone takes {ar} of all op time."})
-        exp = pd.DataFrame(summary.expected_vs_observed)
-        if not exp.empty and "observed_per_step" in exp:
-            for r in exp[exp["rank"] == exp["rank"].min()].itertuples():
-                op, observed, expected = r.collective, r.observed_per_step, r.expected_per_step
-                if expected is not None and expected == expected:
-                    per_call = summary.allreduce_mean_us.get(str(getattr(r, "rank", 0)))
-                    out.append({"topic": "bottleneck", "figure": "profile-expected", "files": prof, "text":
-                                f"{op}: {observed:g} calls per step against {expected:g} the architecture issues at "
-                                f"tensor-parallel {tp}" + (f"; {per_call:.1f} us per call in the step" if per_call and
-                                                            op == "all_reduce" else "") + "."})
+        out += _collective_count_findings(summary, tp)
         ps = summary.per_step
         if ps.summed_us_median and ps.wall_us_median:
             out.append({"topic": "bottleneck", "figure": "profile-summed-wall", "files": prof + ["data/kernels.parquet"],
@@ -373,6 +369,27 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
     if v.engine:
         out.append({"topic": "bottleneck", "figure": "profile-breakdown", "files": ["logs/server.log"],
                     "text": f"The engine measured: {v.engine} (its own log)."})
+    return out
+
+
+def _collective_count_findings(summary: ProfileSummary, tp: int) -> list[dict]:
+    out: list[dict] = []
+    exp = pd.DataFrame(summary.expected_vs_observed)
+    if exp.empty or "observed_per_step" not in exp:
+        return out
+    for r in exp[exp["rank"] == exp["rank"].min()].itertuples():
+        op, observed, expected = r.collective, r.observed_per_step, r.expected_per_step
+        if expected is not None and expected == expected:
+            per_call = summary.allreduce_mean_us.get(str(getattr(r, "rank", 0)))
+            out.append({"topic": "bottleneck", "figure": "profile-expected", "files": ["data/profile_summary.json"],
+                        "text": f"{op}: {observed:g} calls per step against {expected:g} the architecture issues at "
+                                f"tensor-parallel {tp}" + (f"; {per_call:.1f} us per call in the step" if per_call and
+                                                            op == "all_reduce" else "") + "."})
+    return out
+
+
+def _reconcile_findings(v: Verdict) -> list[dict]:
+    out = []
     for r in v.reconcile:
         ratio = r.profile_over_micro
         if ratio != ratio:  # NaN: not comparable
@@ -385,6 +402,12 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
                     f"({ratio:.2f}), outside {100 * RECONCILE_TOLERANCE:.0f}%" + (f": {r.note}." if r.note else "."))
         out.append({"topic": "consistency", "figure": "verdict-reconcile", "files": [
             f"data/{r.micro_source.split(' ')[0].rstrip(',')}", "data/profile_summary.json"], "text": text})
+    return out
+
+
+def _model_findings(v: Verdict) -> list[dict]:
+    """The step model against the replay (03) and against the serving levels (01)."""
+    out = []
     if v.replay:
         ok = [r for r in v.replay if abs(r.error) <= REPLAY_TOLERANCE]
         worst = max(v.replay, key=lambda r: abs(r.error))
@@ -394,34 +417,41 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
                     f"within {100 * REPLAY_TOLERANCE:.0f}% at {len(ok)} of {len(v.replay)} (batch, mode); the "
                     f"worst, batch {worst.batch} {worst.mode}: {worst.predicted_us / 1e3:.2f} ms predicted vs "
                     f"{worst.replay_us / 1e3:.2f} ms replayed ({100 * worst.error:+.0f}%)."})
-    if v.levels:
-        with_model = [lv for lv in v.levels if lv.model_error is not None]
-        if with_model:
-            ok = [lv for lv in with_model if abs(lv.model_error) <= LEVEL_TOLERANCE]
-            first = with_model[0]
-            out.append({"topic": "consistency", "figure": "verdict-levels", "files": [
-                "data/serving_levels.parquet", "data/gemm.parquet", "data/collectives.parquet", "data/profile/"],
-                "text": f"The step model is within {100 * LEVEL_TOLERANCE:.0f}% of the measured TPOT at {len(ok)} of "
-                        f"{len(with_model)} serving levels; at concurrency {first.level}: {first.model_us / 1e3:.2f} ms "
-                        f"predicted vs {(first.reference_tpot_us or first.tpot_p50_us) / 1e3:.2f} ms measured "
-                        f"({100 * first.model_error:+.0f}%; {first.reference or 'client TPOT p50'})"
-                        + (f"; against the engine's step on 04's own server, where the model's profile inputs were "
-                           f"measured ({first.profile_engine_itl_us / 1e3:.2f} ms): {100 * first.model_error_same_server:+.0f}%, "
-                           f"the host's step having drifted {100 * first.host_drift:+.0f}% between 01 and 04"
-                           if first.model_error_same_server is not None and first.host_drift is not None else "")
-                        + "."})
+    with_model = [lv for lv in v.levels if lv.model_error is not None]
+    if with_model:
+        ok_levels = [lv for lv in with_model if abs(lv.model_error) <= LEVEL_TOLERANCE]
+        first = with_model[0]
+        out.append({"topic": "consistency", "figure": "verdict-levels", "files": [
+            "data/serving_levels.parquet", "data/gemm.parquet", "data/collectives.parquet", "data/profile/"],
+            "text": f"The step model is within {100 * LEVEL_TOLERANCE:.0f}% of the measured TPOT at {len(ok_levels)} of "
+                    f"{len(with_model)} serving levels; at concurrency {first.level}: {first.model_us / 1e3:.2f} ms "
+                    f"predicted vs {(first.reference_tpot_us or first.tpot_p50_us) / 1e3:.2f} ms measured "
+                    f"({100 * first.model_error:+.0f}%; {first.reference or 'client TPOT p50'})"
+                    + (f"; against the engine's step on 04's own server, where the model's profile inputs were "
+                       f"measured ({first.profile_engine_itl_us / 1e3:.2f} ms): {100 * first.model_error_same_server:+.0f}%, "
+                       f"the host's step having drifted {100 * first.host_drift:+.0f}% between 01 and 04"
+                       if first.model_error_same_server is not None and first.host_drift is not None else "")
+                    + "."})
+    return out
 
+
+def _preemption_findings(v: Verdict) -> list[dict]:
     pre = [c for c in v.step_model if c["component"] == PREEMPTED and c["us"] > 0]
-    if pre:
-        c = pre[0]
-        step = sum(x["us"] for x in v.step_model if x["batch"] == c["batch"] and x["us"] > 0
-                   and x["component"] not in DEDUCTED)
-        out.append({"topic": "host", "figure": "verdict-levels", "files": [
-            f"data/{c['source'].split(';')[0].split(' ')[0]}"],
-            "text": f"At batch {c['batch']:g} the workers waited {c['us']:,.0f} us per step for a core the host's "
-                    f"other processes (engine core, API server) held: {100 * c['us'] / step:.0f}% of the modelled "
-                    "step (/proc schedstat over 04's unprofiled run); a configuration that leaves them a core "
-                    "sheds it."})
+    if not pre:
+        return []
+    c = pre[0]
+    step = sum(x["us"] for x in v.step_model if x["batch"] == c["batch"] and x["us"] > 0
+               and x["component"] not in DEDUCTED)
+    return [{"topic": "host", "figure": "verdict-levels", "files": [
+        f"data/{c['source'].split(';')[0].split(' ')[0]}"],
+        "text": f"At batch {c['batch']:g} the workers waited {c['us']:,.0f} us per step for a core the host's "
+                f"other processes (engine core, API server) held: {100 * c['us'] / step:.0f}% of the modelled "
+                "step (/proc schedstat over 04's unprofiled run); a configuration that leaves them a core "
+                "sheds it."}]
+
+
+def _variant_findings(v: Verdict) -> list[dict]:
+    out = []
     measured = {}
     for r in v.variants:
         if r.status != "ok" or r.measured_gain_pct is None:
@@ -439,6 +469,11 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
     for r in [r for r in v.variants if r.status != "ok" and r.level is None]:
         out.append({"topic": "measured", "figure": "verdict-variants", "files": ["manifest.json"],
                     "text": f"Variant {r.variant} {r.status}: {r.error}"})
+    return out
+
+
+def _fix_findings(v: Verdict) -> list[dict]:
+    out = []
     helps = [p for p in v.projections if p.gain_pct < NO_HELP_PCT]
     for p in helps[:3]:
         out.append({"topic": "fix", "figure": "verdict-fixes", "files": ["data/verdict.json"], "text":
@@ -448,5 +483,3 @@ def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dic
         out.append({"topic": "no_help", "figure": "verdict-fixes", "files": ["data/verdict.json"],
                     "text": f"Would not help: {p.fix}: {p.gain_pct:+.0f}%."})
     return out
-
-
