@@ -202,7 +202,8 @@ LAYERS = (
     ("exec", ("procs", "locks", "hostcore", "sshhandle", "sshhost", "host", "hostagent", "serverlaunch", "server", "modeldir", "wheelhouse", "engine_comm", "hardware",
               "probes")),
     ("measure", ("trace", "serving", "microbench")),
-    ("verdict", ("stepsample", "stepparts", "stepmodel", "whatif", "verdict", "verdict_fixes", "verdict_variants")),
+    ("verdict", ("stepsample", "stepparts", "stepmodel", "whatif", "verdict", "verdict_fixes", "verdict_variants",
+                 "leveldrift")),
     ("report", ("report", "trace.report", "serving.report", "microbench_report")),
     ("orchestration", ("runmanifest", "progress", "runner", "notebook")),
     ("cli", ("cli", "trace.cli")),
@@ -320,7 +321,7 @@ def test_no_function_is_over_80_lines_but_the_ratcheted_ones():
 # Errors per module when mypy first ran on the package (issue 28: 198, none of them an undefined name): a
 # ratchet like the size limits. A module not listed has none; a listed one may only lose errors, and leaves
 # the list at none. Most are Optional values used unchecked and pandas/numpy scalars passed as floats.
-MYPY_ERRORS = {"serving/telemetry.py": 9, "serving/telemetry_read.py": 15, "serving/promtext.py": 6, "arch.py": 18, "verdict.py": 16, "params.py": 13, "verdict_fixes.py": 11,
+MYPY_ERRORS = {"serving/telemetry.py": 9, "serving/telemetry_read.py": 15, "serving/promtext.py": 6, "arch.py": 18, "verdict.py": 15, "params.py": 13, "verdict_fixes.py": 11,
                "trace/stream.py": 11, "host.py": 4, "sshhandle.py": 5, "sshhost.py": 2, "probes/gemm.py": 3, "probes/gemm_kernels.py": 6, "trace/breakdown.py": 8, "server.py": 8,
                "report/sections.py": 8, "probes/collectives.py": 8, "verdict_variants.py": 6, "trace/parse.py": 2, "trace/columns.py": 1, "trace/layout.py": 1,
                "report/plots.py": 5, "trace/profile.py": 3, "stepmodel.py": 1, "serving/rawclient.py": 3,

@@ -102,6 +102,13 @@ class LevelReconcileRow(_Model):
                                           "04's two unprofiled runs of the profile workload, a second apart on one "
                                           "server: how much the host's step moves between two windows; at least "
                                           "the profiled run's shortfall below them, where it was faster")
+    tpot_first_quarter_us: Optional[float] = Field(None, description="median client TPOT of the level's first "
+                                                   "quarter of timed requests, in the order sent (01)")
+    tpot_last_quarter_us: Optional[float] = Field(None, description="the same, of its last quarter")
+    in_level_drift: Optional[float] = Field(None, description="tpot_last_quarter_us / tpot_first_quarter_us - 1: "
+                                            "how much the step moved while the level ran")
+    model_miss: str = Field("", description="what the step model's error beyond 10% is put down to, from the "
+                            "step's measured movement (decodescope.leveldrift); empty within 10%")
 
 
 class ReplayRow(_Model):

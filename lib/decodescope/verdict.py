@@ -6,14 +6,14 @@ result is a records.Verdict, written to data/verdict.json.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pandas as pd
 
 from decodescope.records import (AttributionRow, Bottleneck, CurveRow, Finding, LevelReconcileRow, ProfileCapture,
                                  ProfileSummary, ProjectionRow, ReconcileRow, ReplayRow, ServingHeadline, ServingLevel,
                                  VariantRow, Verdict)
-from decodescope import arch as archmod, stepmodel as sm, whatif
+from decodescope import arch as archmod, leveldrift, stepmodel as sm, whatif
 from decodescope import stepparts as sp
 from decodescope.engine_comm import micro_communicator_for
 from decodescope.enginelog import last_engine_modes
@@ -209,18 +209,23 @@ LEVEL_TOLERANCE = 0.20  # client TPOT within 20% of the profiled step counts as 
 
 def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
                     model: dict[float, tuple[float, float, float]],
-                    captures: Optional[dict[int, ProfileCapture]] = None) -> list[dict]:
+                    captures: Optional[dict[int, ProfileCapture]] = None,
+                    requests: Optional[pd.DataFrame] = None) -> list[dict]:
     """Per serving level: client TPOT p50 against the nearest profiled level's step period (start to
     start: the step plus the host's time between steps) and the step model's period with its band;
     the residual put down to what the measurements show. Where 04 profiled this concurrency, the
     engine's inter-token latency of its unprofiled run (captures: profile_capture.json per concurrency)
-    is set against 01's: the host's drift between the two phases, and the model on 04's own server."""
+    is set against 01's: the host's drift between the two phases, and the model on 04's own server. With
+    01's requests (serving_requests.parquet), the level's own drift while it ran; the model's miss beyond
+    leveldrift.MODEL_TARGET is put down to the step's measured movement (leveldrift.model_miss_causes)."""
     rows = []
     served = served_batches(levels)
+    quarters = leveldrift.tpot_quarters(requests) if requests is not None else {}
     for lv in levels.sort_values("level").itertuples():
         level = int(lv.level)
         tpot, basis = level_tpot(lv)
-        row = {"level": level, "tpot_p50_us": float(lv.tpot_p50_us), "reference_tpot_us": tpot, "reference": basis}
+        row: dict[str, Any] = {"level": level, "tpot_p50_us": float(lv.tpot_p50_us), "reference_tpot_us": tpot,
+                               "reference": basis}
         m = model.get(float(level))
         if m:
             row.update(model_us=m[0], model_low_us=m[1], model_high_us=m[2], model_error=m[0] / tpot - 1)
@@ -234,6 +239,9 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
             row["host_drift"] = itl04 / itl01 - 1
         if m and itl04:
             row["model_error_same_server"] = m[0] / itl04 - 1
+        q = quarters.get(level)
+        if q:
+            row.update(tpot_first_quarter_us=q[0], tpot_last_quarter_us=q[1], in_level_drift=q[1] / q[0] - 1)
         if summaries:
             conc = min(summaries, key=lambda c: (abs(c - level), c))
             ps = summaries[conc].per_step
@@ -261,7 +269,7 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
                 row.update(profile_batch=conc, profile_wall_us=ps.wall_us_median, profile_period_us=ps.period_us_median,
                            residual_us=residual, within_tolerance=ok, attributed_to="; ".join(causes) if not ok else "")
         rows.append(row)
-    return rows
+    return leveldrift.with_model_misses(rows, quarters)
 
 
 def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> list[dict]:
@@ -321,8 +329,8 @@ def verdict(run_dir: Path, params) -> Verdict:
             out.sources["projections"] = ("profile_summary.json (04) for the measured step; collectives.parquet (03) "
                                           "and gemm.parquet (02) for the changed pieces")
     if levels is not None and not levels.empty:
-        out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(levels, summaries, model,
-                                                                                      captures)]
+        out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(
+            levels, summaries, model, captures, _read_parquet(run_dir, "serving_requests.parquet"))]
     if params.experiments:
         out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels, captures)]
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
@@ -432,6 +440,13 @@ def _model_findings(v: Verdict) -> list[dict]:
                        f"the host's step having drifted {100 * first.host_drift:+.0f}% between 01 and 04"
                        if first.model_error_same_server is not None and first.host_drift is not None else "")
                     + "."})
+        missed = [lv for lv in with_model if lv.model_miss]
+        if missed:
+            out.append({"topic": "consistency", "figure": "verdict-levels", "files": [
+                "data/serving_requests.parquet", "data/profile_capture.json"],
+                "text": f"Where the step model misses client TPOT by more than {100 * leveldrift.MODEL_TARGET:.0f}%: "
+                        + "; ".join(f"concurrency {lv.level} ({100 * lv.model_error:+.0f}%): {lv.model_miss}"
+                                    for lv in missed) + "."})
     return out
 
 

@@ -58,6 +58,10 @@ def verdict_levels(v: Verdict) -> None:
     show_note(f"Client TPOT p50 against the profiled decode step ({len(df) - len(off)} of {len(df)} levels within "
               f"{100 * LEVEL_TOLERANCE:.0f}%)." + (" Outside: " + "; ".join(f"concurrency {r.level}: {r.attributed_to or 'no cause measured'}"
                                                              for r in off.itertuples()) + "." if len(off) else ""))
+    missed = df[df["model_miss"].fillna("") != ""] if "model_miss" in df else df.iloc[:0]
+    if len(missed):
+        show_note("The step model's misses beyond 10%: " + "; ".join(
+            f"concurrency {r.level} ({100 * r.model_error:+.0f}%): {r.model_miss}" for r in missed.itertuples()) + ".")
     show_table(df, caption="serving levels against the step - verdict.json (01, 02, 03, 04)")
 
 

@@ -1,0 +1,92 @@
+"""How much a serving level's step moved while it was measured, and what the step model's miss at a level is
+put down to.
+
+On a host-bound step (the real vLLM GPU engine at small batch: the GPU busy a third of the step, the rest
+the engine's Python) the engine's step speed moves with the host: on the H200 a Qwen3-MoE level of 64
+requests at concurrency 1 read 1.48 ms per token in its first quarter and 2.25 ms in its last, with the
+same kernels per step. The step model is priced from 04's window; set against 01's a minute away it
+carries that movement. These are the measurements that say so, one per level.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pandas as pd
+
+MIN_REQUESTS = 8          # a quarter of fewer than 2 requests has no median worth reading
+MODEL_TARGET = 0.10       # the step model's error beyond which its miss is put down to something
+MOVED = 0.10              # a step that moved more than 10% between two windows is named as a cause
+
+
+def tpot_quarters(requests: pd.DataFrame) -> dict[int, tuple[float, float]]:
+    """Level -> (median TPOT of the first quarter, of the last quarter) of its timed requests in the order
+    they were sent (serving_requests.parquet: warm-up and failed requests left out); levels of fewer than
+    MIN_REQUESTS timed requests are left out."""
+    need = {"level", "send_ns", "tpot_us"}
+    if requests is None or requests.empty or not need <= set(requests.columns):
+        return {}
+    timed = requests
+    if "warmup" in timed:
+        timed = timed[~timed["warmup"].astype(bool)]
+    if "ok" in timed:
+        timed = timed[timed["ok"].astype(bool)]
+    timed = timed[timed["tpot_us"].notna()]
+    out = {}
+    for level, g in timed.groupby("level"):
+        g = g.sort_values("send_ns")
+        n = len(g) // 4
+        if len(g) < MIN_REQUESTS:
+            continue
+        out[int(level)] = (float(g["tpot_us"].iloc[:n].median()), float(g["tpot_us"].iloc[-n:].median()))
+    return out
+
+
+def bracketing_drift(drifts: dict[int, float], level: int) -> Optional[tuple[list[int], float]]:
+    """For a level 04 did not profile: the profiled levels just below and above it (one where it lies
+    outside them) and the mean of their 01-to-04 drift, which the model interpolated between carries;
+    None for a profiled level or when no level has a drift."""
+    if level in drifts or not drifts:
+        return None
+    below = [c for c in drifts if c < level]
+    above = [c for c in drifts if c > level]
+    around = ([max(below)] if below else []) + ([min(above)] if above else [])
+    return around, sum(drifts[c] for c in around) / len(around)
+
+
+def model_miss_causes(model_error: Optional[float], host_drift: Optional[float], in_level_drift: Optional[float],
+                      window_noise: Optional[float], model_error_same_server: Optional[float],
+                      first_last_us: Optional[tuple[float, float]] = None,
+                      around: Optional[tuple[list[int], float]] = None) -> str:
+    """What a level's step-model error beyond MODEL_TARGET is put down to, from the measured movement of
+    the step; "" within the target; a sentence saying none was measured otherwise. `around`: the
+    profiled levels the model's inputs came from at an unprofiled level, and their mean drift."""
+    if model_error is None or abs(model_error) <= MODEL_TARGET:
+        return ""
+    causes = []
+    if host_drift is not None and abs(host_drift) > MOVED:
+        same = (f"; against that step the model is {100 * model_error_same_server:+.1f}%"
+                if model_error_same_server is not None else "")
+        causes.append(f"the engine's step moved {100 * host_drift:+.0f}% between 01 and 04{same}")
+    if around is not None and abs(around[1]) > MOVED:
+        names = " and ".join(str(c) for c in around[0])
+        causes.append(f"the model's inputs come from 04 at concurrency {names}, where the engine's step moved "
+                      f"{100 * around[1]:+.0f}% (mean) from 01")
+    if in_level_drift is not None and abs(in_level_drift) > MOVED and first_last_us:
+        causes.append(f"the level's own TPOT moved {100 * in_level_drift:+.0f}% while it ran "
+                      f"({first_last_us[0] / 1e3:.2f} ms in its first quarter, {first_last_us[1] / 1e3:.2f} ms "
+                      "in its last)")
+    if window_noise is not None and window_noise > MOVED:
+        causes.append(f"04's two unprofiled runs a second apart differ by {100 * window_noise:.0f}%")
+    if not causes:
+        return "no movement of the step measured: the model misses"
+    return "; ".join(causes)
+
+
+def with_model_misses(rows: list[dict[str, Any]], quarters: dict[int, tuple[float, float]]) -> list[dict[str, Any]]:
+    """The verdict's level rows (verdict.level_reconcile), each with its model_miss: an unprofiled level
+    reads the drift of the profiled levels around it."""
+    drifts = {int(r["level"]): float(r["host_drift"]) for r in rows if r.get("host_drift") is not None}
+    return [{**r, "model_miss": model_miss_causes(
+        r.get("model_error"), r.get("host_drift"), r.get("in_level_drift"), r.get("window_noise"),
+        r.get("model_error_same_server"), quarters.get(int(r["level"])), bracketing_drift(drifts, int(r["level"])))}
+        for r in rows]
