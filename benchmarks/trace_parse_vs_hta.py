@@ -97,15 +97,16 @@ out = sys.argv[2] + ".d"
 rc = main(["analyze-trace", sys.argv[1], "--breakdown", "--out", out])
 if rc:
     sys.exit(rc)
-b = json.load(open(out + "/breakdown.json"))
+from decodescope.trace.breakdown_file import BreakdownFile
+b = BreakdownFile.read(out + "/breakdown.json")
 totals = {}
-for per in b["names"].values():
+for per in b.names.values():
     for n, v in per.items():
         totals[n] = totals.get(n, 0.0) + v["dur_us"]
-time_us = sum(r["time_us"] for r in b["categories"])
-json.dump({"ready": ready, "device": b["device"], "totals": totals, "categories": len(b["categories"]),
-           "kept": sum(v["rows"] for per in b["names"].values() for v in per.values()),
-           "other_share": sum(r["time_us"] for r in b["categories"] if r["category"] == "other") / time_us},
+time_us = sum(r["time_us"] for r in b.categories)
+json.dump({"ready": ready, "device": b.device, "totals": totals, "categories": len(b.categories),
+           "kept": sum(v["rows"] for per in b.names.values() for v in per.values()),
+           "other_share": sum(r["time_us"] for r in b.categories if r["category"] == "other") / time_us},
           open(sys.argv[2], "w"))
 """
 # what each of ours runs: (child, its imports before a byte is parsed, the command's own start-up argv)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import yaml
 
+from decodescope.trace.breakdown_file import BreakdownFile
+
 
 def _name(req: str) -> str:
     return re.split(r"[<>=!~\[ ]", req.strip(), maxsplit=1)[0].lower()
@@ -157,9 +159,9 @@ def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(r
     env_cache = {"XDG_CACHE_HOME": str(outside / "cache")}
     proc = _run([venv / "bin" / "decodescope", "analyze-trace", "gpu_traces", "--breakdown", "--out", "analysis"],
                 cwd=outside, env={**os.environ, **env_cache})
-    breakdown = json.loads((outside / "analysis" / "breakdown.json").read_text())
-    assert breakdown["ranks"] == [0, 1] and set(breakdown["chunks_by_reader"]) == {"c_reduce"}, breakdown
-    assert breakdown["chunks_by_reader"]["c_reduce"] > 0 and list((outside / "cache" / "decodescope").glob("kscan-*.so"))
+    breakdown = BreakdownFile.read(outside / "analysis" / "breakdown.json")
+    assert breakdown.ranks == [0, 1] and set(breakdown.chunks_by_reader) == {"c_reduce"}, breakdown
+    assert breakdown.chunks_by_reader["c_reduce"] > 0 and list((outside / "cache" / "decodescope").glob("kscan-*.so"))
 
 
 def test_the_readme_is_read_in_minutes_and_its_links_resolve(repo):

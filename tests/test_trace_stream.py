@@ -15,6 +15,7 @@ from decodescope.trace import reader as trace_reader
 from decodescope.trace.analyze import category_breakdown, op_table
 from decodescope.trace.load import load_trace_dir
 from decodescope.trace.breakdown import breakdown_dir
+from decodescope.trace.breakdown_file import BreakdownFile, BreakdownFileError
 
 from tests.test_trace_parse import _nested_ops
 
@@ -196,10 +197,30 @@ def test_breakdown_command_writes_its_file_and_imports_no_pandas(repo, tmp_path)
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
-    got = json.loads((tmp_path / "breakdown.json").read_text())
-    assert got["device"] == "gpu" and got["ranks"] == [0, 1] and set(got["chunks_by_reader"]) == {"c_reduce"}
-    assert {r["category"] for r in got["categories"]} >= {"allreduce_nccl", "gemm_dense"}
+    got = BreakdownFile.read(tmp_path / "breakdown.json")
+    assert got.device == "gpu" and got.ranks == [0, 1] and set(got.chunks_by_reader) == {"c_reduce"}
+    assert {r["category"] for r in got.categories} >= {"allreduce_nccl", "gemm_dense"}
+    assert got.schema_version == 1 and got.events_seen > 0 and got.json_bytes > 0
     assert "allreduce_nccl" in out.stdout
+
+
+def test_a_breakdown_file_that_lacks_a_field_or_has_the_wrong_type_is_named_on_read(tmp_path):
+    good = {"device": "gpu", "ranks": [0], "categories": [], "names": {"0": {}}, "warnings": [], "skipped": [],
+            "chunks_by_reader": {}, "json_bytes": 10, "events_seen": 2}
+    path = tmp_path / "breakdown.json"
+    path.write_text(json.dumps(good))  # written before schema_version: read as version 1
+    assert BreakdownFile.read(path).schema_version == 1
+    for broken, says in ((dict(good, ranks="0"), "field 'ranks' is str, expected list"),
+                         ({k: v for k, v in good.items() if k != "names"}, "field 'names' is missing"),
+                         (dict(good, schema_version=2), "schema_version 2 is newer"),
+                         ([1, 2], "a JSON object was expected, not list")):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(BreakdownFileError) as e:
+            BreakdownFile.read(path)
+        assert str(e.value).startswith(f"{path}: ") and says in str(e.value)
+    path.write_text("{not json")
+    with pytest.raises(BreakdownFileError, match="not a readable JSON file"):
+        BreakdownFile.read(path)
 
 
 def test_breakdown_command_names_a_missing_directory(repo, tmp_path):

@@ -83,8 +83,8 @@ def _breakdown(args) -> int:
     (breakdown.breakdown_dir); tables printed as plain text, breakdown.json written."""
     import gc
 
-    from decodescope.io import write_json_atomic
     from decodescope.trace.breakdown import breakdown_dir
+    from decodescope.trace.breakdown_file import BreakdownFile
 
     # what the imports made lives to the end: out of the collector's sweeps (~20 ms of a 0.3 s run)
     gc.freeze()
@@ -93,11 +93,7 @@ def _breakdown(args) -> int:
     if bd is None:
         return 2
     out = Path(args.out) if args.out else Path(args.trace_dir) / "analysis"
-    write_json_atomic(out / "breakdown.json", {
-        "device": bd.device, "ranks": bd.ranks, "categories": bd.categories,
-        "names": {str(r): per for r, per in bd.names.items()}, "warnings": bd.warnings, "skipped": bd.skipped,
-        "chunks_by_reader": bd.chunks_by_reader,
-        "json_bytes": sum(m.bytes_json for m in bd.metas), "events_seen": sum(m.events_seen for m in bd.metas)})
+    BreakdownFile.of(bd).write(out / "breakdown.json")
     print(f"{bd.device} traces, ranks {bd.ranks}, {sum(m.bytes_json for m in bd.metas) / 1e6:,.0f} MB of JSON "
           f"read in {time.monotonic() - t0:.2f} s")
     print("\nTime by category (per rank; " + ("self time of CPU ops" if bd.device == "cpu" else "GPU kernels") + "):")
