@@ -9,7 +9,6 @@ python tests/fake_openai_server.py --served-model-name m alias --host 127.0.0.1 
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import uuid

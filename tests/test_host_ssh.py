@@ -205,7 +205,7 @@ def test_wrong_remote_version_says_what_to_run_there(sshd, tmp_path, session):
         h.connect()
     wall = time.monotonic() - t0
     version = __import__("decodescope").__version__
-    assert f"decodescope 0.0.1 is installed" in str(e.value)
+    assert "decodescope 0.0.1 is installed" in str(e.value)
     assert f"{python} -m pip install 'decodescope[gpu]=={version}'" in str(e.value)
     # as a user meets it: `decodescope run` exits 2 with that one line, before making anything
     text = _params_text(sshd, tmp_path).replace(f"  python: {sys.executable}\n", f"  python: {python}\n")
@@ -470,7 +470,7 @@ def test_a_killed_server_there_is_noticed_and_the_rest_of_its_tree_removed(host,
         while server.dead_reason(health_tries=1) is None and time.monotonic() - t0 < 30:
             time.sleep(0.1)
         reason = server.dead_reason(health_tries=1)
-        gone_s = wait_gone(spec.run_token, 30)
+        wait_gone(spec.run_token, 30)
         detect_s = time.monotonic() - t0
         assert "exited with code -9" in reason
         assert token_processes(spec.run_token) == []

@@ -117,13 +117,15 @@ def test_the_phases_are_named_in_one_registry():
     assert spelled == []
 
 
-def test_the_package_passes_its_linter():
+def test_the_package_its_tests_and_benchmarks_pass_the_linter():
     """ruff with the project's own settings (pyproject.toml [tool.ruff]): no undefined or unused names, no
-    syntax errors, no function past the complexity ceiling."""
+    syntax errors, no function past the complexity ceiling; in the package, the tests and the benchmarks."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", str(PACKAGE)],
+    repo = PACKAGE.parent.parent
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", str(PACKAGE),
+                           str(repo / "tests"), str(repo / "benchmarks")],
                           capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

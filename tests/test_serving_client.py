@@ -12,7 +12,7 @@ from aiohttp import web
 
 from decodescope.serving.client import RequestRecord, RequestSpec, request_body
 from decodescope.serving.rawclient import send_streaming_raw
-from decodescope.serving.metrics import COALESCED_FRAC_LIMIT, knee, level_summary, per_request
+from decodescope.serving.metrics import COALESCED_FRAC_LIMIT, knee, per_request
 from decodescope.serving.report import coalesced_note
 from decodescope.serving.client import run_async
 from decodescope.serving.sweep import (SweepConfig, arrival_offsets_s, build_prompts, load_finished_levels, run_level,
@@ -32,7 +32,6 @@ def _chunk(text, usage=None):
 
 async def completions(request: web.Request):
     body = await request.json()
-    mode = str(body.get("prompt", [0])[0]) if isinstance(body.get("prompt"), list) else "ok"
     behaviour = request.app["behaviour"]
     if behaviour == "http500":
         return web.Response(status=500, text="engine dead")

@@ -183,7 +183,7 @@ def test_layout_reader_gives_the_decoders_table(source, cpu_traces, repo, monkey
 
 
 def test_events_straddling_chunk_boundaries_are_read_whole(cpu_traces, monkeypatch):
-    from decodescope.trace import parse, reader
+    from decodescope.trace import reader
 
     src = sorted(cpu_traces.glob("*.gz"))[0]
     whole, _ = parse_trace(src)
@@ -198,7 +198,7 @@ def test_events_straddling_chunk_boundaries_are_read_whole(cpu_traces, monkeypat
 
 
 def test_chunks_read_in_worker_processes_give_the_same_table(repo, monkeypatch):
-    from decodescope.trace import parse, reader
+    from decodescope.trace import reader
 
     src = sorted((repo / GPU_REPLAY).glob("*.gz"))[0]
     monkeypatch.setattr(reader, "CHUNK_BYTES", 256 << 10)  # a dozen chunks

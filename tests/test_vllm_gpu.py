@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from decodescope import microbench as mb, microbench_report as mbr
+from decodescope import microbench_report as mbr
 from decodescope.probes import collectives as pc
 from decodescope.probes.gemm_kernels import accepted_kwargs
 from decodescope.trace.breakdown import breakdown_dir
