@@ -139,8 +139,11 @@ def test_a_completions_prompt_goes_as_token_ids_or_as_text_and_nothing_else():
         "ignore_eos": True, "prompt": [5, 6, 7]})
     text_spec = RequestSpec("completions", "m", [5, 6, 7], "five six seven", 4, 5.0, completions_prompt="text")
     assert request_body(text_spec)[1]["prompt"] == "five six seven"
+    # refused where the spec or the sweep is made, before a request is built or sent
     with pytest.raises(ValueError, match="completions_prompt 'ids'.*'token_ids' or 'text'"):
-        request_body(RequestSpec("completions", "m", [5], "five", 4, 5.0, completions_prompt="ids"))
+        RequestSpec("completions", "m", [5], "five", 4, 5.0, completions_prompt="ids")
+    with pytest.raises(ValueError, match="completions_prompt 'ids'.*'token_ids' or 'text'"):
+        SweepConfig("http://x", "m", "completions", [1], 4, 4, 2, 0, 5.0, completions_prompt="ids")
 
 
 def test_ok_stream_records_every_chunk_and_usage(server):

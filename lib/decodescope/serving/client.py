@@ -64,6 +64,18 @@ class RequestSpec:
     # the form `vllm bench serve` sends, whose tokenizing in the API server is part of the TTFT it reads
     completions_prompt: str = "token_ids"
 
+    def __post_init__(self):
+        check_completions_prompt(self.completions_prompt)
+
+
+COMPLETIONS_PROMPTS = ("token_ids", "text")
+
+
+def check_completions_prompt(value: str) -> None:
+    """A completions prompt's form, checked where a spec or a sweep is made, before any request goes."""
+    if value not in COMPLETIONS_PROMPTS:
+        raise ValueError(f"completions_prompt {value!r}: 'token_ids' or 'text'")
+
 
 def auth_headers(api_key: Optional[str]) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -111,8 +123,6 @@ def request_body(spec: RequestSpec) -> tuple[str, dict]:
               "stream_options": {"include_usage": True}, "ignore_eos": True}
     if spec.endpoint == "chat":
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": spec.prompt_text}]}
-    if spec.completions_prompt not in ("token_ids", "text"):
-        raise ValueError(f"completions_prompt {spec.completions_prompt!r}: 'token_ids' or 'text'")
     if spec.completions_prompt == "text":
         return "/v1/completions", {**common, "prompt": spec.prompt_text}
     return "/v1/completions", {**common, "prompt": spec.prompt_token_ids}

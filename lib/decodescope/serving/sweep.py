@@ -22,7 +22,8 @@ import pandas as pd
 from decodescope.io import write_json_atomic, write_parquet_atomic
 from decodescope.report.display import show_note
 from decodescope.rundir import level_file
-from decodescope.serving.client import InFlight, LoopHealth, RequestRecord, RequestSpec, make_prompts, run_async
+from decodescope.serving.client import (InFlight, LoopHealth, RequestRecord, RequestSpec, check_completions_prompt,
+                                       make_prompts, run_async)
 from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import level_summary, per_request
 from decodescope.serving.telemetry import NoTelemetry, Telemetry
@@ -53,6 +54,9 @@ class SweepConfig:
     telemetry_gpu: bool = True            # NVML on this host too (when the server is on it)
     repeats: int = 1                      # each level measured this many times (the sweep, again and again)
     completions_prompt: str = "token_ids"  # or "text" (serving.client.RequestSpec)
+
+    def __post_init__(self):
+        check_completions_prompt(self.completions_prompt)
 
     @classmethod
     def from_params(cls, params, base_url: str, model: Optional[str] = None) -> "SweepConfig":
