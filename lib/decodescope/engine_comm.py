@@ -66,6 +66,17 @@ def apply_cpu_path(path: Optional[str] = None, environ: Optional[MutableMapping[
     return path
 
 
+def apply_cpu_path_here(path: Optional[str] = None) -> str:
+    """apply_cpu_path into os.environ, and into this process too: under 'avx2' torch here reports no
+    AVX-512 from now on, so a vLLM kernel library this process loads later is _C_AVX2, the one its children
+    load. A process that loaded vLLM's native library first and _C_AVX2 after aborts (both register the
+    TORCH_LIBRARY namespace _C), which a forced-AVX2 test session on an AVX-512 host did."""
+    path = apply_cpu_path(path)
+    if path == "avx2":
+        force_avx2_in_process()
+    return path
+
+
 def force_avx2_in_process() -> None:
     """This process too sees no AVX-512 (the sitecustomize's patch, for a process already started)."""
     # torch: the cpu/gpu extras only; the analysis side imports this module without it

@@ -18,7 +18,7 @@ from jupyter_client.manager import AsyncKernelManager
 import papermill as pm
 
 from decodescope import procs, resources, server as srv
-from decodescope.engine_comm import CpuPathError, apply_cpu_path
+from decodescope.engine_comm import CpuPathError, apply_cpu_path_here
 from decodescope.host import close_all as close_hosts, preflight
 from decodescope.hostcore import RUN_ID_ENV
 from decodescope.io import read_json, write_text_atomic
@@ -143,7 +143,7 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
     params = load_params(params_path)
 
     try:  # DECODESCOPE_CPU_PATH=avx2: every process of the run (server, probes, notebooks) sees an AVX2-only host
-        apply_cpu_path()
+        apply_cpu_path_here()
     except CpuPathError as e:
         raise RunError(str(e)) from None
     if resume and not overrides and (Path(resume) / "manifest.json").is_file():
