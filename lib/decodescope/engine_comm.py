@@ -79,6 +79,8 @@ def apply_cpu_path_here(path: Optional[str] = None) -> str:
 
 def force_avx2_in_process() -> None:
     """This process too sees no AVX-512 (the sitecustomize's patch, for a process already started)."""
+    if importlib.util.find_spec("torch") is None:
+        return  # an analysis-only install: this process loads no vLLM kernels, nothing to patch
     # torch: the cpu/gpu extras only; the analysis side imports this module without it
     import torch.cpu
 
