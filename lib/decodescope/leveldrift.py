@@ -82,11 +82,16 @@ def model_miss_causes(model_error: Optional[float], host_drift: Optional[float],
     return "; ".join(causes)
 
 
-def with_model_misses(rows: list[dict[str, Any]], quarters: dict[int, tuple[float, float]]) -> list[dict[str, Any]]:
+def with_model_misses(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The verdict's level rows (verdict.level_reconcile), each with its model_miss: an unprofiled level
     reads the drift of the profiled levels around it."""
     drifts = {int(r["level"]): float(r["host_drift"]) for r in rows if r.get("host_drift") is not None}
     return [{**r, "model_miss": model_miss_causes(
         r.get("model_error"), r.get("host_drift"), r.get("in_level_drift"), r.get("window_noise"),
-        r.get("model_error_same_server"), quarters.get(int(r["level"])), bracketing_drift(drifts, int(r["level"])))}
+        r.get("model_error_same_server"), _quarters_of(r), bracketing_drift(drifts, int(r["level"])))}
         for r in rows]
+
+
+def _quarters_of(row: dict[str, Any]) -> Optional[tuple[float, float]]:
+    first, last = row.get("tpot_first_quarter_us"), row.get("tpot_last_quarter_us")
+    return (first, last) if first is not None and last is not None else None

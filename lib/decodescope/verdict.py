@@ -269,7 +269,7 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
                 row.update(profile_batch=conc, profile_wall_us=ps.wall_us_median, profile_period_us=ps.period_us_median,
                            residual_us=residual, within_tolerance=ok, attributed_to="; ".join(causes) if not ok else "")
         rows.append(row)
-    return leveldrift.with_model_misses(rows, quarters)
+    return leveldrift.with_model_misses(rows)
 
 
 def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> list[dict]:
