@@ -44,12 +44,16 @@ run: $(CORE_STAMP)
 # whatever this CPU has; unset: the host's own path (tests/conftest.py --cpu-path, decodescope.engine_comm).
 CPU_PATH_ARG = $(if $(CPU_PATH),--cpu-path=$(CPU_PATH))
 
+# Two lanes at once on two cores (tests/lanes.py): one runs the modules that start servers, sshd or probe
+# ranks, or time something, one at a time in its SERIAL order; the other runs the rest beside them.
+LANES := $(PY) -m tests.lanes
+
 test: $(DEV_STAMP) chromium sshd
-	$(PY) -m pytest $(CPU_PATH_ARG) $(PYTEST_ARGS)
+	$(LANES) $(CPU_PATH_ARG) $(PYTEST_ARGS)
 
 # The edit loop's partial check, not the suite: no vLLM server, no torchrun, no sshd, no browser.
 test-fast: $(DEV_STAMP)
-	$(PY) -m pytest -m "not integration and not ssh and not gpu and not torchrun" $(CPU_PATH_ARG) $(PYTEST_ARGS)
+	$(LANES) -m "not integration and not ssh and not gpu and not torchrun" $(CPU_PATH_ARG) $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -12,6 +12,7 @@ import pytest
 
 from decodescope.server import port_is_free
 from tests.browser import inspect_report
+from tests.test_integration_vllm import sweep_to_1mib
 
 pytestmark = pytest.mark.integration
 DECODESCOPE = [sys.executable, "-m", "decodescope.cli"]
@@ -25,10 +26,7 @@ def campaign(repo, tmp_path_factory):
     text = text.replace("output_dir: outputs", f"output_dir: {tmp / 'out'}")
     text = text.replace("config: models/", f"config: {repo / 'params/models'}/")
     text = text.replace("port: 8765", f"port: {PORT}")
-    # the collective sweep to 1 MiB (16 MiB in the params): what these tests read of 03 is at the step's
-    # sizes (0.5-4 KiB); the 2-16 MiB sizes were most of 03's 71 s here
-    assert text.count("  warmup: 3\n") == 1
-    text = text.replace("  warmup: 3\n", "  warmup: 3\n  sweep_max_bytes: 1048576\n")
+    text = sweep_to_1mib(text)  # the 2-16 MiB sizes were most of 03's 71 s on an AVX2 host
     # the baseline's levels three times (their bands), each variant's once: on an AVX2 host (gloo, ~30 ms
     # a token) the variants' two further repeats were ~3 of the campaign's 17 minutes; a TP=1 start's
     # repeats agreed within 10% where its starts differed by up to 40%

@@ -24,7 +24,7 @@ import pytest
 from decodescope import procs
 from decodescope.cli import EXIT_PHASE_FAILED
 from decodescope.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV
-from tests.test_faults import Run, digests, manifest, record_fault, wait_until
+from tests.test_faults import FAULT_ENGINE_ARGS, Run, digests, manifest, record_fault, wait_until
 from tests.test_host_ssh import SSHD, Sshd
 from tests.test_integration_vllm import DECODESCOPE, _params
 
@@ -40,8 +40,9 @@ def sshd(tmp_path_factory):
     d.stop()
 
 
-def ssh_params(tmp: Path, port: int, name: str, sshd: Sshd, replace: dict | None = None) -> Path:
-    path = _params(REPO, tmp, port, name=name)
+def ssh_params(tmp: Path, port: int, name: str, sshd: Sshd, replace: dict | None = None,
+               engine_args: dict | None = None) -> Path:
+    path = _params(REPO, tmp, port, engine_args, name=name)
     text = path.read_text()
     assert "host: local\n" in text
     text = text.replace("host: local\n", f"host:\n  url: {sshd.url}\n  python: {sys.executable}\n"
@@ -70,11 +71,17 @@ def shm_left(run_dir: Path) -> list[Path]:
     return procs.shm_files_of(procs.shm_idents(Path(f) for s in m.get("servers", []) for f in s.get("shm_files", [])))
 
 
-def assert_nothing_left(run_dir: Path) -> tuple[int, int]:
-    deadline = time.monotonic() + 20  # the host's supervisor tears down on its own after a dropped link
+def left_after_teardown(run_dir: Path) -> tuple[list[int], list[Path]]:
+    """What of the run is left on the host once its supervisor there has had time to tear down alone (after
+    a dropped link it notices the drop itself)."""
+    deadline = time.monotonic() + 20
     while (left_on_host(run_dir) or shm_left(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert left_on_host(run_dir) == [] and shm_left(run_dir) == []
+    return left_on_host(run_dir), shm_left(run_dir)
+
+
+def assert_nothing_left(run_dir: Path) -> tuple[int, int]:
+    assert left_after_teardown(run_dir) == ([], [])
     return 0, 0
 
 
@@ -101,11 +108,18 @@ def _run(params: Path, tmp: Path, label: str) -> tuple[subprocess.CompletedProce
     return result, Path(stdout.strip().splitlines()[-1]).parent if stdout.strip() else None
 
 
+# The run over ssh is compared with the local run by its sections and its files' columns, not by what it
+# measured: a lighter workload of the same shape (the same levels, GEMM shapes and dtypes, profiled levels),
+# fewer requests and iterations, the collective sweep to 1 MiB.
+LIGHT = {"requests_per_level: 24": "requests_per_level: 8", "  requests: 12\n": "  requests: 6\n",
+         "  iterations: 10\n  warmup: 3\n": "  iterations: 5\n  warmup: 2\n  sweep_max_bytes: 1048576\n"}
+
+
 @pytest.fixture(scope="module")
 def over_ssh(sshd, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e-ssh")
     t0 = time.monotonic()
-    proc, run_dir = _run(ssh_params(tmp, 8821, "e2essh", sshd), tmp, "ssh")
+    proc, run_dir = _run(ssh_params(tmp, 8821, "e2essh", sshd, LIGHT), tmp, "ssh")
     return {"proc": proc, "run_dir": run_dir, "wall_s": time.monotonic() - t0, "tmp": tmp}
 
 
@@ -195,78 +209,103 @@ def test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run(over_ss
     assert {k: ours[k] for k in theirs} == theirs
 
 
-# ---- faults over ssh ----------------------------------------------------------------------------------
-def test_link_dropped_mid_sweep_keeps_the_finished_levels_and_resume_finishes(sshd, tmp_path):
-    params = ssh_params(tmp_path, 8823, "sshsweep", sshd, {"concurrency: [1, 2, 4]": "concurrency: [1, 2, 4, 8]"})
-    run = Run(tmp_path, params, "--phases", "01_serving")
-    run_dir = run.run_dir()
-    level2 = run_dir / "data/serving/level_00002.parquet"
-    wait_until(level2.is_file, 900, "level 2 of the sweep", run)
-    kept = digests([run_dir / "data/serving/level_00001.parquet", level2])
-    kill_link(run)
-    t_kill = time.monotonic()
-    rc = run.wait(300)
-    detect_s = time.monotonic() - t_kill
-    assert rc == EXIT_PHASE_FAILED, run.stderr[-3000:]
-    error = manifest(run_dir)["phases"]["01_serving"]["error"]
-    assert "server_died" in error and ("ssh link" in error or "did not answer" in error), error
-    n_procs, n_shm = assert_nothing_left(run_dir)
-    assert digests(kept) == kept
+# ---- faults over ssh: one run directory through three of them ------------------------------------------
+@pytest.fixture(scope="module")
+def ssh_faults(sshd, tmp_path_factory) -> dict:
+    """One run directory over ssh through three faults, each on a server of its own, and what each step saw,
+    for the tests below (one server start fewer than a run per fault, and no level measured twice): a run of
+    01 whose API server there is SIGKILLed after level 1; its --resume, whose ssh link is killed
+    once level 2 is written again; the next --resume of 01 and 04, which finishes the sweep and whose link is killed once
+    04's profile has started; and the last --resume, which profiles again."""
+    tmp = tmp_path_factory.mktemp("sshfaults")
+    params = ssh_params(tmp, 8823, "sshfaults", sshd, {"concurrency: [1, 2, 4]": "concurrency: [1, 2, 4, 8]",
+                                                       "  requests: 12\n": "  requests: 24\n"}, FAULT_ENGINE_ARGS)
+    out: dict = {"tmp": tmp}
+    killed = Run(tmp, params, "--phases", "01_serving", label="killed")
+    run_dir = out["run_dir"] = killed.run_dir()
+    level1, level2 = (run_dir / f"data/serving/level_0000{n}.parquet" for n in (1, 2))
+    wait_until(level1.is_file, 900, "level 1", killed)
+    os.kill(json.loads((run_dir / "data/server.json").read_text())["host_pid"], signal.SIGKILL)
+    out["killed"] = _fault_outcome(killed, run_dir, "01_serving")
+
+    swept = Run(tmp, params, "--resume", str(run_dir), "--phases", "01_serving", label="sweep")
+    wait_until(level2.is_file, 900, "level 2 of the sweep", swept)
+    out["sweep_kept"] = digests([level1, level2])
+    kill_link(swept)
+    out["sweep"] = _fault_outcome(swept, run_dir, "01_serving")
+    out["sweep_kept_after_drop"] = digests(out["sweep_kept"])
+
+    log = run_dir / "logs/server.log"
+    profiled = Run(tmp, params, "--resume", str(run_dir), "--phases", "01_serving", "04_profile", label="profile")
+    wait_until(lambda: manifest(run_dir)["phases"]["01_serving"]["status"] == "ok", 900, "the sweep to finish",
+               profiled)
+    out["sweep_recover_s"] = time.monotonic() - profiled.t0
+    wait_until(lambda: log.is_file() and "POST /start_profile HTTP" in log.read_text(errors="replace"), 900,
+               "the profile to start", profiled)
+    kill_link(profiled)
+    out["profile"] = _fault_outcome(profiled, run_dir, "04_profile")
+    out["sweep_kept_after_profile"] = digests(out["sweep_kept"])
+
     t_resume = time.monotonic()
-    resumed = Run(tmp_path, params, "--resume", str(run_dir), "--phases", "01_serving", label="resume")
-    assert resumed.wait(1200) == 0, resumed.stderr[-3000:]
-    recover_s = time.monotonic() - t_resume
-    assert digests(kept) == kept
+    resumed = Run(tmp, params, "--resume", str(run_dir), "--phases", "04_profile", label="resume")
+    out["resume_rc"], out["resume_stderr"] = resumed.wait(1200), resumed.stderr
+    out["resume_s"] = time.monotonic() - t_resume
+    out["resume_left"] = left_after_teardown(run_dir)
+    return out
+
+
+def _fault_outcome(run: Run, run_dir: Path, phase: str) -> dict:
+    """A faulted run's exit status, how long it took to stop, its phase's error and what it left there."""
+    t_fault = time.monotonic()
+    rc = run.wait(300)
+    detect_s = time.monotonic() - t_fault
+    m = manifest(run_dir)
+    return {"rc": rc, "stderr": run.stderr, "detect_s": detect_s, "error": m["phases"][phase].get("error") or "",
+            "status": m["phases"][phase]["status"], "manifest": m, "left": left_after_teardown(run_dir)}
+
+
+def test_remote_server_killed_fails_the_phase_and_leaves_nothing_there(ssh_faults):
+    k = ssh_faults["killed"]
+    assert k["rc"] == EXIT_PHASE_FAILED, k["stderr"][-3000:]
+    assert k["status"] == "failed" and "server_died" in k["error"], k["error"]
+    assert k["left"] == ([], []), f"processes and shm files of the run left there: {k['left']}"
+    record_fault("server on the ssh host killed (SIGKILL to the API server there)",
+                 "phase fails with server_died and the log tail (copied back); engine core and workers there "
+                 "torn down by the host's supervisor, their shm files removed", rc=k["rc"], results_lost="none",
+                 processes_left=0, shm_files_left=0, detect_and_stop_s=round(k["detect_s"], 1))
+
+
+def test_link_dropped_mid_sweep_keeps_the_finished_levels_and_resume_finishes(ssh_faults):
     import pandas as pd
 
+    k, run_dir = ssh_faults["sweep"], ssh_faults["run_dir"]
+    assert k["rc"] == EXIT_PHASE_FAILED, k["stderr"][-3000:]
+    assert "server_died" in k["error"] and ("ssh link" in k["error"] or "did not answer" in k["error"]), k["error"]
+    assert k["left"] == ([], []), f"processes and shm files of the run left there: {k['left']}"
+    kept = ssh_faults["sweep_kept"]
+    assert ssh_faults["sweep_kept_after_drop"] == kept
+    # the next resume finished the sweep before its own fault, in 04, without measuring levels 1 and 2 again
+    assert ssh_faults["profile"]["manifest"]["phases"]["01_serving"]["status"] == "ok"
+    assert ssh_faults["sweep_kept_after_profile"] == kept and digests(kept) == kept
     levels = pd.read_parquet(run_dir / "data/serving_levels.parquet").set_index("level")
     assert sorted(levels.index) == [1, 2, 4, 8] and (levels["failed"] == 0).all()
-    assert_nothing_left(run_dir)
     record_fault("ssh link dropped mid-sweep (ssh killed)",
                  "phase fails (server_died: the link dropped); the host's supervisor tears the server down alone; "
-                 "finished levels kept; --resume re-measures the spoiled levels", rc=rc,
-                 results_lost="none (levels 1, 2 byte-identical)", processes_left=n_procs, shm_files_left=n_shm,
-                 detect_and_stop_s=round(detect_s, 1), recover_s=round(recover_s, 1))
+                 "finished levels kept; --resume re-measures the spoiled levels", rc=k["rc"],
+                 results_lost="none (levels 1, 2 byte-identical)", processes_left=0, shm_files_left=0,
+                 detect_and_stop_s=round(k["detect_s"], 1), recover_s=round(ssh_faults["sweep_recover_s"], 1))
 
 
-def test_link_dropped_mid_profile_tears_down_there_and_resume_finishes(sshd, tmp_path):
-    params = ssh_params(tmp_path, 8824, "sshprof", sshd, {"  requests: 12\n": "  requests: 24\n"})
-    run = Run(tmp_path, params, "--phases", "04_profile")
-    run_dir = run.run_dir()
-    log = run_dir / "logs/server.log"
-    wait_until(lambda: log.is_file() and "POST /start_profile HTTP" in log.read_text(errors="replace"), 900,
-               "the profile to start", run)
-    kill_link(run)
-    t_kill = time.monotonic()
-    rc = run.wait(300)
-    detect_s = time.monotonic() - t_kill
-    assert rc == EXIT_PHASE_FAILED, run.stderr[-3000:]
-    n_procs, n_shm = assert_nothing_left(run_dir)
-    t_resume = time.monotonic()
-    resumed = Run(tmp_path, params, "--resume", str(run_dir), "--phases", "04_profile", label="resume")
-    assert resumed.wait(1200) == 0, resumed.stderr[-3000:]
-    recover_s = time.monotonic() - t_resume
+def test_link_dropped_mid_profile_tears_down_there_and_resume_finishes(ssh_faults):
+    k, run_dir = ssh_faults["profile"], ssh_faults["run_dir"]
+    assert k["rc"] == EXIT_PHASE_FAILED, k["stderr"][-3000:]
+    assert k["status"] == "failed", k["manifest"]["phases"]
+    assert k["left"] == ([], []), f"processes and shm files of the run left there: {k['left']}"
+    assert ssh_faults["resume_rc"] == 0, ssh_faults["resume_stderr"][-3000:]
     assert json.loads((run_dir / "data/profile_summary.json").read_text())["ranks"] == [0, 1]
+    assert ssh_faults["resume_left"] == ([], [])
     assert_nothing_left(run_dir)
     record_fault("ssh link dropped mid-profile (ssh killed)",
                  "phase fails; server, engine core and workers there torn down by the host's supervisor; "
-                 "--resume profiles again", rc=rc, results_lost="the capture in flight", processes_left=n_procs,
-                 shm_files_left=n_shm, detect_and_stop_s=round(detect_s, 1), recover_s=round(recover_s, 1))
-
-
-def test_remote_server_killed_fails_the_phase_and_leaves_nothing_there(sshd, tmp_path):
-    params = ssh_params(tmp_path, 8825, "sshkill", sshd, {"concurrency: [1, 2, 4]": "concurrency: [1, 2, 4, 8]"})
-    run = Run(tmp_path, params, "--phases", "01_serving")
-    run_dir = run.run_dir()
-    wait_until((run_dir / "data/serving/level_00001.parquet").is_file, 900, "level 1", run)
-    os.kill(json.loads((run_dir / "data/server.json").read_text())["host_pid"], signal.SIGKILL)
-    t_kill = time.monotonic()
-    rc = run.wait(300)
-    detect_s = time.monotonic() - t_kill
-    assert rc == EXIT_PHASE_FAILED, run.stderr[-3000:]
-    assert "server_died" in manifest(run_dir)["phases"]["01_serving"]["error"]
-    n_procs, n_shm = assert_nothing_left(run_dir)
-    record_fault("server on the ssh host killed (SIGKILL to the API server there)",
-                 "phase fails with server_died and the log tail (copied back); engine core and workers there "
-                 "torn down by the host's supervisor, their shm files removed", rc=rc, results_lost="none",
-                 processes_left=n_procs, shm_files_left=n_shm, detect_and_stop_s=round(detect_s, 1))
+                 "--resume profiles again", rc=k["rc"], results_lost="the capture in flight", processes_left=0,
+                 shm_files_left=0, detect_and_stop_s=round(k["detect_s"], 1), recover_s=round(ssh_faults["resume_s"], 1))
