@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -20,6 +19,7 @@ from decodescope import microbench as mb
 from decodescope import stepmodel as sm
 from decodescope import stepparts as sp
 from decodescope.params import load_params
+from decodescope.records_probe import read_probe_output, read_probe_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -77,9 +77,9 @@ def main() -> None:
     ap.add_argument("--communicator", default="torch_nccl")
     args = ap.parse_args()
     arch = archmod.normalize_config(load_params(args.params).model_config_dict())
-    gemm = mb.gemm_table(json.loads(Path(args.gemm).read_text()), None)
+    gemm = mb.gemm_table(read_probe_output(args.gemm, "gemm").rows, None)
     coll = mb.collectives_table(Path(args.collectives))
-    rows = [r for f in sorted(glob.glob(f"{args.step}/step_rank*.json")) for r in json.load(open(f))["rows"]]
+    rows = read_probe_rows(sorted(glob.glob(f"{args.step}/step_rank*.json")), "step")
     replay = mb.replay_table(rows)
     batches = sorted(replay["batch"].unique())
     print(f"step model vs step replay: {arch.model_type} TP={args.tp} shapes per rank, world size "

@@ -200,7 +200,8 @@ LAYERS = (
     ("core", ("", "io", "stats", "dtypes", "rundir", "phases", "resources", "enginelog", "_avx2_only")),
     ("show", ("report.escape", "report.display")),
     ("model", ("arch",)),
-    ("schema", ("params", "params_schema", "records", "recordbase", "records_verdict", "records_server")),
+    ("schema", ("params", "params_schema", "records", "recordbase", "records_verdict", "records_server",
+                "records_probe")),
     ("exec", ("procs", "locks", "hostcore", "sshhandle", "sshhost", "host", "hostagent", "serverlaunch", "server", "modeldir", "wheelhouse", "engine_comm", "hardware",
               "probes")),
     ("measure", ("trace", "serving", "microbench")),
@@ -329,7 +330,7 @@ MYPY_ERRORS = {"serving/telemetry.py": 9, "serving/telemetry_read.py": 15, "serv
                "report/plots.py": 5, "trace/profile.py": 3, "stepmodel.py": 1, "serving/rawclient.py": 3,
                "report/index.py": 3, "report/compare_tables.py": 3, "trace/report.py": 2, "params_schema.py": 2,
                "microbench.py": 2, "hostagent.py": 2, "trace/load.py": 1, "trace/cscan.py": 1,
-               "serving/client.py": 1, "runner.py": 1, "records_verdict.py": 1, "probes/step.py": 1, "hardware.py": 1}
+               "serving/client.py": 1, "runner.py": 1, "records_verdict.py": 1, "hardware.py": 1}
 
 
 def mypy_errors_by_module(output: str) -> dict[str, int]:

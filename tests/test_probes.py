@@ -1,5 +1,4 @@
 """Both probes for real in the embedded default: torch on the CPU, torchrun with two gloo ranks."""
-import json
 
 import pandas as pd
 import pytest
@@ -7,6 +6,7 @@ import pytest
 from decodescope import arch as archmod
 from decodescope import microbench as mb
 from decodescope.params import load_params
+from decodescope.records_probe import read_probe_output
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_size
     print("burst per call (us):", per_call.round(1).to_dict())
     fit = mb.latency_fit(coll)
     assert {(engine, "back_to_back"), ("torch_gloo", "back_to_back")} <= set(zip(fit["communicator"], fit["timing"]))
-    metas = [json.loads(p.read_text())["meta"] for p in sorted(run_dir.rglob("collectives_rank*.json"))]
+    metas = [read_probe_output(p, "collectives").meta for p in sorted(run_dir.rglob("collectives_rank*.json"))]
     assert len(metas) == 2
     if engine == "vllm_shm":
         assert set(burst["communicator"]) == {"torch_gloo", "vllm_shm"}
@@ -119,7 +119,7 @@ def test_gemm_probe_on_cpu_measures_every_shape_and_skips_fp8_with_a_reason(para
     dense = bf16[bf16["groups"] == 1]
     assert dense["method"].str.startswith("vLLM's CPU linear").all(), dense["method"].iloc[0]
     assert bf16[bf16["op"].isin(["moe_w13", "moe_w2"])]["method"].str.contains("cpu_fused_moe").all()
-    raw = json.loads((run_dir / "data/gemm_raw.json").read_text())
+    raw = read_probe_output(run_dir / "data/gemm_raw.json", "gemm").rows
     # the raw file also holds the tensor-parallel what-if shapes (whatif.tensor_parallel: [1], first dtype
     # only), which go to their own table
     whatif = pd.read_parquet(run_dir / "data/gemm_whatif_tp.parquet")

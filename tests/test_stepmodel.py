@@ -15,6 +15,7 @@ from decodescope import stepmodel as sm
 from decodescope import stepparts as sp
 from decodescope.params import load_params
 from decodescope.records import ProfileCapture
+from decodescope.records_probe import read_probe_output, read_probe_rows
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +211,7 @@ def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tin
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                     "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path)],
                    check=True, capture_output=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    rows = [r for rank in (0, 1) for r in json.loads((tmp_path / f"step_rank{rank}.json").read_text())["rows"]]
+    rows = read_probe_rows([tmp_path / f"step_rank{rank}.json" for rank in (0, 1)], "step")
     table = mb.replay_table(rows)
     assert sorted(table["batch"].unique()) == [1, 4]
     ops = table.set_index(["batch", "variant"])["ops"]
@@ -223,7 +224,7 @@ def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tin
     # shared-memory all-reduce and all-gather (_C, _C_AVX512), or gloo where _C_AVX2 has no shm all-reduce
     engine = engine_allreduce.communicator
     assert set(table["communicator"]) == {engine}
-    meta = json.loads((tmp_path / "step_rank0.json").read_text())["meta"]
+    meta = read_probe_output(tmp_path / "step_rank0.json", "step").meta
     assert meta["communicator"] == engine
     if engine == "vllm_shm":
         assert meta["communicator_note"] == ""

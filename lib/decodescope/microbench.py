@@ -2,7 +2,6 @@
 programs (plain python / torchrun child processes), and turn their per-rank files into tables."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -17,6 +16,7 @@ from decodescope.io import write_json_atomic, write_parquet_atomic
 from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE
 from decodescope.records import LATENCY_FIT_COLUMNS, CollectivesFit, HostInventory, LatencyFit, Peaks, read_record, \
     write_record
+from decodescope.records_probe import read_probe_output, read_probe_rows
 from decodescope.server import log_tail
 
 
@@ -97,7 +97,7 @@ def run_gemm_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.Da
         argv += ["--cpus", cpus]
     _run(argv, run_dir / "logs" / "gemm_probe.log", params.microbench.probe_timeout_s, host=host,
          inputs=(shapes_path,), outputs=(out,))
-    table = gemm_table(json.loads(out.read_text()), peaks_for(run_dir, params))
+    table = gemm_table(read_probe_output(out, "gemm").rows, peaks_for(run_dir, params))
     main = table["tp"] == params.server.tensor_parallel
     if not main.all():
         # other tensor-parallel sizes feed the verdict's what-if only: their own file
@@ -260,7 +260,7 @@ def run_step_replay(params, run_dir: Path, device: Optional[str] = None) -> pd.D
     args = ["--plan", plan_path, "--out-dir", out_dir] + (["--device", device] if device else [])
     run_torchrun_probe(params, run_dir, "decodescope.probes.step", args, params.server.tensor_parallel,
                        inputs=(plan_path,), outputs=(out_dir,), log_name="step_probe")
-    rows = [r for p in sorted(out_dir.glob("step_rank*.json")) for r in json.loads(p.read_text())["rows"]]
+    rows = read_probe_rows(sorted(out_dir.glob("step_rank*.json")), "step")
     table = replay_table(rows)
     write_parquet_atomic(data / STEP_REPLAY, table)
     return table
@@ -336,10 +336,10 @@ def _run_on_nodes(hosts, argvs, logs, timeout_s: float, env: dict, inputs: tuple
 def collectives_table(out_dir: Path) -> pd.DataFrame:
     rows, metas = [], []
     for p in sorted(Path(out_dir).glob("collectives_rank*.json")):
-        doc = json.loads(p.read_text())
-        metas.append(doc["meta"])
-        for r in doc["rows"]:
-            rows.append({**r, "backend": doc["meta"]["backend"], "nccl_version": doc["meta"].get("nccl_version")})
+        doc = read_probe_output(p, "collectives")
+        metas.append(doc.meta)
+        for r in doc.rows:
+            rows.append({**r, "backend": doc.meta["backend"], "nccl_version": doc.meta.get("nccl_version")})
     df = pd.DataFrame(rows)
     df.attrs["meta"] = metas
     return df

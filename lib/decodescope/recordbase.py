@@ -73,6 +73,11 @@ def write_record(path: Path, record: Record) -> Path:
     return write_json_atomic(Path(path), record.to_json_dict())
 
 
+def validation_problems(e: ValidationError) -> str:
+    """Each field at fault and what is wrong with it, on one line."""
+    return "; ".join(f"{'.'.join(str(x) for x in err['loc']) or '(record)'}: {err['msg']}" for err in e.errors())
+
+
 def read_record(path: Path, model: type[R]) -> R:
     """The record in `path`; RecordError (naming the file) for another schema_version or invalid fields."""
     path = Path(path)
@@ -94,7 +99,5 @@ def read_record(path: Path, model: type[R]) -> R:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or '(record)'}: {err['msg']}"
-                             for err in e.errors())
-        raise RecordError(path, f"not a valid {model.__name__} (schema_version {found}): {problems}",
+        raise RecordError(path, f"not a valid {model.__name__} (schema_version {found}): {validation_problems(e)}",
                           found=found, expected=expected) from None

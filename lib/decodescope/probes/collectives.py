@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from decodescope.io import write_json_atomic
 from decodescope.probes.gemm_kernels import TORCH_DTYPES
 from decodescope.probes.timing import (HOST_AFTER_GEMM, HOST_ISSUE, HostRef, host_issue_after_us, host_issue_us,
                                       median_spread)
+from decodescope.records_probe import write_probe_output
 
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
@@ -465,11 +465,11 @@ def main(argv=None) -> int:
     try:
         for part in (burst, sweep):
             rows += part(plan, device, dtype, timer, world, rank, comms)
-            write_json_atomic(out, {"meta": meta, "rows": rows})
+            write_probe_output(out, "collectives", rows, meta)
             if rank == 0:
                 print(f"{part.__name__}: {len(rows)} rows", file=sys.stderr, flush=True)
         rows += all_to_all_tokens(plan, device, dtype, timer, world, rank)
-        write_json_atomic(out, {"meta": meta, "rows": rows})
+        write_probe_output(out, "collectives", rows, meta)
     finally:
         for c in comms:
             if c.cleanup:

@@ -29,11 +29,11 @@ from typing import Callable, Optional
 import torch
 
 from decodescope.dtypes import bytes_per_element
-from decodescope.io import write_json_atomic
 from decodescope.probes.gemm_kernels import (MARLIN_GROUP, TORCH_DTYPES, EngineKernel, marlin_unavailable,
                                              cpu_engine_kernel, make_gemm, marlin_moe_call)
 from decodescope.probes.timing import HostRef, host_issue_us, median_spread
 from decodescope.procs import parse_cpulist
+from decodescope.records_probe import write_probe_output
 
 HOST_ISSUE_CALLS = 32  # calls issued back to back per repetition of the host-cost timing
 
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for i, shape in enumerate(shapes, 1):
         rows.append(measure(shape, device, args.iters, args.warmup, flush, graph=not args.no_graph))
-        write_json_atomic(args.out, rows)
+        write_probe_output(args.out, "gemm", rows)
         r = rows[-1]
         print(f"[{i}/{len(shapes)}] {shape['op']} b={shape.get('batch')} {shape['dtype']} {shape['m']}x{shape['n']}x{shape['k']}: "
               + (f"{r['time_us']:.2f} us, {r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s" if r["status"] == "ok"
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
                     row.update({f"step_order_{k2}": v for k2, v in median_spread(per_pass).items()})
                     row["method"] += (f"; step_order: the step's GEMMs layer by layer (each layer its own "
                                       f"weights), each pass after a {STEP_PAUSE_S * 1e3:g} ms pause, per call")
-            write_json_atomic(args.out, rows)
+            write_probe_output(args.out, "gemm", rows)
             print(f"step order b={batch} {dtype}: done", file=sys.stderr, flush=True)
     return 0
 

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from decodescope.io import write_json_atomic
 from decodescope.probes.collectives import (Communicator, Timer, _elems, graph_of, init_ranks, torch_communicator,
                                             vllm_shm_or_why)
 from decodescope.probes.gemm_kernels import TORCH_DTYPES, cpu_engine_kernel, make_gemm
 from decodescope.probes.timing import HostRef, median_spread
+from decodescope.records_probe import write_probe_output
 
 VARIANTS = ("full", "gemm_only", "comm_only")
 
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
         del items
         if use_cuda:
             torch.cuda.empty_cache()
-        write_json_atomic(out, {"meta": meta, "rows": rows})
+        write_probe_output(out, "step", rows, meta)
         if rank == 0:
             print(f"batch {step['batch']}: done", file=sys.stderr, flush=True)
     if comm.cleanup:
