@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from decodescope.records import RecordError
-from decodescope.records_probe import ProbeOutput, read_probe_output, read_probe_rows, write_probe_output
+from decodescope.probefile import write_probe_output
+from decodescope.records_probe import ProbeOutput, read_probe_output, read_probe_rows
 
 STEP_ROW = {"batch": 1, "variant": "full", "mode": "eager", "status": "ok", "time_us": 812.5, "rank": 0}
 
@@ -69,3 +70,15 @@ def test_the_gemm_probe_writes_its_record_and_02_reads_it(tmp_path):
     doc = read_probe_output(out, "gemm")
     assert doc.probe == "gemm" and len(doc.rows) == 1
     assert doc.rows[0]["op"] == "o_proj" and doc.rows[0]["status"] == "ok" and doc.rows[0]["time_us"] > 0
+
+
+def test_the_probes_import_without_pydantic_or_pandas():
+    """A GPU host's image may have torch and nothing else of decodescope's dependencies: the probes and their
+    writer import with pydantic and pandas blocked."""
+    code = ("import sys\n"
+            "for m in ('pydantic', 'pandas'):\n"
+            "    sys.modules[m] = None  # an import of it now fails\n"
+            "import decodescope.probes.gemm, decodescope.probes.collectives, decodescope.probes.step\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -7,7 +7,7 @@ row at fault.
 A row keeps the probe's own columns: each probe grows columns as it learns to measure more (a timing, a
 communicator, a host reference), and the tables built from them (gemm.parquet, collectives.parquet,
 step_replay.parquet) are where those columns are read. What every reader of a row relies on is declared
-here, per probe (ROW_KEYS).
+in decodescope.probefile (ROW_KEYS), with the writer the probes use: it needs the standard library only.
 """
 from __future__ import annotations
 
@@ -16,22 +16,19 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from decodescope.io import read_json, write_json_atomic
+from decodescope.io import read_json
+from decodescope.probefile import PROBE_OUTPUT_VERSION, ROW_KEYS
 from decodescope.recordbase import Record, RecordError, validation_problems
 
 ProbeName = Literal["gemm", "collectives", "step"]
-
-ROW_KEYS: dict[str, tuple[str, ...]] = {
-    "gemm": ("op", "dtype", "status"),
-    "collectives": ("part", "op", "status"),
-    "step": ("batch", "variant", "mode", "status"),
-}
 
 
 class ProbeOutput(Record):
     """One probe's output file (for the torchrun probes, one rank's): the run's facts (`meta`: rank, world
     size, backend, communicators, versions) and one row per measurement, status ok or skipped with why."""
 
+    schema_version: int = Field(PROBE_OUTPUT_VERSION, description="version of this record's layout; a reader "
+                                "refuses any other")
     probe: ProbeName = Field(description="the probe that wrote it: gemm, collectives or step")
     meta: dict[str, Any] = Field(default_factory=dict, description="what the probe ran on (empty for gemm)")
     rows: list[dict[str, Any]] = Field(default_factory=list, description="one per measurement, in order")
@@ -45,13 +42,6 @@ class ProbeOutput(Record):
                 raise ValueError(f"rows[{i}] lacks {', '.join(missing)} (every {self.probe} row has "
                                  f"{', '.join(need)})")
         return self
-
-
-def write_probe_output(path, probe: str, rows: list[dict], meta: dict | None = None) -> Path:
-    """The probe's rows so far, atomically: a crash leaves the previous part's file or this one. No
-    validation here: a probe keeps measuring, and its reader says what is wrong with a row."""
-    return write_json_atomic(Path(path), {"schema_version": ProbeOutput.expected_version(), "probe": probe,
-                                          "meta": meta or {}, "rows": rows})
 
 
 def read_probe_output(path, probe: str) -> ProbeOutput:

@@ -33,7 +33,7 @@ from decodescope.probes.gemm_kernels import (MARLIN_GROUP, TORCH_DTYPES, EngineK
                                              cpu_engine_kernel, make_gemm, marlin_moe_call)
 from decodescope.probes.timing import HostRef, host_issue_us, median_spread
 from decodescope.procs import parse_cpulist
-from decodescope.records_probe import write_probe_output
+from decodescope.probefile import write_probe_output
 
 HOST_ISSUE_CALLS = 32  # calls issued back to back per repetition of the host-cost timing
 

@@ -39,7 +39,7 @@ from decodescope.probes.collectives import (Communicator, Timer, _elems, graph_o
                                             vllm_shm_or_why)
 from decodescope.probes.gemm_kernels import TORCH_DTYPES, cpu_engine_kernel, make_gemm
 from decodescope.probes.timing import HostRef, median_spread
-from decodescope.records_probe import write_probe_output
+from decodescope.probefile import write_probe_output
 
 VARIANTS = ("full", "gemm_only", "comm_only")
 
