@@ -12,7 +12,8 @@ groups (it renames `item._nodeid`, which pytest no longer reads), and both worke
 
     python -m tests.lanes [pytest arguments for both lanes]
 
-Each line of output is prefixed with its lane; the exit status is the first failing lane's.
+The serial lane writes to the terminal as it runs; the beside lane's output comes whole once it ends. The exit
+status is the first failing lane's.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -41,42 +43,43 @@ def lane_argvs(pytest_args: list[str]) -> dict[str, list[str]]:
     return {"serial": serial, "beside": beside}
 
 
-def _pump(name: str, stream, lock: threading.Lock) -> None:
-    for line in iter(stream.readline, ""):
-        with lock:
-            sys.stdout.write(f"[{name}] {line}")
-            sys.stdout.flush()
+def _print_when_done(proc: subprocess.Popen, log, lock: threading.Lock) -> None:
+    proc.wait()
+    log.seek(0)
+    with lock:
+        sys.stdout.write(f"\n---- the beside lane (exit status {proc.returncode}) ----\n{log.read()}---- end of the beside lane ----\n")
+        sys.stdout.flush()
 
 
 def main(argv: list[str]) -> int:
+    """The serial lane writes to this terminal as it runs (its progress is the suite's); the beside lane's
+    output is kept and printed whole once it ends, so the two do not interleave line by line."""
     argvs = lane_argvs(argv)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     lock = threading.Lock()
     procs: dict[str, subprocess.Popen] = {}
-    pumps = []
-    try:
-        for name, cmd in argvs.items():
-            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                           env=env, cwd=TESTS.parent)
-            pumps.append(threading.Thread(target=_pump, args=(name, procs[name].stdout, lock), daemon=True))
-            pumps[-1].start()
-        codes = {name: p.wait() for name, p in procs.items()}
-    except KeyboardInterrupt:
-        # the terminal's Ctrl-C reached both lanes too (one process group); wait for them to stop
-        for p in procs.values():
-            p.send_signal(signal.SIGINT)
-        for p in procs.values():
-            p.wait()
-        return 130
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+    with tempfile.TemporaryFile("w+") as log:
+        try:
+            procs["beside"] = subprocess.Popen(argvs["beside"], stdout=log, stderr=subprocess.STDOUT, text=True,
+                                               env=env, cwd=TESTS.parent)
+            printer = threading.Thread(target=_print_when_done, args=(procs["beside"], log, lock), daemon=True)
+            printer.start()
+            procs["serial"] = subprocess.Popen(argvs["serial"], env=env, cwd=TESTS.parent)
+            codes = {name: procs[name].wait() for name in ("serial", "beside")}
+            printer.join(timeout=30)
+        except KeyboardInterrupt:
+            # the terminal's Ctrl-C reached both lanes too (one process group); wait for them to stop
+            for p in procs.values():
+                p.send_signal(signal.SIGINT)
+            for p in procs.values():
                 p.wait()
-    for t in pumps:
-        t.join(timeout=10)
-    for name, rc in codes.items():
-        print(f"[{name}] exit status {rc}")
+            return 130
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    print(f"lanes: serial exit status {codes['serial']}, beside exit status {codes['beside']}")
     return lanes_status(codes)
 
 
