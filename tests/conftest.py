@@ -73,7 +73,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    from decodescope.engine_comm import apply_cpu_path_here
+    # the standard library only: GPU tests run on an image without decodescope's dependencies
+    from decodescope.cpupath import apply_cpu_path_here
 
     config.addinivalue_line("markers", "torchrun: uses real torchrun ranks (the cpu_traces fixture); "
                                        "`make test-fast` leaves them out")

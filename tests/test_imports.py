@@ -197,7 +197,7 @@ def test_every_function_local_import_says_why_it_is_not_at_the_top():
 # - hardware (inventory and peaks) sits in exec with the host seam: the inventory is taken on the run's
 #   host, through decodescope.host and the engine's communicator probe.
 LAYERS = (
-    ("core", ("", "io", "probefile", "stats", "dtypes", "rundir", "phases", "resources", "enginelog", "_avx2_only")),
+    ("core", ("", "io", "probefile", "cpupath", "stats", "dtypes", "rundir", "phases", "resources", "enginelog", "_avx2_only")),
     ("show", ("report.escape", "report.display")),
     ("model", ("arch",)),
     ("schema", ("params", "params_schema", "records", "recordbase", "records_verdict", "records_server",
