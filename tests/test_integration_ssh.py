@@ -24,7 +24,7 @@ import pytest
 from decodescope import procs
 from decodescope.cli import EXIT_PHASE_FAILED
 from decodescope.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV
-from tests.test_faults import FAULT_ENGINE_ARGS, Run, digests, manifest, record_fault, wait_until
+from tests.test_faults import Run, digests, manifest, record_fault, wait_until
 from tests.test_host_ssh import SSHD, Sshd
 from tests.test_integration_vllm import DECODESCOPE, _params
 
@@ -40,9 +40,8 @@ def sshd(tmp_path_factory):
     d.stop()
 
 
-def ssh_params(tmp: Path, port: int, name: str, sshd: Sshd, replace: dict | None = None,
-               engine_args: dict | None = None) -> Path:
-    path = _params(REPO, tmp, port, engine_args, name=name)
+def ssh_params(tmp: Path, port: int, name: str, sshd: Sshd, replace: dict | None = None) -> Path:
+    path = _params(REPO, tmp, port, name=name)
     text = path.read_text()
     assert "host: local\n" in text
     text = text.replace("host: local\n", f"host:\n  url: {sshd.url}\n  python: {sys.executable}\n"
@@ -219,7 +218,7 @@ def ssh_faults(sshd, tmp_path_factory) -> dict:
     04's profile has started; and the last --resume, which profiles again."""
     tmp = tmp_path_factory.mktemp("sshfaults")
     params = ssh_params(tmp, 8823, "sshfaults", sshd, {"concurrency: [1, 2, 4]": "concurrency: [1, 2, 4, 8]",
-                                                       "  requests: 12\n": "  requests: 24\n"}, FAULT_ENGINE_ARGS)
+                                                       "  requests: 12\n": "  requests: 24\n"})
     out: dict = {"tmp": tmp}
     killed = Run(tmp, params, "--phases", "01_serving", label="killed")
     run_dir = out["run_dir"] = killed.run_dir()
