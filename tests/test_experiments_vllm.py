@@ -148,12 +148,16 @@ def test_the_step_model_and_the_allreduces_are_set_against_what_was_measured(cam
     profiled = [r for r in v["levels"] if r.get("host_drift") is not None]
     assert 1 in {r["level"] for r in profiled}
     noise = max(abs(r["host_drift"]) + r["window_noise"] for r in profiled)
-    worst = max(abs(r["model_error_same_server"]) - r["window_noise"] for r in profiled)
+    worst_row = max(profiled, key=lambda r: abs(r["model_error_same_server"]) - r["window_noise"])
+    worst = abs(worst_row["model_error_same_server"]) - worst_row["window_noise"]
     if engine_allreduce.communicator == "torch_gloo" and worst > 0.20:
         # Forced-AVX2 suite at 156bf4d (2026-12-02): the gloo step model read +35.6% at level 1 and +37.9% against
         # 04's own server at level 4 (host drift -20%, window noise 13%), where an earlier campaign on this path
         # read -11/-7/+13%; the all-reduce row above held (0.72). Not yet explained: stated, not hidden.
-        pytest.xfail(f"gloo path: the step model {worst + 0.20:+.0%} off the engine's step on 04's server, "
+        # (the forced-AVX2 suite of 2026-12-03: levels 1/2/4 at -4.4/-10.9/-30.5% of client TPOT, level 4
+        # -30.9% of 04's own step with window noise 9.9%; the all-reduce row 1.14)
+        pytest.xfail(f"gloo path: the step model {worst_row['model_error_same_server']:+.1%} off the engine's step "
+                     f"on 04's server at level {worst_row['level']} (window noise {worst_row['window_noise']:.1%}), "
                      "beyond its 20% bound (holds on the shm path)")
     for r in profiled:
         assert abs(r["model_error_same_server"]) <= 0.20 + r["window_noise"], r

@@ -227,8 +227,11 @@ def ssh_faults(sshd, tmp_path_factory) -> dict:
     os.kill(json.loads((run_dir / "data/server.json").read_text())["host_pid"], signal.SIGKILL)
     out["killed"] = _fault_outcome(killed, run_dir, "01_serving")
 
+    # the killed run may have written level 2 already (spoiled: its requests failed when the server died),
+    # which the resume measures again: wait for the resume's own level 2, with its link up
+    spoiled = level2.stat().st_mtime_ns if level2.is_file() else None
     swept = Run(tmp, params, "--resume", str(run_dir), "--phases", "01_serving", label="sweep")
-    wait_until(level2.is_file, 900, "level 2 of the sweep", swept)
+    wait_until(lambda: level2.is_file() and level2.stat().st_mtime_ns != spoiled, 900, "level 2 of the sweep", swept)
     out["sweep_kept"] = digests([level1, level2])
     kill_link(swept)
     out["sweep"] = _fault_outcome(swept, run_dir, "01_serving")
