@@ -43,12 +43,11 @@ def lane_argvs(pytest_args: list[str]) -> dict[str, list[str]]:
     return {"serial": serial, "beside": beside}
 
 
-def _print_when_done(proc: subprocess.Popen, log, lock: threading.Lock) -> None:
+def _print_when_done(proc: subprocess.Popen, log) -> None:
     proc.wait()
     log.seek(0)
-    with lock:
-        sys.stdout.write(f"\n---- the beside lane (exit status {proc.returncode}) ----\n{log.read()}---- end of the beside lane ----\n")
-        sys.stdout.flush()
+    sys.stdout.write(f"\n---- the beside lane (exit status {proc.returncode}) ----\n{log.read()}---- end of the beside lane ----\n")
+    sys.stdout.flush()
 
 
 def main(argv: list[str]) -> int:
@@ -56,13 +55,12 @@ def main(argv: list[str]) -> int:
     output is kept and printed whole once it ends, so the two do not interleave line by line."""
     argvs = lane_argvs(argv)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    lock = threading.Lock()
     procs: dict[str, subprocess.Popen] = {}
     with tempfile.TemporaryFile("w+") as log:
         try:
             procs["beside"] = subprocess.Popen(argvs["beside"], stdout=log, stderr=subprocess.STDOUT, text=True,
                                                env=env, cwd=TESTS.parent)
-            printer = threading.Thread(target=_print_when_done, args=(procs["beside"], log, lock), daemon=True)
+            printer = threading.Thread(target=_print_when_done, args=(procs["beside"], log), daemon=True)
             printer.start()
             procs["serial"] = subprocess.Popen(argvs["serial"], env=env, cwd=TESTS.parent)
             codes = {name: procs[name].wait() for name in ("serial", "beside")}

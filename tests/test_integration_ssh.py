@@ -306,7 +306,6 @@ def test_link_dropped_mid_profile_tears_down_there_and_resume_finishes(ssh_fault
     assert ssh_faults["resume_rc"] == 0, ssh_faults["resume_stderr"][-3000:]
     assert json.loads((run_dir / "data/profile_summary.json").read_text())["ranks"] == [0, 1]
     assert ssh_faults["resume_left"] == ([], [])
-    assert_nothing_left(run_dir)
     record_fault("ssh link dropped mid-profile (ssh killed)",
                  "phase fails; server, engine core and workers there torn down by the host's supervisor; "
                  "--resume profiles again", rc=k["rc"], results_lost="the capture in flight", processes_left=0,
