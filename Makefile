@@ -41,7 +41,7 @@ run: $(CORE_STAMP)
 	$(VENV)/bin/decodescope run $(PARAMS)
 
 # CPU_PATH=avx2 runs every test as on an AVX2-only x86 host (vLLM CPU's _C_AVX2, all-reduce through gloo),
-# whatever this CPU has; unset: the host's own path (tests/conftest.py --cpu-path, decodescope.engine_comm).
+# whatever this CPU has; unset: the host's own path (tests/conftest.py --cpu-path, decodescope.exec.engine_comm).
 CPU_PATH_ARG = $(if $(CPU_PATH),--cpu-path=$(CPU_PATH))
 
 # Two lanes at once on two cores (tests/lanes.py): one runs the modules that start servers, sshd or probe

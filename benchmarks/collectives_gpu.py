@@ -7,8 +7,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
-from decodescope import microbench as mb, microbench_report as mbr  # noqa: E402
-from decodescope.params import load_params  # noqa: E402
+from decodescope.micro import bench as mb  # noqa: E402
+from decodescope.report import micro_view as mbr
+from decodescope.schema.params import load_params  # noqa: E402
 
 params = load_params(Path(__file__).resolve().parents[1] / "params/kimi-k2.5-int4-8x-pcie.yaml")
 params.microbench.world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 1

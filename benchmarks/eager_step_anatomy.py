@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from decodescope.probes.collectives import init_ranks, torch_communicator  # noqa: E402
-from decodescope.procs import parse_cpulist  # noqa: E402
+from decodescope.exec.procs import parse_cpulist  # noqa: E402
 from decodescope.probes.step import build_step, variant_ops  # noqa: E402
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from decodescope.arch import gemm_shapes, normalize_config  # noqa: E402
+from decodescope.model.arch import gemm_shapes, normalize_config  # noqa: E402
 from decodescope.probes.gemm import Flusher, measure  # noqa: E402
 from decodescope.probes.gemm_kernels import make_gemm  # noqa: E402
 

@@ -112,7 +112,7 @@ def main() -> int:
     ap.add_argument("--levels", default="64,256,512")
     ap.add_argument("--out")
     args = ap.parse_args()
-    from decodescope.modeldir import build_dummy_model_dir
+    from decodescope.exec.modeldir import build_dummy_model_dir
 
     tokenizer = str(build_dummy_model_dir(json.loads((ROOT / "params/models/tiny-qwen3-moe.json").read_text()),
                                           ROOT / "outputs/.cache", "tiny-qwen3-moe"))

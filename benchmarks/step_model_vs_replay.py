@@ -1,4 +1,4 @@
-"""The step model (decodescope.stepmodel, priced from the GEMM and collective micro-benchmarks) against
+"""The step model (decodescope.verdict.stepmodel, priced from the GEMM and collective micro-benchmarks) against
 the step replay probe (probes/step.py: the same GEMMs and collectives in model order, measured whole).
 
     python benchmarks/step_model_vs_replay.py GEMM_RAW_JSON COLLECTIVES_DIR STEP_DIR PARAMS [--tp 8]
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from decodescope import arch as archmod
-from decodescope import microbench as mb
-from decodescope import stepmodel as sm
-from decodescope import stepparts as sp
-from decodescope.params import load_params
-from decodescope.records_probe import read_probe_output, read_probe_rows
+from decodescope.model import arch as archmod
+from decodescope.micro import bench as mb
+from decodescope.verdict import stepmodel as sm
+from decodescope.verdict import stepparts as sp
+from decodescope.schema.params import load_params
+from decodescope.schema.records_probe import read_probe_output, read_probe_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

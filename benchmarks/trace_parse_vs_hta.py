@@ -87,7 +87,7 @@ json.dump({"ready": ready, "device": ops.attrs["device"], "totals": totals, "cat
 OURS_STREAM_IMPORTS = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
-from decodescope.cli import main
+from decodescope.cli.main import main
 from decodescope.trace import breakdown, creduce
 """
 OURS_STREAM_CHILD = OURS_STREAM_IMPORTS + """
@@ -116,7 +116,7 @@ OURS = {"stream": (OURS_STREAM_CHILD, OURS_STREAM_IMPORTS, ["--breakdown"]),
 CLI_STARTUP = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from decodescope.cli import main
+from decodescope.cli.main import main
 sys.exit(main(["analyze-trace", "/nonexistent-trace-dir"] + sys.argv[2:]))
 """
 

@@ -68,13 +68,13 @@ def cpu_traces(tmp_path_factory) -> Path:
 def pytest_addoption(parser):
     parser.addoption("--cpu-path", choices=("native", "avx2"), default=os.environ.get("DECODESCOPE_CPU_PATH") or "native",
                      help="native: vLLM CPU as this host loads it; avx2: every process the tests start sees no "
-                          "AVX-512/AMX (decodescope.engine_comm's sitecustomize), so vLLM loads _C_AVX2 and "
+                          "AVX-512/AMX (decodescope.exec.engine_comm's sitecustomize), so vLLM loads _C_AVX2 and "
                           "all-reduces through gloo. Default: $DECODESCOPE_CPU_PATH, else native")
 
 
 def pytest_configure(config):
     # the standard library only: GPU tests run on an image without decodescope's dependencies
-    from decodescope.cpupath import apply_cpu_path_here
+    from decodescope.core.cpupath import apply_cpu_path_here
 
     config.addinivalue_line("markers", "torchrun: uses real torchrun ranks (the cpu_traces fixture); "
                                        "`make test-fast` leaves them out")
@@ -88,16 +88,16 @@ def _engine_allreduce_here():
     """The all-reduce path a process started by the tests finds, found there as vLLM finds it."""
     import subprocess
 
-    from decodescope.records import EngineAllReduce
+    from decodescope.schema.records import EngineAllReduce
 
-    code = ("from decodescope.engine_comm import engine_allreduce; "
+    code = ("from decodescope.exec.engine_comm import engine_allreduce; "
             "print(engine_allreduce(has_gpu=False).model_dump_json())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     return EngineAllReduce.model_validate_json(r.stdout.strip().splitlines()[-1])
 
 
 def pytest_report_header(config):
-    return f"cpu path: {config.getoption('--cpu-path')} (decodescope.engine_comm; --cpu-path=avx2 forces vLLM CPU's AVX2 path)"
+    return f"cpu path: {config.getoption('--cpu-path')} (decodescope.exec.engine_comm; --cpu-path=avx2 forces vLLM CPU's AVX2 path)"
 
 
 @pytest.fixture(scope="session")

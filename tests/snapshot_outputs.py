@@ -45,10 +45,17 @@ def snapshot(runs: list[tuple[Path, Path]], out: Path) -> None:
     """Writes each output of the tree on sys.path as a file under out (run in a child interpreter)."""
     import IPython.display
 
-    from decodescope.params import load_params
-    from decodescope.records import write_record
     from decodescope.report import compare, index, sections
-    from decodescope.verdict import verdict
+    try:
+        from decodescope.schema.params import load_params
+        from decodescope.schema.records import write_record
+        from decodescope.verdict.verdict import verdict
+        from decodescope.show import display as report_display
+    except ImportError:  # a base commit from before the layer folders (c35b06e and older)
+        from decodescope.params import load_params
+        from decodescope.records import write_record
+        from decodescope.verdict import verdict
+        from decodescope.report import display as report_display
 
     shown: list[str] = []
     def capture(*objs, **kw):
@@ -56,7 +63,6 @@ def snapshot(runs: list[tuple[Path, Path]], out: Path) -> None:
 
     # IPython's, and the name report.display holds where it imports it at its top
     IPython.display.display = capture
-    from decodescope.report import display as report_display
     if hasattr(report_display, "display"):
         report_display.display = capture
     run_dirs = [run_dir for run_dir, _ in runs]

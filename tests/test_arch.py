@@ -4,8 +4,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from decodescope.arch import (collective_schedule, expected_all_reduces_per_step, layer_all_reduces_per_step,
-                              normalize_config)
+from decodescope.model.arch import (collective_schedule, expected_all_reduces_per_step, layer_all_reduces_per_step,
+                                    normalize_config)
 
 
 def _cfg(repo, name):
@@ -61,8 +61,8 @@ def test_llama_style_dense_config():
 
 
 # ---- GEMM shapes, bytes, FLOPs (issue: micro-benchmarks) -------------------------------------------
-from decodescope.arch import (active_experts, all_to_all_bytes, flops_per_step, gemm_shapes,  # noqa: E402
-                              kv_cache_bytes_per_step, weight_bytes_per_step)
+from decodescope.model.arch import (active_experts, all_to_all_bytes, flops_per_step, gemm_shapes,  # noqa: E402
+                                    kv_cache_bytes_per_step, weight_bytes_per_step)
 
 LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
              "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256}
@@ -126,9 +126,9 @@ def test_all_to_all_volumes():
     assert all_to_all_bytes(a, ep=1, tokens_per_gpu=16)["dispatch_bytes"] == 0
 
 
-# ---- one dtype table (decodescope.dtypes) ------------------------------------------------------------
+# ---- one dtype table (decodescope.core.dtypes) ------------------------------------------------------------
 def test_dtype_bytes_one_table_for_params_torch_and_trace_names():
-    from decodescope import dtypes
+    from decodescope.core import dtypes
 
     for name in ("bf16", "bfloat16", "BFloat16", "torch.bfloat16", "fp16", "Half", "float16"):
         assert dtypes.element_bytes(name) == 2 == dtypes.bytes_per_element(name), name
@@ -142,12 +142,12 @@ def test_dtype_bytes_one_table_for_params_torch_and_trace_names():
 
 
 def test_int4_bytes_count_the_packed_weight_and_one_16bit_scale_per_group():
-    from decodescope import dtypes
+    from decodescope.core import dtypes
 
     assert dtypes.bytes_per_element("int4") == 0.5 + 2 / 32          # default group: Kimi-K2.5 INT4
     assert dtypes.bytes_per_element("int4", group_size=128) == 0.5 + 2 / 128
     assert np.isnan(dtypes.element_bytes("int4"))                   # its size depends on the grouping
-    from decodescope.arch import activation_bytes
+    from decodescope.model.arch import activation_bytes
 
     with pytest.raises(KeyError, match="not an activation dtype"):
         activation_bytes("int4")
@@ -173,9 +173,9 @@ def test_the_late_rank_reads_what_a_step_reads_between_two_all_reduces(repo):
     """03's late_rank timing reads, before each call, the weight bytes one rank reads between two of a
     batch-1 step's all-reduces (issue 25: a fixed 2 MiB write, this host's whole L2, made the figure jump
     between ~2 and ~8 us per size while the profiled engine paid 2.3 us per call)."""
-    from decodescope import arch as archmod
-    from decodescope import microbench as mb
-    from decodescope.params import load_params
+    from decodescope.model import arch as archmod
+    from decodescope.micro import bench as mb
+    from decodescope.schema.params import load_params
     from decodescope.probes import collectives
 
     params = load_params(repo / "params/default.yaml")

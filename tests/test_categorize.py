@@ -4,7 +4,7 @@ import math
 import pytest
 import yaml
 
-from decodescope import verdict
+from decodescope.verdict import verdict
 from decodescope.trace import categorize as cz
 from decodescope.trace.analyze import category_breakdown, op_table
 from decodescope.trace.breakdown import breakdown_dir

@@ -10,13 +10,13 @@ import pandas as pd
 import pytest
 import yaml
 
-from decodescope import stats
-from decodescope.cli import main
-from decodescope.io import write_parquet_atomic
-from decodescope.params import load_params, params_as_dict
-from decodescope.records import ProfileSummary, RunManifest, StepMedians, write_record
+from decodescope.core import stats
+from decodescope.cli.main import main
+from decodescope.core.io import write_parquet_atomic
+from decodescope.schema.params import load_params, params_as_dict
+from decodescope.schema.records import ProfileSummary, RunManifest, StepMedians, write_record
 from decodescope.report import compare
-from decodescope.runmanifest import RunError
+from decodescope.orchestration.runmanifest import RunError
 from decodescope.serving.metrics import level_summary, per_request
 
 REPO = Path(__file__).resolve().parents[1]
@@ -352,7 +352,7 @@ def test_the_page_in_a_browser_draws_every_plot_and_loads_nothing(two_runs):
 def test_06_compare_is_a_notebook_but_not_a_phase(repo, tmp_path):
     import nbformat
 
-    from decodescope import runner
+    from decodescope.orchestration import runner
 
     nb = nbformat.read(repo / "notebooks" / "06_compare.ipynb", as_version=4)
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]

@@ -1,5 +1,5 @@
 """Which all-reduce path the host's vLLM takes (00's record), and the switch that forces vLLM CPU's AVX2
-path on any x86 host (decodescope.engine_comm; `pytest --cpu-path=avx2`, DECODESCOPE_CPU_PATH=avx2)."""
+path on any x86 host (decodescope.exec.engine_comm; `pytest --cpu-path=avx2`, DECODESCOPE_CPU_PATH=avx2)."""
 import json
 import os
 import subprocess
@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from decodescope import engine_comm
-from decodescope.records import CpuInfo, EngineAllReduce, HostInventory
+from decodescope.exec import engine_comm
+from decodescope.schema.records import CpuInfo, EngineAllReduce, HostInventory
 
-DETECT = ("from decodescope.engine_comm import engine_allreduce; "
+DETECT = ("from decodescope.exec.engine_comm import engine_allreduce; "
           "print(engine_allreduce(has_gpu=False).model_dump_json())")
 
 
@@ -56,7 +56,7 @@ def test_a_process_under_the_switch_that_loads_vllms_kernels_first_loads_the_avx
     the runner apply it): vllm._custom_ops imported before anything asks for the path loads _C_AVX2, and the
     record's own load after it is the same library. Applied to the environment only, this process loaded
     the native library first and aborted at the second (one TORCH_LIBRARY namespace _C for both)."""
-    code = ("from decodescope.engine_comm import apply_cpu_path_here, engine_allreduce; apply_cpu_path_here('avx2'); "
+    code = ("from decodescope.exec.engine_comm import apply_cpu_path_here, engine_allreduce; apply_cpu_path_here('avx2'); "
             "from vllm import _custom_ops; import torch; "
             "print(hasattr(torch.ops._C, 'init_shm_manager'), engine_allreduce(has_gpu=False).path)")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", engine_comm.CPU_PATH_ENV)}
@@ -77,8 +77,8 @@ def test_without_the_switch_the_record_follows_the_cpus_own_flags():
 
 
 def test_the_record_is_in_host_json_and_named_in_the_headline_and_an_older_host_json_still_reads(tmp_path):
-    from decodescope import hardware
-    from decodescope.records import read_record, write_record
+    from decodescope.exec import hardware
+    from decodescope.schema.records import read_record, write_record
 
     cpu = CpuInfo(model="x", numa_nodes=1, memory_gib=1.0, avx2=True, avx512f=False, amx=False, kernel="k",
                   hostname="h")

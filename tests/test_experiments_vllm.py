@@ -10,12 +10,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from decodescope.server import port_is_free
+from decodescope.exec.server import port_is_free
 from tests.browser import inspect_report
 from tests.test_integration_vllm import sweep_to_1mib
 
 pytestmark = pytest.mark.integration
-DECODESCOPE = [sys.executable, "-m", "decodescope.cli"]
+DECODESCOPE = [sys.executable, "-m", "decodescope.cli.main"]
 PORT = 8796
 
 

@@ -23,13 +23,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from decodescope import procs
-from decodescope.io import write_text_atomic
-from decodescope.cli import EXIT_BAD_INPUT, EXIT_PHASE_FAILED, EXIT_SIGINT, EXIT_SIGTERM, EXIT_WRITE_FAILED
-from decodescope.params import PHASES, load_params
-from decodescope.phases import execution_order
-from decodescope.hostcore import RUN_ID_ENV
-from decodescope.server import port_is_free
+from decodescope.exec import procs
+from decodescope.core.io import write_text_atomic
+from decodescope.cli.main import EXIT_BAD_INPUT, EXIT_PHASE_FAILED, EXIT_SIGINT, EXIT_SIGTERM, EXIT_WRITE_FAILED
+from decodescope.schema.params import PHASES, load_params
+from decodescope.core.phases import execution_order
+from decodescope.exec.hostcore import RUN_ID_ENV
+from decodescope.exec.server import port_is_free
 from tests.test_integration_vllm import DECODESCOPE, _params
 
 pytestmark = pytest.mark.integration
@@ -338,7 +338,7 @@ def _worker_pid(server, tp_rank: int) -> int:
 def test_stop_profile_that_never_completes_keeps_the_traces_that_arrived(tmp_path):
     """Rank 1's worker hangs (SIGSTOP) just before /stop_profile: rank 0 writes its trace, the server
     never answers; the capture reports the missing rank and rank 0 is still analysed."""
-    from decodescope.server import start_for_params
+    from decodescope.exec.server import start_for_params
     from decodescope.trace.capture import capture_profile
     from decodescope.trace.load import load_trace_dir
     from decodescope.trace.profile import analyze_traces

@@ -79,8 +79,8 @@ def test_an_eager_gemm_sequence_is_paced_by_the_hosts_measured_cost_per_call(tmp
     import torch
 
     from decodescope.probes.gemm import measure
-    from decodescope.microbench import replay_table
-    from decodescope.stepparts import eager_walk, replay_host_refs
+    from decodescope.micro.bench import replay_table
+    from decodescope.verdict.stepparts import eager_walk, replay_host_refs
 
     plan = json.loads((REPO / "benchmarks/results/plan_kimi_tp8_step.json").read_text())
     step = next(s for s in plan["steps"] if s["batch"] == 2)

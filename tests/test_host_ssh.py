@@ -24,11 +24,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from decodescope import procs
-from decodescope.host import host_for
-from decodescope.hostcore import HostError, HostKeyUnknown, HostVersionMismatch, LinkDropped
-from decodescope.sshhost import SshHost
-from decodescope.params import HostParams, load_params
+from decodescope.exec import procs
+from decodescope.exec.host import host_for
+from decodescope.exec.hostcore import HostError, HostKeyUnknown, HostVersionMismatch, LinkDropped
+from decodescope.exec.sshhost import SshHost
+from decodescope.schema.params import HostParams, load_params
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 pytestmark = [pytest.mark.ssh,
@@ -180,7 +180,7 @@ def test_unknown_host_key_is_a_clear_error_at_once_and_never_a_prompt(sshd, tmp_
     # as a user meets it: `decodescope run` exits 2 before making anything, with stdin open and unread
     params = write_params(_params_text(sshd, tmp_path, known_hosts=empty))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "decodescope.cli", "run", str(params)], stdin=subprocess.PIPE,
+    proc = subprocess.run([sys.executable, "-m", "decodescope.cli.main", "run", str(params)], stdin=subprocess.PIPE,
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     wall = time.monotonic() - t0
     assert proc.returncode == 2, proc.stderr
@@ -210,7 +210,7 @@ def test_wrong_remote_version_says_what_to_run_there(sshd, tmp_path, session):
     # as a user meets it: `decodescope run` exits 2 with that one line, before making anything
     text = _params_text(sshd, tmp_path).replace(f"  python: {sys.executable}\n", f"  python: {python}\n")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "decodescope.cli", "run", str(_write(tmp_path, text))],
+    proc = subprocess.run([sys.executable, "-m", "decodescope.cli.main", "run", str(_write(tmp_path, text))],
                           capture_output=True, text=True, timeout=60, cwd=REPO, stdin=subprocess.DEVNULL)
     wall = time.monotonic() - t0
     assert proc.returncode == 2 and "pip install 'decodescope[gpu]==" in proc.stderr, proc.stderr
@@ -251,8 +251,8 @@ import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
 os.environ["DECODESCOPE_SSH_SESSION"] = os.urandom(8).hex()
-from decodescope.sshhost import SshHost
-from decodescope.params import HostParams
+from decodescope.exec.sshhost import SshHost
+from decodescope.schema.params import HostParams
 hp = HostParams.model_validate({host_params(sshd, tmp_path).model_dump()!r})
 h = SshHost(hp, Path({str(tmp_path / 'out')!r}))
 (Path({str(tmp_path / 'out')!r}) / "run" / "logs").mkdir(parents=True, exist_ok=True)
@@ -393,7 +393,7 @@ def tmpfs(path: Path, size: str):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
 def test_remote_disk_full_is_one_clear_error_and_nothing_is_left_there(sshd, tmp_path, session):
-    from decodescope import microbench as mb
+    from decodescope.micro import bench as mb
 
     with tmpfs(tmp_path / "remote", "512k") as disk:
         params = load_params(_write(tmp_path, _params_text(sshd, tmp_path, workdir=disk)))
@@ -421,7 +421,7 @@ def test_remote_disk_full_is_one_clear_error_and_nothing_is_left_there(sshd, tmp
 
 # ---- the server seam, with a stand-in server ---------------------------------------------------------
 def _fake_spec(port: int, token: str):
-    from decodescope.serverlaunch import LaunchSpec, alias_for
+    from decodescope.exec.serverlaunch import LaunchSpec, alias_for
 
     argv = [sys.executable, str(FAKE_SERVER), "--served-model-name", "m", alias_for(token), "--host", "127.0.0.1",
             "--port", str(port)]
@@ -430,7 +430,7 @@ def _fake_spec(port: int, token: str):
 
 
 def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(host, tmp_path):
-    from decodescope.server import VllmServer
+    from decodescope.exec.server import VllmServer
 
     port = free_port()
     spec = _fake_spec(port, procs.new_run_token())
@@ -455,7 +455,7 @@ def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(h
 
 
 def test_a_killed_server_there_is_noticed_and_the_rest_of_its_tree_removed(host, tmp_path):
-    from decodescope.server import VllmServer
+    from decodescope.exec.server import VllmServer
 
     port = free_port()
     spec = _fake_spec(port, procs.new_run_token())
@@ -518,13 +518,13 @@ def _write(tmp_path: Path, text: str, name: str = "ssh.yaml") -> Path:
 
 
 def _run_dir(params) -> Path:
-    from decodescope.runner import new_run_dir
+    from decodescope.orchestration.runner import new_run_dir
 
     return new_run_dir(params)
 
 
 def test_the_collectives_probe_runs_there_with_torchrun_and_its_files_come_back(sshd, tmp_path, session):
-    from decodescope import microbench as mb
+    from decodescope.micro import bench as mb
 
     params = load_params(_write(tmp_path, _params_text(sshd, tmp_path)))
     run_dir = _run_dir(params)
@@ -542,7 +542,7 @@ def test_the_collectives_probe_runs_there_with_torchrun_and_its_files_come_back(
 
 
 def test_a_probe_whose_link_drops_is_stopped_there_and_says_resume(sshd, tmp_path, session):
-    from decodescope import microbench as mb
+    from decodescope.micro import bench as mb
 
     params = load_params(_write(tmp_path, _params_text(sshd, tmp_path)))
     run_dir = _run_dir(params)
@@ -590,7 +590,7 @@ def test_a_probe_whose_link_drops_is_stopped_there_and_says_resume(sshd, tmp_pat
 def test_two_hosts_meet_at_a_c10d_rendezvous_one_here_one_through_ssh(sshd, tmp_path, session):
     """Node 0 is this machine (host: local), node 1 is reached through sshd; torchrun's c10d
     rendezvous at the endpoint from params, one gloo rank each."""
-    from decodescope import microbench as mb
+    from decodescope.micro import bench as mb
 
     rdzv = free_port()
     text = _params_text(sshd, tmp_path, url="local", extra_host=f"  nodes: [{sshd.url}]")
@@ -599,7 +599,7 @@ def test_two_hosts_meet_at_a_c10d_rendezvous_one_here_one_through_ssh(sshd, tmp_
     params = load_params(_write(tmp_path, text))
     run_dir = _run_dir(params)
     coll = mb.run_collectives_probe(params, run_dir)
-    from decodescope.host import node_hosts
+    from decodescope.exec.host import node_hosts
 
     session.extend(h for h in node_hosts(params) if h.remote)
     assert set(coll["rank"]) == {0, 1} and set(coll["world_size"]) == {2}
@@ -624,7 +624,7 @@ def paced_server(tmp_path):
 
 
 def test_the_load_generator_runs_beside_the_server_and_its_levels_come_back(sshd, tmp_path, session, paced_server):
-    from decodescope.notebook import PhaseContext
+    from decodescope.orchestration.notebook import PhaseContext
     from decodescope.serving.remote import link_note
     from decodescope.serving.phase import sweep_for_phase
 
@@ -648,7 +648,7 @@ def test_the_load_generator_runs_beside_the_server_and_its_levels_come_back(sshd
 
 # ---- a run ---------------------------------------------------------------------------------------------
 def _ssh_processes_of(run_id: str) -> list[int]:
-    from decodescope.hostcore import SSH_RUN_ID_ENV
+    from decodescope.exec.hostcore import SSH_RUN_ID_ENV
 
     return procs.run_processes(run_id, env_name=SSH_RUN_ID_ENV)
 
@@ -657,7 +657,7 @@ def test_the_probe_phases_run_over_ssh_from_the_cli_over_one_connection(sshd, tm
     """`decodescope run` with an ssh host, the phases that need no vLLM server: the host's inventory is
     taken there, the probes run there, their files come back, the notebooks and report stay here; the
     run's kernels multiplex over the runner's one ControlMaster; nothing is left on either side."""
-    from decodescope.hostcore import HOST_RUN_ID_ENV
+    from decodescope.exec.hostcore import HOST_RUN_ID_ENV
 
     text = _params_text(sshd, tmp_path).replace("  batches: [1, 2]\n", "  batches: [1]\n  dtypes: [fp32]\n")
     params = _write(tmp_path, text)
@@ -665,7 +665,7 @@ def test_the_probe_phases_run_over_ssh_from_the_cli_over_one_connection(sshd, tm
     env.pop("DECODESCOPE_SSH_SESSION", None)
     masters: set[int] = set()
     with open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "decodescope.cli", "run", str(params), "--phases", "00_host",
+        proc = subprocess.Popen([sys.executable, "-m", "decodescope.cli.main", "run", str(params), "--phases", "00_host",
                                  "02_gemm", "03_collectives"], stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO,
                                 env=env)
         while proc.poll() is None:
@@ -696,7 +696,7 @@ def test_an_attached_servers_traces_come_back_from_every_node_and_stay_moved(ssh
     here (traces/c<N>/) it does not come back."""
     import gzip
 
-    from decodescope.host import node_traces
+    from decodescope.exec.host import node_traces
 
     remote_traces = tmp_path / "their_traces"
     remote_traces.mkdir()
@@ -728,7 +728,7 @@ def test_start_for_params_on_an_ssh_host_pushes_the_model_and_records_the_link(s
     """The server phase's own entry point with an ssh host (a stand-in server behind server.python):
     the dummy-weights model dir built here is copied there, the profiler directory is the run's traces/
     there, the tunnel's added latency is measured (data/link.json) and server.json says where it runs."""
-    from decodescope.server import start_for_params
+    from decodescope.exec.server import start_for_params
 
     python = tmp_path / "server-python"
     python.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'

@@ -7,9 +7,9 @@ import nbformat
 import pandas as pd
 import pytest
 
-from decodescope.params import ParamsError, load_params
-from decodescope.report.display import figure_bundle, table_html
-from decodescope.report.escape import markdown_text
+from decodescope.schema.params import ParamsError, load_params
+from decodescope.show.display import figure_bundle, table_html
+from decodescope.show.escape import markdown_text
 from decodescope.report.html import build_report
 from tests.browser import inspect_report
 

@@ -102,8 +102,11 @@ def test_the_package_has_no_import_cycle():
 
 
 def test_the_phases_are_named_in_one_registry():
-    """The runner's, the host's, the report's and the comparison's phase sets all come from decodescope.phases."""
-    from decodescope import host, params, phases, runner
+    """The runner's, the host's, the report's and the comparison's phase sets all come from decodescope.core.phases."""
+    from decodescope.exec import host
+    from decodescope.schema import params
+    from decodescope.core import phases
+    from decodescope.orchestration import runner
     from decodescope.report import compare_sources, compare_tables, html
 
     assert params.PHASES is runner.PHASES is html.PHASES is compare_tables.PHASES is phases.PHASES
@@ -135,10 +138,10 @@ def test_the_package_its_tests_and_benchmarks_pass_the_linter():
 LAZY_MODULES = {
     # each subcommand imports what it uses when it runs: `analyze-trace` starts without pydantic or pandas
     # (issue 13's start-up budget; tests/test_trace_stream.py asserts it)
-    "cli.py": "subcommands import what they use when they run (start-up budget)",
-    "trace/cli.py": "the analyze-trace modes import what they use when they run (start-up budget)",
-    # runs on the GPU host over ssh for every small command: the standard library and decodescope.procs only
-    "hostagent.py": "the GPU host's agent starts on the standard library and decodescope.procs only",
+    "cli/main.py": "subcommands import what they use when they run (start-up budget)",
+    "cli/analyze_trace.py": "the analyze-trace modes import what they use when they run (start-up budget)",
+    # runs on the GPU host over ssh for every small command: the standard library and decodescope.exec.procs only
+    "exec/hostagent.py": "the GPU host's agent starts on the standard library and decodescope.exec.procs only",
 }
 
 
@@ -188,28 +191,27 @@ def test_every_function_local_import_says_why_it_is_not_at_the_top():
 
 
 # ---- layers: every import points down, or sideways within its layer ---------------------------------------
-# Lowest first. A module belongs to the layer of the longest prefix naming it ("trace.report" before
-# "trace"); "" is the package's own __init__. DESIGN.md's picture, with three placements it forces:
+# Lowest first. The folders are the layers: each top-level folder of lib/decodescope/ is in exactly one
+# layer, and no module sits beside them but the package's own __init__ ("" below) and the data folders
+# (_avx2_only, _data). DESIGN.md's picture, with three placements it forces:
 # - model (arch) sits under schema: params checks a model config against its architecture when it loads
 #   (heads and experts divisible by the tensor-parallel size), so the schema needs the architecture;
-# - show (report.escape, report.display) sits low: a phase may put a note in its notebook while it
-#   measures (serving.sweep), and what a note or table shows is escaped in one place;
-# - hardware (inventory and peaks) sits in exec with the host seam: the inventory is taken on the run's
-#   host, through decodescope.host and the engine's communicator probe.
+# - show (escape, display) sits low: a phase may put a note in its notebook while it measures
+#   (serving.sweep), and what a note or table shows is escaped in one place;
+# - exec.hardware (inventory and peaks) sits with the host seam: the inventory is taken on the run's host,
+#   through decodescope.exec.host and the engine's communicator probe; the probes, the programs run there,
+#   are in the same layer.
 LAYERS = (
-    ("core", ("", "io", "probefile", "cpupath", "stats", "dtypes", "rundir", "phases", "resources", "enginelog", "_avx2_only")),
-    ("show", ("report.escape", "report.display")),
-    ("model", ("arch",)),
-    ("schema", ("params", "params_schema", "records", "recordbase", "records_verdict", "records_server",
-                "records_probe")),
-    ("exec", ("procs", "locks", "hostcore", "sshhandle", "sshhost", "host", "hostagent", "serverlaunch", "server", "modeldir", "wheelhouse", "engine_comm", "hardware",
-              "probes")),
-    ("measure", ("trace", "serving", "microbench")),
-    ("verdict", ("stepsample", "stepparts", "stepmodel", "whatif", "verdict", "verdict_fixes", "verdict_variants",
-                 "leveldrift")),
-    ("report", ("report", "trace.report", "serving.report", "microbench_report")),
-    ("orchestration", ("runmanifest", "progress", "runner", "notebook")),
-    ("cli", ("cli", "trace.cli")),
+    ("core", ("", "core", "_avx2_only")),
+    ("show", ("show",)),
+    ("model", ("model",)),
+    ("schema", ("schema",)),
+    ("exec", ("exec", "probes")),
+    ("measure", ("trace", "serving", "micro")),
+    ("verdict", ("verdict",)),
+    ("report", ("report",)),
+    ("orchestration", ("orchestration",)),
+    ("cli", ("cli",)),
 )
 
 
@@ -255,6 +257,17 @@ def test_every_module_is_in_a_layer_and_imports_only_down_or_sideways():
             unplaced.append(str(e))
     assert unplaced == []
     assert upward_imports(graph) == []
+
+
+def test_the_layers_are_the_folders():
+    """Each layer names whole top-level folders (no module of one folder in another's layer), every folder
+    is named by one layer, and only the package's __init__ sits at the top beside them."""
+    named = [p for _, prefixes in LAYERS for p in prefixes if p]
+    assert all("." not in p for p in named), named
+    assert len(named) == len(set(named))
+    folders = {d.name for d in PACKAGE.iterdir() if d.is_dir() and d.name != "__pycache__" and d.name != "_data"}
+    assert folders == set(named)
+    assert sorted(f.name for f in PACKAGE.glob("*.py")) == ["__init__.py"]
 
 
 def test_the_analysis_side_imports_without_torch():
@@ -324,13 +337,13 @@ def test_no_function_is_over_80_lines_but_the_ratcheted_ones():
 # Errors per module when mypy first ran on the package (issue 28: 198, none of them an undefined name): a
 # ratchet like the size limits. A module not listed has none; a listed one may only lose errors, and leaves
 # the list at none. Most are Optional values used unchecked and pandas/numpy scalars passed as floats.
-MYPY_ERRORS = {"serving/telemetry.py": 9, "serving/telemetry_read.py": 15, "serving/promtext.py": 6, "arch.py": 18, "verdict.py": 15, "params.py": 13, "verdict_fixes.py": 11,
-               "trace/stream.py": 11, "host.py": 4, "sshhandle.py": 5, "sshhost.py": 2, "probes/gemm.py": 3, "probes/gemm_kernels.py": 6, "trace/breakdown.py": 8, "server.py": 8,
-               "report/sections.py": 8, "probes/collectives.py": 8, "verdict_variants.py": 6, "trace/parse.py": 2, "trace/columns.py": 1, "trace/layout.py": 1,
-               "report/plots.py": 5, "trace/profile.py": 3, "stepmodel.py": 1, "serving/rawclient.py": 3,
-               "report/index.py": 3, "report/compare_tables.py": 3, "trace/report.py": 2, "params_schema.py": 2,
-               "microbench.py": 2, "hostagent.py": 2, "trace/load.py": 1, "trace/cscan.py": 1,
-               "serving/client.py": 1, "runner.py": 1, "records_verdict.py": 1, "hardware.py": 1}
+MYPY_ERRORS = {"serving/telemetry.py": 9, "serving/telemetry_read.py": 15, "serving/promtext.py": 6, "model/arch.py": 18, "verdict/verdict.py": 15, "schema/params.py": 13, "verdict/fixes.py": 11,
+               "trace/stream.py": 11, "exec/host.py": 4, "exec/sshhandle.py": 5, "exec/sshhost.py": 2, "probes/gemm.py": 3, "probes/gemm_kernels.py": 6, "trace/breakdown.py": 8, "exec/server.py": 8,
+               "report/sections.py": 8, "probes/collectives.py": 8, "verdict/variants.py": 6, "trace/parse.py": 2, "trace/columns.py": 1, "trace/layout.py": 1,
+               "report/plots.py": 5, "trace/profile.py": 3, "verdict/stepmodel.py": 1, "serving/rawclient.py": 3,
+               "report/index.py": 3, "report/compare_tables.py": 3, "report/profile_view.py": 2, "schema/params_schema.py": 2,
+               "micro/bench.py": 2, "exec/hostagent.py": 2, "trace/load.py": 1, "trace/cscan.py": 1,
+               "serving/client.py": 1, "orchestration/runner.py": 1, "schema/records_verdict.py": 1, "exec/hardware.py": 1}
 
 
 def mypy_errors_by_module(output: str) -> dict[str, int]:
@@ -366,9 +379,9 @@ def test_the_hosts_agent_starts_on_the_standard_library_and_procs_only():
     import subprocess
     import sys
 
-    code = ("import sys, decodescope.hostagent\n"
+    code = ("import sys, decodescope.exec.hostagent\n"
             "print(sorted(m for m in sys.modules if m.startswith('decodescope') or m in ('pydantic', 'urllib.request')))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['decodescope', 'decodescope.hostagent', 'decodescope.procs']"
+    assert proc.stdout.strip() == "['decodescope', 'decodescope.exec', 'decodescope.exec.hostagent', 'decodescope.exec.procs']"

@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from decodescope.io import write_parquet_atomic
-from decodescope.progress import Progress
-from decodescope.records import Bottleneck, RunManifest, Verdict, write_record
+from decodescope.core.io import write_parquet_atomic
+from decodescope.orchestration.progress import Progress
+from decodescope.schema.records import Bottleneck, RunManifest, Verdict, write_record
 from decodescope.report.index import (MISSING, build_index, collect_rows, compare_pages, headline,
                                       headline_html, render_index)
 
@@ -121,7 +121,7 @@ def test_headline_without_files_is_missing_everywhere(tmp_path):
 
 
 def test_cli_index_writes_the_page(outputs, capsys):
-    from decodescope.cli import main
+    from decodescope.cli.main import main
 
     assert main(["index", str(outputs)]) == 0
     assert capsys.readouterr().out.strip() == str(outputs / "index.html")
@@ -131,7 +131,7 @@ def test_cli_index_writes_the_page(outputs, capsys):
 def test_an_index_failure_only_warns(tmp_path, monkeypatch):
     import io
 
-    from decodescope import runner
+    from decodescope.orchestration import runner
     import decodescope.report.index as index
 
     def fail(output_dir):

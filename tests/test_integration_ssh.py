@@ -21,9 +21,9 @@ import nbformat
 import psutil
 import pytest
 
-from decodescope import procs
-from decodescope.cli import EXIT_PHASE_FAILED
-from decodescope.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV
+from decodescope.exec import procs
+from decodescope.cli.main import EXIT_PHASE_FAILED
+from decodescope.exec.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV
 from tests.test_faults import Run, digests, manifest, record_fault, wait_until
 from tests.test_host_ssh import SSHD, Sshd
 from tests.test_integration_vllm import DECODESCOPE, _params

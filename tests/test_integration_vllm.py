@@ -10,12 +10,12 @@ import pandas as pd
 import psutil
 import pytest
 
-from decodescope.params import load_params
-from decodescope.server import ServerError, port_is_free, start_for_params
+from decodescope.schema.params import load_params
+from decodescope.exec.server import ServerError, port_is_free, start_for_params
 from tests.browser import inspect_report
 
 pytestmark = pytest.mark.integration
-DECODESCOPE = [sys.executable, "-m", "decodescope.cli"]
+DECODESCOPE = [sys.executable, "-m", "decodescope.cli.main"]
 
 
 def _params(repo, tmp_path, port, extra_engine_args=None, name="it"):
@@ -319,7 +319,7 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
     server's tokenizing of a text prompt sits in its TTFT and so out of its TPOT (with token ids ours read
     TTFT 7-16 ms lower and TPOT 12-14% higher in some rounds, E2E within 1%; a CI run failed on it). (That our level metrics follow vLLM's definitions exactly
     is checked on shared records above; accuracy against ground truth is benchmarks/loadgen_fidelity.py.)"""
-    from decodescope.modeldir import resolve_model_dir
+    from decodescope.exec.modeldir import resolve_model_dir
     from decodescope.serving.compare import load_vllm_bench_requests, run_vllm_bench_serve
     from decodescope.serving.metrics import coalesced_fraction
 

@@ -1,11 +1,11 @@
 """A serving level's own drift while it ran and what the step model's miss is put down to
-(decodescope.leveldrift), on hand-worked numbers; and the verdict's level rows carrying them."""
+(decodescope.verdict.leveldrift), on hand-worked numbers; and the verdict's level rows carrying them."""
 from __future__ import annotations
 
 import pandas as pd
 
-from decodescope import leveldrift
-from decodescope.verdict import level_reconcile
+from decodescope.verdict import leveldrift
+from decodescope.verdict.verdict import level_reconcile
 
 
 def _requests(level: int, tpots: list[float], warmup: int = 0) -> pd.DataFrame:

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
-from decodescope.cli import _variants_kept, main as cli_main
-from decodescope.params import REDACTED, ParamsError, dump_yaml, load_params, params_as_dict, redact, with_overrides
+from decodescope.cli.main import _variants_kept, main as cli_main
+from decodescope.schema.params import (REDACTED, ParamsError, dump_yaml, load_params, params_as_dict, redact,
+                                       with_overrides)
 
 MINIMAL = """
 model:
@@ -172,7 +173,7 @@ def test_cli_validate_bad_file_exits_2(write_params, capsys):
 def test_profiler_launch_flags_leave_python_stacks_out_unless_asked(repo, tmp_path, style):
     import json as _json
 
-    from decodescope.serverlaunch import launch_spec
+    from decodescope.exec.serverlaunch import launch_spec
 
     params = load_params(repo / "params/default.yaml")
     for with_stack in (False, True):
@@ -189,7 +190,7 @@ def test_profiler_launch_flags_leave_python_stacks_out_unless_asked(repo, tmp_pa
 
 # ---- keys no phase reads (issue 9) ---------------------------------------------------------------
 def test_every_schema_key_is_read_by_a_phase_or_the_runner():
-    from decodescope.params import PHASES, RUNNER, readers_of, schema_keys
+    from decodescope.schema.params import PHASES, RUNNER, readers_of, schema_keys
 
     keys = schema_keys()
     assert "microbench.context_tokens" in keys and "hardware.peaks.int4_tflops" in keys
@@ -235,9 +236,9 @@ def test_shipped_params_files_warn_about_nothing(repo, capsys):
 
 # ---- params that now do something: weight_dtype, context_tokens, int4/fp32 peaks ------------------
 def test_weight_dtype_and_context_tokens_set_the_step_memory_floor(repo):
-    from decodescope import arch
-    from decodescope.microbench import memory_floor_note, step_memory_floor
-    from decodescope.records import Peaks
+    from decodescope.model import arch
+    from decodescope.micro.bench import memory_floor_note, step_memory_floor
+    from decodescope.schema.records import Peaks
 
     p = load_params(repo / "params/kimi-k2.5-int4-8x-pcie.yaml")
     peaks = Peaks(name="X", source="test", mem_gbps=1000.0)
@@ -256,9 +257,9 @@ def test_weight_dtype_and_context_tokens_set_the_step_memory_floor(repo):
 
 
 def test_int4_and_fp32_rooflines_are_explicit_and_in_the_method_note():
-    from decodescope.microbench import gemm_table
-    from decodescope.microbench_report import gemm_method_note
-    from decodescope.records import Peaks
+    from decodescope.micro.bench import gemm_table
+    from decodescope.report.micro_view import gemm_method_note
+    from decodescope.schema.records import Peaks
 
     rows = [{"op": "o_proj", "batch": 1, "dtype": d, "m": 1, "n": 64, "k": 64, "count": 1, "status": "ok",
              "method": "m", "time_us": 1.0, "tflops": 1.0, "gbps": 1.0} for d in ("bf16", "int4", "fp32")]
@@ -284,7 +285,7 @@ def test_ssh_host_shorthand_and_mapping_load_the_same(write_params, tmp_path):
 
 
 def test_a_variant_runs_with_its_server_settings_merged_over_the_baseline(write_params, tmp_path):
-    from decodescope.params import with_experiment
+    from decodescope.schema.params import with_experiment
 
     doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
     doc["server"].update(engine_args={"max-num-seqs": 16, "load-format": "dummy"}, env={"A": "1", "B": "2"})
@@ -306,9 +307,9 @@ def test_server_cpus_start_the_servers_processes_there_and_a_variant_replaces_th
     a server starts."""
     import os
 
-    from decodescope.params import with_experiment
-    from decodescope.server import ServerError, _check_cpus
-    from decodescope.serverlaunch import launch_spec
+    from decodescope.schema.params import with_experiment
+    from decodescope.exec.server import ServerError, _check_cpus
+    from decodescope.exec.serverlaunch import launch_spec
 
     doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
     doc["experiments"] = [{"name": "tp1", "tensor_parallel": 1, "cpus": "1"}]
@@ -395,7 +396,7 @@ def test_run_measures_only_the_variants_named_and_refuses_an_unknown_one(repo):
     assert [e.name for e in kept.experiments] == ["eager", "seqs16"]
     assert kept.experiments[0].engine_args == {"enforce-eager": True}
     assert with_overrides(p, {"experiments": _variants_kept(path, ["none"])}).experiments == []
-    out = subprocess.run([sys.executable, "-m", "decodescope.cli", "run", path, "--variants", "eager", "nope"],
+    out = subprocess.run([sys.executable, "-m", "decodescope.cli.main", "run", path, "--variants", "eager", "nope"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "--variants nope: no such variant; valid: spec-ngram, eager, seqs16, or none" in out.stderr

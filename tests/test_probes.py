@@ -3,10 +3,10 @@
 import pandas as pd
 import pytest
 
-from decodescope import arch as archmod
-from decodescope import microbench as mb
-from decodescope.params import load_params
-from decodescope.records_probe import read_probe_output
+from decodescope.model import arch as archmod
+from decodescope.micro import bench as mb
+from decodescope.schema.params import load_params
+from decodescope.schema.records_probe import read_probe_output
 
 pytestmark = pytest.mark.integration
 
@@ -152,7 +152,7 @@ def test_gemm_probe_graph_and_eager_timings_agree_on_gpu(m, n, k, dtype):
 def test_gemm_display_and_note_use_the_graph_time_when_measured():
     import pandas as pd
 
-    from decodescope.microbench_report import gemm_display, gemm_method_note
+    from decodescope.report.micro_view import gemm_display, gemm_method_note
 
     rows = pd.DataFrame([{"op": "o_proj", "batch": 1, "dtype": "bf16", "m": 1, "n": 7168, "k": 1024, "status": "ok",
                           "method": "m", "time_us": 4.0, "graph_time_us": 4.0, "graph_p10_us": 3.9,

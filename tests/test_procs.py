@@ -1,4 +1,4 @@
-"""Tear-down of a run's processes (decodescope.procs) against real processes."""
+"""Tear-down of a run's processes (decodescope.exec.procs) against real processes."""
 import os
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import time
 import uuid
 from pathlib import Path
 
-from decodescope import procs
+from decodescope.exec import procs
 
 # A process of the run that holds a spawn-context semaphore (as vLLM's API server and engine do: its
 # name is in /dev/shm until multiprocessing's resource tracker unlinks it) and does not stop on SIGTERM,

@@ -9,17 +9,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from decodescope import hardware
-from decodescope import microbench as mb
-from decodescope.io import write_parquet_atomic
-from decodescope.params import load_params
-from decodescope.records import (LATENCY_FIT_COLUMNS, SERVING_LEVEL_COLUMNS, AttributionRow, Bottleneck,
-                                 CollectivesFit, CpuInfo, CpuMatmul, GpuInfo, HostInventory, LatencyFit,
-                                 ManifestHost, Peaks, PhaseEntry, ProfileSummary, ReconcileRow, RecordError,
-                                 RunManifest, ServingHeadline, ServingLevel, StepMedians, TopologyPair, Verdict,
-                                 read_record, write_record)
-from decodescope.records_server import LinkMeasure, ProcessCores, ServerInfo
-from decodescope.server import VllmServer, write_server_info
+from decodescope.exec import hardware
+from decodescope.micro import bench as mb
+from decodescope.core.io import write_parquet_atomic
+from decodescope.schema.params import load_params
+from decodescope.schema.records import (LATENCY_FIT_COLUMNS, SERVING_LEVEL_COLUMNS, AttributionRow, Bottleneck,
+                                        CollectivesFit, CpuInfo, CpuMatmul, GpuInfo, HostInventory, LatencyFit,
+                                        ManifestHost, Peaks, PhaseEntry, ProfileSummary, ReconcileRow, RecordError,
+                                        RunManifest, ServingHeadline, ServingLevel, StepMedians, TopologyPair, Verdict,
+                                        read_record, write_record)
+from decodescope.schema.records_server import LinkMeasure, ProcessCores, ServerInfo
+from decodescope.exec.server import VllmServer, write_server_info
 from decodescope.serving.metrics import level_summary, per_request
 from decodescope.serving.remote import link_note
 
@@ -83,7 +83,7 @@ def _manifest():
 def _profile_capture():
     """What 04 writes for one level: its CaptureResult as a record (the writer's own path), with the
     host's CPU per step as procs.cpu_per_step gives it."""
-    from decodescope.procs import cpu_per_step
+    from decodescope.exec.procs import cpu_per_step
     from decodescope.trace.capture import CaptureResult
 
     before = {10: ("worker", 1_000_000, 0), 11: ("engine core", 0, 0)}
@@ -290,7 +290,7 @@ def test_gemm_peaks_come_from_host_json(tmp_path, repo):
 
 def test_verdict_from_the_phases_files_round_trips(tmp_path, repo):
     from decodescope.report import sections
-    from decodescope.verdict import verdict
+    from decodescope.verdict.verdict import verdict
 
     params = load_params(repo / "params/default.yaml")
     data = tmp_path / "data"
@@ -311,7 +311,7 @@ def test_verdict_from_the_phases_files_round_trips(tmp_path, repo):
 
 
 def test_the_manifest_keeps_its_keys_and_refuses_another_version(tmp_path, repo):
-    from decodescope.runmanifest import Manifest, RunError
+    from decodescope.orchestration.runmanifest import Manifest, RunError
 
     params = load_params(repo / "params/default.yaml")
     m = Manifest.create(tmp_path, params, ["00_host", "05_verdict"])
@@ -337,8 +337,8 @@ def test_the_manifest_keeps_its_keys_and_refuses_another_version(tmp_path, repo)
 def test_reconcile_pairs_the_profiles_communicator_with_the_same_one_in_the_probe(tmp_path):
     """Like for like: vLLM's shm all-reduce in the profile against the probe's vllm_shm burst, not gloo;
     a communicator the probe did not measure is stated, not divided."""
-    from decodescope.verdict import allreduce_reconcile_row
-    from decodescope.records import ProfileSummary, StepMedians
+    from decodescope.verdict.verdict import allreduce_reconcile_row
+    from decodescope.schema.records import ProfileSummary, StepMedians
 
     coll = pd.DataFrame([
         {"part": "burst", "status": "ok", "communicator": "torch_gloo", "mode": "eager", "batch": 2, "time_us": 17453.0},
@@ -350,8 +350,8 @@ def test_reconcile_pairs_the_profiles_communicator_with_the_same_one_in_the_prob
     row = allreduce_reconcile_row(coll, summary, observed_us=200.0, batch=2)
     assert row["micro_benchmark_us"] == 190.0 and "vllm_shm" in row["micro_source"]  # burst: no sweep
     # with 03's back-to-back sweep: calls per step x the latency at the step's message size
-    from decodescope import arch as archmod
-    from decodescope.params import load_params
+    from decodescope.model import arch as archmod
+    from decodescope.schema.params import load_params
 
     arch = archmod.normalize_config(load_params(Path(__file__).resolve().parents[1] / "params/default.yaml")
                                     .model_config_dict())
@@ -380,8 +380,8 @@ def test_the_communicator_is_read_from_the_op_name(name, comm):
 
 
 def test_each_serving_level_is_set_against_the_nearest_profiled_level_and_flagged_with_a_cause():
-    from decodescope.records import ProfileSummary, StepMedians
-    from decodescope.verdict import level_reconcile
+    from decodescope.schema.records import ProfileSummary, StepMedians
+    from decodescope.verdict.verdict import level_reconcile
 
     def summary(conc, period):
         return ProfileSummary(device="cpu", ranks=[0, 1], step_kind="decode", steps={}, allreduce_share_of_time={},
@@ -406,7 +406,7 @@ def test_each_serving_level_is_set_against_the_nearest_profiled_level_and_flagge
 def test_a_level_whose_tokens_arrived_in_bursts_is_set_against_the_engines_own_tpot():
     from types import SimpleNamespace
 
-    from decodescope.verdict import level_tpot
+    from decodescope.verdict.verdict import level_tpot
 
     steady = SimpleNamespace(tpot_p50_us=3_000.0, itl_coalesced_frac=0.1, server_tpot_mean_us=2_900.0)
     assert level_tpot(steady) == (3_000.0, "client TPOT p50")

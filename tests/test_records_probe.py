@@ -1,4 +1,4 @@
-"""The probes' outputs through their record (decodescope.records_probe): written as each part finishes, read
+"""The probes' outputs through their record (decodescope.schema.records_probe): written as each part finishes, read
 back by 02 and 03 with an error that names the file and the row at fault; files written before the record
 still read."""
 import json
@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from decodescope.records import RecordError
-from decodescope.probefile import write_probe_output
-from decodescope.records_probe import ProbeOutput, read_probe_output, read_probe_rows
+from decodescope.schema.records import RecordError
+from decodescope.core.probefile import write_probe_output
+from decodescope.schema.records_probe import ProbeOutput, read_probe_output, read_probe_rows
 
 STEP_ROW = {"batch": 1, "variant": "full", "mode": "eager", "status": "ok", "time_us": 812.5, "rank": 0}
 

@@ -6,8 +6,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from decodescope import runner
-from decodescope.runmanifest import RunError
+from decodescope.orchestration import runner
+from decodescope.orchestration.runmanifest import RunError
 from tests.browser import inspect_report
 
 
@@ -21,8 +21,8 @@ def _notebook(path, body):
 
 FIGURE = """
 import plotly.graph_objects as go
-from decodescope.report.display import show
-from decodescope.notebook import open_phase
+from decodescope.show.display import show
+from decodescope.orchestration.notebook import open_phase
 ctx = open_phase(params_path, run_dir)
 (ctx.data_dir / 'verdict.json').write_text('{}')
 show(go.Figure(go.Bar(x=[1, 2, 3], y=[3, 1, 2])))
@@ -103,9 +103,9 @@ def test_unknown_phase_is_rejected_before_anything_runs(params_file, phase_noteb
 def test_run_dir_layout_is_defined_once_and_names_never_collide(tmp_path, params_file):
     from datetime import datetime, timezone
 
-    from decodescope import rundir
-    from decodescope.notebook import open_phase
-    from decodescope.params import load_params
+    from decodescope.core import rundir
+    from decodescope.orchestration.notebook import open_phase
+    from decodescope.schema.params import load_params
 
     now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
     first = rundir.make_run_dir(tmp_path / "runs", "demo", now)
@@ -122,7 +122,7 @@ def test_run_dir_layout_is_defined_once_and_names_never_collide(tmp_path, params
 
 
 def test_the_micro_benchmarks_run_before_the_server_phases_so_one_server_serves_both():
-    from decodescope.phases import PHASES, execution_order
+    from decodescope.core.phases import PHASES, execution_order
 
     assert execution_order(list(PHASES)) == ["00_host", "02_gemm", "03_collectives", "01_serving", "04_profile",
                                              "05_verdict"]

@@ -13,10 +13,10 @@ from aiohttp import web
 from decodescope.serving.client import RequestRecord, RequestSpec, request_body
 from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import COALESCED_FRAC_LIMIT, knee, per_request
-from decodescope.serving.report import coalesced_note
+from decodescope.report.serving_view import coalesced_note
 from decodescope.serving.client import run_async
 from decodescope.serving.sweep import (SweepConfig, arrival_offsets_s, build_prompts, load_finished_levels, run_level,
-                                      run_sweep, warmup_count)
+                                       run_sweep, warmup_count)
 
 TOKENS = 8
 ITL_S = 0.01
@@ -289,7 +289,7 @@ def test_both_tpot_paths_agree_on_a_one_token_request(tmp_path):
 
 def test_littles_note_names_the_levels_over_its_threshold():
     from decodescope.serving.metrics import LITTLES_LIMIT_PCT
-    from decodescope.serving.report import littles_note
+    from decodescope.report.serving_view import littles_note
 
     good = pd.DataFrame({"level": [1, 4, 16], "littles_error_pct": [1.0, 5.0, 12.5]})
     assert f"within {LITTLES_LIMIT_PCT:.0f}% at every level" in littles_note(good)

@@ -9,13 +9,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from decodescope import arch as archmod
-from decodescope import microbench as mb
-from decodescope import stepmodel as sm
-from decodescope import stepparts as sp
-from decodescope.params import load_params
-from decodescope.records import ProfileCapture
-from decodescope.records_probe import read_probe_output, read_probe_rows
+from decodescope.model import arch as archmod
+from decodescope.micro import bench as mb
+from decodescope.verdict import stepmodel as sm
+from decodescope.verdict import stepparts as sp
+from decodescope.schema.params import load_params
+from decodescope.schema.records import ProfileCapture
+from decodescope.schema.records_probe import read_probe_output, read_probe_rows
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +297,7 @@ def _caps(by_level: dict) -> dict:
 
 
 def _summary(conc, batch, classes_by_rank, wall, period, between, idle, summed=None, busy=None, transfer=None):
-    from decodescope.records import ProfileSummary, StepMedians
+    from decodescope.schema.records import ProfileSummary, StepMedians
 
     cats = [{"rank": r, "category": c, "calls_per_step": 1.0, "time_per_step_us": t}
             for r, d in classes_by_rank.items() for c, t in d.items()]
@@ -389,8 +389,8 @@ def test_where_the_wait_is_an_op_of_its_own_a_call_costs_both_and_is_priced_back
     included: profile over micro = 930 / 900. The hand-over alone (20 us per step at the least time over
     the ranks) is set against the late rank's op (15 us a call) in a row of its own, named so. The step
     model prices the calls back to back and adds no wait on top of them."""
-    from decodescope.records import write_record
-    from decodescope.verdict import reconcile
+    from decodescope.schema.records import write_record
+    from decodescope.verdict.verdict import reconcile
 
     s = _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0, "attention": 50.0},
                           1: {"allreduce": 230.0, "collective_wait": 700.0, "attention": 60.0}},
@@ -573,8 +573,8 @@ def test_another_tensor_parallel_size_scales_attention_and_extrapolates_collecti
 def test_fixes_are_calibrated_by_the_measured_tpot_and_ranked(tiny, repo):
     """A fix's TPOT at a measured level = measured TPOT x fix / base model, so the model's own error
     cancels; GEMMs 2x faster is priced by halving the GEMM component."""
-    from decodescope.params import load_params
-    from decodescope.verdict import ModelInputs, curves
+    from decodescope.schema.params import load_params
+    from decodescope.verdict.verdict import ModelInputs, curves
 
     params = load_params(repo / "params/default.yaml")
     shapes2, shapes1 = archmod.gemm_shapes(tiny, 2, 1), archmod.gemm_shapes(tiny, 1, 1)
@@ -609,7 +609,7 @@ def test_fixes_are_calibrated_by_the_measured_tpot_and_ranked(tiny, repo):
 
     # 04 ran concurrency 1 unprofiled on another start of the same server, its engine ITL 20% under
     # 01's: the baseline is then the mean of the two starts, 3,000 x (1 + 0.8) / 2 = 2,700 us
-    from decodescope.verdict import baseline_tpot
+    from decodescope.verdict.verdict import baseline_tpot
 
     levels2 = levels.assign(server_itl_mean_us=[2_500.0])
     captures = _caps({1: {"engine_itl_unprofiled_us": 2_000.0}})

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from decodescope.records import TELEMETRY_COLUMNS
+from decodescope.schema.records import TELEMETRY_COLUMNS
 from decodescope.serving import promtext as P, telemetry as T, telemetry_read as R
 from decodescope.serving.sweep import SweepConfig, run_sweep, warmup_count
 from tests.test_serving_client import _free_port
@@ -508,7 +508,7 @@ def test_throttle_names_decode_every_known_bit_and_keep_unknown_ones():
 # ---- params, tables and the plot -------------------------------------------------------------------
 @pytest.mark.parametrize("value,ok", [(1.0, True), (0, True), (0.25, True), (-1, False), (0.01, False)])
 def test_the_interval_knob_is_zero_or_at_least_a_tenth_of_a_second(write_params, tmp_path, value, ok):
-    from decodescope.params import ParamsError, load_params
+    from decodescope.schema.params import ParamsError, load_params
 
     p = write_params(f"model:\n  name: tiny\n  config: models/tiny-qwen3-moe.json\nserver:\n  tensor_parallel: 2\n"
                      f"run:\n  output_dir: {tmp_path}\nworkload:\n  telemetry_interval_s: {value}\n")
@@ -521,7 +521,7 @@ def test_the_interval_knob_is_zero_or_at_least_a_tenth_of_a_second(write_params,
 
 def test_the_notebooks_tables_and_plot_read_a_sweeps_telemetry(server, tmp_path):
     from decodescope.report import plots
-    from decodescope.serving.report import server_vs_client_table, telemetry_note, telemetry_table
+    from decodescope.report.serving_view import server_vs_client_table, telemetry_note, telemetry_table
 
     _, levels = run_sweep(_cfg(server.url), tmp_path, progress=False)
     t = server_vs_client_table(levels)
@@ -589,7 +589,7 @@ def test_a_process_cpu_time_and_run_queue_wait_are_read_per_step_from_proc():
     import sys
     import time
 
-    from decodescope import procs
+    from decodescope.exec import procs
 
     code = ("import os, sys, time\nos.sched_setaffinity(0, {0})\nprint('spinning', flush=True)\n"
             "t = time.time()\nwhile time.time() - t < 3: pass")

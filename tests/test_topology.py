@@ -1,5 +1,5 @@
-from decodescope.hardware import (classify_link, interconnect_summary, known_peaks, parse_topo_matrix,
-                                  resolve_peaks)
+from decodescope.exec.hardware import (classify_link, interconnect_summary, known_peaks, parse_topo_matrix,
+                                       resolve_peaks)
 
 
 def test_pcie_box_pairs_are_classified(repo):

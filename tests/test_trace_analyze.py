@@ -136,7 +136,7 @@ def test_a_failed_stop_profile_quotes_the_server_log(tmp_path):
 def test_timeline_step_is_a_typical_step_of_the_analysed_kind_or_says_why_none():
     from types import SimpleNamespace
 
-    from decodescope.trace.report import timeline_step
+    from decodescope.report.profile_view import timeline_step
 
     def result(rows, kind="decode"):
         return SimpleNamespace(step_kind=kind, busy=pd.DataFrame(
@@ -157,7 +157,7 @@ def test_timeline_step_is_a_typical_step_of_the_analysed_kind_or_says_why_none()
 
 
 def test_timeline_step_of_real_traces_is_a_decode_step(cpu_traces):
-    from decodescope.trace.report import timeline_figure, timeline_step
+    from decodescope.report.profile_view import timeline_figure, timeline_step
 
     result = analyze_traces(load_trace_dir(cpu_traces))
     step, why = timeline_step(result)

@@ -338,7 +338,7 @@ def test_the_trace_command_imports_no_pandas_or_pydantic_before_parsing(repo):
     import subprocess
     import sys
 
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import decodescope.trace.cli, decodescope.trace.load; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import decodescope.cli.analyze_trace, decodescope.trace.load; "
             "print(sorted(m for m in ('pandas', 'pydantic', 'plotly', 'papermill', 'pyarrow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, str(repo / "lib")], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

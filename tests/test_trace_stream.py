@@ -188,7 +188,7 @@ def test_a_damaged_rank_is_named_and_the_others_reduced(cpu_traces, tmp_path, re
 def test_breakdown_command_writes_its_file_and_imports_no_pandas(repo, tmp_path):
     """`decodescope analyze-trace --breakdown` end to end in a fresh interpreter: its file, and neither
     numpy, pandas nor pydantic loaded at its exit (its start-up budget: the files are reduced in C)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from decodescope.cli import main; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from decodescope.cli.main import main; "
             "rc = main(['analyze-trace', sys.argv[2], '--breakdown', '--out', sys.argv[3]]); "
             "print(sorted(m for m in ('numpy', 'pandas', 'pydantic', 'plotly', 'papermill', 'pyarrow') "
             "if m in sys.modules)); "
@@ -224,11 +224,11 @@ def test_a_breakdown_file_that_lacks_a_field_or_has_the_wrong_type_is_named_on_r
 
 
 def test_breakdown_command_names_a_missing_directory(repo, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "decodescope.cli", "analyze-trace", str(tmp_path / "nope"),
+    out = subprocess.run([sys.executable, "-m", "decodescope.cli.main", "analyze-trace", str(tmp_path / "nope"),
                           "--breakdown"], capture_output=True, text=True, env={"PYTHONPATH": str(repo / "lib")})
     assert out.returncode == 2
     assert str(tmp_path / "nope") in out.stderr and "not a directory" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "decodescope.cli", "analyze-trace", str(repo / GPU_REPLAY),
+    out = subprocess.run([sys.executable, "-m", "decodescope.cli.main", "analyze-trace", str(repo / GPU_REPLAY),
                           "--breakdown", "--workers", "0"], capture_output=True, text=True,
                          env={"PYTHONPATH": str(repo / "lib")})
     assert out.returncode == 2 and "--workers 0" in out.stderr and "1 or more" in out.stderr

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from decodescope import microbench_report as mbr
+from decodescope.report import micro_view as mbr
 from decodescope.probes import collectives as pc
 from decodescope.probes.gemm_kernels import accepted_kwargs
 from decodescope.trace.breakdown import breakdown_dir
@@ -123,8 +123,8 @@ RUN = Path(__file__).parent / "fixtures" / "runs" / "vllm_gpu_h200_qwen3moe"
 
 @pytest.fixture(scope="module")
 def gpu_verdict():
-    from decodescope.params import load_params
-    from decodescope.verdict import verdict
+    from decodescope.schema.params import load_params
+    from decodescope.verdict.verdict import verdict
 
     return verdict(RUN, load_params(Path(__file__).parent.parent / "params" / "h200-qwen3moe.yaml"))
 
@@ -169,7 +169,7 @@ def test_each_levels_own_drift_on_the_real_engine_is_read_from_its_requests_in_t
 
 
 def test_a_variants_tpot_is_split_into_gpu_time_and_the_gpus_wait_for_the_host():
-    from decodescope.verdict import gpu_host_split
+    from decodescope.verdict.verdict import gpu_host_split
 
     # baseline 2 ms at 50% busy: 1 ms GPU, 1 ms host; variant 10 ms at 20% busy: 2 ms GPU, 8 ms host
     text = gpu_host_split(2000.0, 50.0, 10000.0, 20.0)
@@ -220,7 +220,7 @@ def test_the_gpu_levels_carry_the_engines_own_latencies_and_nvml_samples():
 
 # ---- the engine's graph and compilation modes, as both engines log them ---------------------------------
 def test_the_engines_modes_are_read_from_its_own_log_on_both_engines():
-    from decodescope.enginelog import engine_modes, last_engine_modes
+    from decodescope.core.enginelog import engine_modes, last_engine_modes
 
     starts = engine_modes((RUN / "logs" / "server.log").read_text())
     assert len(starts) == 2  # 01's server and 04's
@@ -244,7 +244,7 @@ def test_the_verdict_names_the_engines_modes_for_the_baseline_and_each_variant(g
 
 
 def test_the_profiler_is_switched_on_the_way_each_vllm_version_reads_it():
-    from decodescope.serverlaunch import profiler_style_of
+    from decodescope.exec.serverlaunch import profiler_style_of
 
     # --profiler-config from 0.13.0 (vLLM GPU 0.26.0 on the H200, vLLM CPU 0.32.0 here); the variables before
     for version, style in (("0.26.0", "config"), ("0.32.0", "config"), ("0.13.0", "config"), ("1.0.0", "config"),

@@ -10,13 +10,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from decodescope import arch as archmod
+from decodescope.model import arch as archmod
 
-from decodescope import stepparts as sp
-from decodescope.params import load_params
+from decodescope.verdict import stepparts as sp
+from decodescope.schema.params import load_params
 from decodescope.trace.load import load_trace_dir
 from decodescope.trace.profile import analyze_traces
-from decodescope.verdict import served_batches, verdict
+from decodescope.verdict.verdict import served_batches, verdict
 
 HERE = Path(__file__).parent
 TRACE = HERE / "fixtures" / "traces" / "vllm_gpu_h200_kimi_int4_c64"

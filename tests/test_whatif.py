@@ -3,7 +3,7 @@ summed kernel time 21.7 ms, 122 all-reduces of 14,336 B at ~78 us each in the pr
 against numbers worked by hand here."""
 import pytest
 
-from decodescope import whatif as wi
+from decodescope.verdict import whatif as wi
 
 CAMPAIGN = wi.MeasuredStep(wall_us=12_100.0, summed_us=21_700.0, allreduce_calls=122, allreduce_us_per_call=78.0)
 
@@ -61,8 +61,8 @@ def test_acceptance_outside_zero_one_is_refused():
 def test_measured_projections_price_each_communicator_the_probe_measured(repo):
     import pandas as pd
 
-    from decodescope import arch as archmod
-    from decodescope.params import load_params
+    from decodescope.model import arch as archmod
+    from decodescope.schema.params import load_params
 
     arch = archmod.normalize_config(load_params(repo / "params/default.yaml").model_config_dict())
     step = wi.MeasuredStep(wall_us=1_000.0, summed_us=1_500.0, allreduce_calls=9, allreduce_us_per_call=20.0, batch=4)

@@ -1,5 +1,5 @@
 """A GPU host without a package index: decodescope's wheelhouse, built here with pip, installed there with
-`pip install --no-index --find-links` (decodescope.wheelhouse, `decodescope wheelhouse`)."""
+`pip install --no-index --find-links` (decodescope.exec.wheelhouse, `decodescope wheelhouse`)."""
 import json
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from decodescope import wheelhouse as wh
+from decodescope.exec import wheelhouse as wh
 from tests.test_packaging import _run, _synthetic_cpu_traces, source_copy
 
 
@@ -49,7 +49,7 @@ def test_a_target_interpreter_is_passed_to_pip_as_binary_only_tags():
 
 
 def test_the_cli_refuses_a_source_tree_without_pyproject(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "decodescope.cli", "wheelhouse", str(tmp_path / "wh"),
+    proc = subprocess.run([sys.executable, "-m", "decodescope.cli.main", "wheelhouse", str(tmp_path / "wh"),
                            "--project", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "has no pyproject.toml" in proc.stderr
 
@@ -60,7 +60,7 @@ def test_a_fresh_venv_installs_from_the_wheelhouse_with_no_index_and_runs_a_phas
     repository; then the README's first steps, analyze-trace and one papermill phase (00_host)."""
     src = source_copy(repo, tmp_path / "src")
     house = tmp_path / "wheelhouse"
-    build = subprocess.run([sys.executable, "-m", "decodescope.cli", "wheelhouse", str(house), "--project", str(src)],
+    build = subprocess.run([sys.executable, "-m", "decodescope.cli.main", "wheelhouse", str(house), "--project", str(src)],
                            capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stderr[-3000:]
     made = json.loads((house / "wheelhouse.json").read_text())

@@ -20,7 +20,7 @@ set -u
 VB=/root/vb SITE=/tmp/site DS=/tmp/ds REPO=/root/ds-repo LOG=/root/ds-run.log QPID=/root/ds-queue.pid
 # --target puts the wheels' data files (nbconvert's templates) under $DS/share, where jupyter looks when told
 export PYTHONPATH=$REPO/lib:$DS:$SITE JUPYTER_PATH=$DS/share/jupyter VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-running() { pgrep -f "decodescope.cli run" >/dev/null || { [ -f $QPID ] && kill -0 "$(cat $QPID)" 2>/dev/null; }; }
+running() { pgrep -f "decodescope.cli.main run" >/dev/null || { [ -f $QPID ] && kill -0 "$(cat $QPID)" 2>/dev/null; }; }
 case "${1:?pack|stash|setup|start|resume|poll|collect}" in
 pack)
   set -e; rm -rf .gpu/stage .gpu/p? && mkdir -p .gpu/stage/wh
@@ -40,13 +40,13 @@ setup)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ;;
 start)
   shift; rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
-  cd $REPO && setsid nohup python3 -m decodescope.cli run "$@" > $LOG 2>&1 < /dev/null &
+  cd $REPO && setsid nohup python3 -m decodescope.cli.main run "$@" > $LOG 2>&1 < /dev/null &
   sleep 5; cat $LOG ;;
 queue)
   shift; rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
   : > $LOG; q=/root/ds-queue.sh; echo 'cd '$REPO > $q
   for job in "$@"; do
-    echo "echo \"== queue: decodescope run $job (\$(date -u +%T))\"; python3 -m decodescope.cli run $job; echo \"== queue: exit \$? (\$(date -u +%T))\"" >> $q
+    echo "echo \"== queue: decodescope run $job (\$(date -u +%T))\"; python3 -m decodescope.cli.main run $job; echo \"== queue: exit \$? (\$(date -u +%T))\"" >> $q
   done
   setsid nohup bash $q >> $LOG 2>&1 < /dev/null & echo $! > $QPID
   sleep 5; cat $q $LOG ;;
@@ -55,7 +55,7 @@ gputests)
 resume)
   rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
   last=$(ls -d $REPO/outputs/*/ | tail -1)
-  cd $REPO && setsid nohup python3 -m decodescope.cli run "${2:?resume PARAMS}" --resume "$last" >> $LOG 2>&1 < /dev/null &
+  cd $REPO && setsid nohup python3 -m decodescope.cli.main run "${2:?resume PARAMS}" --resume "$last" >> $LOG 2>&1 < /dev/null &
   sleep 5; tail -5 $LOG ;;
 poll)
   end=$((SECONDS + ${2:-60})); while running && [ $SECONDS -lt $end ]; do sleep 5; done

@@ -9,8 +9,8 @@ The captures themselves (profile_capture.json, the traces) are left as they were
 import sys
 from pathlib import Path
 
-from decodescope.io import read_json, write_json_atomic
-from decodescope.params import load_params
+from decodescope.core.io import read_json, write_json_atomic
+from decodescope.schema.params import load_params
 from decodescope.trace.load import load_trace_dir
 from decodescope.trace.profile import analyze_traces, write_profile
 

@@ -1,4 +1,4 @@
-"""Put on PYTHONPATH by decodescope's forced-AVX2 switch (decodescope.engine_comm, DECODESCOPE_CPU_PATH=avx2):
+"""Put on PYTHONPATH by decodescope's forced-AVX2 switch (decodescope.exec.engine_comm, DECODESCOPE_CPU_PATH=avx2):
 every Python process started under it sees a CPU without AVX-512 and AMX, as an AVX2-only x86 host is.
 
 vLLM CPU picks its kernel library by `torch.cpu._is_avx512_supported()` (vllm/platforms/cpu.py,

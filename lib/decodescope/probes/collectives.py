@@ -45,8 +45,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from decodescope.probes.gemm_kernels import TORCH_DTYPES
 from decodescope.probes.timing import (HOST_AFTER_GEMM, HOST_ISSUE, HostRef, host_issue_after_us, host_issue_us,
-                                      median_spread)
-from decodescope.probefile import write_probe_output
+                                       median_spread)
+from decodescope.core.probefile import write_probe_output
 
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 

@@ -28,12 +28,12 @@ from typing import Callable, Optional
 
 import torch
 
-from decodescope.dtypes import bytes_per_element
+from decodescope.core.dtypes import bytes_per_element
 from decodescope.probes.gemm_kernels import (MARLIN_GROUP, TORCH_DTYPES, EngineKernel, marlin_unavailable,
                                              cpu_engine_kernel, make_gemm, marlin_moe_call)
 from decodescope.probes.timing import HostRef, host_issue_us, median_spread
-from decodescope.procs import parse_cpulist
-from decodescope.probefile import write_probe_output
+from decodescope.exec.procs import parse_cpulist
+from decodescope.core.probefile import write_probe_output
 
 HOST_ISSUE_CALLS = 32  # calls issued back to back per repetition of the host-cost timing
 

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from decodescope.dtypes import INT4_GROUP_SIZE, bytes_per_element
+from decodescope.core.dtypes import INT4_GROUP_SIZE, bytes_per_element
 
 FP8_MIN_DIM = 16
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

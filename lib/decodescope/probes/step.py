@@ -5,10 +5,10 @@
 Replays one decode step's skeleton on the real ranks, in model order, at the model's sharded shapes:
 per layer the attention GEMMs, an all-reduce, the MLP or MoE GEMMs (router, grouped experts, shared
 experts), an all-reduce; the embedding all-reduce first, lm_head and the logits all-gather last (the
-program comes from decodescope.arch.step_program, written into the plan by the analysis side). Every
+program comes from decodescope.model.arch.step_program, written into the plan by the analysis side). Every
 GEMM has its own weights, as every layer of a model does, so nothing is served from L2 that a real
 step would read from memory. No attention kernel, norms or sampling: this is the step without the
-framework, the ground truth the step model (decodescope.stepmodel) is checked against on GPUs where
+framework, the ground truth the step model (decodescope.verdict.stepmodel) is checked against on GPUs where
 vLLM cannot run.
 
 The collectives go through the communicator the engine uses where this probe can build it (plan
@@ -39,7 +39,7 @@ from decodescope.probes.collectives import (Communicator, Timer, _elems, graph_o
                                             vllm_shm_or_why)
 from decodescope.probes.gemm_kernels import TORCH_DTYPES, cpu_engine_kernel, make_gemm
 from decodescope.probes.timing import HostRef, median_spread
-from decodescope.probefile import write_probe_output
+from decodescope.core.probefile import write_probe_output
 
 VARIANTS = ("full", "gemm_only", "comm_only")
 

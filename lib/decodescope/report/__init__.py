@@ -1,1 +1,1 @@
-"""Plotly figure builders and the HTML report."""
+"""Layer 8, report: figures, sections, the report page, the runs index and the comparison."""

@@ -15,7 +15,7 @@ baseline (A); every other (B, C, ...) is set against it, figure by figure:
 - micro-benchmarks (02, 03): the difference per GEMM (op, dtype, batch) and per collective (op,
   communicator, timing, size).
 
-Every difference carries a call from `decodescope.stats.differ` over the figure's repeats: a table with
+Every difference carries a call from `decodescope.core.stats.differ` over the figure's repeats: a table with
 a `repeat` column (serving_levels_repeats.parquet: one row per (level, repeat); records.ServingLevel.repeat) has
 one sample per repeat; a figure measured once is marked `no repeats`. A file a source lacks is named in
 the page, with the phase's status; nothing fails for it. A path that is not a run (or variant) is a
@@ -40,10 +40,10 @@ import pandas as pd
 from IPython.display import HTML, display
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from decodescope import stats
-from decodescope.io import write_text_atomic
-from decodescope.report.display import figure_bundle, show, table_html
-from decodescope.report.escape import html_text
+from decodescope.core import stats
+from decodescope.core.io import write_text_atomic
+from decodescope.show.display import figure_bundle, show, table_html
+from decodescope.show.escape import html_text
 from decodescope.report.html import notebook_html
 from decodescope.report.index import COMPARE_DIR, build_index
 from decodescope.report.compare_sources import Source, _read_table, load_sources

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 import yaml
 
-from decodescope.phases import PHASE_OF
+from decodescope.core.phases import PHASE_OF
 from decodescope.report.index import default_output_dir, read_manifest, run_dirs
 
 

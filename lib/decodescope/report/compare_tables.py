@@ -11,13 +11,13 @@ from typing import Any, Optional
 import pandas as pd
 import plotly.graph_objects as go
 
-from decodescope import stats
-from decodescope.microbench import with_timing_columns
-from decodescope.phases import PHASES
-from decodescope.report.escape import html_text
+from decodescope.core import stats
+from decodescope.micro.bench import with_timing_columns
+from decodescope.core.phases import PHASES
+from decodescope.show.escape import html_text
 from decodescope.report.index import headline, host_text
 from decodescope.trace.categorize import class_of
-from decodescope.io import read_json_dict
+from decodescope.core.io import read_json_dict
 from decodescope.report.compare_sources import Source, _get, _read_table
 
 MISSING = "–"

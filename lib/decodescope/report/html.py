@@ -10,9 +10,9 @@ import nbformat
 from nbconvert import HTMLExporter
 from plotly.offline import get_plotlyjs
 
-from decodescope.io import read_json, write_text_atomic
-from decodescope.phases import PHASE_TITLES, PHASES
-from decodescope.report.escape import html_text
+from decodescope.core.io import read_json, write_text_atomic
+from decodescope.core.phases import PHASE_TITLES, PHASES
+from decodescope.show.escape import html_text
 from decodescope.report.index import headline_html
 from decodescope.report.status import status_colour
 

@@ -21,11 +21,11 @@ from urllib.parse import quote
 
 import pandas as pd
 
-from decodescope.io import read_json_dict, write_text_atomic
-from decodescope.records import RunManifest, Verdict, read_record
-from decodescope.report.escape import html_text
+from decodescope.core.io import read_json_dict, write_text_atomic
+from decodescope.schema.records import RunManifest, Verdict, read_record
+from decodescope.show.escape import html_text
 from decodescope.report.status import status_colour
-from decodescope.resources import source_checkout
+from decodescope.core.resources import source_checkout
 
 INDEX_NAME = "index.html"
 MISSING = "–"  # what a number that could not be read is shown as

@@ -5,7 +5,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from decodescope.microbench import with_timing_columns
+from decodescope.micro.bench import with_timing_columns
 
 LINK_CLASS_ORDER = ["self", "nvlink", "pcie_switch", "host_bridge", "cross_socket", "unknown"]
 

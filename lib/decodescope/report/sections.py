@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from decodescope.hardware import pairs_frame
-from decodescope.microbench_report import measured_dtypes
-from decodescope.records import (AttributionRow, CurveRow, FINDING_TOPICS, HostInventory, LevelReconcileRow,
-                                 ProjectionRow, ReconcileRow, ReplayRow, VariantRow, Verdict, frame)
+from decodescope.exec.hardware import pairs_frame
+from decodescope.report.micro_view import measured_dtypes
+from decodescope.schema.records import (AttributionRow, CurveRow, FINDING_TOPICS, HostInventory, LevelReconcileRow,
+                                        ProjectionRow, ReconcileRow, ReplayRow, VariantRow, Verdict, frame)
 from decodescope.report import plots
-from decodescope.report.display import show, show_note, show_table
-from decodescope.verdict import LEVEL_TOLERANCE
+from decodescope.show.display import show, show_note, show_table
+from decodescope.verdict.verdict import LEVEL_TOLERANCE
 
 
 def host_interconnect(inv: HostInventory, tables: dict, source: str) -> None:

@@ -1,0 +1,1 @@
+"""Layer 6, measure: the serving sweep, its client, telemetry and metrics."""

@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.records import ServingLevel
+from decodescope.schema.records import ServingLevel
 
 PERCENTILES = (50, 90, 99)
 # A level whose client event loop lagged this much (p99) or used this much CPU may have distorted

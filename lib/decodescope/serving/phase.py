@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from decodescope.server import phase_server
+from decodescope.exec.server import phase_server
 from decodescope.serving.remote import sweep_on_host
 from decodescope.serving.sweep import SweepConfig, run_sweep
 

@@ -20,11 +20,11 @@ from typing import Optional
 
 import pandas as pd
 
-from decodescope.host import host_for
-from decodescope.hostcore import LinkDropped
-from decodescope.records import read_record
-from decodescope.records_server import LinkMeasure
-from decodescope.server import log_tail
+from decodescope.exec.host import host_for
+from decodescope.exec.hostcore import LinkDropped
+from decodescope.schema.records import read_record
+from decodescope.schema.records_server import LinkMeasure
+from decodescope.exec.server import log_tail
 from decodescope.serving.sweep import SweepConfig, combine, run_sweep
 from decodescope.serving.telemetry_read import TELEMETRY_DIR
 

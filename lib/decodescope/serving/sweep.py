@@ -19,16 +19,16 @@ from typing import Callable, Optional, TextIO
 import aiohttp
 import pandas as pd
 
-from decodescope.io import write_json_atomic, write_parquet_atomic
-from decodescope.report.display import show_note
-from decodescope.rundir import level_file
+from decodescope.core.io import write_json_atomic, write_parquet_atomic
+from decodescope.show.display import show_note
+from decodescope.core.rundir import level_file
 from decodescope.serving.client import (InFlight, LoopHealth, RequestRecord, RequestSpec, check_completions_prompt,
-                                       make_prompts, run_async)
+                                        make_prompts, run_async)
 from decodescope.serving.rawclient import send_streaming_raw
 from decodescope.serving.metrics import level_summary, per_request
 from decodescope.serving.telemetry import NoTelemetry, Telemetry
 from decodescope.serving.telemetry_read import level_telemetry
-from decodescope.stats import band
+from decodescope.core.stats import band
 
 REQUEST_COLUMNS = ["level", "index", "warmup", "ok", "error_class", "error_text", "send_ns", "first_chunk_ns",
                    "end_ns", "chunk_ns", "n_out_usage", "n_out_chunks", "n_in_usage", "n_in_sent", "connect_us"]
@@ -179,13 +179,13 @@ def levels_to_measure(levels: list[int], data_dir: Path, repeats: int = 1) -> li
             if (lvl, r) not in finished or failed_for_server_reasons(finished[(lvl, r)])]
 
 
-# level columns whose spread across repeats is worth a band (decodescope.stats)
+# level columns whose spread across repeats is worth a band (decodescope.core.stats)
 BAND_COLUMNS = ("tpot_p50_us", "ttft_p50_us", "itl_p50_us", "e2e_p50_us", "output_throughput_tok_s")
 
 
 def merge_repeats(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per level from its repeats: the median of every number, the first of anything else,
-    `repeats`, and a 95% band (bootstrap of the median, decodescope.stats) for BAND_COLUMNS."""
+    `repeats`, and a 95% band (bootstrap of the median, decodescope.core.stats) for BAND_COLUMNS."""
     out = []
     for level, g in rows.groupby("level", sort=True):
         row = {}

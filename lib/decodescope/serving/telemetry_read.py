@@ -25,8 +25,8 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.records import TELEMETRY_COLUMNS
-from decodescope.rundir import level_file
+from decodescope.schema.records import TELEMETRY_COLUMNS
+from decodescope.core.rundir import level_file
 from decodescope.serving.promtext import HISTOGRAM_MEANS, KV_USAGE
 
 TELEMETRY_DIR = "telemetry"

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.dtypes import element_bytes
+from decodescope.core.dtypes import element_bytes
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
 from decodescope.trace.reader import GPU_WORK
 from decodescope.trace.categorize import ALLGATHER_CATEGORIES, ALLREDUCE_CATEGORIES, OTHER, add_categories

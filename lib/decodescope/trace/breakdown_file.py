@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from decodescope.io import write_json_atomic
+from decodescope.core.io import write_json_atomic
 from decodescope.trace.breakdown import StreamedBreakdown
 
 SCHEMA_VERSION = 1

@@ -22,19 +22,19 @@ from typing import Optional
 
 import pandas as pd
 
-from decodescope.host import mirror_move, node_traces
-from decodescope.server import ServerHTTPError, ServerUnreachable, log_tail, phase_server
+from decodescope.exec.host import mirror_move, node_traces
+from decodescope.exec.server import ServerHTTPError, ServerUnreachable, log_tail, phase_server
 from decodescope.serving.client import run_async
 from decodescope.serving.promtext import ENGINE_STEPS, HISTOGRAM_MEANS, Scraper, counter_delta, histogram_mean_between
 from decodescope.serving.telemetry import SETTLE_S
 from decodescope.serving.sweep import (SERVER_FAILURE_CLASSES, SweepConfig, build_prompts, records_frame, run_level,
-                                      warmup_count)
+                                       warmup_count)
 from decodescope.trace.load import find_trace_files
-from decodescope.io import gzip_complete, write_parquet_atomic
-from decodescope.params_schema import KNEE
-from decodescope.procs import cpu_per_step, cpu_schedstat
-from decodescope.recordbase import write_record
-from decodescope.records import ProfileCapture, ProfileCaptures
+from decodescope.core.io import gzip_complete, write_parquet_atomic
+from decodescope.schema.params_schema import KNEE
+from decodescope.exec.procs import cpu_per_step, cpu_schedstat
+from decodescope.schema.recordbase import write_record
+from decodescope.schema.records import ProfileCapture, ProfileCaptures
 from decodescope.serving.metrics import knee
 
 

@@ -13,12 +13,12 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from decodescope.resources import cache_dir, data_path
+from decodescope.core.resources import cache_dir, data_path
 
 if TYPE_CHECKING:  # pandas only where a table is categorised: the streamed breakdown never imports it
     import pandas as pd
 
-DEFAULT_RULES = data_path("params", "kernel_categories.yaml")  # shipped with the package (decodescope.resources)
+DEFAULT_RULES = data_path("params", "kernel_categories.yaml")  # shipped with the package (decodescope.core.resources)
 OTHER = "other"  # the category, and the class, of names no rule matches
 # What the verdict weighs against each other; every rule names one (model.py reads them from here).
 VERDICT_CLASSES = ("communication", "gemm", "attention", "framework overhead", "small ops")

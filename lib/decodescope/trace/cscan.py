@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from decodescope.resources import cache_dir
+from decodescope.core.resources import cache_dir
 from decodescope.trace.reader import COMM_CPU_OP, KEPT_CATS, LAUNCH_RUNTIME, _json_string, name_rule
 
 if TYPE_CHECKING:  # numpy where chunks are read into columns: creduce.py loads the library without it

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Optional
 
 import pandas as pd
 
-from decodescope import arch as archmod
-from decodescope.io import write_parquet_atomic
-from decodescope.records import ProfileSummary, StepMedians, write_record
+from decodescope.model import arch as archmod
+from decodescope.core.io import write_parquet_atomic
+from decodescope.schema.records import ProfileSummary, StepMedians, write_record
 from decodescope.trace import analyze as an
 from decodescope.trace.capture import capture_for_phase, level_dir_name
 from decodescope.trace.categorize import class_of, communicator_of

@@ -1,0 +1,1 @@
+"""Layer 10, cli: the `decodescope` command and its subcommands."""

@@ -1,0 +1,49 @@
+"""What every phase notebook does first: load the params and find (or make) its run directory.
+
+Under papermill the runner injects both; opened in JupyterLab with the default parameters, a notebook
+makes its own run directory (`<stamp>-<name>-interactive`) so it runs alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from decodescope.schema.params import OVERRIDES_ENV, Params, load_params, with_experiment, with_overrides
+from decodescope.core.rundir import DATA, ensure_layout
+from decodescope.orchestration.runner import new_run_dir
+
+
+@dataclass
+class PhaseContext:
+    params: Params
+    run_dir: Path
+
+    @property
+    def data_dir(self) -> Path:
+        return self.run_dir / DATA
+
+    def data(self, name: str) -> Path:
+        return self.data_dir / name
+
+    def source(self, name: str) -> str:
+        """'where this number came from' line for captions."""
+        return f"{self.run_dir.name}/{DATA}/{name} (params: {self.params.run_name})"
+
+
+def open_phase(params_path: str, run_dir: str = "", variant: str = "") -> PhaseContext:
+    """variant: a name from params.experiments; the phase then runs with that variant's settings (its
+    run directory is the run's variants/<name>/)."""
+    params = load_params(params_path)
+    overrides = os.environ.get(OVERRIDES_ENV)
+    if overrides:  # the command line's, set by the runner for every phase
+        params = with_overrides(params, json.loads(overrides))
+    if variant:
+        params = with_experiment(params, variant)
+    if run_dir:
+        path = Path(run_dir)
+    else:
+        params.run.name = f"{params.run_name}-interactive"
+        path = new_run_dir(params)
+    return PhaseContext(params=params, run_dir=ensure_layout(path).resolve())

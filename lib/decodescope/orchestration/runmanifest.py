@@ -1,0 +1,145 @@
+"""manifest.json of a run as the runner keeps it: created or reopened, rewritten atomically at every
+change, with a few bytes of the disk held back so that a full disk still lets the final status be written."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from decodescope.core import resources
+from decodescope.exec.hardware import cpu_summary, package_versions
+from decodescope.schema.params import Params, params_as_dict
+from decodescope.schema.records import ManifestHost, PhaseEntry, RecordError, RunManifest, read_record, write_record
+
+# Kept free on the run's disk and released when a write fails, so the manifest can still say "failed".
+MANIFEST_RESERVE_BYTES = 256 * 1024
+# The repository checkout this runs from (None for an installed wheel): the manifest names its commit.
+REPO_ROOT = resources.source_checkout()
+
+
+class RunError(RuntimeError):
+    pass
+
+
+class ResultsWriteError(RunError):
+    """A result file could not be written (disk full, read-only, quota): the run stops here."""
+
+    def __init__(self, path: Path, err: OSError):
+        self.path, self.errno = Path(path), err.errno
+        super().__init__(f"could not write {path}: [Errno {err.errno}] {err.strerror or err}; "
+                         "the results written before this point are kept")
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def git_commit(repo: Optional[Path] = REPO_ROOT) -> Optional[str]:
+    if repo is None:  # an installed wheel: no commit to name
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class Manifest:
+    """manifest.json of one run (a records.RunManifest), rewritten atomically at every change.
+
+    `data` is the record as its JSON dict, which the runner updates in place; every save validates it
+    as a RunManifest and writes exactly the keys set."""
+
+    def __init__(self, path: Path, data: dict):
+        self.path, self.data = path, data
+        self._lock = threading.Lock()
+
+    @property
+    def record(self) -> RunManifest:
+        """The manifest as it stands, typed."""
+        return RunManifest.model_validate(self.data)
+
+    @classmethod
+    def create(cls, run_dir: Path, params: Params, phases: list[str]) -> "Manifest":
+        cpu = cpu_summary()
+        record = RunManifest(
+            run_id=run_dir.name,
+            params_name=params.run_name,
+            params_path=params.source_path,
+            params=params_as_dict(params),
+            git_commit=git_commit(),
+            versions={**package_versions(), "python": sys.version.split()[0]},
+            host=ManifestHost(kind=params.host.url, hostname=cpu.hostname, model=cpu.model,
+                              logical_cores=cpu.logical_cores, memory_gib=cpu.memory_gib),
+            created=utc_now(),
+            status="running",
+            phases={p: PhaseEntry(status="pending") for p in phases},
+        )
+        m = cls(run_dir / "manifest.json", record.to_json_dict())
+        m.save()
+        return m
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "Manifest":
+        path = run_dir / "manifest.json"
+        if not path.is_file():
+            raise RunError(f"{run_dir} has no manifest.json; --resume needs a run directory made by "
+                           "`decodescope run`")
+        try:
+            record = read_record(path, RunManifest)
+        except RecordError as e:
+            raise RunError(f"cannot resume: {e}") from None
+        return cls(path, record.to_json_dict())
+
+    def save(self) -> None:
+        with self._lock:
+            record = self.record  # a field of the wrong type is a bug: it fails here, before the file
+            try:
+                write_record(self.path, record)
+            except OSError as e:
+                raise ResultsWriteError(self.path, e) from None
+
+    @property
+    def reserve_path(self) -> Path:
+        return self.path.parent / ".manifest-reserve"
+
+    def reserve_space(self) -> None:
+        """Hold some bytes of the run's disk, so a full disk still lets the final manifest be written."""
+        try:
+            with open(self.reserve_path, "wb") as f:
+                f.write(b"\0" * MANIFEST_RESERVE_BYTES)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            self.reserve_path.unlink(missing_ok=True)
+
+    def try_save(self) -> Optional[ResultsWriteError]:
+        """Save if the disk still allows it (using the reserved space if need be); the error otherwise
+        (the caller is already failing)."""
+        try:
+            self.save()
+        except ResultsWriteError as e:
+            self.reserve_path.unlink(missing_ok=True)
+            try:
+                self.save()
+            except ResultsWriteError:
+                return e
+            return e
+        return None
+
+    def release_reserve(self) -> None:
+        self.reserve_path.unlink(missing_ok=True)
+
+    def phase(self, name: str) -> dict:
+        return self.data["phases"].setdefault(name, {"status": "pending"})
+
+    def update_phase(self, name: str, **fields) -> None:
+        self.phase(name).update(fields)
+        self.save()

@@ -1,0 +1,491 @@
+"""Papermill orchestration: the run directory, the manifest, phases in order, the report at the end.
+
+Each phase's status is written to manifest.json (atomically) as it starts and ends, so a crash or
+Ctrl-C keeps what was measured; `--resume RUN_DIR` skips the phases already ok.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Optional
+
+from jupyter_client.manager import AsyncKernelManager
+import papermill as pm
+
+from decodescope.exec import procs, server as srv
+from decodescope.core import resources
+from decodescope.exec.engine_comm import CpuPathError, apply_cpu_path_here
+from decodescope.exec.host import close_all as close_hosts, preflight
+from decodescope.exec.hostcore import RUN_ID_ENV
+from decodescope.core.io import read_json, write_text_atomic
+from decodescope.exec.locks import LockHeld, holder_info, run_dir_lock
+from decodescope.schema.params import (OVERRIDES_ENV, Params, dump_yaml, load_params, redact, with_experiment,
+                                       with_overrides)
+from decodescope.core.phases import PHASES, SERVER_PHASES, execution_order
+from decodescope.report.html import build_report
+from decodescope.report import index as run_index
+from decodescope.core.rundir import ensure_layout, make_run_dir
+from decodescope.exec.server import hold_port, release_port, write_server_info
+from decodescope.orchestration.progress import Progress
+from decodescope.orchestration.runmanifest import Manifest, ResultsWriteError, RunError, utc_now
+
+# The shipped notebooks, found under the package's _data/ (decodescope.core.resources).
+NOTEBOOK_DIR = resources.notebook_dir()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (e.g. from a scheduler): handled like Ctrl-C, reported with its own exit status."""
+
+
+def notebook_for(phase: str, notebook_dir: Path = NOTEBOOK_DIR) -> Path:
+    return notebook_dir / f"{phase}.ipynb"
+
+
+def available_phases(notebook_dir: Path = NOTEBOOK_DIR) -> list[str]:
+    return [p for p in PHASES if notebook_for(p, notebook_dir).is_file()]
+
+
+def select_phases(params: Params, requested: Optional[list[str]], notebook_dir: Path = NOTEBOOK_DIR) -> list[str]:
+    wanted = requested or params.run.phases or available_phases(notebook_dir)
+    unknown = [p for p in wanted if p not in PHASES]
+    if unknown:
+        raise RunError(f"unknown phase(s) {unknown}; valid: {list(PHASES)}")
+    missing = [p for p in wanted if not notebook_for(p, notebook_dir).is_file()]
+    if missing:
+        raise RunError(f"no notebook for phase(s) {missing} in {notebook_dir}; available: "
+                       f"{available_phases(notebook_dir)}")
+    return [p for p in PHASES if p in wanted]  # always in phase order
+
+
+def new_run_dir(params: Params) -> Path:
+    """`<output_root>/<UTC stamp>-<run name>` with its subfolders (decodescope.core.rundir)."""
+    return make_run_dir(params.output_root(), params.run_name)
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM ends a run the way Ctrl-C does: finally blocks run and the server tree is torn down. SIGINT
+    interrupts the run even when it was started with SIGINT ignored (a shell script's background job
+    inherits that), so `kill -INT` from a script or a scheduler stops it as Ctrl-C would."""
+    def handler(signum, frame):
+        raise Terminated(f"signal {signum}")
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+
+
+def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Path = NOTEBOOK_DIR,
+                  variant: str = "") -> Path:
+    out = run_dir / "notebooks" / f"{phase}.ipynb"
+    try:
+        _execute(pm, phase, run_dir, params_path, notebook_dir, out, variant)
+    except KeyboardInterrupt:
+        # the kernel died with the interrupt; nbclient's pending cell task then reports DeadKernelError
+        # through asyncio's "exception was never retrieved" log when it is collected: not news to anyone
+        import logging
+
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        raise
+    return out
+
+
+def _execute(pm, phase: str, run_dir: Path, params_path: Path, notebook_dir: Path, out: Path,
+             variant: str = "") -> None:
+    parameters = {"params_path": str(params_path), "run_dir": str(run_dir)}
+    if variant:
+        parameters["variant"] = variant
+    pm.execute_notebook(str(notebook_for(phase, notebook_dir)), str(out), parameters=parameters,
+                        kernel_name="python3", progress_bar=False, log_output=False,
+                        cwd=str(notebook_dir), request_save_on_cell_execute=True,
+                        kernel_manager_class=kernel_manager_logging_to(run_dir / "logs" / f"kernel_{phase}.log"))
+
+
+def kernel_manager_logging_to(log_path: Path):
+    """A kernel manager whose kernel writes its own stdout/stderr (start-up warnings, the traceback of
+    a kernel torn down by Ctrl-C) to log_path instead of the user's terminal; what cells print still
+    goes into the notebook."""
+    class LoggedKernelManager(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as log:
+                kw["stdout"] = kw["stderr"] = log  # the child keeps its own copy of the descriptor
+                await super()._async_launch_kernel(kernel_cmd, **kw)
+
+    return LoggedKernelManager
+
+
+def _short_error(exc: BaseException) -> str:
+    text = str(exc)
+    # papermill's PapermillExecutionError carries ename/evalue: the part worth putting in a table
+    ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
+    if ename:
+        text = f"{ename}: {evalue}"
+    return text[:4000]
+
+
+def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[Path] = None,
+        notebook_dir: Path = NOTEBOOK_DIR, on_server: Optional[Callable] = None,
+        overrides: Optional[dict] = None) -> tuple[Path, bool]:
+    """Run the phases; returns (run_dir, all_ok). Raises ParamsError before anything starts, LockHeld
+    when another run holds the port or the run directory, ResultsWriteError when a result cannot be
+    written, KeyboardInterrupt (Terminated for SIGTERM) when interrupted."""
+    params = load_params(params_path)
+
+    try:  # DECODESCOPE_CPU_PATH=avx2: every process of the run (server, probes, notebooks) sees an AVX2-only host
+        apply_cpu_path_here()
+    except CpuPathError as e:
+        raise RunError(str(e)) from None
+    if resume and not overrides and (Path(resume) / "manifest.json").is_file():
+        overrides = read_json(Path(resume) / "manifest.json").get("overrides")  # as the run began
+    params = with_overrides(params, overrides or {})
+    if overrides:
+        os.environ[OVERRIDES_ENV] = json.dumps(overrides)  # every phase's kernel applies them too
+    else:
+        os.environ.pop(OVERRIDES_ENV, None)
+    selected = select_phases(params, phases, notebook_dir)
+    needs_port = params.server.mode == "launch" and any(p in SERVER_PHASES for p in selected)
+
+    # an ssh host: one connection for the run, its decodescope checked, before anything is made (HostError);
+    # on --resume, what finished there while the link was down is copied back first
+    preflight(params, Path(resume).resolve() if resume else None, selected)
+    if needs_port:  # before the run directory exists: a second run makes nothing
+        hold_port(params.server.port)
+    try:
+        if resume:
+            run_dir = Path(resume).resolve()
+            Manifest.load(run_dir)  # refuses a directory with no readable manifest before taking its lock
+            dir_lock = run_dir_lock(run_dir).acquire(holder_info(run_dir))
+        else:
+            try:
+                run_dir = new_run_dir(params)
+            except OSError as e:
+                raise ResultsWriteError(getattr(e, "filename", None) or params.output_root(), e) from None
+            dir_lock = run_dir_lock(run_dir).acquire(holder_info(run_dir))
+        if needs_port:
+            hold_port(params.server.port, run_dir)  # the holder line now names the run directory
+        try:
+            return _run_locked(params, selected, run_dir, resume, notebook_dir, on_server)
+        finally:
+            dir_lock.release()
+    finally:
+        if needs_port:
+            release_port(params.server.port)
+        close_hosts()
+
+
+def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path],
+                notebook_dir: Path, on_server: Optional[Callable]) -> tuple[Path, bool]:
+    # every process of this run (kernels, probes, servers) inherits the run id: tests and operators can
+    # find them all by walking /proc
+    os.environ[RUN_ID_ENV] = run_dir.name
+    manifest = _open_manifest(params, selected, run_dir, resume)
+    progress = Progress(len(selected))
+    progress.note(f"decodescope run {run_dir}")
+    # Notebooks read the source params (with secrets and relative paths intact).
+    loop = _PhaseLoop(params, selected, run_dir, Path(params.source_path), notebook_dir, manifest, progress, on_server)
+    interrupted: Optional[KeyboardInterrupt] = None
+    write_error: Optional[ResultsWriteError] = None
+    with sigterm_as_interrupt():
+        try:
+            loop.run_all()
+        except KeyboardInterrupt as e:
+            interrupted = e
+        except ResultsWriteError as e:
+            write_error = e
+        finally:
+            ok, write_error = loop.finish(interrupted, write_error)
+    try:
+        if interrupted:
+            raise interrupted
+        if write_error:
+            raise write_error
+        _write_report(run_dir, manifest)
+    finally:
+        manifest.release_reserve()
+    _rebuild_index(run_dir.parent, progress)
+    return run_dir, ok
+
+
+def _open_manifest(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path]) -> Manifest:
+    """The run's manifest, created or (on --resume) reopened with the selected phases, its disk reserve
+    taken, and the params as run written beside it."""
+    if resume:
+        manifest = Manifest.load(run_dir)
+        for p in selected:
+            manifest.phase(p)
+        manifest.data["status"] = "running"
+        manifest.data.setdefault("resumed", []).append(utc_now())
+        manifest.save()
+    else:
+        manifest = Manifest.create(run_dir, params, selected)
+
+        if os.environ.get(OVERRIDES_ENV):
+            manifest.data["overrides"] = json.loads(os.environ[OVERRIDES_ENV])
+            manifest.save()
+    manifest.reserve_space()
+    run_params_path = run_dir / "params.yaml"
+    if not run_params_path.exists():
+        # The params as run, secrets redacted; notebooks read the original file for secrets.
+        try:
+            write_text_atomic(run_params_path, dump_yaml(params))
+        except OSError as e:
+            raise ResultsWriteError(run_params_path, e) from None
+    return manifest
+
+
+def _write_report(run_dir: Path, manifest: Manifest) -> None:
+    try:
+        report = build_report(run_dir)
+    except OSError as e:
+        err = ResultsWriteError(getattr(e, "filename", None) or run_dir / "report.html", e)
+        manifest.data.update(status="failed", error=f"report: {err}")
+        manifest.try_save()
+        raise err from None
+    manifest.data["report"] = str(report.relative_to(run_dir))
+    manifest.save()
+
+
+class _PhaseLoop:
+    """The selected phases in execution order (decodescope.core.phases), the server started for the first
+    phase that needs it and stopped before one that needs the host alone, the variants after the last
+    server phase; each phase's outcome in the manifest as it ends."""
+
+    def __init__(self, params: Params, selected: list[str], run_dir: Path, notebook_params: Path,
+                 notebook_dir: Path, manifest: Manifest, progress: Progress, on_server: Optional[Callable]):
+        self.params, self.selected, self.run_dir = params, selected, run_dir
+        self.notebook_params, self.notebook_dir = notebook_params, notebook_dir
+        self.manifest, self.progress, self.on_server = manifest, progress, on_server
+        self.todo = [p for p in selected if manifest.phase(p).get("status") != "ok"]
+        self.server: Optional[srv.VllmServer] = None
+        self.server_error: Optional[str] = None
+
+    def run_all(self) -> None:
+        order = execution_order(self.selected)
+        variants_due = bool(self.params.experiments) and "01_serving" in self.selected
+        last_server_phase = max((i for i, p in enumerate(order, 1) if p in SERVER_PHASES), default=0)
+        for i, phase in enumerate(order, 1):
+            if variants_due and i > last_server_phase:
+                # the variants run after the baseline's measurements and before the verdict reads them
+                self._variants()
+                variants_due = False
+            self._phase(i, phase)
+        if variants_due:
+            self._variants()
+
+    def _variants(self) -> None:
+        self.server = _run_variants(self.params, self.run_dir, self.manifest, self.progress, self.server,
+                                    self.notebook_params, self.notebook_dir)
+
+    def _phase(self, i: int, phase: str) -> None:
+        manifest, progress, n = self.manifest, self.progress, len(self.selected)
+        if phase not in self.todo:
+            progress.note(f"[{i}/{n}] {phase} ... skipped (ok in a previous run)")
+            return
+        if phase not in SERVER_PHASES and self.server is not None and self.server.proc is not None:
+            # micro-benchmarks need the host to themselves: on a GPU host the server holds
+            # most of the GPUs' memory and its workers compete for the same cores
+            progress.note("stopping the inference server while this phase runs ...")
+            _stop_server(self.server, manifest)
+            self.server = None
+        if phase in SERVER_PHASES and self.server is None and self.server_error is None:
+            self.server, self.server_error = _start_server(
+                self.params, self.run_dir, manifest, progress,
+                self.run_dir / "traces" if "04_profile" in self.selected else None)
+            if self.server is not None and self.on_server:
+                self.on_server(self.server)
+        progress.start(i, phase)
+        manifest.update_phase(phase, status="running", start=utc_now(), end=None, error=None)
+        t0 = time.monotonic()
+        if phase in SERVER_PHASES and self.server is None:
+            manifest.update_phase(phase, status="failed", end=utc_now(), duration_s=0.0,
+                                  error=f"server did not start: {self.server_error}")
+            progress.end("failed", " - server did not start")
+            return
+        try:
+            error, nb, self.server = _execute_checked(phase, self.run_dir, self.notebook_params, self.notebook_dir,
+                                                      self.server, manifest, progress, manifest.phase(phase))
+        except KeyboardInterrupt as e:
+            what = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C/SIGTERM"
+            manifest.update_phase(phase, status="failed", end=utc_now(),
+                                  duration_s=time.monotonic() - t0, error=f"interrupted ({what})")
+            progress.end("interrupted")
+            raise
+        if error is None:
+            manifest.update_phase(phase, status="ok", end=utc_now(), duration_s=time.monotonic() - t0,
+                                  notebook=str(nb.relative_to(self.run_dir)))
+            progress.end("ok")
+        else:
+            manifest.update_phase(phase, status="failed", end=utc_now(), duration_s=time.monotonic() - t0,
+                                  error=error, notebook=f"notebooks/{phase}.ipynb")
+            progress.end("failed", f" - {error.splitlines()[0][:200]}")
+
+    def finish(self, interrupted: Optional[KeyboardInterrupt],
+               write_error: Optional[ResultsWriteError]) -> tuple[bool, Optional[ResultsWriteError]]:
+        """Whatever happened: the server stopped, strays reaped, the run's status saved (through the
+        disk reserve after a failed write). Returns (every phase ok, the write error to raise)."""
+        manifest = self.manifest
+        if self.server is not None and self.server.proc is not None:
+            self.progress.note("stopping the vLLM server and its workers ...")
+            _stop_server(self.server, manifest)
+        _reap_strays(self.run_dir.name, None, manifest, None)
+        ok = all(manifest.phase(p).get("status") == "ok" for p in self.selected)
+        manifest.data["status"] = ("interrupted" if interrupted else
+                                   "failed" if write_error or not ok else "ok")
+        if write_error:
+            manifest.data["error"] = str(write_error)
+        manifest.data["finished"] = utc_now()
+        final_save_error = manifest.try_save()  # always: after a failed write it uses the reserve
+        return ok, write_error or final_save_error
+
+
+def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_dir: Path, server, manifest: Manifest,
+                     progress: "Progress", entry: dict, variant: str = ""):
+    """One notebook, then what it may have left behind: stray processes are stopped, and a server that
+    died fails the phase even when the phase finished first. Returns (error or None, the executed
+    notebook, the server or None when it died)."""
+    error: Optional[str] = None
+    nb = run_dir / "notebooks" / f"{phase}.ipynb"
+    try:
+        nb = execute_phase(phase, run_dir, notebook_params, notebook_dir, variant)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # a failed phase is recorded and the run goes on
+        error = _short_error(e)
+    _reap_strays(os.environ.get(RUN_ID_ENV, run_dir.name), server, manifest, None, entry)
+    if phase in SERVER_PHASES and server is not None:
+        reason = server.dead_reason()
+        if reason:
+            died = server.died_error(reason, f"phase {phase}" + (f" of variant {variant}" if variant else ""))
+            if not error or srv.SERVER_DIED not in error:
+                error = str(died)[:4000] + (f"\n(the phase's own error: {error})" if error else "")
+            progress.note(f"the inference server died: {reason}; tearing down what is left of it")
+            _stop_server(server, manifest)
+            server = None
+    return error, nb, server
+
+
+def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "Progress", server,
+                  notebook_params: Path, notebook_dir: Path):
+    """Each variant of params.experiments into variants/<name>/: its serving sweep (and profile when
+    asked) against a server with its settings, restarted only when those change. A variant whose
+    server does not start, or whose phases fail, is recorded failed and the next one runs. Returns the
+    server left running (or None)."""
+    key = None  # the baseline's server: its settings (and profiler) are the baseline's, not a variant's
+    t_start, done = time.monotonic(), []
+    variants = manifest.data.setdefault("variants", {})
+    for n, exp in enumerate(params.experiments, 1):
+        entry = variants.setdefault(exp.name, {"status": "pending"})
+        label = f"variant {exp.name} ({n} of {len(params.experiments)})"
+        if entry.get("status") == "ok":
+            progress.note(f"{label} ... skipped (ok in a previous run)")
+            continue
+        vparams = with_experiment(params, exp.name)
+        vdir = ensure_layout(run_dir / "variants" / exp.name)
+        write_text_atomic(vdir / "params.yaml", dump_yaml(vparams))
+        entry.update(status="running", start=utc_now(), error=None, params=redact(exp.model_dump(mode="json")))
+        manifest.save()
+        t0 = time.monotonic()
+        profiler_dir = vdir / "traces" if exp.profile else None
+        want = json.dumps({"server": vparams.server.model_dump(mode="json"), "profiler": str(profiler_dir)},
+                          sort_keys=True)
+        if server is not None and server.proc is not None and key != want:
+            progress.note(f"{label}: its server settings differ; stopping the running server ...")
+            _stop_server(server, manifest)
+            server = None
+        if server is None:
+            server, err = _start_server(vparams, vdir, manifest, progress, profiler_dir)
+            key = want if server is not None else None
+            if server is None:
+                entry.update(status="failed", end=utc_now(), error=f"server did not start: {err}"[:4000],
+                             duration_s=time.monotonic() - t0)
+                manifest.save()
+                done.append(entry["duration_s"])
+                progress.note(f"{label} ... failed: server did not start ({entry['duration_s']:.1f} s)")
+                continue
+        else:
+            write_server_info(vdir, server, vparams)
+            progress.note(f"{label}: the running server has its settings; reused")
+        errors = {}
+        for phase in ["01_serving"] + (["04_profile"] if exp.profile else []):
+            progress.note(f"{label}: {phase} ...")
+            error, _, server = _execute_checked(phase, vdir, notebook_params, notebook_dir, server, manifest,
+                                                progress, entry, variant=exp.name)
+            if error:
+                errors[phase] = error
+                if server is None:
+                    key = None
+                    break
+        entry.update(status="failed" if errors else "ok", end=utc_now(), duration_s=time.monotonic() - t0,
+                     error="; ".join(f"{k}: {v}" for k, v in errors.items())[:4000] if errors else None)
+        manifest.save()
+        done.append(entry["duration_s"])
+        left = len(params.experiments) - n
+        eta = f"about {sum(done) / len(done) * left:.0f} s left" if left else "done"
+        progress.note(f"{label} ... {entry['status']} ({entry['duration_s']:.1f} s; variants elapsed "
+                      f"{time.monotonic() - t_start:.0f} s, {eta})"
+                      + (f" - {next(iter(errors.values())).splitlines()[0][:200]}" if errors else ""))
+    return server
+
+
+def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
+    """The output folder's index.html, with this run in it; a failure only warns: the run is done."""
+    try:
+        run_index.build_index(output_dir)  # through the module: a test stands a failing one in
+    except OSError as e:
+        progress.note(f"warning: could not rebuild {output_dir / 'index.html'}: {e}")
+
+
+def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str], entry: Optional[dict] = None) -> None:
+    """A phase's kernel is gone when the phase ends; anything it started (a probe, a torchrun rank, a
+    server of its own) that is still alive would outlive the run, and is stopped here. The run's own
+    server is kept."""
+    keep = set(server.process_tree()) if server is not None and server.proc is not None else set()
+    strays = [p for p in procs.run_processes(run_id, env_name=RUN_ID_ENV) if p not in keep]
+    if strays:
+        procs.terminate_pids(strays)
+        entry = entry if entry is not None else manifest.phase(phase) if phase else manifest.data
+        entry["stray_processes_stopped"] = len(strays) + entry.get("stray_processes_stopped", 0)
+
+
+def _stop_server(server, manifest: Manifest) -> None:
+    """Tear the server down and record what teardown found (processes signalled, shm files removed)."""
+    server.stop()
+    manifest.data.setdefault("teardowns", []).append({
+        "at": utc_now(), "signalled": len(server.teardown.get("signalled", [])),
+        "shm_removed": len(server.teardown.get("shm_removed", [])), "left": server.teardown.get("left", [])})
+    manifest.data.setdefault("server", {})["stopped"] = utc_now()
+    manifest.try_save()  # a full disk must not stop the teardown from being reported by the caller
+
+
+def _start_server(params, run_dir, manifest, progress, profiler_dir: Optional[Path]):
+    progress.note(f"starting the inference server ({params.server.mode}) ...")
+    t0 = time.monotonic()
+    try:
+        server = srv.start_for_params(params, run_dir, profiler_dir=profiler_dir)
+    except (srv.ServerError, OSError, LockHeld) as e:
+        manifest.data["server"] = {"status": "failed", "error": str(e)[:4000]}
+        manifest.save()
+        progress.note(f"server failed: {str(e).splitlines()[0]}")
+        return None, str(e)
+    manifest.data["server"] = {"status": "up", "base_url": server.base_url, "start_s": time.monotonic() - t0,
+                               "pids": server.tree_pids, "profiler_dir": str(profiler_dir) if profiler_dir else None,
+                               "launch": server.spec.describe() if server.spec else None}
+    # every server this run started, for the record (and for checking that none outlived it)
+    manifest.data.setdefault("servers", []).append({"started": utc_now(), "start_s": time.monotonic() - t0,
+                                                    "pids": server.tree_pids, "pgid": server.pgid, "run_token": server.run_token,
+                                                    "shm_files": sorted(map(str, server.shm_files))})
+    manifest.save()
+    progress.note(f"server healthy at {server.base_url} after {time.monotonic() - t0:.1f} s")
+    return server, None

@@ -1,0 +1,280 @@
+"""The step model at every level and the fixes priced on it (decodescope.verdict.verdict): the measured inputs from 02,
+03 and 04, each fix as a whole predicted step, and the curves over batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace as dc_replace
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from decodescope.schema.records import HostInventory, ProfileCapture, ProfileSummary, read_record
+from decodescope.model import arch as archmod
+from decodescope.verdict import stepmodel as sm, whatif
+from decodescope.verdict import stepparts as sp
+from decodescope.exec.engine_comm import micro_communicator_for
+from decodescope.micro.bench import GEMM_WHATIF_TP
+from decodescope.schema.params_schema import KNEE
+
+
+def _read_parquet(run_dir: Path, name: str) -> Optional[pd.DataFrame]:
+    p = Path(run_dir) / "data" / name
+    return pd.read_parquet(p) if p.is_file() else None
+
+
+def _profile_summary(run_dir: Path) -> Optional[ProfileSummary]:
+    """04_profile's summary; None when the phase did not run, RecordError when it cannot be read."""
+    p = Path(run_dir) / "data" / "profile_summary.json"
+    return read_record(p, ProfileSummary) if p.is_file() else None
+
+
+COALESCED_LIMIT = 0.5   # above this share of coalesced token gaps, client TPOT describes delivery, not steps
+
+
+def level_tpot(lv) -> tuple[float, str]:
+    """A level's TPOT for setting against the step: the client's p50, unless the server released most
+    tokens in bursts (01's coalesced gaps), which makes the client's TPOT describe delivery; then the
+    engine's own mean TPOT from its metrics (vllm:request_time_per_output_token, 01's telemetry)."""
+    coalesced = float(getattr(lv, "itl_coalesced_frac", 0.0) or 0.0)
+    server = getattr(lv, "server_tpot_mean_us", None)
+    if coalesced > COALESCED_LIMIT and server is not None and server == server and server > 0:
+        return float(server), (f"server TPOT (vllm metrics): {100 * coalesced:.0f}% of the client's token gaps "
+                               "coalesced, so its TPOT describes stream delivery")
+    return float(lv.tpot_p50_us), "client TPOT p50"
+
+
+# ---- the step model at every level, and the fixes as curves --------------------------------------------
+def profile_summaries(run_dir: Path, params) -> dict[int, ProfileSummary]:
+    """Every profiled level's summary (data/profile/c<N>/), or the one in data/ for a run profiled at
+    one level before levels existed."""
+    out = {}
+    for p in sorted((Path(run_dir) / "data" / "profile").glob("c*/profile_summary.json")):
+        s = read_record(p, ProfileSummary)
+        out[int(s.concurrency or p.parent.name[1:])] = s
+    if not out:
+        s = _profile_summary(run_dir)
+        if s is not None:
+            first = next((c for c in params.profile.concurrency if c != KNEE), 1)
+            out[int(s.concurrency or first)] = s
+    return out
+
+
+def _positive(x) -> Optional[float]:
+    return float(x) if x is not None and x == x and x > 0 else None
+
+
+def _engine_itls(lv, captures: Optional[dict[int, ProfileCapture]]) -> tuple[Optional[float], Optional[float]]:
+    """A serving level's engine inter-token latency in the baseline's two measurements: 01's (its
+    telemetry) and 04's unprofiled run at that concurrency (profile_capture.json), each None when absent."""
+    cap = ProfileCapture.of(captures, int(lv.level))
+    return _positive(getattr(lv, "server_itl_mean_us", None)), _positive(cap.engine_itl_unprofiled_us)
+
+
+def host_cores(run_dir: Path) -> Optional[int]:
+    """The logical CPU cores of the host the server ran on (host.json), when recorded."""
+    path = Path(run_dir) / "data" / "host.json"
+    return read_record(path, HostInventory).cpu.logical_cores if path.is_file() else None
+
+
+def profile_captures(run_dir: Path) -> dict[int, ProfileCapture]:
+    """Concurrency -> each profiled level's profile_capture.json."""
+    out = {}
+    for p in sorted((Path(run_dir) / "data" / "profile").glob("c*/profile_capture.json")):
+        cap = read_record(p, ProfileCapture)
+        out[int(cap.concurrency or p.parent.name[1:])] = cap
+    return out
+
+
+@dataclass
+class ModelInputs:
+    gemm: pd.DataFrame
+    gemm_tp: Optional[pd.DataFrame]
+    coll: pd.DataFrame
+    arch: object
+    tp: int
+    communicator: str
+    timing: str
+    samples: list
+    serving_context_tokens: float
+    host_cores: Optional[int] = None
+    weight_dtype: Optional[str] = None  # model.weight_dtype: the quantized kinds' GEMMs are priced in it
+    skew: float = 0.0                   # routing skew measured by 04 (stepmodel.measured_routing_skew)
+
+    def predict(self, batch: float, **kw):
+        return sm.predict_step(self.gemm, self.coll, self.arch, self.tp, int(round(batch)), self.communicator,
+                               self.timing, self.samples, self.serving_context_tokens,
+                               weight_dtype=self.weight_dtype, skew=self.skew, **kw)
+
+    def at_tensor_parallel(self, t: int, batch: float) -> Optional["Fix"]:
+        """Tensor-parallel t with replicas keeping the rank count: GEMMs at t's shapes (02's what-if
+        table), attention x tp / t, collectives extrapolated from 03's world size; None when 02 did not
+        measure t's GEMMs."""
+        if self.gemm_tp is None or self.gemm_tp.empty or t not in set(self.gemm_tp["tp"]):
+            return None
+        pred = sm.predict_step(self.gemm_tp[self.gemm_tp["tp"] == t], self.coll, self.arch, t, int(batch),
+                               self.communicator, self.timing, self.samples, self.serving_context_tokens,
+                               measured_world=self.tp, attention_scale=self.tp / t,
+                               gemm_source=f"gemm_whatif_tp.parquet (tp {t})", host_cores=self.host_cores)
+        return Fix(f"tensor-parallel {t} x {max(self.tp // t, 1)} replicas", pred, 1.0, t, [
+            f"GEMMs at tp {t} shapes (02); attention x {self.tp / t:g} (heads per rank); small ops, framework and "
+            f"host time as profiled at tp {self.tp}; where tp {t} leaves the host a core, less the workers' "
+            "preemption, and between steps the engine core's own CPU time instead of its wait for a core; the "
+            "profiler's cost in the share it had of the parts it inflated; each replica serves the batch"])
+
+
+def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
+                 captures: dict[int, ProfileCapture]) -> Optional[ModelInputs]:
+    """What the step model needs from 02, 03 and 04 (captures: profile_captures); None when 02 or 03
+    did not run, or 03 did not measure an all-reduce the model can use."""
+    gemm, coll = _read_parquet(run_dir, "gemm.parquet"), _read_parquet(run_dir, "collectives.parquet")
+    tp = params.server.tensor_parallel
+    if gemm is None or gemm.empty or ((coll is None or coll.empty) and tp > 1):
+        return None
+    primary = summaries[min(summaries)] if summaries else None
+    engine_comm = micro_communicator_for(next(iter(primary.allreduce_communicators), "")
+                                                    if primary else "")
+    prof, wl = params.profile, params.workload
+    samples = sm.step_samples(summaries, prof.input_tokens + prof.output_tokens / 2, captures)
+    comm, timing = engine_comm, "back_to_back"
+    if coll is not None and not coll.empty:
+        measured = [c for c in sorted(set(coll["communicator"].dropna()))]
+        comm = engine_comm if engine_comm in measured else (measured[0] if measured else engine_comm)
+        timings = sp.step_timings(sm.wait_in_own_op(primary))
+        timing = next((t for t in timings if not sp.latency_curve(coll, comm, t).empty), "")
+        if not timing:
+            return None
+    arch = archmod.normalize_config(params.model_config_dict())
+    skew = sp.measured_routing_skew(gemm, arch, tp, summaries, weight_dtype=params.model.weight_dtype)
+    return ModelInputs(gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
+                       else pd.DataFrame(), arch=arch, tp=tp,
+                       communicator=comm, timing=timing, samples=samples,
+                       serving_context_tokens=wl.input_tokens + wl.output_tokens / 2, host_cores=host_cores(run_dir),
+                       weight_dtype=params.model.weight_dtype, skew=skew)
+
+
+@dataclass
+class Fix:
+    name: str
+    prediction: object          # stepmodel.StepPrediction
+    tokens_per_step: float = 1.0
+    gpus_per_replica: int = 1
+    assumptions: list = field(default_factory=list)
+
+
+def fixes_at(inp: ModelInputs, batch: float, params) -> list[Fix]:
+    """Every fix the measured inputs price at `batch`, each as a whole predicted step."""
+    out = []
+    tp = inp.tp
+    calls = [c for c in archmod.collective_schedule(inp.arch, tp, int(batch)) if c.op == "all_reduce"]
+    n_ar = sum(c.count for c in calls)
+    if tp > 1 and not inp.coll.empty:
+        for comm in sorted(set(inp.coll["communicator"].dropna()) - {inp.communicator}):
+            timing = next((t for t in sp.STEP_TIMINGS if not sp.latency_curve(inp.coll, comm, t).empty), None)
+            if timing is None:
+                continue
+            c = sp.collective_component(inp.coll, inp.arch, tp, int(batch), comm, timing)
+            out.append(Fix(f"all-reduce through {comm}", inp.predict(batch, collectives=c), 1.0, tp,
+                           [f"every collective priced from 03's {comm} curve ({timing})"]))
+        for lat in params.whatif.allreduce_us:
+            c = sp.Component("collectives", n_ar * lat, n_ar * lat, n_ar * lat, "whatif.allreduce_us (params)")
+            out.append(Fix(f"all-reduce at {lat:g} us per call", inp.predict(batch, collectives=c), 1.0, tp,
+                           [f"{n_ar} all-reduces per step at {lat:g} us each (given)"]))
+        a2a = inp.coll[(inp.coll["part"] == "all_to_all") & (inp.coll["status"] == "ok")]
+        if inp.arch.moe_layers and not a2a.empty:
+            c = sm.expert_parallel_collectives(inp.coll, inp.arch, tp, int(batch), inp.communicator, inp.timing)
+            out.append(Fix("expert parallelism", inp.predict(batch, collectives=c), 1.0, tp, c.notes + [
+                "expert GEMMs unchanged (the same tokens reach the same experts); balanced load assumed"]))
+    for k in params.whatif.spec_k:
+        verify = inp.predict(batch * (k + 1))
+        for alpha in params.whatif.spec_alpha:
+            tokens = whatif.expected_tokens_per_verify(k, alpha)
+            out.append(Fix(f"speculative decoding k={k}, alpha={alpha:g}", verify, tokens, tp, [
+                f"verify step = the step model at batch {batch:g} x {k + 1}; {tokens:.2f} tokens per verify step "
+                "((1 - a^(k+1)) / (1 - a)); n-gram drafting, cost ~0"]))
+    g = inp.predict(batch).components[0]
+    half = sp.Component("gemm", g.us / 2, g.low_us / 2, g.high_us / 2, g.source, ["every GEMM twice as fast"])
+    out.append(Fix("GEMMs 2x faster", _with_component(inp.predict(batch), half), 1.0, tp,
+                   ["every GEMM of the step at half its measured time (02); nothing else changes"]))
+    for t in params.projected_tensor_parallel():
+        fix = inp.at_tensor_parallel(t, batch) if t != tp else None
+        if fix is not None:
+            out.append(fix)
+    return out
+
+
+def _with_component(pred, comp):
+    """The prediction with one component (by name) replaced."""
+    return dc_replace(pred, components=[comp if c.name == comp.name else c for c in pred.components])
+
+
+def baseline_tpot(levels: Optional[pd.DataFrame], captures: Optional[dict[int, ProfileCapture]] = None) -> dict[float, float]:
+    """The baseline's TPOT per serving level, as fixes and variants are calibrated by it: 01's
+    (level_tpot), and where 04 also ran that concurrency unprofiled, the mean of the two measurements
+    (01's TPOT x the mean of 1 and 04's engine ITL / 01's). The step moves between the two on a small host
+    (host_drift up to ~30% on two cores when each phase had a server start of its own), and a projection
+    calibrated by one of them carries its draw."""
+    out: dict[float, float] = {}
+    if levels is None or levels.empty:
+        return out
+    for lv in levels.sort_values("level").itertuples():
+        tpot = level_tpot(lv)[0]
+        itl01, itl04 = _engine_itls(lv, captures)
+        out[float(lv.level)] = tpot * (1 + itl04 / itl01) / 2 if itl01 and itl04 else tpot
+    return out
+
+
+def served_batches(levels: Optional[pd.DataFrame]) -> dict[float, float]:
+    """Level -> the batch the server ran it at, where that is not the level: a level of more slots than
+    it sent requests (workload.requests_per_level below the concurrency) runs at most that many at once."""
+    if levels is None or levels.empty or "requests" not in levels:
+        return {}
+    return {float(lv.level): float(lv.requests) for lv in levels.itertuples()
+            if 0 < int(lv.requests) < int(lv.level)}
+
+
+def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame], captures: Optional[dict[int, ProfileCapture]] = None
+           ) -> tuple[list[dict], list[dict], list[dict]]:
+    """TPOT vs output tokens/s per GPU: the measured sweep, the step model, and every fix, at each
+    serving level (and profiled batch). A fix's TPOT is calibrated where the sweep measured the batch:
+    the baseline's TPOT (baseline_tpot: 01's, with 04's start where it ran that level) x fix / base
+    model, so the model's own error cancels; elsewhere it is the model's.
+    Returns (curve rows, step-model component rows, projection rows at the lowest level)."""
+    tp = inp.tp
+    measured = {}
+    if levels is not None and not levels.empty:
+        for lv in levels.sort_values("level").itertuples():
+            measured[float(lv.level)] = level_tpot(lv)[0]
+    calibration = baseline_tpot(levels, captures)
+    served = served_batches(levels)
+    batches = sorted(set(measured) | {s.batch for s in inp.samples}) or [1.0]
+    rows, comps, proj = [], [], []
+    for b, t in measured.items():
+        rows.append({"fix": "measured (01)", "batch": b, "tpot_us": t, "tpot_low_us": t, "tpot_high_us": t,
+                     "tok_s_per_gpu": b * 1e6 / t / tp})
+    lowest = min(measured) if measured else batches[0]
+    for b in batches:
+        sb = served.get(b, b)  # the batch the server ran this level at
+        base = inp.predict(sb)
+        lo, hi = base.band_us
+        rows.append({"fix": "step model", "batch": b, "tpot_us": base.period_us, "tpot_low_us": lo, "tpot_high_us": hi,
+                     "tok_s_per_gpu": sb * 1e6 / base.period_us / tp, "model_us": base.period_us})
+        comps += [{"batch": b, **r} for r in base.table().to_dict("records")]
+        scale = calibration.get(b, base.period_us) / base.period_us
+        for f in fixes_at(inp, sb, params):
+            flo, fhi = f.prediction.band_us
+            tpot = f.prediction.period_us / f.tokens_per_step * scale
+            row = {"fix": f.name, "batch": b, "tpot_us": tpot, "tpot_low_us": flo / f.tokens_per_step * scale,
+                   "tpot_high_us": fhi / f.tokens_per_step * scale,
+                   "tok_s_per_gpu": b * 1e6 / tpot / f.gpus_per_replica, "model_us": f.prediction.period_us,
+                   "calibrated": b in measured, "notes": "; ".join(f.assumptions)}
+            rows.append(row)
+            if b == lowest:
+                ref = calibration.get(b, base.period_us)  # the fix against the baseline it is calibrated by
+                proj.append({"fix": f.name, "step_us": f.prediction.period_us * scale, "low_us": flo * scale,
+                             "high_us": fhi * scale, "tokens_per_step": f.tokens_per_step, "tpot_us": tpot,
+                             "tpot_low_us": row["tpot_low_us"], "tpot_high_us": row["tpot_high_us"],
+                             "gain_pct": 100 * (tpot / ref - 1), "batch": b, "tok_s_per_gpu": row["tok_s_per_gpu"],
+                             "gpus_per_replica": f.gpus_per_replica,
+                             "assumptions": "; ".join(f.assumptions + ([f"calibrated: x {scale:.2f} (baseline TPOT / "
+                                                                        "base model at this level)"] if b in measured else []))})
+    return rows, comps, sorted(proj, key=lambda r: r["gain_pct"])

@@ -1,0 +1,339 @@
+"""A decode step as measured components: the micro-benchmarks' GEMMs and collectives (decodescope.verdict.stepparts)
+and what only the profile (04) measures: attention and the small ops, the host's time in and between
+steps, the wait for the last rank, the profiler's own cost. `predict_step` prices one step at batch b,
+each component with the file it came from and a band from its measured spread.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from decodescope.model import arch as archmod
+from decodescope.schema.records import ProfileCapture
+from decodescope.verdict.stepparts import Component, collective_component, gemm_component, latency_at, latency_curve
+from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, WAIT_CATEGORIES, class_of
+from decodescope.verdict.stepsample import (StepSample, between_steps_at_freed_core, host_processes_get_a_core,
+                                            ops_without_preemption)
+
+
+# ---- the whole step: what only the profile measures --------------------------------------------------
+# Verdict classes the micro-benchmarks price (02: GEMMs, 03: collectives); the profile prices the rest.
+MICRO_CLASSES = ("gemm", "communication")
+
+
+def profiler_cost(cap: ProfileCapture, cats: pd.DataFrame, rank) -> tuple[Optional[float], tuple, str]:
+    """What the profiler added to a step at one profiled level (04's profile_capture.json): the engine's
+    inter-token latency under the profiler less without it, the same workload on the same server a
+    second apart, with a band of the two unprofiled runs' difference; where /metrics had no inter-token
+    latency, the critical rank's ops per step x the profiler's cost per recorded op (a floor: it misses
+    the trace writers and the profiled front end sharing the host's cores)."""
+    step, base = cap.profiler_step_cost_us, cap.engine_itl_unprofiled_us
+    if step is not None and base:
+        noise_us = float(cap.window_noise or 0.0) * float(base)
+        v = max(float(step), 0.0)   # the profiler cannot speed a step up: a negative reading is noise
+        return v, (max(v - noise_us, 0.0), v + noise_us), "inter-token latency profiled - unprofiled"
+    if cap.profiler_event_cost_us is None:
+        return None, (), ""
+    v = float(cats[cats["rank"] == rank]["calls_per_step"].sum()) * float(cap.profiler_event_cost_us)
+    return v, (v, v), "ops per step x the profiler's cost per recorded op"
+
+
+def allreduce_wait_us(cats: pd.DataFrame, rank, transfer_us: Optional[float]) -> float:
+    """A rank's all-reduce time per step beyond the collectives' own (transfer, least time over ranks):
+    its wait for the last rank to arrive, which a micro-benchmark issuing calls in lock-step never sees."""
+    if transfer_us is None:
+        return 0.0
+    mine = cats[(cats["rank"] == rank) & cats["category"].isin(ALLREDUCE_CATEGORIES)]["time_per_step_us"].sum()
+    return max(0.0, float(mine) - float(transfer_us))
+
+
+def own_op_wait_by_rank(cats: pd.DataFrame) -> pd.Series:
+    """Each rank's time per step in collective-wait ops (categorize.WAIT_CATEGORIES: gloo's c10d wait,
+    functional collectives' wait_tensor): where a communicator waits for the other ranks in an op of its own."""
+    if cats.empty:
+        return pd.Series(dtype=float)
+    return cats[cats["category"].isin(WAIT_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
+
+
+def wait_in_own_op(summary) -> bool:
+    """Whether a CPU profile's all-reduces wait in ops of their own on every rank (gloo: vLLM CPU's _C_AVX2
+    path), so that a call costs its all-reduce op plus its wait op."""
+    if summary is None or summary.device != "cpu":
+        return False
+    cats = pd.DataFrame(summary.per_step_categories)
+    wait = own_op_wait_by_rank(cats)
+    ranks = set(cats["rank"]) if not cats.empty else set()
+    return bool(ranks) and all(float(wait.get(r, 0.0)) > 0 for r in ranks)
+
+
+def step_samples(summaries: dict, context_tokens: float,
+                 captures: Optional[dict[int, ProfileCapture]] = None) -> list[StepSample]:
+    """ProfileSummary per profiled concurrency -> StepSample per level, sorted by batch. captures
+    (concurrency -> 04's profile_capture.json) give the profiler's own cost of a step (profiler_cost)
+    and the workers' run-queue wait per step: the time the host's other processes held their cores."""
+    out = []
+    for conc, s in sorted(summaries.items()):
+        cats = pd.DataFrame(s.per_step_categories)
+        ps = s.per_step
+        if cats.empty or not ps.wall_us_median:
+            continue
+        cats["cls"] = cats["category"].map(class_of)
+        by = cats.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
+        rank = by["communication"].idxmin() if "communication" in by else by.index[0]
+        cap = ProfileCapture.of(captures, conc)
+        cost, band, how = profiler_cost(cap, cats, rank)
+        worker, engine = cap.role("worker"), cap.role("engine core")
+        # with the wait in an op of its own the calls are priced back to back, waits included (03): the
+        # wait is not added again on top of them
+        own_wait = float(own_op_wait_by_rank(cats).get(rank, 0.0)) if wait_in_own_op(s) else 0.0
+        overlap = (ps.busy_us_median / ps.summed_us_median) if ps.summed_us_median and ps.busy_us_median else 1.0
+        out.append(StepSample(batch=float(ps.batch_median or conc), context_tokens=context_tokens,
+                              classes_us={str(k): float(v) for k, v in by.loc[rank].items()},
+                              idle_us=float(ps.idle_us_median or 0.0), between_us=float(ps.between_steps_us_median or 0.0),
+                              overlap=min(1.0, overlap), period_us=float(ps.period_us_median or ps.wall_us_median),
+                              source=f"profile/c{conc}/profile_summary.json (rank {rank})",
+                              profiler_cost_us=cost, profiler_cost_band_us=band, profiler_cost_how=how,
+                              preempted_us=worker.runq_wait_us, engine_cpu_us=engine.cpu_us,
+                              engine_wait_us=engine.runq_wait_us,
+                              allreduce_wait_us=0.0 if own_wait else allreduce_wait_us(
+                                  cats, rank, s.allreduce_transfer_us_per_step),
+                              wait_own_op_us=own_wait))
+    return sorted(out, key=lambda x: x.batch)
+
+
+def _across_batches(samples: list[StepSample], batch: float, value) -> tuple[float, float, float, list[str]]:
+    """A profile-sourced value at `batch`: linear between the profiled batches, held at the nearest one
+    outside them (and said so). Band: the smallest and largest value at the profiled batches around it."""
+    xs = np.array([s.batch for s in samples])
+    ys = np.array([value(s) for s in samples])
+    notes = []
+    if len(xs) == 1 or batch <= xs[0] or batch >= xs[-1]:
+        if not (xs[0] <= batch <= xs[-1]):
+            notes.append(f"held at the nearest profiled batch ({xs[0] if batch < xs[0] else xs[-1]:g})")
+        v = float(ys[0] if batch <= xs[0] else ys[-1])
+        return v, float(ys.min()), float(ys.max()), notes
+    v = float(np.interp(batch, xs, ys))
+    i = int(np.searchsorted(xs, batch))
+    return v, float(min(ys[i - 1], ys[i])), float(max(ys[i - 1], ys[i])), notes
+
+
+def attention_component(samples: list[StepSample], batch: float, context_tokens: float) -> Component:
+    """Attention (and KV-cache writes) from the profile, as a + c x (batch x context) through the
+    profiled levels; one level: held at its value."""
+    xs = np.array([s.batch * s.context_tokens for s in samples])
+    ys = np.array([s.classes_us.get("attention", 0.0) for s in samples])
+    x = batch * context_tokens
+    notes = []
+    if len(set(xs)) >= 2:
+        c, a = np.polyfit(xs, ys, 1)
+        v = float(max(a + c * x, 0.0))
+        if not xs.min() <= x <= xs.max():
+            notes.append(f"extrapolated in batch x context ({x:g} outside {xs.min():g}..{xs.max():g})")
+    else:
+        v = float(ys[0])
+        notes.append("one profiled level: held at its value")
+    return Component("attention", v, min(v, float(ys.min())), max(v, float(ys.max())),
+                     "; ".join(s.source for s in samples), notes)
+
+
+@dataclass
+class StepPrediction:
+    batch: float
+    components: list[Component]
+    overlap: float
+
+    def _sum(self, attr: str, host: bool) -> float:
+        work = sum(getattr(c, attr) for c in self.components if c.name not in HOST_PARTS)
+        gaps = sum(_signed(c, attr) for c in self.components
+                   if c.name in HOST_PARTS and (host or c.name in IN_STEP))
+        return work * self.overlap + gaps
+
+    @property
+    def period_us(self) -> float:
+        """Step plus the host's time between steps: what one token costs a stream (TPOT)."""
+        return self._sum("us", True)
+
+    @property
+    def band_us(self) -> tuple[float, float]:
+        return self._sum("low_us", True), self._sum("high_us", True)
+
+    @property
+    def wall_us(self) -> float:
+        return self._sum("us", False)
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame([{"component": c.name, "us": c.us, "low_us": c.low_us, "high_us": c.high_us,
+                              "source": c.source, "notes": "; ".join(c.notes)} for c in self.components])
+
+
+PROFILER_COST = "profiler's own cost"
+WAIT = "all-reduce wait for the last rank"
+REST = "rest of the profiled period"
+PREEMPTED = "workers preempted by the host's processes"
+IN_STEP = ("idle in step", PREEMPTED)
+# Host parts are added after the lanes' overlap; the profiler's cost (taken off: DEDUCTED) and the rest of the profiled
+# period count in the period (TPOT, measured without a profiler) but not in the wall of a profiled step.
+HOST_PARTS = IN_STEP + ("between steps", PROFILER_COST, REST)
+
+
+# Components that are costs taken off the step (the profiler's own cost: 04 measured the profiled step): each
+# is a cost as measured, never below zero, subtracted where the components add up; its band's high end
+# takes the most off, so it bounds the step's low end
+DEDUCTED = (PROFILER_COST,)
+_OPPOSITE = {"us": "us", "low_us": "high_us", "high_us": "low_us"}
+
+
+def _signed(c: "Component", attr: str) -> float:
+    """A component's share of a sum: its value, or for a deducted one minus its value (the band reversed)."""
+    return -getattr(c, _OPPOSITE[attr]) if c.name in DEDUCTED else getattr(c, attr)
+
+
+def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int,
+                 communicator: str, timing: str, samples: list[StepSample], context_tokens: float,
+                 dtype: str = "bf16", gemm_source: str = "gemm.parquet", measured_world: Optional[int] = None,
+                 attention_scale: float = 1.0, collectives: Optional[Component] = None,
+                 host_cores: Optional[int] = None, weight_dtype: Optional[str] = None,
+                 skew: float = 0.0) -> StepPrediction:
+    """The decode step at `batch`: GEMMs (02) + collectives (03) + the ranks' wait for each other in
+    the all-reduces + attention, small ops and framework time (04, across the profiled levels) on the
+    critical rank, times its lane overlap (busy / summed), plus the host's time inside the step and
+    between steps (04), less what the profiler itself cost the step (04, measured).
+
+    At another tensor-parallel size than 03 measured (measured_world), the collectives are the measured
+    ones scaled by (tp - 1) / (world - 1), a ring's latency term, and labelled extrapolated; attention is
+    scaled by attention_scale (heads per rank). `collectives` replaces the priced collectives (a fix).
+    The workers' run-queue wait (04: the host's other processes holding their cores mid-step) is taken
+    out of the idle in the step as its own part; at a tensor-parallel size whose workers leave the host
+    (host_cores) a core, it is priced at zero."""
+    comps = [gemm_component(gemm, arch, tp, batch, dtype, source=gemm_source, weight_dtype=weight_dtype, skew=skew)]
+    if collectives is not None:
+        comps.append(collectives)
+    elif tp > 1:
+        world = measured_world or tp
+        c = collective_component(coll, arch, tp, batch, communicator, timing, dtype)
+        if world != tp:
+            f = (tp - 1) / max(world - 1, 1)
+            c = Component(c.name, c.us * f, c.low_us * f, c.high_us * f, c.source, c.notes + [
+                f"extrapolated from world size {world} to {tp}: x {f:.2f} ((n - 1) / (world - 1))"])
+        comps.append(c)
+    if samples and tp > 1 and any(s.allreduce_wait_us for s in samples):
+        v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.allreduce_wait_us)
+        comps.append(Component(WAIT, v, lo, hi, "; ".join(s.source for s in samples) + " (all-reduce time on the rank "
+                               "minus the transfer: least time over ranks per call)", notes))
+    freed = host_processes_get_a_core(tp, measured_world or tp, host_cores)
+    # preemption inside ops is contention the freed core removes, like the preemption in the idle; the
+    # rest of the profiled period is what the profile measured outside the parts, as it was
+    as_profiled, samples = samples, [ops_without_preemption(s) for s in samples] if freed else samples
+    if samples:
+        a = attention_component(samples, batch, context_tokens)
+        if attention_scale != 1.0:
+            a = Component(a.name, a.us * attention_scale, a.low_us * attention_scale, a.high_us * attention_scale,
+                          a.source, a.notes + [f"x {attention_scale:g}: heads per rank at this tensor-parallel size"])
+        comps.append(a)
+        src = "; ".join(s.source for s in samples)
+        others = sorted({c for s in samples for c in s.classes_us} - set(MICRO_CLASSES) - {"attention"})
+        for cls in others:
+            v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
+            comps.append(Component(cls, v, lo, hi, src, notes))
+
+        def preempted(s):
+            return min(s.preempted_us, s.idle_us)
+
+        if any(s.preempted_us for s in samples):
+            v, lo, hi, notes = _across_batches(samples, batch, preempted)
+            if any(s.preempted_us > s.idle_us for s in samples):
+                notes.append("capped at the idle in the step")
+            if freed:
+                notes.append(f"0 at tensor-parallel {tp}: its workers leave {host_cores - tp} of the host's "
+                             f"{host_cores} cores to the engine core and the API server")
+                v = lo = hi = 0.0
+            comps.append(Component(PREEMPTED, v, lo, hi, _capture_sources(samples) +
+                                   " (workers' run-queue wait per step, /proc schedstat)", notes))
+        for name, get, over in (("idle in step", lambda s: s.idle_us - preempted(s), samples),
+                                ("between steps", between_steps_at_freed_core if freed else lambda s: s.between_us,
+                                 samples),
+                                (REST, lambda s: s.rest_us, as_profiled)):
+            v, lo, hi, notes = _across_batches(over, batch, get)
+            if freed and name == "between steps" and any(s.engine_cpu_us for s in samples):
+                notes.append(f"at tensor-parallel {tp} the engine core has a core of its own: between steps is "
+                             "its own CPU time per step, not its wait for a core (04, /proc), where that is less")
+            comps.append(Component(name, v, lo, hi, src, notes))
+        overlap = _across_batches(samples, batch, lambda s: s.overlap)[0]
+        comps += _profiler_cost(samples, batch, comps, overlap)
+    else:
+        overlap = 1.0
+    return StepPrediction(float(batch), comps, overlap)
+
+
+def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Component], overlap: float) -> list[Component]:
+    """The profiler's measured cost at `batch` (across the profiled levels that measured it), as a share
+    of the profile-sourced parts it inflated, taken off these parts in that share and never more than
+    they add up to."""
+    parts_us = {id(s): _profiled_parts_us(s) for s in samples}
+    measured = [s for s in samples if s.profiler_cost_us is not None and parts_us[id(s)] > 0]
+    if not measured:
+        return []
+    profiled = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps
+                   if c.name not in ("gemm", "collectives", WAIT))
+    # the cost as a share of what the profiler inflated, applied to these parts: where a fix shrinks
+    # them (another tensor-parallel size), the profiler would have cost that step less too
+    share, _, _, notes = _across_batches(measured, batch, lambda s: s.profiler_cost_us / parts_us[id(s)])
+    lo_share = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[0] / parts_us[id(s)])[1]
+    hi_share = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[1] / parts_us[id(s)])[2]
+    v, lo, hi = share * profiled, lo_share * profiled, hi_share * profiled
+    if v > profiled:
+        notes.append(f"capped at the profile-sourced parts ({profiled:.0f} us of {v:.0f})")
+        v, lo, hi = profiled, min(lo, profiled), min(hi, profiled)
+    how = sorted({s.profiler_cost_how for s in measured})
+    notes.append("a cost taken off the profiled parts (the unprofiled step is what TPOT measures)")
+    return [Component(PROFILER_COST, v, lo, hi, f"{_capture_sources(measured)} ({'; '.join(how)})", notes)]
+
+
+def _profiled_parts_us(s: StepSample) -> float:
+    """What the profile priced in this sample's step (the parts the profiler's cost is taken off): its
+    classes other than GEMMs and communication times the overlap, and the host's time in, between and
+    around its steps."""
+    work = sum(v for k, v in s.classes_us.items() if k not in MICRO_CLASSES)
+    return work * s.overlap + s.idle_us + s.between_us + s.rest_us
+
+
+def _capture_sources(samples: list[StepSample]) -> str:
+    """The profile_capture.json files (04's capture record) of the levels sampled."""
+    return "; ".join(s.source.split(" (")[0].replace("profile_summary", "profile_capture") for s in samples)
+
+
+def all_to_all_at(coll: pd.DataFrame, tokens: float) -> tuple[float, float, float, str]:
+    """03's all-to-all (median over ranks of its median) at `tokens` per GPU, log-log between measured
+    token counts, held at the ends: (us, p10, p90, how)."""
+    a = coll[(coll["part"] == "all_to_all") & (coll["status"] == "ok")]
+    g = a.groupby("tokens_per_gpu")[["time_us"] + [c for c in ("p10_us", "p90_us") if c in a]].median().reset_index()
+    xs = g["tokens_per_gpu"].to_numpy(float)
+    out = []
+    for col in ("time_us", "p10_us", "p90_us"):
+        ys = g[col].to_numpy(float) if col in g else g["time_us"].to_numpy(float)
+        out.append(float(np.exp(np.interp(np.log(tokens), np.log(xs), np.log(ys)))))
+    how = "measured range" if xs[0] <= tokens <= xs[-1] else f"held at {xs[0] if tokens < xs[0] else xs[-1]:g} tokens"
+    return out[0], out[1], out[2], how
+
+
+def expert_parallel_collectives(coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int,
+                                communicator: str, timing: str, dtype: str = "bf16") -> Component:
+    """The step's collectives under expert parallelism: each MoE layer's all-reduce replaced by a
+    dispatch and a combine all-to-all at batch x top_k tokens per GPU (03); the rest as measured."""
+    curve = latency_curve(coll, communicator, timing)
+    total = low = high = 0.0
+    for c in archmod.collective_schedule(arch, tp, batch, dtype):
+        if c.where == "moe_out":
+            continue
+        total += c.count * latency_at(curve, c.msg_bytes)[0]
+        low += c.count * latency_at(curve, c.msg_bytes, "p10_us")[0]
+        high += c.count * latency_at(curve, c.msg_bytes, "p90_us")[0]
+    t, lo, hi, how = all_to_all_at(coll, batch * arch.top_k)
+    n = 2 * arch.moe_layers
+    return Component("collectives", total + n * t, low + n * lo, high + n * hi,
+                     f"collectives.parquet ({communicator}, {timing}; all_to_all)",
+                     [f"{arch.moe_layers} MoE all-reduces -> {n} all-to-all at {batch * arch.top_k} tokens per GPU "
+                      f"({t:.1f} us each, {how})"])

@@ -1,0 +1,181 @@
+"""The variants measured against the baseline and the projection of the change each makes, and the step replay
+against the step model (decodescope.verdict.verdict)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from decodescope.verdict import stepmodel as sm, whatif
+from decodescope.verdict import stepparts as sp
+from decodescope.core.enginelog import last_engine_modes
+from decodescope.core.io import read_json
+from decodescope.micro.bench import STEP_REPLAY
+from decodescope.schema.params import with_experiment
+from decodescope.schema.records import ProfileCapture
+from decodescope.core.rundir import VARIANTS
+from decodescope.verdict.fixes import Fix, ModelInputs, _read_parquet, baseline_tpot, level_tpot
+
+
+# ---- the variants (params.experiments), measured against their projections ----------------------------
+def _spec_config(engine_args: dict) -> Optional[dict]:
+    raw = engine_args.get("speculative-config") or engine_args.get("speculative_config")
+    if raw is None:
+        return None
+    try:
+        return raw if isinstance(raw, dict) else json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _acceptance(levels: pd.DataFrame) -> tuple[Optional[float], bool]:
+    """(per drafted token acceptance, anything drafted) from the variant's server telemetry (01):
+    vllm:spec_decode_num_accepted_tokens / num_draft_tokens over each level, median over levels."""
+    col = "server_spec_acceptance_pct"
+    if col not in levels:
+        return None, False
+    v = levels[col].dropna()
+    return (float(v.median()) / 100.0, True) if len(v) else (None, False)
+
+
+def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance: tuple) -> tuple[Optional[Fix], str]:
+    """The verdict's projection of what this variant changes, at `batch`; (None, why) when there is none."""
+    ea = vparams.server.engine_args
+    tp, vtp = inp.tp, vparams.server.tensor_parallel
+    if vtp != tp:
+        fix = inp.at_tensor_parallel(vtp, batch)
+        return (fix, "") if fix is not None else (None, f"02 did not measure the GEMMs at tensor-parallel {vtp}")
+    spec = _spec_config(ea)
+    if spec is not None:
+        k = int(spec.get("num_speculative_tokens", 1))
+        alpha, drafted = acceptance
+        if alpha is None:
+            # nothing was drafted (e.g. n-gram on text that never repeats): every step is a plain step
+            return Fix(f"speculative decoding k={k}, nothing drafted (measured)", inp.predict(batch), 1.0, tp,
+                       ["the server's vllm:spec_decode_* metrics show no draft tokens: the step is the base step"]), ""
+        tokens = whatif.expected_tokens_per_verify(k, min(alpha, 0.999))
+        return Fix(f"speculative decoding k={k}, alpha={alpha:.2f} (measured)", inp.predict(batch * (k + 1)),
+                   tokens, tp, ["acceptance i.i.d. per drafted token; a draft at every step"]), ""
+    if ea.get("enable-expert-parallel") or ea.get("enable_expert_parallel"):
+        if inp.coll.empty or inp.coll[(inp.coll["part"] == "all_to_all") & (inp.coll["status"] == "ok")].empty:
+            return None, "03 measured no all-to-all"
+        c = sm.expert_parallel_collectives(inp.coll, inp.arch, tp, int(batch), inp.communicator, inp.timing)
+        return Fix("expert parallelism", inp.predict(batch, collectives=c), 1.0, tp), ""
+    return None, "no projection for this change"
+
+
+def _gist(error: str) -> str:
+    """An error's first line and, when it quotes a log tail, the tail's last line (where vLLM says why)."""
+    lines = [x.strip() for x in error.splitlines() if x.strip()]
+    if not lines:
+        return ""
+    return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:400]
+
+
+def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Optional[pd.DataFrame],
+                 captures: Optional[dict[int, ProfileCapture]] = None) -> list[dict]:
+    """Per variant and serving level: its TPOT against the baseline's (01) and against its projection
+    (calibrated like the fixes: the baseline's TPOT, baseline_tpot, x fix / base model)."""
+    manifest_path = Path(run_dir) / "manifest.json"
+    states = (read_json(manifest_path).get("variants", {}) if manifest_path.is_file() else {})
+    base = {int(r.level): level_tpot(r)[0] for r in levels.itertuples()} if levels is not None else {}
+    calibration = {int(k): v for k, v in baseline_tpot(levels, captures).items()}
+    utils = ({int(r.level): r.gpu_util_mean_pct for r in levels.itertuples()}
+             if levels is not None and "gpu_util_mean_pct" in levels.columns else {})
+    rows = []
+    for exp in params.experiments:
+        state = states.get(exp.name, {})
+        vlev = _read_parquet(Path(run_dir) / VARIANTS / exp.name, "serving_levels.parquet")
+        status = state.get("status", "not run")
+        if vlev is None or vlev.empty:
+            rows.append({"variant": exp.name, "status": status if status != "ok" else "failed",
+                         "error": _gist(state.get("error") or "no serving levels measured")})
+            continue
+        vparams = with_experiment(params, exp.name)
+        acceptance = _acceptance(vlev)
+        modes = last_engine_modes(Path(run_dir) / VARIANTS / exp.name / "logs" / "server.log")
+        for lv in vlev.sort_values("level").itertuples():
+            b, (tpot, basis) = float(lv.level), level_tpot(lv)
+            row = {"variant": exp.name, "status": status, "error": (state.get("error") or "").splitlines()[0][:300]
+                   if state.get("error") else "", "level": int(lv.level), "tpot_p50_us": tpot, "reference": basis,
+                   "tok_s_per_gpu": float(lv.output_throughput_tok_s) / vparams.server.tensor_parallel}
+            if int(lv.level) in base:
+                row.update(baseline_tpot_p50_us=base[int(lv.level)], measured_gain_pct=100 * (tpot / base[int(lv.level)] - 1))
+                split = gpu_host_split(base[int(lv.level)], utils.get(int(lv.level)), tpot,
+                                       getattr(lv, "gpu_util_mean_pct", None))
+            else:
+                split = None
+            if inp is not None:
+                fix, why = variant_fix(inp, params, vparams, exp, b, acceptance)
+                if fix is None:
+                    row["notes"] = why
+                else:
+                    model = inp.predict(b).period_us
+                    scale = calibration.get(int(lv.level), model) / model
+                    lo, hi = fix.prediction.band_us
+                    proj = fix.prediction.period_us / fix.tokens_per_step * scale
+                    row.update(projection=fix.name, projected_tpot_us=proj,
+                               projected_low_us=lo / fix.tokens_per_step * scale,
+                               projected_high_us=hi / fix.tokens_per_step * scale,
+                               projection_error_pct=100 * (proj / tpot - 1),
+                               notes=("calibrated by the baseline's TPOT at this level"
+                                      + (" (the mean of its 01 and 04 measurements)"
+                                         if calibration.get(int(lv.level)) != base.get(int(lv.level)) else "")
+                                      if int(lv.level) in base else
+                                      "the model's own value (the baseline did not measure this level)"))
+            if split:
+                row["gpu_host_split"] = split
+            if modes:
+                row["engine_modes"] = modes.describe()
+            rows.append(row)
+    return rows
+
+
+def gpu_host_split(base_tpot_us: float, base_util_pct: Optional[float], tpot_us: float,
+                   util_pct: Optional[float]) -> str:
+    """Where a variant's TPOT change went, from the GPU's busy share over each level (NVML utilization: the
+    share of time a kernel ran): GPU time per token = busy share x TPOT, the rest is time the GPU waited on
+    the host (launches, drafting, scheduling). '' where either level has no GPU telemetry."""
+    if base_util_pct is None or util_pct is None or pd.isna(base_util_pct) or pd.isna(util_pct):
+        return ""
+    gpu_base, gpu_var = base_util_pct / 100 * base_tpot_us, util_pct / 100 * tpot_us
+    host_base, host_var = base_tpot_us - gpu_base, tpot_us - gpu_var
+    return (f"GPU busy {util_pct:.0f}% of the level against {base_util_pct:.0f}% in the baseline: GPU time per "
+            f"token {gpu_var / 1e3:.2f} ms vs {gpu_base / 1e3:.2f} ms, the GPU waiting on the host "
+            f"{host_var / 1e3:.2f} ms vs {host_base / 1e3:.2f} ms")
+
+
+REPLAY_TOLERANCE = 0.10  # the step model's GEMMs + collectives against the replayed step
+
+
+def replay_rows(run_dir: Path, params, inp: Optional[ModelInputs]) -> list[dict]:
+    """03's step replay (GEMMs and collectives in model order, nothing else) against the step model's
+    GEMMs (02) + collectives (03, the communicator the replay ran: the engine's shm all-reduce on a CPU
+    with vLLM, else torch's)."""
+    replay = _read_parquet(run_dir, STEP_REPLAY)
+    if inp is None or replay is None or replay.empty:
+        return []
+    rows = []
+    for mode in sorted(set(replay["mode"])):
+        comm, timing = (("torch_nccl", "cuda_graph") if mode == "cuda_graph" else
+                        ("torch_nccl", "back_to_back") if inp.timing == "cuda_graph" else ("torch_gloo", "back_to_back"))
+        ran = replay.loc[replay["mode"] == mode, "communicator"].dropna() if "communicator" in replay else ()
+        comm = str(ran.iloc[0]) if len(ran) else comm
+        batches = sorted(int(b) for b in replay.loc[replay["mode"] == mode, "batch"].unique())
+        # an eager GPU step is issued op by op by its host: priced by the host's measured cost per call
+        # when 02 and 03 measured it, else as GEMMs + collectives in series
+        eager_gpu = mode == "eager" and inp.timing == "cuda_graph" and sp.has_host_costs(inp.gemm, inp.coll, comm)
+        try:
+            pred = (sp.predict_replay_eager(inp.gemm, inp.coll, inp.arch, inp.tp, batches, comm,
+                                            host_ref_us=sp.replay_host_refs(replay)) if eager_gpu else
+                    sp.predict_replay(inp.gemm, inp.coll, inp.arch, inp.tp, batches, comm, timing))
+        except (ValueError, KeyError):
+            continue
+        for r in sp.compare_with_replay(pred, replay, mode=mode).itertuples():
+            rows.append({"batch": int(r.batch), "mode": mode, "replay_us": float(r.replay_us),
+                         "predicted_us": float(r.predicted_us), "low_us": float(r.low_us), "high_us": float(r.high_us),
+                         "error": float(r.error), "communicator": comm,
+                         "model": "host_paced" if eager_gpu else "serial"})
+    return rows

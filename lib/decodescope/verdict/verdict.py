@@ -1,0 +1,500 @@
+"""The verdict: where a decode step's time goes, how the pieces reconcile, and what would move it.
+
+Inputs are the phases' files in the run directory; each figure says which file it came from. The
+result is a records.Verdict, written to data/verdict.json.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+
+from decodescope.schema.records import (AttributionRow, Bottleneck, CurveRow, Finding, LevelReconcileRow,
+                                        ProfileCapture, ProfileSummary, ProjectionRow, ReconcileRow, ReplayRow,
+                                        ServingHeadline, ServingLevel, VariantRow, Verdict)
+from decodescope.model import arch as archmod
+from decodescope.verdict import leveldrift, stepmodel as sm, stepparts as sp, whatif
+from decodescope.exec.engine_comm import micro_communicator_for
+from decodescope.core.enginelog import last_engine_modes
+from decodescope.micro.bench import with_timing_columns
+from decodescope.verdict.stepmodel import DEDUCTED, PREEMPTED, allreduce_wait_us
+from decodescope.trace import categorize
+from decodescope.verdict.fixes import (_engine_itls, _profile_summary, _read_parquet, curves, level_tpot, model_inputs,
+                                       profile_captures, profile_summaries, served_batches)
+from decodescope.verdict.variants import REPLAY_TOLERANCE, replay_rows, variant_rows
+# re-exported: importers name these as verdict's
+from decodescope.verdict.fixes import ModelInputs as ModelInputs, baseline_tpot as baseline_tpot
+# re-exported: importers name these as verdict's
+from decodescope.verdict.variants import gpu_host_split as gpu_host_split
+
+
+def class_of(category: str) -> str:
+    """A category's verdict class, as params/kernel_categories.yaml names it (`other` for unmatched names)."""
+    return categorize.class_of(category)
+
+
+def step_attribution(per_step_categories: pd.DataFrame) -> pd.DataFrame:
+    """Per rank and class: median time per decode step and its share of the summed time."""
+    df = per_step_categories.assign(cls=per_step_categories["category"].astype(str).map(class_of))
+    g = df.groupby(["rank", "cls"])["time_per_step_us"].sum().reset_index()
+    g["share"] = g["time_per_step_us"] / g.groupby("rank")["time_per_step_us"].transform("sum")
+    return g
+
+
+def bottleneck(attribution: pd.DataFrame) -> tuple[str, float]:
+    """The class with the largest share on the median rank, and that share."""
+    median_share = attribution.groupby("cls")["share"].median()
+    cls = str(median_share.idxmax())
+    return cls, float(median_share.max())
+
+
+def nearest(df: pd.DataFrame, col: str, value: float) -> pd.DataFrame:
+    if df is None or df.empty:
+        return pd.DataFrame()
+    target = df.iloc[(df[col] - value).abs().argsort()[:1]][col].iloc[0]
+    return df[df[col] == target]
+
+
+def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummary] = None, arch=None,
+              tp: int = 1, weight_dtype: Optional[str] = None) -> pd.DataFrame:
+    """Micro-benchmarks against the profile, per decode step, at the batch the profile ran (the
+    profile's summary is read from the run directory unless given; 02's GEMMs in the dtype each op is
+    served in, model.weight_dtype for the quantized kinds)."""
+    rows = []
+    summary = summary if summary is not None else _profile_summary(run_dir)
+    per_step = pd.DataFrame(summary.per_step_categories) if summary else pd.DataFrame()
+    observed_ar = observed_gemm = observed_wait = None
+    if not per_step.empty:
+        att = per_step.assign(cls=per_step["category"].map(class_of))
+        by_rank = att.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
+        # the rank that arrives last at each all-reduce waits least: its time is closest to the transfer
+        ar_by_rank = att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
+        # none in the profile (one GPU: a step issues none): nothing to set 03 against, no row
+        observed_ar = float(ar_by_rank.min()) if not ar_by_rank.empty else None
+        transfer = summary.allreduce_transfer_us_per_step
+        if sm.wait_in_own_op(summary):
+            # gloo: each call is an all-reduce op and a wait op; a step pays both (the rank that waits least)
+            return _reconcile_wait_in_own_op(run_dir, summary, per_step, ar_by_rank, transfer, profile_batch,
+                                             arch, tp, rows, by_rank, weight_dtype)
+        if transfer is not None:  # per call, the least time over the ranks: no waiting at all
+            observed_wait = allreduce_wait_us(per_step, ar_by_rank.idxmin(), transfer)
+            observed_ar = float(transfer)
+        observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
+    coll = _read_parquet(run_dir, "collectives.parquet")
+    if coll is not None and not coll.empty and observed_ar is not None:
+        rows.append(allreduce_reconcile_row(coll, summary, observed_ar, profile_batch, arch, tp, observed_wait))
+    return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
+
+
+def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: pd.DataFrame,
+                              ar_by_rank: pd.Series, transfer: Optional[float], profile_batch: int, arch, tp: int,
+                              rows: list, by_rank: pd.DataFrame, weight_dtype: Optional[str] = None) -> pd.DataFrame:
+    """The all-reduce rows where the wait is an op of its own (gloo): a step's calls (all-reduce op plus
+    wait op, on the rank that waits least) against 03's calls back to back, waits included; then the
+    hand-over alone (each call's least time over the ranks against the late rank's op), named for what it is."""
+    wait = sm.own_op_wait_by_rank(per_step).reindex(ar_by_rank.index, fill_value=0.0)
+    paid = ar_by_rank + wait
+    rank = paid.idxmin()
+    observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
+    coll = _read_parquet(run_dir, "collectives.parquet")
+    if coll is not None and not coll.empty:
+        row = allreduce_reconcile_row(coll, summary, float(paid.min()), profile_batch, arch, tp,
+                                      timings=sp.WAIT_INCLUDED_TIMINGS)
+        row["profile_source"] = (f"profile_summary.json per_step_categories, rank {rank} (the one that waits least): "
+                                 f"all-reduce {float(ar_by_rank[rank]):,.0f} us + its wait op (collective_wait) "
+                                 f"{float(wait[rank]):,.0f} us per step: on this path a call costs both")
+        row["note"] = (row.get("note", "") + "; the wait is an op of its own here (gloo), so both sides take the calls "
+                       "as a step issues them, waits included").lstrip("; ")
+        rows.append(row)
+        if transfer is not None:
+            t = allreduce_reconcile_row(coll, summary, float(transfer), profile_batch, arch, tp, timings=("late_rank",))
+            comm = next(iter(summary.allreduce_communicators), "unknown")
+            t["piece"] = f"all-reduce hand-over only ({comm}), without its wait"
+            t["profile_source"] = ("profile_summary.json allreduce_transfer_us_per_step (each call's all-reduce op at "
+                                   "its least time over the ranks, its wait op left out)")
+            t["note"] = "the all-reduce op alone: not what a step pays per call on this path (see the row above)"
+            rows.append(t)
+    return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
+
+
+def _with_gemm_row(run_dir: Path, rows: list, profile_batch: int, observed_gemm: Optional[float],
+                   weight_dtype: Optional[str] = None, arch=None, tp: int = 1) -> pd.DataFrame:
+    gemm = _read_parquet(run_dir, "gemm.parquet")
+    if gemm is not None and not gemm.empty:
+        ok = gemm[gemm["status"] == "ok"]
+        dtype = "bf16" if "bf16" in set(ok["dtype"]) else ok["dtype"].iloc[0]
+        served = sp.gemm_rows_as_served(ok, dtype, weight_dtype)
+        unbatched = sp.recorded_unbatched(served, archmod.gemm_shapes(arch, tp, profile_batch)) if arch else set()
+        per = served[~served["op"].isin(unbatched)].groupby("batch")["step_time_us"].sum().reset_index()
+        dtypes = " + ".join(sorted(set(served["dtype"]))) or dtype
+        g = nearest(per, "batch", profile_batch)
+        if not g.empty:
+            row = {"piece": "GEMMs per step", "micro_benchmark_us": float(g["step_time_us"].iloc[0]),
+                   "micro_source": f"gemm.parquet, batch {int(g['batch'].iloc[0])}, {dtypes}",
+                   "profile_us": observed_gemm, "profile_source": "profile_summary.json per_step_categories"}
+            if unbatched:
+                row["note"] = (f"left out of the micro-benchmark side: {', '.join(sorted(unbatched))}, measured as "
+                               "single GEMMs, which the step runs as one batched GEMM")
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    if not df.empty:
+        df["profile_over_micro"] = df["profile_us"] / df["micro_benchmark_us"]
+        if "note" not in df:
+            df["note"] = ""
+        df["note"] = df["note"].fillna("")
+    return df
+
+
+def allreduce_reconcile_row(coll: pd.DataFrame, summary: ProfileSummary, observed_us: float, batch: int,
+                            arch=None, tp: int = 1, wait_us: Optional[float] = None,
+                            timings: Optional[tuple] = None) -> dict:
+    """The step's all-reduces from the micro-benchmark of the communicator the profile saw, like for
+    like: calls per step x the latency at the step's message size, timed as a step issues them (CUDA
+    graph on GPUs; on CPUs the late rank's own time, set against the profile's per-call least time over
+    the ranks, else back to back), from 03's size sweep; the barrier-aligned burst when the sweep
+    lacks it. When the probe did not measure that communicator the row says so and divides nothing."""
+    comms = summary.allreduce_communicators if summary else {}
+    profile_comm = next(iter(comms), "unknown")
+    micro_comm = micro_communicator_for(profile_comm)
+    row = {"piece": f"all-reduces per step ({profile_comm})", "profile_us": observed_us,
+           "profile_source": ("profile_summary.json allreduce_transfer_us_per_step (each call at its least time over "
+                              f"the ranks; the fastest rank also waited {wait_us:,.0f} us per step for the last one)"
+                              if wait_us is not None else
+                              "profile_summary.json per_step_categories (fastest rank: transfer, least wait)")}
+    measured = sorted(set(with_timing_columns(coll)["communicator"].dropna()))
+    if micro_comm not in measured:
+        return {**row, "micro_benchmark_us": float("nan"), "micro_source": "collectives.parquet",
+                "note": f"the profile ran {profile_comm}; the probe measured {measured}, not it: not compared"}
+    calls = [c for c in archmod.collective_schedule(arch, tp, batch) if c.op == "all_reduce"] if arch else []
+    for timing in (timings or sp.STEP_TIMINGS) if calls and "op" in coll else ():
+        curve = sp.latency_curve(coll, micro_comm, timing)
+        if not curve.empty:
+            us = sum(c.count * sp.latency_at(curve, c.msg_bytes)[0] for c in calls)
+            n = sum(c.count for c in calls)
+            return {**row, "micro_benchmark_us": us,
+                    "micro_source": f"collectives.parquet sweep, {micro_comm} {timing}, {n} calls at "
+                                    f"{calls[0].msg_bytes} B (batch {batch})",
+                    "note": f"same communicator ({micro_comm}) in both, timed as a step issues the calls"}
+    burst = with_timing_columns(coll[(coll["part"] == "burst") & (coll["status"] == "ok")])
+    mine = burst[burst["communicator"] == micro_comm]
+    mode = "cuda_graph" if (mine["mode"] == "cuda_graph").any() else "eager"
+    b = nearest(mine[mine["mode"] == mode], "batch", batch)
+    return {**row, "micro_benchmark_us": float(b["time_us"].median()),
+            "micro_source": f"collectives.parquet burst, {micro_comm}, batch {int(b['batch'].iloc[0])}, {mode}",
+            "note": f"same communicator ({micro_comm}); burst aligned by a barrier (no back-to-back sweep)"}
+
+
+def measured_step(summary: ProfileSummary, batch: int) -> "Optional[whatif.MeasuredStep]":
+    """The profiled decode step as the what-ifs take it: wall and summed time, and what the step pays
+    per all-reduce (median rank, waits included)."""
+    ps = summary.per_step
+    per_step = pd.DataFrame(summary.per_step_categories)
+    if per_step.empty or not ps.wall_us_median or not ps.summed_us_median:
+        return None
+    ar = per_step[per_step["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")[
+        ["calls_per_step", "time_per_step_us"]].sum()
+    if ar.empty or ar["calls_per_step"].median() <= 0:
+        return None
+
+    if sm.wait_in_own_op(summary):  # gloo: a call pays its wait op too
+        ar["time_per_step_us"] += sm.own_op_wait_by_rank(per_step).reindex(ar.index, fill_value=0.0)
+    calls = int(round(ar["calls_per_step"].median()))
+    return whatif.MeasuredStep(wall_us=ps.wall_us_median, summed_us=ps.summed_us_median, allreduce_calls=calls,
+                               allreduce_us_per_call=float(ar["time_per_step_us"].median()) / calls, batch=batch)
+
+
+LEVEL_TOLERANCE = 0.20  # client TPOT within 20% of the profiled step counts as agreeing
+
+
+def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
+                    model: dict[float, tuple[float, float, float]],
+                    captures: Optional[dict[int, ProfileCapture]] = None,
+                    requests: Optional[pd.DataFrame] = None) -> list[dict]:
+    """Per serving level: client TPOT p50 against the nearest profiled level's step period (start to
+    start: the step plus the host's time between steps) and the step model's period with its band;
+    the residual put down to what the measurements show. Where 04 profiled this concurrency, the
+    engine's inter-token latency of its unprofiled run (captures: profile_capture.json per concurrency)
+    is set against 01's: the host's drift between the two phases, and the model on 04's own server. With
+    01's requests (serving_requests.parquet), the level's own drift while it ran; the model's miss beyond
+    leveldrift.MODEL_TARGET is put down to the step's measured movement (leveldrift.model_miss_causes)."""
+    rows = []
+    served = served_batches(levels)
+    quarters = leveldrift.tpot_quarters(requests) if requests is not None else {}
+    for lv in levels.sort_values("level").itertuples():
+        level = int(lv.level)
+        tpot, basis = level_tpot(lv)
+        row: dict[str, Any] = {"level": level, "tpot_p50_us": float(lv.tpot_p50_us), "reference_tpot_us": tpot,
+                               "reference": basis}
+        m = model.get(float(level))
+        if m:
+            row.update(model_us=m[0], model_low_us=m[1], model_high_us=m[2], model_error=m[0] / tpot - 1)
+        itl01, itl04 = _engine_itls(lv, captures)
+        ran = served.get(float(level))
+        if ran:
+            itl04 = None  # 04 ran this concurrency full, 01 at `ran`: two batches, no drift to read
+        row.update(engine_itl_us=itl01, profile_engine_itl_us=itl04,
+                   window_noise=ProfileCapture.of(captures, level).window_noise)
+        if itl01 and itl04:
+            row["host_drift"] = itl04 / itl01 - 1
+        if m and itl04:
+            row["model_error_same_server"] = m[0] / itl04 - 1
+        q = quarters.get(level)
+        if q:
+            row.update(tpot_first_quarter_us=q[0], tpot_last_quarter_us=q[1], in_level_drift=q[1] / q[0] - 1)
+        if summaries:
+            conc = min(summaries, key=lambda c: (abs(c - level), c))
+            ps = summaries[conc].per_step
+            ref = ps.period_us_median or ps.wall_us_median
+            if ref:
+                residual = tpot - ref
+                ok = abs(residual) <= LEVEL_TOLERANCE * ref
+                causes = []
+                if ps.period_us_median is None and ps.idle_us_median and ps.idle_us_median > 0.1 * ref:
+                    causes.append(f"scheduler/host time between kernels: {ps.idle_us_median:,.0f} us idle per step (04)")
+                coalesced = float(getattr(lv, "itl_coalesced_frac", 0.0) or 0.0)
+                if coalesced > 0.1:
+                    causes.append(f"stream delivery: {100 * coalesced:.0f}% of token gaps coalesced (01)")
+                if ran:
+                    causes.append(f"the level ran at batch {ran:g} at most: {ran:g} requests for {level} slots "
+                                  "(workload.requests_per_level)")
+                if conc != level:
+                    causes.append(f"batch {level} vs the nearest profiled level {conc}")
+                if abs(row.get("host_drift") or 0.0) > LEVEL_TOLERANCE:
+                    causes.append(f"the host's step drifted {100 * row['host_drift']:+.0f}% between 01 and 04 (engine "
+                                  f"inter-token latency {itl01:,.0f} vs {itl04:,.0f} us)")
+                if not causes:
+                    causes.append("the profiler's own cost inflates the profiled step" if residual < 0 else
+                                  "client and stream overhead beyond the server's step")
+                row.update(profile_batch=conc, profile_wall_us=ps.wall_us_median, profile_period_us=ps.period_us_median,
+                           residual_us=residual, within_tolerance=ok, attributed_to="; ".join(causes) if not ok else "")
+        rows.append(row)
+    return leveldrift.with_model_misses(rows)
+
+
+def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> list[dict]:
+    """Each fix priced on the profiled step from what 02/03 measured (decodescope.verdict.whatif)."""
+    if summary is None:
+        return []
+    step = measured_step(summary, summary.concurrency or 1)
+    coll = _read_parquet(run_dir, "collectives.parquet")
+    if step is None or coll is None or coll.empty:
+        return []
+    gemm = _read_parquet(run_dir, "gemm.parquet")
+    arch = archmod.normalize_config(params.model_config_dict())
+    profile_comm = next(iter(summary.allreduce_communicators), "unknown")
+    return whatif.projection_rows(whatif.measured_projections(step, coll, gemm, arch, params.server.tensor_parallel,
+                                                              profile_comm))
+
+
+def verdict(run_dir: Path, params) -> Verdict:
+    run_dir = Path(run_dir)
+    summary = _profile_summary(run_dir)
+    levels = _read_parquet(run_dir, "serving_levels.parquet")
+    out = Verdict()
+    if summary and summary.per_step_categories:
+        per_step = pd.DataFrame(summary.per_step_categories)
+        att = step_attribution(per_step)
+        cls, share = bottleneck(att)
+        wall = summary.per_step.wall_us_median
+        out.attribution = [AttributionRow.model_validate(r) for r in att.to_dict("records")]
+        out.bottleneck = Bottleneck(cls=cls, share=share)
+        out.wall_us = wall
+        out.sources["attribution"] = "profile_summary.json (04_profile)"
+        ar_share = summary.allreduce_share_of_time
+        out.verdict = (f"{cls} is the largest share of a decode step ({100 * share:.0f}% of op time on the median "
+                       f"rank); all-reduce alone is " + ", ".join(f"rank {r} {100 * v:.0f}%" for r, v in ar_share.items())
+                       + ".")
+    profile_batch = (summary.concurrency or 1) if summary else 1
+    out.reconcile = [ReconcileRow.model_validate(r) for r in
+                     reconcile(run_dir, profile_batch, summary,
+                               archmod.normalize_config(params.model_config_dict()),
+                               params.server.tensor_parallel, params.model.weight_dtype).to_dict("records")]
+    summaries = profile_summaries(run_dir, params)
+    captures = profile_captures(run_dir)
+    inp = model_inputs(run_dir, params, summaries, captures)
+    model: dict[float, tuple[float, float, float]] = {}
+    if inp is not None:
+        curve_rows, comp_rows, proj_rows = curves(inp, params, levels, captures)
+        out.curves = [CurveRow.model_validate(r) for r in curve_rows]
+        out.step_model = comp_rows
+        out.projections = [ProjectionRow.model_validate(r) for r in proj_rows]
+        model = {r["batch"]: (r["tpot_us"], r["tpot_low_us"], r["tpot_high_us"]) for r in curve_rows
+                 if r["fix"] == "step model"}
+        out.sources["projections"] = ("the step model: gemm.parquet (02), collectives.parquet (03), "
+                                      "profile/c*/profile_summary.json (04); calibrated by serving_levels.parquet (01)")
+    else:
+        out.projections = [ProjectionRow.model_validate(r) for r in projections(run_dir, params, summary)]
+        if out.projections:
+            out.sources["projections"] = ("profile_summary.json (04) for the measured step; collectives.parquet (03) "
+                                          "and gemm.parquet (02) for the changed pieces")
+    if levels is not None and not levels.empty:
+        out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(
+            levels, summaries, model, captures, _read_parquet(run_dir, "serving_requests.parquet"))]
+    if params.experiments:
+        out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels, captures)]
+    out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
+    modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
+    out.engine = modes.describe() if modes else ""
+    out.findings = [Finding.model_validate(f) for f in findings(out, summary, params.server.tensor_parallel)]
+    if levels is not None and not levels.empty:
+        lv = [ServingLevel.model_validate(r) for r in levels.sort_values("level").to_dict("records")]
+        out.serving = ServingHeadline(lowest_level=lv[0].level, tpot_p50_us=lv[0].tpot_p50_us,
+                                      max_output_tok_s=max((x.output_throughput_tok_s for x in lv
+                                                            if x.output_throughput_tok_s == x.output_throughput_tok_s),
+                                                           default=float("nan")),
+                                      source="serving_levels.parquet (01_serving)")
+    return out
+
+
+RECONCILE_TOLERANCE = 0.30  # micro-benchmark vs profile per step: within 30% counts as agreeing
+NO_HELP_PCT = -5.0          # a fix projected to gain less than 5% of TPOT "would not help"
+
+
+def findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dict]:
+    """The campaign's reasoning, sentence by sentence, each with the figure and files it reads."""
+    return (_bottleneck_findings(v, summary, tp) + _reconcile_findings(v) + _model_findings(v)
+            + _preemption_findings(v) + _variant_findings(v) + _fix_findings(v))
+
+
+def _bottleneck_findings(v: Verdict, summary: Optional[ProfileSummary], tp: int) -> list[dict]:
+    out = []
+    prof = ["data/profile_summary.json"]
+    if v.bottleneck and summary:
+        ar = ", ".join(f"rank {r} {100 * x:.0f}%" for r, x in summary.allreduce_share_of_time.items())
+        out.append({"topic": "bottleneck", "figure": "profile-breakdown", "files": prof, "text":
+                    f"The largest share of a decode step is {v.bottleneck.cls}: {100 * v.bottleneck.share:.0f}% of op time "
+                    f"on the median rank; all-reduce alone takes {ar} of all op time."})
+        out += _collective_count_findings(summary, tp)
+        ps = summary.per_step
+        if ps.summed_us_median and ps.wall_us_median:
+            out.append({"topic": "bottleneck", "figure": "profile-summed-wall", "files": prof + ["data/kernels.parquet"],
+                        "text": f"Summed op time per step {ps.summed_us_median / 1e3:.2f} ms against a wall-clock step of "
+                                f"{ps.wall_us_median / 1e3:.2f} ms" + (f" and a period of {ps.period_us_median / 1e3:.2f} ms "
+                                "between step starts" if ps.period_us_median else "") +
+                                (": streams overlap." if ps.summed_us_median > ps.wall_us_median else
+                                 ": the step is not overlapped; the rest is host time.")})
+    if v.engine:
+        out.append({"topic": "bottleneck", "figure": "profile-breakdown", "files": ["logs/server.log"],
+                    "text": f"The engine measured: {v.engine} (its own log)."})
+    return out
+
+
+def _collective_count_findings(summary: ProfileSummary, tp: int) -> list[dict]:
+    out: list[dict] = []
+    exp = pd.DataFrame(summary.expected_vs_observed)
+    if exp.empty or "observed_per_step" not in exp:
+        return out
+    for r in exp[exp["rank"] == exp["rank"].min()].itertuples():
+        op, observed, expected = r.collective, r.observed_per_step, r.expected_per_step
+        if expected is not None and expected == expected:
+            per_call = summary.allreduce_mean_us.get(str(getattr(r, "rank", 0)))
+            out.append({"topic": "bottleneck", "figure": "profile-expected", "files": ["data/profile_summary.json"],
+                        "text": f"{op}: {observed:g} calls per step against {expected:g} the architecture issues at "
+                                f"tensor-parallel {tp}" + (f"; {per_call:.1f} us per call in the step" if per_call and
+                                                            op == "all_reduce" else "") + "."})
+    return out
+
+
+def _reconcile_findings(v: Verdict) -> list[dict]:
+    out = []
+    for r in v.reconcile:
+        ratio = r.profile_over_micro
+        if ratio != ratio:  # NaN: not comparable
+            text = f"{r.piece}: not compared ({r.note})."
+        elif abs(ratio - 1) <= RECONCILE_TOLERANCE:
+            text = (f"{r.piece}: micro-benchmark {r.micro_benchmark_us:,.0f} us vs profile {r.profile_us:,.0f} us per step "
+                    f"({ratio:.2f}), within {100 * RECONCILE_TOLERANCE:.0f}%.")
+        else:
+            text = (f"{r.piece}: micro-benchmark {r.micro_benchmark_us:,.0f} us vs profile {r.profile_us:,.0f} us per step "
+                    f"({ratio:.2f}), outside {100 * RECONCILE_TOLERANCE:.0f}%" + (f": {r.note}." if r.note else "."))
+        out.append({"topic": "consistency", "figure": "verdict-reconcile", "files": [
+            f"data/{r.micro_source.split(' ')[0].rstrip(',')}", "data/profile_summary.json"], "text": text})
+    return out
+
+
+def _model_findings(v: Verdict) -> list[dict]:
+    """The step model against the replay (03) and against the serving levels (01)."""
+    out = []
+    if v.replay:
+        ok = [r for r in v.replay if abs(r.error) <= REPLAY_TOLERANCE]
+        worst = max(v.replay, key=lambda r: abs(r.error))
+        out.append({"topic": "consistency", "figure": "verdict-replay", "files": [
+            "data/step_replay.parquet", "data/gemm.parquet", "data/collectives.parquet"],
+            "text": f"The step replayed without the framework (03) against the step model's GEMMs + collectives: "
+                    f"within {100 * REPLAY_TOLERANCE:.0f}% at {len(ok)} of {len(v.replay)} (batch, mode); the "
+                    f"worst, batch {worst.batch} {worst.mode}: {worst.predicted_us / 1e3:.2f} ms predicted vs "
+                    f"{worst.replay_us / 1e3:.2f} ms replayed ({100 * worst.error:+.0f}%)."})
+    with_model = [lv for lv in v.levels if lv.model_error is not None]
+    if with_model:
+        ok_levels = [lv for lv in with_model if abs(lv.model_error) <= LEVEL_TOLERANCE]
+        first = with_model[0]
+        out.append({"topic": "consistency", "figure": "verdict-levels", "files": [
+            "data/serving_levels.parquet", "data/gemm.parquet", "data/collectives.parquet", "data/profile/"],
+            "text": f"The step model is within {100 * LEVEL_TOLERANCE:.0f}% of the measured TPOT at {len(ok_levels)} of "
+                    f"{len(with_model)} serving levels; at concurrency {first.level}: {first.model_us / 1e3:.2f} ms "
+                    f"predicted vs {(first.reference_tpot_us or first.tpot_p50_us) / 1e3:.2f} ms measured "
+                    f"({100 * first.model_error:+.0f}%; {first.reference or 'client TPOT p50'})"
+                    + (f"; against the engine's step on 04's own server, where the model's profile inputs were "
+                       f"measured ({first.profile_engine_itl_us / 1e3:.2f} ms): {100 * first.model_error_same_server:+.0f}%, "
+                       f"the host's step having drifted {100 * first.host_drift:+.0f}% between 01 and 04"
+                       if first.model_error_same_server is not None and first.host_drift is not None else "")
+                    + "."})
+        missed = [lv for lv in with_model if lv.model_miss]
+        if missed:
+            out.append({"topic": "consistency", "figure": "verdict-levels", "files": [
+                "data/serving_requests.parquet", "data/profile_capture.json"],
+                "text": f"Where the step model misses client TPOT by more than {100 * leveldrift.MODEL_TARGET:.0f}%: "
+                        + "; ".join(f"concurrency {lv.level} ({100 * lv.model_error:+.0f}%): {lv.model_miss}"
+                                    for lv in missed) + "."})
+    return out
+
+
+def _preemption_findings(v: Verdict) -> list[dict]:
+    pre = [c for c in v.step_model if c["component"] == PREEMPTED and c["us"] > 0]
+    if not pre:
+        return []
+    c = pre[0]
+    step = sum(x["us"] for x in v.step_model if x["batch"] == c["batch"] and x["us"] > 0
+               and x["component"] not in DEDUCTED)
+    return [{"topic": "host", "figure": "verdict-levels", "files": [
+        f"data/{c['source'].split(';')[0].split(' ')[0]}"],
+        "text": f"At batch {c['batch']:g} the workers waited {c['us']:,.0f} us per step for a core the host's "
+                f"other processes (engine core, API server) held: {100 * c['us'] / step:.0f}% of the modelled "
+                "step (/proc schedstat over 04's unprofiled run); a configuration that leaves them a core "
+                "sheds it."}]
+
+
+def _variant_findings(v: Verdict) -> list[dict]:
+    out = []
+    measured = {}
+    for r in v.variants:
+        if r.status != "ok" or r.measured_gain_pct is None:
+            continue
+        if r.variant not in measured or (r.level or 0) < (measured[r.variant].level or 0):
+            measured[r.variant] = r  # the lowest level each variant shares with the baseline
+    for r in sorted(measured.values(), key=lambda r: r.measured_gain_pct):
+        proj = (f"; projected {r.projected_tpot_us / 1e3:.2f} ms ({r.projection}), {r.projection_error_pct:+.0f}% off"
+                if r.projected_tpot_us else f"; no projection ({r.notes})" if r.notes else "")
+        out.append({"topic": "measured", "figure": "verdict-variants", "files": [f"variants/{r.variant}/data/serving_levels.parquet"],
+                    "text": f"Variant {r.variant}{' (' + r.engine_modes + ')' if r.engine_modes else ''}, measured: "
+                            f"TPOT {r.measured_gain_pct:+.0f}% at concurrency {r.level} "
+                            f"({r.tpot_p50_us / 1e3:.2f} ms vs {r.baseline_tpot_p50_us / 1e3:.2f} ms){proj}"
+                            f"{'. ' + r.gpu_host_split[0].upper() + r.gpu_host_split[1:] if r.gpu_host_split else ''}."})
+    for r in [r for r in v.variants if r.status != "ok" and r.level is None]:
+        out.append({"topic": "measured", "figure": "verdict-variants", "files": ["manifest.json"],
+                    "text": f"Variant {r.variant} {r.status}: {r.error}"})
+    return out
+
+
+def _fix_findings(v: Verdict) -> list[dict]:
+    out = []
+    helps = [p for p in v.projections if p.gain_pct < NO_HELP_PCT]
+    for p in helps[:3]:
+        out.append({"topic": "fix", "figure": "verdict-fixes", "files": ["data/verdict.json"], "text":
+                    f"{p.fix}: TPOT {p.gain_pct:+.0f}% ({p.tpot_low_us / 1e3:.2f}-{p.tpot_high_us / 1e3:.2f} ms) at "
+                    f"batch {p.batch or 1:g}."})
+    for p in [p for p in v.projections if p.gain_pct >= NO_HELP_PCT]:
+        out.append({"topic": "no_help", "figure": "verdict-fixes", "files": ["data/verdict.json"],
+                    "text": f"Would not help: {p.fix}: {p.gain_pct:+.0f}%."})
+    return out
