@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decodescope.schema.params import OVERRIDES_ENV, Params, load_params, with_experiment, with_overrides
-from decodescope.core.rundir import DATA, ensure_layout
-from decodescope.orchestration.runner import new_run_dir
+# not through decodescope.orchestration.runner: a phase's kernel would import papermill and nbformat's
+# schema checks with it (1.2 s of every phase notebook's first cell)
+from decodescope.core.rundir import DATA, ensure_layout, make_run_dir
 
 
 @dataclass
@@ -45,5 +46,5 @@ def open_phase(params_path: str, run_dir: str = "", variant: str = "") -> PhaseC
         path = Path(run_dir)
     else:
         params.run.name = f"{params.run_name}-interactive"
-        path = new_run_dir(params)
+        path = make_run_dir(params.output_root(), params.run_name)
     return PhaseContext(params=params, run_dir=ensure_layout(path).resolve())
