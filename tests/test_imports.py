@@ -341,7 +341,7 @@ MYPY_ERRORS = {"serving/telemetry.py": 9, "serving/telemetry_read.py": 15, "serv
                "trace/stream.py": 11, "exec/host.py": 4, "exec/sshhandle.py": 5, "exec/sshhost.py": 2, "probes/gemm.py": 3, "probes/gemm_kernels.py": 6, "trace/breakdown.py": 8, "exec/server.py": 8,
                "report/sections.py": 8, "probes/collectives.py": 8, "verdict/variants.py": 6, "trace/parse.py": 2, "trace/columns.py": 1, "trace/layout.py": 1,
                "report/plots.py": 5, "trace/profile.py": 3, "verdict/stepmodel.py": 1, "serving/rawclient.py": 3,
-               "report/index.py": 3, "report/compare_tables.py": 3, "report/profile_view.py": 2, "schema/params_schema.py": 2,
+               "report/compare_tables.py": 3, "report/profile_view.py": 2, "schema/params_schema.py": 2,
                "micro/bench.py": 2, "exec/hostagent.py": 2, "trace/load.py": 1, "trace/cscan.py": 1,
                "serving/client.py": 1, "orchestration/runner.py": 1, "schema/records_verdict.py": 1, "exec/hardware.py": 1}
 
@@ -400,3 +400,25 @@ def test_a_phase_notebook_starts_without_papermill():
                           env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_every_import_in_the_notebooks_resolves():
+    """The notebooks' imports name the package's modules by their folders; a stale name fails here, in
+    the fast lane, not only in the first papermill phase of an integration run."""
+    import json
+    import subprocess
+    import sys
+
+    repo = PACKAGE.parent.parent
+    statements = []
+    for nb in sorted((repo / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(nb.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            src = "".join(cell["source"])
+            tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
+            statements += [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert any("decodescope" in s for s in statements)
+    proc = subprocess.run([sys.executable, "-c", "\n".join(dict.fromkeys(statements))], capture_output=True,
+                          text=True, timeout=300, env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
