@@ -83,7 +83,7 @@ def test_run_dir_without_manifest_is_skipped_and_an_invalid_one_read_as_json(out
     (garbage / "manifest.json").write_bytes(b"\xff\xfe not json")
     rows = collect_rows(outputs).set_index("dir")
     assert "no-manifest-here" not in rows.index
-    assert rows.loc["20251231T000000Z-old", "run_id"] == "old-one"      # another schema version: plain JSON
+    assert rows.loc["20251231T000000Z-old", "run_id"] == "old-one"      # another schema version: its view (schema.views)
     assert rows.loc["20251231T000000Z-old", "model"] == "m"
     assert rows.loc["20251230T000000Z-garbage", "status"] == "unreadable manifest"
 

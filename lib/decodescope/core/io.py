@@ -6,7 +6,7 @@ import os
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 
 def _umask_mode() -> int:
@@ -58,16 +58,6 @@ def write_parquet_atomic(path: Path, df) -> Path:
 
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
-
-
-def read_json_dict(path: Path) -> Optional[dict]:
-    """A JSON object from path; None when it is missing, unreadable, not JSON or not an object (pages
-    that list what is there read each run's files this way)."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return raw if isinstance(raw, dict) else None
 
 
 def gzip_complete(path: Path) -> bool:

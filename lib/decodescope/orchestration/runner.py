@@ -22,7 +22,7 @@ from decodescope.core import resources
 from decodescope.exec.engine_comm import CpuPathError, apply_cpu_path_here
 from decodescope.exec.host import close_all as close_hosts, preflight
 from decodescope.exec.hostcore import RUN_ID_ENV
-from decodescope.core.io import read_json, write_text_atomic
+from decodescope.core.io import write_text_atomic
 from decodescope.exec.locks import LockHeld, holder_info, run_dir_lock
 from decodescope.schema.params import (OVERRIDES_ENV, Params, dump_yaml, load_params, redact, with_experiment,
                                        with_overrides)
@@ -148,7 +148,7 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
     except CpuPathError as e:
         raise RunError(str(e)) from None
     if resume and not overrides and (Path(resume) / "manifest.json").is_file():
-        overrides = read_json(Path(resume) / "manifest.json").get("overrides")  # as the run began
+        overrides = Manifest.load(Path(resume)).record.overrides  # as the run began
     params = with_overrides(params, overrides or {})
     if overrides:
         os.environ[OVERRIDES_ENV] = json.dumps(overrides)  # every phase's kernel applies them too

@@ -70,6 +70,10 @@ class Block:
     anchor: str = ""
 
 
+def _or_unknown(value) -> str:
+    return "?" if value is None else str(value)
+
+
 def _note(text: str) -> Block:
     return Block("html", f"<p>{html_text(text)}</p>")
 
@@ -163,8 +167,8 @@ def _profile_blocks(sources: list[Source]) -> list[Block]:
         chosen = [("first profile", {k: (f[1] if f else None) for k, f in firsts.items()})]
     for title, summaries in chosen:
         diffs = category_differences(summaries)
-        kinds = {k: f"{s.get('step_kind', '?')} steps {s.get('steps', {}).get(s.get('step_kind', ''), '?')}, "
-                    f"ranks {s.get('ranks', '?')}, device {s.get('device', '?')}"
+        kinds = {k: f"{_or_unknown(s.step_kind)} steps {s.steps.get(s.step_kind or '', '?')}, "
+                    f"ranks {_or_unknown(s.ranks)}, device {_or_unknown(s.device)}"
                  for k, s in summaries.items() if s is not None}
         out.append(Block("html", f"<h3>{html_text(title)}</h3>"))
         out.append(_note("Profiled: " + "; ".join(f"{k}: {v}" for k, v in kinds.items()) + "."))

@@ -12,6 +12,7 @@ import yaml
 
 from decodescope.core.phases import PHASE_OF
 from decodescope.report.index import default_output_dir, read_manifest, run_dirs
+from decodescope.schema.views import ManifestView
 
 
 VARIANTS = "variants"
@@ -39,7 +40,7 @@ class Source:
     run_dir: Path
     variant: Optional[str]
     data_dir: Path
-    manifest: dict
+    manifest: ManifestView
     params: dict
     params_from: str
 
@@ -62,8 +63,7 @@ class Source:
     @property
     def variant_entry(self) -> Optional[dict]:
         """The run manifest's record of this variant (manifest.json `variants`), None for a run."""
-        entry = (self.manifest.get("variants") or {}).get(self.variant) if self.variant else None
-        return entry if isinstance(entry, dict) else None
+        return self.manifest.variants.get(self.variant) if self.variant else None
 
     def phase_status(self, phase: str) -> str:
         """The phase's status in the manifest; for a variant, the variant's status for the phases a
@@ -74,14 +74,14 @@ class Source:
             if phase not in runs:
                 return "not run for a variant"
             return f"variant {entry.get('status', 'not in the manifest')}"
-        info = (self.manifest.get("phases") or {}).get(phase)
-        return str(info.get("status", "pending")) if isinstance(info, dict) else "not in the manifest"
+        info = self.manifest.phases.get(phase)
+        return str(info.get("status", "pending")) if info is not None else "not in the manifest"
 
     @property
     def status(self) -> str:
         if self.variant is not None:
             return str((self.variant_entry or {}).get("status", "not in the manifest"))
-        return str(self.manifest.get("status", ""))
+        return "" if self.manifest.status is None else self.manifest.status
 
     @property
     def tensor_parallel(self) -> Optional[int]:
@@ -139,7 +139,7 @@ def resolve(spec: str, letter: str = "A") -> Source:
     params_from = "params.yaml"
     params = _read_yaml(run_dir / "params.yaml")
     if params is None:
-        params, params_from = (manifest.get("params") or {}), "manifest.json"
+        params, params_from = manifest.params, "manifest.json"
     data_dir = run_dir / "data"
     if variant is not None:
         vdir = run_dir / VARIANTS / variant

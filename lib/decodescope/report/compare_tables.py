@@ -17,7 +17,8 @@ from decodescope.core.phases import PHASES
 from decodescope.show.escape import html_text
 from decodescope.report.index import headline, host_text
 from decodescope.trace.categorize import class_of
-from decodescope.core.io import read_json_dict
+from decodescope.schema.recordbase import RecordError
+from decodescope.schema.views import ProfileSummaryView, read_view
 from decodescope.report.compare_sources import Source, _get, _read_table
 
 MISSING = "–"
@@ -119,8 +120,8 @@ def versions_diff(sources: list[Source]) -> pd.DataFrame:
     """Package versions, commit and host that differ between the sources."""
     per = {}
     for s in sources:
-        flat = {f"versions.{k}": v for k, v in _flatten(s.manifest.get("versions") or {}).items()}
-        flat["git_commit"] = str(s.manifest.get("git_commit"))
+        flat = {f"versions.{k}": v for k, v in _flatten(s.manifest.versions).items()}
+        flat["git_commit"] = str(s.manifest.git_commit)
         flat["host"] = host_text(s.data_dir.parent if s.data_dir.name == "data" else s.data_dir, s.manifest) \
             or MISSING
         per[s.letter] = flat
@@ -132,10 +133,10 @@ def runs_table(sources: list[Source], out_dir: Optional[Path] = None) -> pd.Data
     for s in sources:
         h = headline(s.data_dir.parent) if s.data_dir.name == "data" else None
         rows.append({"": s.letter, "run": s.run_dir.name, "variant": s.variant or "",
-                     "params": str(s.manifest.get("params_name", "")),
+                     "params": s.manifest.params_name or "",
                      "model": str(_get(s.params, "model", "name") or ""),
                      "TP (GPUs)": s.tensor_parallel if s.tensor_parallel is not None else MISSING,
-                     "status": s.status, "created": str(s.manifest.get("created", "")),
+                     "status": s.status, "created": s.manifest.created or "",
                      "peak output tok/s": h.peak_text() if h else MISSING,
                      "TPOT p50 (ms)": h.tpot_text() if h else MISSING,
                      "bottleneck": h.bottleneck_text() if h else MISSING,
@@ -144,7 +145,7 @@ def runs_table(sources: list[Source], out_dir: Optional[Path] = None) -> pd.Data
 
 
 def phases_table(sources: list[Source]) -> pd.DataFrame:
-    phases = list(dict.fromkeys([*PHASES, *(p for s in sources for p in (s.manifest.get("phases") or {}))]))
+    phases = list(dict.fromkeys([*PHASES, *(p for s in sources for p in s.manifest.phases)]))
     return pd.DataFrame([{"phase": p, **{s.letter: s.phase_status(p) for s in sources}} for p in phases])
 
 
@@ -233,32 +234,38 @@ def pareto_figure(bands: pd.DataFrame, sources: list[Source]) -> go.Figure:
 
 
 # ---- the decode step (04) --------------------------------------------------------------------------
-def profile_summaries(src: Source) -> dict[Optional[int], dict]:
+def profile_summaries(src: Source) -> dict[Optional[int], ProfileSummaryView]:
     """The source's profile summaries by profiled concurrency: data/profile/c<N>/profile_summary.json,
-    else data/profile_summary.json (keyed by its `concurrency`, None when it has none)."""
-    out: dict[Optional[int], dict] = {}
+    else data/profile_summary.json (keyed by its `concurrency`, None when it has none); of any version
+    (decodescope.schema.views)."""
+    out: dict[Optional[int], ProfileSummaryView] = {}
     for p in sorted((src.data_dir / "profile").glob("c*/profile_summary.json")):
         m = re.fullmatch(r"c(\d+)", p.parent.name)
-        raw = read_json_dict(p)
-        if m and raw is not None:
-            out[int(m.group(1))] = raw
+        summary = _summary(p)
+        if m and summary is not None:
+            out[int(m.group(1))] = summary
     if not out:
-        raw = read_json_dict(src.data_dir / "profile_summary.json")
-        if raw is not None:
-            c = raw.get("concurrency")
-            out[int(c) if isinstance(c, (int, float)) and not isinstance(c, bool) else None] = raw
+        summary = _summary(src.data_dir / "profile_summary.json")
+        if summary is not None:
+            out[summary.concurrency] = summary
     return dict(sorted(out.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
 
 
-def step_categories(summary: dict) -> pd.DataFrame:
+def _summary(path: Path) -> Optional[ProfileSummaryView]:
+    try:
+        return read_view(path, ProfileSummaryView)
+    except RecordError:
+        return None
+
+
+def step_categories(summary: ProfileSummaryView) -> pd.DataFrame:
     """Per category: time and calls per step, the median over ranks (a rank without the category
     counts 0), from a profile summary's per_step_categories."""
-    cats = pd.DataFrame(summary.get("per_step_categories") or [])
     cols = ["category", "time_per_step_us", "calls_per_step"]
-    if cats.empty or not {"rank", "category", "time_per_step_us"} <= set(cats.columns):
+    if not summary.per_step_categories:
         return pd.DataFrame(columns=cols)
-    if "calls_per_step" not in cats:
-        cats["calls_per_step"] = float("nan")
+    cats = pd.DataFrame([r.model_dump() for r in summary.per_step_categories])
+    cats["calls_per_step"] = pd.to_numeric(cats["calls_per_step"], errors="coerce")
     cats = cats.assign(category=cats["category"].astype(str))
     full = (pd.DataFrame({"rank": sorted(cats["rank"].unique())})
             .merge(pd.DataFrame({"category": cats["category"].unique()}), how="cross")
@@ -273,7 +280,7 @@ STEP_FIGURES = (("wall_us_median", "wall-clock step"), ("busy_us_median", "busy 
                 ("period_us_median", "period (step to next step)"))
 
 
-def category_differences(summaries: dict[str, Optional[dict]]) -> pd.DataFrame:
+def category_differences(summaries: dict[str, Optional[ProfileSummaryView]]) -> pd.DataFrame:
     """Per category, each source against the base: time per step (us) and calls per step, with
     their differences and the call (stats.differ; one profile per source: `no repeats`). A category
     one source lacks counts 0 there."""
@@ -298,20 +305,20 @@ def category_differences(summaries: dict[str, Optional[dict]]) -> pd.DataFrame:
                 "calls_a", "calls_b", "delta_calls", "low", "high", "call"]]
 
 
-def step_differences(summaries: dict[str, Optional[dict]]) -> pd.DataFrame:
+def step_differences(summaries: dict[str, Optional[ProfileSummaryView]]) -> pd.DataFrame:
     """The step's own medians (wall, busy, summed, idle, period) per source against the base."""
     frames = {}
     for k, s in summaries.items():
         if s is None:
             frames[k] = None
             continue
-        per = s.get("per_step") or {}
+        per = s.per_step
         frames[k] = pd.DataFrame([{"figure": label, "value_us": per.get(key)} for key, label in STEP_FIGURES
                                   if per.get(key) is not None])
     return pair_differences(frames, ["figure"], "value_us")
 
 
-def category_figure(summaries: dict[str, Optional[dict]], sources: list[Source]) -> go.Figure:
+def category_figure(summaries: dict[str, Optional[ProfileSummaryView]], sources: list[Source]) -> go.Figure:
     fig = go.Figure()
     for s in sources:
         summ = summaries.get(s.letter)

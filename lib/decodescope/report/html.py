@@ -10,7 +10,8 @@ import nbformat
 from nbconvert import HTMLExporter
 from plotly.offline import get_plotlyjs
 
-from decodescope.core.io import read_json, write_text_atomic
+from decodescope.core.io import write_text_atomic
+from decodescope.schema.records import RunManifest, read_record
 from decodescope.core.phases import PHASE_TITLES, PHASES
 from decodescope.show.escape import html_text
 from decodescope.report.index import headline_html
@@ -138,7 +139,7 @@ def notebook_html(nb: nbformat.NotebookNode) -> str:
 
 def build_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
-    manifest = read_json(run_dir / "manifest.json")
+    manifest = read_record(run_dir / "manifest.json", RunManifest).to_json_dict()
     out = run_dir / "report.html"
     write_text_atomic(out, notebook_html(combined_notebook(run_dir, manifest)))
     return out

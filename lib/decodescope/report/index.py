@@ -21,8 +21,9 @@ from urllib.parse import quote
 
 import pandas as pd
 
-from decodescope.core.io import read_json_dict, write_text_atomic
-from decodescope.schema.records import RunManifest, Verdict, read_record
+from decodescope.core.io import write_text_atomic
+from decodescope.schema.recordbase import RecordError
+from decodescope.schema.views import HostView, ManifestView, VerdictView, read_view
 from decodescope.show.escape import html_text
 from decodescope.report.status import status_colour
 from decodescope.core.resources import source_checkout
@@ -92,21 +93,15 @@ def _serving_headline(run_dir: Path) -> tuple[Optional[float], Optional[float], 
 
 
 def _verdict_bottleneck(run_dir: Path) -> tuple[Optional[str], Optional[float], Optional[dict]]:
-    """(class, share, the serving headline) from data/verdict.json: the typed record when it validates,
-    else the same keys read from plain JSON (a verdict written by another version)."""
-    path = run_dir / "data" / "verdict.json"
+    """(class, share, the serving headline) from data/verdict.json, a verdict of any version
+    (decodescope.schema.views)."""
     try:
-        v = read_record(path, Verdict)
-    except (OSError, ValueError):  # RecordError is a ValueError; so is a file that is not UTF-8
-        raw = read_json_dict(path) or {}
-        b = raw.get("bottleneck") if isinstance(raw.get("bottleneck"), dict) else {}
-        s = raw.get("serving") if isinstance(raw.get("serving"), dict) else None
-        cls = b.get("class", b.get("cls"))
-        return (None if cls is None else str(cls)), _number(b.get("share")), s
-    serving = v.serving.model_dump() if v.serving is not None else None
-    if v.bottleneck is None:
-        return None, None, serving
-    return v.bottleneck.cls, _number(v.bottleneck.share), serving
+        v = read_view(run_dir / "data" / "verdict.json", VerdictView)
+    except RecordError:
+        v = None
+    if v is None or v.bottleneck is None:
+        return None, None, (v.serving if v is not None else None)
+    return v.bottleneck.cls, _number(v.bottleneck.share), v.serving
 
 
 def headline(run_dir: Path) -> Headline:
@@ -142,16 +137,13 @@ def headline_html(run_dir: Path) -> str:
 
 
 # ---- rows ------------------------------------------------------------------------------------------
-def read_manifest(run_dir: Path) -> Optional[dict]:
-    """manifest.json as a dict: through RunManifest when it validates, else as plain JSON; None when
-    the directory has none; {} when it cannot be read as a JSON object."""
-    path = Path(run_dir) / "manifest.json"
-    if not path.is_file():
-        return None
+def read_manifest(run_dir: Path) -> Optional[ManifestView]:
+    """manifest.json of a run of any version (decodescope.schema.views); None when the directory has
+    none; an empty view when it cannot be read as a JSON object."""
     try:
-        return read_record(path, RunManifest).to_json_dict()
-    except (OSError, ValueError):  # RecordError is a ValueError; so is a file that is not UTF-8
-        return read_json_dict(path) or {}
+        return read_view(Path(run_dir) / "manifest.json", ManifestView)
+    except RecordError:
+        return ManifestView()
 
 
 def _get(d: Any, *keys: str) -> Any:
@@ -164,15 +156,17 @@ def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def host_text(run_dir: Path, manifest: dict) -> str:
+def host_text(run_dir: Path, manifest: ManifestView) -> str:
     """Hostname and GPUs ('2x NVIDIA H200', or 'no GPU') from the manifest and data/host.json."""
-    inv = read_json_dict(Path(run_dir) / "data" / "host.json") or {}
-    hostname = _get(manifest, "host", "hostname") or _get(inv, "cpu", "hostname")
-    gpus = inv.get("gpus") if isinstance(inv.get("gpus"), list) else []
-    names = Counter(str(g.get("name", "GPU")) for g in gpus if isinstance(g, dict))
+    try:
+        inv = read_view(Path(run_dir) / "data" / "host.json", HostView) or HostView()
+    except RecordError:
+        inv = HostView()
+    hostname = manifest.host.get("hostname") or (inv.cpu.hostname if inv.cpu else None)
+    names = Counter(g.name for g in inv.gpus)
     if names:
         devices = ", ".join(f"{n}x {name}" for name, n in names.items())
-    elif inv.get("has_gpu") is False:
+    elif inv.has_gpu is False:
         devices = "no GPU"
     else:
         devices = ""
@@ -196,12 +190,12 @@ def run_row(run_dir: Path) -> Optional[dict]:
         return None
     h = headline(run_dir)
     report = run_dir / "report.html"
-    return {"run_id": _text(manifest.get("run_id")) or run_dir.name, "dir": run_dir.name,
-            "params_name": _text(manifest.get("params_name")),
-            "model": _text(_get(manifest, "params", "model", "name")),
+    return {"run_id": _text(manifest.run_id) or run_dir.name, "dir": run_dir.name,
+            "params_name": _text(manifest.params_name),
+            "model": _text(_get(manifest.params, "model", "name")),
             "host": host_text(run_dir, manifest),
-            "status": _text(manifest.get("status")) or ("unreadable manifest" if not manifest else "unknown"),
-            "created": _text(manifest.get("created")),
+            "status": _text(manifest.status) or ("unreadable manifest" if manifest == ManifestView() else "unknown"),
+            "created": _text(manifest.created),
             **{k: v for k, v in asdict(h).items()},
             "report": f"{run_dir.name}/report.html" if report.is_file() else None}
 

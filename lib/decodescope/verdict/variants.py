@@ -11,10 +11,9 @@ import pandas as pd
 from decodescope.verdict import stepmodel as sm, whatif
 from decodescope.verdict import stepparts as sp
 from decodescope.core.enginelog import last_engine_modes
-from decodescope.core.io import read_json
 from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
-from decodescope.schema.records import ProfileCapture
+from decodescope.schema.records import ProfileCapture, RunManifest, VariantEntry, read_record
 from decodescope.core.rundir import VARIANTS
 from decodescope.verdict.fixes import Fix, ModelInputs, _read_parquet, baseline_tpot, level_tpot
 
@@ -79,27 +78,27 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
     """Per variant and serving level: its TPOT against the baseline's (01) and against its projection
     (calibrated like the fixes: the baseline's TPOT, baseline_tpot, x fix / base model)."""
     manifest_path = Path(run_dir) / "manifest.json"
-    states = (read_json(manifest_path).get("variants", {}) if manifest_path.is_file() else {})
+    states = read_record(manifest_path, RunManifest).variants if manifest_path.is_file() else {}
     base = {int(r.level): level_tpot(r)[0] for r in levels.itertuples()} if levels is not None else {}
     calibration = {int(k): v for k, v in baseline_tpot(levels, captures).items()}
     utils = ({int(r.level): r.gpu_util_mean_pct for r in levels.itertuples()}
              if levels is not None and "gpu_util_mean_pct" in levels.columns else {})
     rows = []
     for exp in params.experiments:
-        state = states.get(exp.name, {})
+        state = states.get(exp.name) or VariantEntry(status="not run")
         vlev = _read_parquet(Path(run_dir) / VARIANTS / exp.name, "serving_levels.parquet")
-        status = state.get("status", "not run")
+        status = state.status
         if vlev is None or vlev.empty:
             rows.append({"variant": exp.name, "status": status if status != "ok" else "failed",
-                         "error": _gist(state.get("error") or "no serving levels measured")})
+                         "error": _gist(state.error or "no serving levels measured")})
             continue
         vparams = with_experiment(params, exp.name)
         acceptance = _acceptance(vlev)
         modes = last_engine_modes(Path(run_dir) / VARIANTS / exp.name / "logs" / "server.log")
         for lv in vlev.sort_values("level").itertuples():
             b, (tpot, basis) = float(lv.level), level_tpot(lv)
-            row = {"variant": exp.name, "status": status, "error": (state.get("error") or "").splitlines()[0][:300]
-                   if state.get("error") else "", "level": int(lv.level), "tpot_p50_us": tpot, "reference": basis,
+            row = {"variant": exp.name, "status": status, "error": state.error.splitlines()[0][:300]
+                   if state.error else "", "level": int(lv.level), "tpot_p50_us": tpot, "reference": basis,
                    "tok_s_per_gpu": float(lv.output_throughput_tok_s) / vparams.server.tensor_parallel}
             if int(lv.level) in base:
                 row.update(baseline_tpot_p50_us=base[int(lv.level)], measured_gain_pct=100 * (tpot / base[int(lv.level)] - 1))
