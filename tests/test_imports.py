@@ -422,3 +422,25 @@ def test_every_import_in_the_notebooks_resolves():
     proc = subprocess.run([sys.executable, "-c", "\n".join(dict.fromkeys(statements))], capture_output=True,
                           text=True, timeout=300, env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_readme_is_read_in_minutes_and_its_links_resolve():
+    """Issue 28: the README for a newcomer, at most about 2,000 words; methods and results live in docs/,
+    and every relative link of the README points at a file that exists (and a heading there, for #anchors)."""
+    import re
+
+    repo = PACKAGE.parent.parent
+    text = (repo / "README.md").read_text()
+    assert len(text.split()) <= 2000
+    broken = []
+    for target in re.findall(r"\]\(([^)#:]+)(?:#([^)]+))?\)", text):
+        path, anchor = target
+        f = repo / path
+        if not f.exists():
+            broken.append(path)
+        elif anchor:
+            slugs = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-")
+                     for h in re.findall(r"^#+ (.+)$", f.read_text(), re.M)}
+            if anchor not in slugs:
+                broken.append(f"{path}#{anchor}")
+    assert broken == []
