@@ -43,7 +43,8 @@ def _hostile_run(tmp_path: Path) -> Path:
     ]
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), run_dir / "notebooks/04_profile.ipynb")
     log_line = f"ERROR worker: {PAYLOADS[0]} {PAYLOADS[1]}"
-    manifest = {"run_id": run_dir.name, "params_name": PAYLOADS[1], "created": "now", "git_commit": PAYLOADS[2],
+    manifest = {"schema_version": 1, "run_id": run_dir.name, "params_name": PAYLOADS[1], "created": "now",
+                "git_commit": PAYLOADS[2],
                 "status": "failed", "server": {"status": PAYLOADS[0], "base_url": PAYLOADS[1]},
                 "phases": {"04_profile": {"status": "failed", "error": f"server_died: last lines:\n{log_line}"}}}
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
