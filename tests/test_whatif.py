@@ -85,3 +85,16 @@ def test_measured_projections_price_each_communicator_the_probe_measured(repo):
     assert spec.tpot_us == pytest.approx(spec.step_us / 1.5)
     rows = wi.projection_rows(list(proj.values()))
     assert [r["gain_pct"] for r in rows] == sorted(r["gain_pct"] for r in rows)  # ranked, best first
+
+
+def test_the_projection_bars_of_a_run_without_a_profiled_step_draw_no_step_line():
+    """On the H200 a run whose server never started (01 and 04 failed) still priced fixes through the step
+    model; its 05 failed on the missing measured step (None / 1e3) instead of showing them."""
+    import pandas as pd
+
+    from decodescope.report.plots import projection_bars
+
+    proj = pd.DataFrame([{"fix": "spec-ngram", "tpot_us": 1800.0, "tpot_low_us": 1700.0, "tpot_high_us": 1900.0,
+                          "gain_pct": -10.0, "assumptions": "k=3"}])
+    assert [s.type for s in projection_bars(proj, 2000.0).layout.shapes] == ["line"]
+    assert projection_bars(proj, None).layout.shapes == ()

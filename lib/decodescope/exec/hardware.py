@@ -103,7 +103,7 @@ def parse_topo_matrix(text: str) -> pd.DataFrame:
         raise ValueError("not `nvidia-smi topo -m` output: no header line starting with GPU0")
     columns = re.findall(r"\b(GPU\d+|NIC\d+|mlx\S+)\b", lines[header_idx].split("CPU Affinity")[0])
     gpu_cols = [c for c in columns if c.startswith("GPU")]
-    rows = []
+    rows: list[TopologyPair] = []
     for line in lines[header_idx + 1:]:
         m = re.match(r"^(GPU\d+)\s+(.*)$", line)
         if not m:

@@ -107,7 +107,7 @@ def node_traces(params, trace_dir: Path):
         yield
         return
     nodes = [(i, h) for i, h in enumerate(node_hosts(params)) if h.remote]
-    done = {i: set() for i, _ in nodes}
+    done: dict[int, set[str]] = {i: set() for i, _ in nodes}
     sizes: dict[Path, int] = {}
     stop = threading.Event()
 

@@ -146,8 +146,8 @@ def _watch(child: subprocess.Popen, fd: int, buf: bytes, token: str, heartbeat_s
             buf += data
             stop = False
             while b"\n" in buf:
-                cmd, buf = buf.split(b"\n", 1)
-                cmd = cmd.strip().decode(errors="replace")
+                raw, buf = buf.split(b"\n", 1)
+                cmd = raw.strip().decode(errors="replace")
                 if cmd == "stop":
                     stop = True
                 elif cmd == "tree":
@@ -184,8 +184,8 @@ def info(workdir: str = "") -> int:
     """Version, interpreter, host name, home, and the free space where the run directories go."""
     import decodescope
 
-    out = {"version": decodescope.__version__, "python": sys.executable, "hostname": socket.gethostname(),
-           "home": os.path.expanduser("~")}
+    out: dict[str, str | int] = {"version": decodescope.__version__, "python": sys.executable,
+                                 "hostname": socket.gethostname(), "home": os.path.expanduser("~")}
     if workdir:
         wd = Path(os.path.expanduser(workdir))
         out["workdir"] = str(wd)

@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from decodescope.exec import procs
 from decodescope.schema.records_server import LinkMeasure
@@ -121,7 +121,7 @@ class LocalHandle:
 
 
 class LocalHost:
-    remote = False
+    remote: Literal[False] = False  # a Literal, so `if host.remote:` narrows LocalHost | SshHost
 
     def __init__(self, python: Optional[str] = None):
         self.python = python or sys.executable
@@ -181,3 +181,8 @@ class LocalHost:
 
 
 # ---- over ssh --------------------------------------------------------------------------------------
+
+
+def loopback_for(bind_host: str) -> str:
+    """Where a server bound to bind_host is reached on its own host: a wildcard bind answers on 127.0.0.1."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host

@@ -24,13 +24,14 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, cast
 from urllib.parse import urlsplit
 
 import psutil
 
 from decodescope.exec import procs
 from decodescope.exec.host import host_for
+from decodescope.exec.hostcore import loopback_for
 from decodescope.exec.locks import holder_info, port_lock
 from decodescope.exec.modeldir import resolve_model_dir
 from decodescope.schema.params import Params
@@ -209,7 +210,7 @@ class VllmServer:
         server.host, server.remote = host, handle
 
         def tunnel():
-            server.local_port = host.forward(spec.port, "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host)
+            server.local_port = host.forward(spec.port, loopback_for(spec.host))
             server.base_url = f"http://127.0.0.1:{server.local_port}"
         server._until_ready(spec.port if newly_held else None, t0, timeout_s, connect=tunnel)
         server.shm_files = {Path(f) for f in getattr(handle, "shm", [])}
@@ -252,12 +253,14 @@ class VllmServer:
                 self.refresh_log()
                 if self.remote is not None and self.remote.dead_reason():
                     raise ServerError(f"vLLM did not start: {self.remote.dead_reason()}")
+                assert self.log_path is not None  # launched (_until_ready): launch gave it its log
                 raise ServerError(f"vLLM exited with code {self.proc.returncode} during start-up; "
                                   f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
             if self.healthy(timeout_s=2.0):
                 return
             time.sleep(0.5)
         self.refresh_log()
+        assert self.log_path is not None  # launched (_until_ready): launch gave it its log
         raise ServerError(f"vLLM did not become healthy within {timeout_s:.0f} s "
                           f"(server.startup_timeout_s); last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
@@ -346,6 +349,7 @@ class VllmServer:
             if getattr(self, "local_port", None):
                 self.host.cancel_forward(self.local_port)
         elif self.proc is not None:
+            assert self.pgid is not None  # proc's pid while proc is set
             left = self.process_tree()
             self.shm_files |= procs.mapped_shm_files(left)
             signalled = procs.terminate(self.run_token, [self.pgid]) if left else []
@@ -377,6 +381,7 @@ class VllmServer:
             add_profiler(argv, env, keys, where, profiler_style, with_stack)
             spec = LaunchSpec(argv=argv, env=env, host=spec.host, port=spec.port, api_key=spec.api_key,
                               extra_env_keys=keys, run_token=spec.run_token)
+        assert self.log_path is not None  # a server with a spec was launched, with its log
         return VllmServer.launch(spec, self.log_path, timeout_s, host=self.host,
                                  sync=(profiler_dir,) if profiler_dir is not None else ())
 
@@ -439,6 +444,7 @@ def start_for_params(params: Params, run_dir: Path, profiler_dir: Optional[Path]
     """Launch (or attach to) the server the params describe; logs go to run_dir/logs/server.log."""
     host = host_for(params)
     if params.server.mode == "attach":
+        assert params.server.url is not None  # params require server.url in attach mode
         server = VllmServer.attach(_url_from_here(params.server.url, host), api_key=params.server.api_key)
     else:
         model, tokenizer = resolve_model_dir(params)
@@ -453,15 +459,11 @@ def start_for_params(params: Params, run_dir: Path, profiler_dir: Optional[Path]
                                    run_dir=Path(run_dir), host=host,
                                    sync=(Path(profiler_dir),) if profiler_dir is not None else ())
     if host.remote:
-        on_host = (params.server.url.rstrip("/") if params.server.mode == "attach" else
-                   f"http://{_loopback(params.server.bind_host)}:{params.server.port}")
+        on_host = (cast(str, params.server.url).rstrip("/") if params.server.mode == "attach" else
+                   f"http://{loopback_for(params.server.bind_host)}:{params.server.port}")
         server.link = host.measure_link(server.base_url + "/health", on_host + "/health")
     write_server_info(run_dir, server, params)
     return server
-
-
-def _loopback(bind_host: str) -> str:
-    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
 
 
 def _url_from_here(url: str, host) -> str:

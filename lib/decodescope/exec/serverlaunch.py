@@ -61,7 +61,7 @@ class LaunchSpec:
                 "host": self.host, "port": self.port, "api_key": "***redacted***" if self.api_key else None}
 
 
-def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Optional[Path] = None,
+def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Optional[Path | str] = None,
                 profiler_style: str = "config", run_token: Optional[str] = None, host=None) -> LaunchSpec:
     """`host` (decodescope.exec.host) decides the default interpreter: this one here, host.python there."""
     s = params.server
@@ -91,7 +91,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
                       extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus)
 
 
-def add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path,
+def add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path | str,
                   style: str, with_stack: bool = False) -> None:
     """Point the server's torch profiler at profiler_dir (absolute), replacing any earlier setting:
     --profiler-config on vLLM >= 0.13, VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) before it."""

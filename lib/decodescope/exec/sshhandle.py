@@ -53,6 +53,7 @@ class SshHandle:
 
     # -- plumbing
     def _read(self) -> None:
+        assert self.ssh.stdout is not None  # SshHost.start opens the supervisor with stdout=PIPE
         for line in self.ssh.stdout:
             try:
                 msg = json.loads(line)
@@ -76,6 +77,7 @@ class SshHandle:
 
     def _send(self, line: str) -> bool:
         with self._wlock:
+            assert self.ssh.stdin is not None  # SshHost.start opens the supervisor with stdin=PIPE
             try:
                 self.ssh.stdin.write((line + "\n").encode())
                 self.ssh.stdin.flush()
@@ -122,6 +124,7 @@ class SshHandle:
 
     def _close_stdin(self) -> None:
         with self._wlock:
+            assert self.ssh.stdin is not None  # SshHost.start opens the supervisor with stdin=PIPE
             try:
                 self.ssh.stdin.close()
             except OSError:
@@ -142,6 +145,7 @@ class SshHandle:
         while self.returncode is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
+                assert timeout is not None  # left (via deadline) is set only when timeout is
                 raise subprocess.TimeoutExpired(self.argv0, timeout)
             self._done.wait(0.1 if left is None else min(0.1, left))
         return self.returncode

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from decodescope import __version__
 from decodescope.exec import procs
@@ -49,7 +49,7 @@ print(json.dumps(out))
 
 
 class SshHost:
-    remote = True
+    remote: Literal[True] = True  # a Literal, so `if host.remote:` narrows LocalHost | SshHost
 
     def __init__(self, hp, output_root: Path):
         t = parse_host_url(hp.url)
@@ -234,6 +234,7 @@ class SshHost:
             rel = local.resolve().relative_to(self.output_root)
         except ValueError:
             return str(local)
+        assert self.workdir is not None  # connect() checked the host, which sets workdir (or raised)
         return str(Path(self.workdir) / rel)
 
     def _rsync_base(self, local: Path) -> list[str]:
@@ -324,6 +325,7 @@ class SshHost:
         os.close(fd)
         cmd = shlex.join([self.python, "-m", "decodescope.exec.hostagent", "supervise"])
         with open(err, "wb") as f:
+            assert self.workdir is not None  # connect() checked the host, which sets workdir (or raised)
             ssh = ssh_popen(self.ssh_argv(f"cd {shlex.quote(self.workdir)} && exec {cmd}"),
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f,
                                   preexec_fn=procs.new_session_dying_with_parent)

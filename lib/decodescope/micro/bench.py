@@ -210,6 +210,7 @@ def memory_floor_note(floor: pd.DataFrame, peaks: Optional[Peaks]) -> str:
         return (f"**Memory floor:** no memory bandwidth peak is known for this host (set "
                 f"hardware.peaks.mem_gbps), so only the bytes are shown; {how}, KV cache in bf16 at "
                 f"{int(first['context_tokens'])} tokens of context per sequence.")
+    assert peaks is not None  # a bandwidth in the table came from peaks (step_memory_floor)
     return (f"**Memory floor:** reading the bytes below at {first['mem_gbps']:,.0f} GB/s ({peaks.name}, "
             f"{peaks.source}) takes at least {first['floor_us']:,.1f} us per decode step at batch "
             f"{int(first['batch'])}; {how}, KV cache in bf16 at {int(first['context_tokens'])} tokens of context "

@@ -173,6 +173,8 @@ def gemm_shapes(arch: ArchConfig, tp: int, batch: int, ep: int = 1, skew: float 
     if arch.uses_mla:
         nope, rope, v = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
         kv_lora = arch.kv_lora_rank
+        # an MLA config without these dims already failed below (None in `+`/`*` raised TypeError)
+        assert nope is not None and rope is not None and v is not None and kv_lora is not None
         if arch.q_lora_rank:
             shapes.append(GemmShape("fused_qkv_a_proj", "attention", b, arch.q_lora_rank + kv_lora + rope, h, L, "replicated"))
             shapes.append(GemmShape("q_b_proj", "attention", b, heads * (nope + rope), arch.q_lora_rank, L, "column"))
@@ -235,6 +237,8 @@ def kv_cache_bytes_per_step(arch: ArchConfig, tp: int, batch: int, context: int,
     """KV-cache bytes one rank reads per decode step (every layer reads the whole context)."""
     elt = activation_bytes(kv_dtype)
     if arch.uses_mla:  # the latent cache is replicated on every rank
+        # an MLA config without these dims already failed here (None in `+` raised TypeError)
+        assert arch.kv_lora_rank is not None and arch.qk_rope_head_dim is not None
         per_token_layer = (arch.kv_lora_rank + arch.qk_rope_head_dim) * elt
     else:
         per_token_layer = 2 * max(1, arch.num_key_value_heads // tp) * arch.head_dim * elt

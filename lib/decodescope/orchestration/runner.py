@@ -194,6 +194,7 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
     progress = Progress(len(selected))
     progress.note(f"decodescope run {run_dir}")
     # Notebooks read the source params (with secrets and relative paths intact).
+    assert params.source_path is not None  # set by load_params; Path(None) would raise here anyway
     loop = _PhaseLoop(params, selected, run_dir, Path(params.source_path), notebook_dir, manifest, progress, on_server)
     interrupted: Optional[KeyboardInterrupt] = None
     write_error: Optional[ResultsWriteError] = None

@@ -320,7 +320,7 @@ WRITER_K = 32  # the inner size of the GEMM that writes an all-reduce's input in
 HOST_AFTER_GEMM_MAX_BYTES = 8 << 20
 
 
-def gemm_writing(t: "torch.Tensor") -> Callable[[], None]:
+def gemm_writing(t: "torch.Tensor") -> Callable[[], "torch.Tensor"]:
     """A GEMM whose output is the all-reduce's tensor, as a decode step's o_proj or down projection
     writes it: the host launch the all-reduce follows in a step (its inner size barely moves the
     host's cost, so it is kept small: WRITER_K)."""
@@ -368,9 +368,9 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
             rows.append(_bw({**base, "timing": "isolated", "mode": "eager"}, isolated, "all_reduce", real, world))
             # enough calls back to back to swamp the timer, few enough that slow ones (gloo, large
             # messages) keep the sweep short: ~20 ms of calls per repetition, 4 to max_calls
-            calls = [int(max(4, min(max_calls, BACK_TO_BACK_TARGET_US // max(isolated["time_us"], 1.0))))]
-            dist.broadcast_object_list(calls, src=0)  # every rank must issue the same number of calls
-            calls = calls[0]
+            agreed = [int(max(4, min(max_calls, BACK_TO_BACK_TARGET_US // max(isolated["time_us"], 1.0))))]
+            dist.broadcast_object_list(agreed, src=0)  # every rank must issue the same number of calls
+            calls = agreed[0]
             timings = [("back_to_back", "eager", lambda: back_to_back(timer, fn, calls, plan["iters"], plan["warmup"]))]
             if not comm.graphable and world > 1:
                 timings.append(("late_rank", "eager",

@@ -205,6 +205,7 @@ def measure(shape: dict, device: torch.device, iters: int, warmup: int, flush: O
            "l2": "flushed" if flush else "warm", "status": "ok", "skip_reason": ""}
     groups = int(shape.get("groups", 1))
     engine = cpu_engine_kernel(shape, dtype) if device.type == "cpu" else None
+    fn: Optional[Callable]
     if engine is not None:
         fn, reason, nbytes, share, kernel = engine.fn, "", engine.nbytes, engine.share, engine.kernel
     else:
@@ -301,7 +302,8 @@ def time_cpu_step_order(shapes: list[dict], dtype: str, iters: int, warmup: int)
             continue
         for i, made in kernels.items():
             # per call, this GEMM's share of what the call computes (w2: of moe_w13's fused call)
-            whole = spent[w13] / len(kernels[w13]) if i in fused else spent[i] / len(made)
+            # i in fused only when w13 is in kernels: an int there
+            whole = spent[w13] / len(kernels[w13]) if i in fused else spent[i] / len(made)  # type: ignore[index]
             times[i].append(whole * made[0].share)
     return times
 

@@ -30,10 +30,11 @@ def _vllm_cpu_linear(m: int, n: int, k: int, dt: torch.dtype) -> Optional[Callab
     a = torch.randn(m, k, dtype=dt)
     try:
         dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-        layer.cpu_linear(a, layer.weight, None)
+        # cpu_linear: the function the dispatch just set; nn.Module's __getattr__ is typed Tensor | Module
+        layer.cpu_linear(a, layer.weight, None)  # type: ignore[operator]
     except Exception:
         return None
-    return lambda: layer.cpu_linear(a, layer.weight, None)
+    return lambda: layer.cpu_linear(a, layer.weight, None)  # type: ignore[operator]  # as above
 
 
 def _vllm_cpu_fused_moe(shape: dict, dt: torch.dtype) -> Optional[tuple[Callable, float]]:
@@ -217,8 +218,9 @@ def marlin_moe_call(m: int, n: int, k: int, groups: int, device: torch.device):
 
     rows = m * groups
     a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    # False: act_order in older vLLM; 0.32 (installed) takes input_dtype 4th, where False fails (.itemsize)
     w_ref, q_w, s, _, _, _ = marlin_quantize(torch.randn(k, n, device=device, dtype=torch.bfloat16),
-                                             scalar_types.uint4b8, MARLIN_GROUP, False)
+                                             scalar_types.uint4b8, MARLIN_GROUP, False)  # type: ignore[arg-type]
     q_all = q_w.unsqueeze(0).repeat(groups, 1, 1).contiguous()
     s_all = s.unsqueeze(0).repeat(groups, 1, 1).contiguous()
     topk_ids = torch.arange(groups, device=device, dtype=torch.int32).repeat_interleave(m).view(rows, 1)
@@ -239,7 +241,8 @@ def marlin_moe_call(m: int, n: int, k: int, groups: int, device: torch.device):
     def call(weights: torch.Tensor) -> torch.Tensor:
         return ops.moe_wna16_marlin_gemm(b_qweight=weights, **kwargs)
 
-    call.reference = (a, w_ref, out)  # the activations, the dequantised weight [k, n], the output buffer
+    # the activations, the dequantised weight [k, n], the output buffer (mypy types no function attributes)
+    call.reference = (a, w_ref, out)  # type: ignore[attr-defined]
     return call, q_all
 
 
@@ -254,14 +257,17 @@ def _marlin_w4a16(m: int, n: int, k: int, device: torch.device):
 
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         w = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-        _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(w, scalar_types.uint4b8, MARLIN_GROUP, False)
+        # False: act_order, as in marlin_moe_call (0.32's 4th parameter is input_dtype: see there)
+        _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(
+            w, scalar_types.uint4b8, MARLIN_GROUP, False)  # type: ignore[arg-type]
         ws = _marlin_workspace(device, n)
         # by name: the positional order changed between vLLM releases (b_bias, a_scales were added)
         given = {"a": a, "c": None, "b_q_weight": q_w, "b_bias": None, "b_scales": s, "a_scales": None,
                  "global_scale": None, "b_zeros": None, "g_idx": g_idx, "perm": sort_idx, "workspace": ws,
                  "b_q_type": scalar_types.uint4b8, "size_m": m, "size_n": n, "size_k": k, "is_k_full": True}
         # vLLM 0.26 renamed gptq_marlin_gemm to marlin_gemm, with the same arguments
-        marlin_gemm = getattr(ops, "marlin_gemm", None) or ops.gptq_marlin_gemm
+        # gptq_marlin_gemm: before 0.26 only, so not in the installed vLLM's stubs
+        marlin_gemm = getattr(ops, "marlin_gemm", None) or ops.gptq_marlin_gemm  # type: ignore[attr-defined]
         kwargs = accepted_kwargs(marlin_gemm, given)
         fn = lambda: marlin_gemm(**kwargs)  # noqa: E731
         fn()

@@ -285,9 +285,9 @@ def category_differences(summaries: dict[str, Optional[ProfileSummaryView]]) -> 
     their differences and the call (stats.differ; one profile per source: `no repeats`). A category
     one source lacks counts 0 there."""
     cats = {k: (None if s is None else step_categories(s)) for k, s in summaries.items()}
-    have = [k for k, c in cats.items() if c is not None and len(c)]
-    allcats = list(dict.fromkeys(c for k in have for c in cats[k]["category"]))
-    filled = {k: (cats[k].set_index("category").reindex(allcats).fillna(0.0).reset_index() if k in have else None)
+    have = {k: c for k, c in cats.items() if c is not None and len(c)}  # the frames themselves: not None
+    allcats = list(dict.fromkeys(c for k in have for c in have[k]["category"]))
+    filled = {k: (have[k].set_index("category").reindex(allcats).fillna(0.0).reset_index() if k in have else None)
               for k in cats}
     t = pair_differences(filled, ["category"], "time_per_step_us")
     c = pair_differences(filled, ["category"], "calls_per_step")
@@ -307,7 +307,7 @@ def category_differences(summaries: dict[str, Optional[ProfileSummaryView]]) -> 
 
 def step_differences(summaries: dict[str, Optional[ProfileSummaryView]]) -> pd.DataFrame:
     """The step's own medians (wall, busy, summed, idle, period) per source against the base."""
-    frames = {}
+    frames: dict[str, Optional[pd.DataFrame]] = {}
     for k, s in summaries.items():
         if s is None:
             frames[k] = None

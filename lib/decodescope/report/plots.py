@@ -1,6 +1,8 @@
 """Plotly figure builders: each takes a DataFrame with unit-suffixed columns and returns a figure."""
 from __future__ import annotations
 
+from typing import Optional
+
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -99,10 +101,13 @@ def telemetry_over_time(server: pd.DataFrame, gpu: pd.DataFrame):
     x = sweep_s). None when nothing was sampled."""
     if server.empty and gpu.empty:
         return None
-    panels = [("requests", [("running", "running"), ("waiting", "waiting")]),
-              ("KV cache used (%)", [("kv_usage_pct", "KV cache")])]
-    panels = [(t, [(c, n) for c, n in cols if c in server]) for t, cols in panels]
-    panels = [(t, cols, server, None) for t, cols in panels if cols]
+    # (title, [(column, trace name: None for one per GPU)], table, the column per GPU when there is one)
+    wanted: list[tuple[str, list[tuple[str, str | None]]]] = [
+        ("requests", [("running", "running"), ("waiting", "waiting")]),
+        ("KV cache used (%)", [("kv_usage_pct", "KV cache")])]
+    wanted = [(t, [(c, n) for c, n in cols if c in server]) for t, cols in wanted]
+    panels: list[tuple[str, list[tuple[str, str | None]], pd.DataFrame, str | None]] = [
+        (t, cols, server, None) for t, cols in wanted if cols]
     panels += [(title, [(col, None)], gpu, "gpu") for col, title in (("power_w", "GPU power (W)"),
                                                                      ("sm_clock_mhz", "SM clock (MHz)"))
                if col in gpu and gpu[col].notna().any()]
@@ -301,15 +306,17 @@ def attribution_bars(attribution: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def projection_bars(proj: pd.DataFrame, wall_us: float) -> go.Figure:
-    """Projected TPOT per fix with its band, against the measured step."""
+def projection_bars(proj: pd.DataFrame, wall_us: Optional[float]) -> go.Figure:
+    """Projected TPOT per fix with its band, against the measured step (its line left out when the run
+    has no profiled step: the step model priced the fixes without one)."""
     fig = go.Figure(go.Bar(y=proj["fix"], x=proj["tpot_us"] / 1e3, orientation="h",
                            error_x=dict(type="data", symmetric=False,
                                         array=(proj["tpot_high_us"] - proj["tpot_us"]) / 1e3,
                                         arrayminus=(proj["tpot_us"] - proj["tpot_low_us"]) / 1e3),
                            text=[f"{g:+.0f}%" for g in proj["gain_pct"]], textposition="auto",
                            hovertext=proj["assumptions"]))
-    fig.add_vline(x=wall_us / 1e3, line_dash="dash", annotation_text="measured step")
+    if wall_us is not None:
+        fig.add_vline(x=wall_us / 1e3, line_dash="dash", annotation_text="measured step")
     fig.update_layout(title="Each fix priced on the measured step (TPOT, band from the step's overlap)",
                       xaxis_title="ms per output token", yaxis_autorange="reversed",
                       height=max(360, 28 * len(proj) + 120))
@@ -325,7 +332,7 @@ def tpot_vs_throughput(curves: pd.DataFrame, measured_band: pd.DataFrame | None 
     for fix, g in curves.groupby("fix", sort=False):
         g = g.sort_values("batch")
         measured = fix == "measured (01)"
-        visible = True
+        visible: bool | str = True
         if fix.startswith("speculative"):
             seen_spec += 1
             visible = True if seen_spec == 1 else "legendonly"

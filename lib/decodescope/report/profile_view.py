@@ -24,6 +24,8 @@ def headline(result: ProfileResult, summary: ProfileSummary, capture=None) -> st
         parts.append("All-reduces per step: " + ", ".join(f"rank {r} {v:g}" for r, v in calls.items()) +
                      (f" (expected {expected} from the architecture)." if expected is not None else "."))
     if ps.summed_us_median is not None:
+        # trace.profile sets summed, busy and wall medians together (None formatted failed before)
+        assert ps.busy_us_median is not None and ps.wall_us_median is not None
         parts.append(f"Median step: summed {ps.summed_us_median / 1e3:.3f} ms, busy {ps.busy_us_median / 1e3:.3f} ms, "
                      f"wall {ps.wall_us_median / 1e3:.3f} ms.")
     if capture is not None:

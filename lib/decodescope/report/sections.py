@@ -2,7 +2,10 @@
 single call (the branching lives here, with the data)."""
 from __future__ import annotations
 
+from typing import cast
+
 import pandas as pd
+from pydantic import BaseModel  # for the casts to frame's list[BaseModel]: list is invariant, frame only reads it
 
 from decodescope.exec.hardware import pairs_frame
 from decodescope.report.micro_view import measured_dtypes
@@ -39,11 +42,11 @@ def gemm_per_dtype(gemm: pd.DataFrame) -> None:
 
 def verdict_attribution(v: Verdict) -> None:
     if v.attribution:
-        show(plots.attribution_bars(frame(v.attribution, AttributionRow)))
+        show(plots.attribution_bars(frame(cast("list[BaseModel]", v.attribution), AttributionRow)))
 
 
 def verdict_reconcile(v: Verdict) -> None:
-    show_table(frame(v.reconcile, ReconcileRow) if v.reconcile else pd.DataFrame(),
+    show_table(frame(cast("list[BaseModel]", v.reconcile), ReconcileRow) if v.reconcile else pd.DataFrame(),
                caption="per decode step - verdict.json")
 
 
@@ -53,7 +56,7 @@ def verdict_levels(v: Verdict) -> None:
         show_note("*No serving sweep in this run: nothing to set the step against.*")
         return
 
-    df = frame(v.levels, LevelReconcileRow)
+    df = frame(cast("list[BaseModel]", v.levels), LevelReconcileRow)
     off = df[df["within_tolerance"] == False]  # noqa: E712 (None = no profile to compare with)
     show_note(f"Client TPOT p50 against the profiled decode step ({len(df) - len(off)} of {len(df)} levels within "
               f"{100 * LEVEL_TOLERANCE:.0f}%)." + (" Outside: " + "; ".join(f"concurrency {r.level}: {r.attributed_to or 'no cause measured'}"
@@ -71,7 +74,7 @@ def verdict_projections(v: Verdict) -> None:
         show_note("*No projection from measured inputs: it needs the profile (04) and the collective "
                   "micro-benchmark (03) of this run.*")
         return
-    proj = frame(v.projections, ProjectionRow)
+    proj = frame(cast("list[BaseModel]", v.projections), ProjectionRow)
     show(plots.projection_bars(proj, v.wall_us))
     best, worst = proj.iloc[0], proj.iloc[-1]
     show_note(f"Best projected fix: **{best['fix']}**, TPOT {best['gain_pct']:+.0f}% "
@@ -87,7 +90,7 @@ def verdict_curves(v: Verdict) -> None:
         show_note("*No step model in this run: it needs 02 (GEMMs) and, above one GPU, 03 (collectives).*")
         return
 
-    show(plots.tpot_vs_throughput(frame(v.curves, CurveRow)))
+    show(plots.tpot_vs_throughput(frame(cast("list[BaseModel]", v.curves), CurveRow)))
     if v.step_model:
         comps = pd.DataFrame(v.step_model)
         wide = comps.pivot_table(index="component", columns="batch", values="us", aggfunc="first")
@@ -119,7 +122,7 @@ def verdict_replay(v: Verdict) -> None:
         show_note("*No step replay in this run (03 runs it), or no GEMMs (02) to price it.*")
         return
 
-    df = frame(v.replay, ReplayRow)
+    df = frame(cast("list[BaseModel]", v.replay), ReplayRow)
     show(plots.replay_vs_model(df))
     show_table(df, caption="step replay vs step model - verdict.json (step_replay.parquet, gemm.parquet, collectives.parquet)")
 
@@ -130,7 +133,7 @@ def verdict_variants(v: Verdict) -> None:
         show_note("*No variants in this run (params `experiments:`).*")
         return
 
-    df = frame(v.variants, VariantRow)
+    df = frame(cast("list[BaseModel]", v.variants), VariantRow)
     show(plots.variant_bars(df))
     show_table(df, caption="variants: measured (their 01) vs baseline and vs projection - verdict.json, "
                            "variants/<name>/data/serving_levels.parquet")

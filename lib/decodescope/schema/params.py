@@ -131,6 +131,12 @@ def _pop_retired(raw: dict) -> list[str]:
     return found
 
 
+def _section(raw: dict, name: str) -> dict:
+    """The mapping under `name`, or {} where the file leaves it out or gives something else."""
+    value = raw.get(name)
+    return value if isinstance(value, dict) else {}
+
+
 def unread_keys(path: str | Path) -> list[tuple[str, str]]:
     """(dotted key, why) for each key the file sets that no phase it runs reads: retired keys, and keys
     only phases outside `run.phases` read. For `params validate`, after load_params accepted the file."""
@@ -138,7 +144,7 @@ def unread_keys(path: str | Path) -> list[tuple[str, str]]:
     if not isinstance(raw, dict):
         return []
     out = [(k, f"it was removed: {RETIRED_KEYS[k]}") for k in _pop_retired(raw)]
-    run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
+    run = _section(raw, "run")
     phases = set(run.get("phases") or PHASES) | {RUNNER}
     required = set(schema_keys(required=True))  # a file cannot leave these out, so no warning
     for key in _file_keys(raw, Params):
@@ -185,9 +191,9 @@ def _semantic_problems(raw: dict, path: Path) -> list[tuple[str, str]]:
     other fields failed type validation (one error lists everything)."""
     problems: list[tuple[str, str]] = []
     base = path.parent
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
-    server = raw.get("server") if isinstance(raw.get("server"), dict) else {}
-    run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
+    model = _section(raw, "model")
+    server = _section(raw, "server")
+    run = _section(raw, "run")
 
     config: Optional[dict] = None
     cfg_rel = model.get("config")
@@ -235,8 +241,8 @@ def _semantic_problems(raw: dict, path: Path) -> list[tuple[str, str]]:
         except ValueError as e:
             problems.append(("run.name", f"not set, and the file name stands in for it: {e}"))
 
-    host = raw.get("host") if isinstance(raw.get("host"), dict) else {}
-    micro = raw.get("microbench") if isinstance(raw.get("microbench"), dict) else {}
+    host = _section(raw, "host")
+    micro = _section(raw, "microbench")
     if host.get("nodes") and not micro.get("rdzv_endpoint"):
         problems.append(("microbench.rdzv_endpoint", "host.nodes runs the probes on several hosts: give the "
                          "rendezvous endpoint every host reaches, host:port on the first host, e.g. 10.0.0.5:29400"))
@@ -305,6 +311,8 @@ def load_params(path: str | Path) -> Params:
                 seen.add(p)
                 unique.append(p)
         raise ParamsError(path, unique)
+    # a failed validation added problems and raised above, so params is set here
+    assert params is not None
     params.source_path = str(path.resolve())
     return params
 

@@ -202,9 +202,17 @@ class WorkloadParams(_Section):
         return levels
 
 
+ProbeDtype = Literal["bf16", "fp16", "fp32", "fp8", "int4"]
+
+
+def _default_probe_dtypes() -> list[ProbeDtype]:
+    # a named factory: mypy infers a lambda's ["bf16"] as list[str], not the Literal list the field holds
+    return ["bf16"]
+
+
 class MicrobenchParams(_Section):
     batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
-    dtypes: list[Literal["bf16", "fp16", "fp32", "fp8", "int4"]] = Field(default_factory=lambda: ["bf16"])
+    dtypes: list[ProbeDtype] = Field(default_factory=_default_probe_dtypes)
     iterations: int = 20
     warmup: int = 5
     world_size: Optional[int] = Field(None, description="ranks for the collective probe; default: TP")
@@ -232,10 +240,15 @@ class MicrobenchParams(_Section):
 KNEE = "knee"
 
 
+def _default_profile_levels() -> list[Union[int, str]]:
+    # a named factory: mypy infers a lambda's [1, KNEE] as list[object]
+    return [1, KNEE]
+
+
 class ProfileParams(_Section):
     requests: AtLeastOne = 4
     concurrency: list[Union[int, str]] = Field(
-        default_factory=lambda: [1, KNEE],
+        default_factory=_default_profile_levels,
         description="levels to profile, one capture each, so the step's growth with load is measured; "
                     "'knee' is 01's knee (the level after which throughput grows < 10%; its highest "
                     "level when throughput still grows; left out when 01 did not run). A single integer is one level")

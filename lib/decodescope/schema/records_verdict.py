@@ -151,17 +151,22 @@ class VariantRow(_Model):
     engine_modes: str = Field("", description="the variant's engine as its log states it: CUDA graphs, torch.compile")
 
 
+# A finding's topic, spelled out for mypy (a Literal built from FINDING_TOPICS at runtime is no type to it);
+# FINDING_TOPICS' annotation makes mypy reject a key that is not one of these.
+FindingTopic = Literal["bottleneck", "consistency", "host", "measured", "fix", "no_help"]
+
 # The verdict page's sections, in order: a finding's topic -> the heading the report gives it.
-FINDING_TOPICS = {"bottleneck": "Where the step goes", "consistency": "Do the measurements agree?",
-                  "host": "What the host itself costs the step",
-                  "measured": "Fixes measured as variants (ranked by measured gain)",
-                  "fix": "What would move it (projected, ranked)", "no_help": "What would not help"}
+FINDING_TOPICS: dict[FindingTopic, str] = {
+    "bottleneck": "Where the step goes", "consistency": "Do the measurements agree?",
+    "host": "What the host itself costs the step",
+    "measured": "Fixes measured as variants (ranked by measured gain)",
+    "fix": "What would move it (projected, ranked)", "no_help": "What would not help"}
 
 
 class Finding(_Model):
     """One sentence of the verdict page, with where it came from."""
 
-    topic: Literal[tuple(FINDING_TOPICS)] = Field(description="the verdict page's section (FINDING_TOPICS)")
+    topic: FindingTopic = Field(description="the verdict page's section (FINDING_TOPICS)")
     text: str
     figure: Optional[str] = Field(None, description="the report's anchor id of the figure it reads")
     files: list[str] = Field(default_factory=list, description="run-directory paths of the files it reads")

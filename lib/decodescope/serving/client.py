@@ -11,7 +11,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, cast
 
 import aiohttp
 import numpy as np
@@ -161,7 +161,8 @@ class InFlight:
     def mean(self) -> float:
         """Mean count since start(), up to now."""
         self._advance()
-        span_s = self._since - self._start if self._start is not None else 0.0
+        since = cast(float, self._since)  # _advance() has just set it to the clock's reading
+        span_s = since - self._start if self._start is not None else 0.0
         return self.area_s / span_s if span_s > 0 else float("nan")
 
 

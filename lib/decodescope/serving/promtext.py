@@ -91,7 +91,7 @@ def histogram_mean_between(before: Optional[list], after: Optional[list], names)
     for base in names:
         s0, s1 = _total(before, base + "_sum"), _total(after, base + "_sum")
         c0, c1 = _total(before, base + "_count"), _total(after, base + "_count")
-        if None in (s0, s1, c0, c1):
+        if s0 is None or s1 is None or c0 is None or c1 is None:     # `None in (...)`, spelled so mypy narrows
             continue
         return (s1 - s0) / (c1 - c0) if c1 > c0 else None
     return None

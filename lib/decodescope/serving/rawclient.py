@@ -230,7 +230,7 @@ class _Stream:
             self.done.set_result(None)
 
 
-def build_request(base_url: str, spec: RequestSpec, api_key: Optional[str]) -> tuple[str, int, bytes]:
+def build_request(base_url: str, spec: RequestSpec, api_key: Optional[str]) -> tuple[Optional[str], int, bytes]:
     u = urlsplit(base_url)
     path, body = request_body(spec)
     data = json.dumps(body, separators=(",", ":")).encode()
@@ -241,14 +241,16 @@ def build_request(base_url: str, spec: RequestSpec, api_key: Optional[str]) -> t
 
 
 @functools.lru_cache(maxsize=256)
-def _numeric_family(host: str) -> Optional[int]:
+def _numeric_family(host: Optional[str]) -> Optional[int]:
+    if host is None:  # a URL without a host: ip_address(None) raised ValueError here, so None all the same
+        return None
     try:
         return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:
         return None
 
 
-async def _addresses(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[tuple]:
+async def _addresses(loop: asyncio.AbstractEventLoop, host: Optional[str], port: int) -> list[tuple]:
     """(family, sockaddr) to try in turn; a numeric address without a resolver call."""
     family = _numeric_family(host)
     if family is not None:
@@ -262,14 +264,15 @@ async def _addresses(loop: asyncio.AbstractEventLoop, host: str, port: int) -> l
 async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     """Until a connecting socket's handshake ends (either way: SO_ERROR says which)."""
     fut = loop.create_future()
-    loop.add_writer(sock.fileno(), lambda: fut.done() or fut.set_result(None))
+    # the callback's value is dropped by the loop; `or` only skips set_result on a done future
+    loop.add_writer(sock.fileno(), lambda: fut.done() or fut.set_result(None))  # type: ignore[func-returns-value]
     try:
         await fut
     finally:
         loop.remove_writer(sock.fileno())
 
 
-async def _connect(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+async def _connect(loop: asyncio.AbstractEventLoop, host: Optional[str], port: int) -> socket.socket:
     """A connected non-blocking TCP socket that stamps what it receives (SO_TIMESTAMPNS)."""
     last: Optional[OSError] = None
     for family, addr in await _addresses(loop, host, port):
@@ -303,6 +306,7 @@ async def _connect(loop: asyncio.AbstractEventLoop, host: str, port: int) -> soc
         except BaseException:  # cancelled or timed out while connecting
             sock.close()
             raise
+    assert last is not None  # _addresses() gave at least one address, and each failed one set it
     raise last
 
 
@@ -384,8 +388,8 @@ def _gate(loop: asyncio.AbstractEventLoop) -> _StartGate:
 _timeout = getattr(asyncio, "timeout", None)   # Python 3.11+: a deadline without a task of its own
 
 
-async def _request(loop: asyncio.AbstractEventLoop, host: str, port: int, request: bytes, record: RequestRecord,
-                   done: asyncio.Future, held: list) -> None:
+async def _request(loop: asyncio.AbstractEventLoop, host: Optional[str], port: int, request: bytes,
+                   record: RequestRecord, done: asyncio.Future, held: list) -> None:
     sock = await _connect(loop, host, port)
     stream = _Stream(loop, sock, record, done)
     held.append(stream)

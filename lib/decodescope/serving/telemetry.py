@@ -65,10 +65,11 @@ class NvmlSampler:
         if nvml is None:
             try:
                 # pynvml: the gpu extra only (nvidia-ml-py)
-                import pynvml as nvml
+                import pynvml
             except ImportError:
                 self.reason = "pynvml (nvidia-ml-py) is not installed"
                 return
+            nvml = pynvml
         try:
             nvml.nvmlInit()
             self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
@@ -198,6 +199,7 @@ def serve(stdin, stdout) -> int:
             try:
                 cmd = commands.get(timeout=timeout)
             except queue.Empty:
+                assert log is not None  # get() times out only while a level's log is open (timeout None else)
                 log.sample(scraper, gpus)
                 log.flush()
                 next_t += interval
@@ -286,7 +288,9 @@ class Telemetry:
         self.close()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None  # started by __enter__, stdout a pipe
+        for line in proc.stdout:
             try:
                 self._replies.put(json.loads(line))
             except json.JSONDecodeError:
@@ -304,6 +308,7 @@ class Telemetry:
         if self.proc is None or self.error is not None:
             return None
         try:
+            assert self.proc.stdin is not None  # started with stdin a pipe
             self.proc.stdin.write(json.dumps(cmd) + "\n")
             self.proc.stdin.flush()
             reply = self._replies.get(timeout=self.ack_timeout_s)
@@ -341,6 +346,7 @@ class Telemetry:
         if self.proc is None:
             return
         try:
+            assert self.proc.stdin is not None  # started with stdin a pipe
             self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
             self.proc.stdin.close()
         except (OSError, ValueError):

@@ -84,7 +84,7 @@ def _per_scrape(server, names, agg: str = "sum"):
     return None
 
 
-def _delta(series, a: int, b: int) -> float:
+def _delta(series, a: Optional[int], b: Optional[int]) -> float:
     """series[b] - series[a]; NaN when either scrape is missing or the counter went back (a restart)."""
     if series is None or a not in series.index or b not in series.index:
         return float("nan")
@@ -107,7 +107,9 @@ def summarize(df) -> dict:
     a, b = (after[0], after[-1]) if after else (None, None)
     end_mark = _mark_scrape(df, "level_end")
     # Gauges: the samples strictly inside the window (its ends have no request in flight).
-    inside = [s for s in scrapes if a is not None and a < s < (end_mark if end_mark is not None else b + 1)]
+    # (a and b are None together: `b is not None` only tells mypy so)
+    inside = [s for s in scrapes
+              if a is not None and b is not None and a < s < (end_mark if end_mark is not None else b + 1)]
 
     def gauge(names, how, scale=1.0, agg="sum"):
         s = _per_scrape(server, names, agg)

@@ -13,7 +13,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 from decodescope.trace.load import rank_trace_files, ranked
 from decodescope.trace.reader import TraceError, TraceMeta
@@ -125,17 +125,20 @@ def breakdown_dir(trace_dir: "str | Path", workers: Optional[int] = None, rules=
     if rules is None:
         default_rules()
     library()
+    chosen: list[tuple[Path, RankTotals, TraceMeta]]
     chosen, metas, warnings, skipped = ranked(reduce_all(files, workers, rules), trace_dir, front)
     device = "gpu" if any(t.kernel_rows for _, t, _ in chosen) else "cpu"
     unread = [p for p, t, _ in chosen if device == "cpu" and not t.cpu_read]
     if unread:  # a file whose header named a GPU but that had no kernel: its CPU ops after all
         again = {Path(p): t for p, t, _, err in reduce_all(unread, workers, rules, cpu=True) if not err}
         chosen = [(p, again.get(p, t), m) for p, t, m in chosen]
-    categories, names = [], {}
+    categories: list[dict] = []
+    names: dict[int, dict[str, dict]] = {}
     for (path, t, meta) in chosen:
         warnings += t.warnings
-        names[meta.rank] = _per_name(t, device)
-        categories += _by_category(meta.rank, names[meta.rank], device, rules)
+        rank = cast(int, meta.rank)  # ranked() leaves out every trace without a rank
+        names[rank] = _per_name(t, device)
+        categories += _by_category(rank, names[rank], device, rules)
     readers: dict[str, int] = {}
     for _, t, _ in chosen:
         for k, v in t.chunks_by_reader.items():

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 from decodescope.core.resources import cache_dir
 from decodescope.trace.reader import COMM_CPU_OP, KEPT_CATS, LAUNCH_RUNTIME, _json_string, name_rule
@@ -40,7 +40,7 @@ def library() -> Optional[ctypes.CDLL]:
     """The scanner, built now if this source version has not been yet; None where it cannot be."""
     global _lib
     if _lib is not _UNSET:
-        return _lib
+        return cast(Optional[ctypes.CDLL], _lib)  # once set, _lib is the library or None
     _lib = None
     if os.environ.get("DECODESCOPE_NO_CSCAN"):
         return None

@@ -262,7 +262,9 @@ def _kept_by_name(buf: bytes, A: np.ndarray, keys: _Keys, rows: dict[str, np.nda
     keep = np.ones(len(cand), bool)
     for ci in (_CPU_OP, _RUNTIME, _DRIVER):
         pattern = name_rule(KEPT_CATS[ci], is_gpu)
-        sel = np.flatnonzero(cat[cand] == ci) if pattern is not None else ()
+        if pattern is None:  # every name of this category is kept
+            continue
+        sel = np.flatnonzero(cat[cand] == ci)
         if not len(sel):
             continue
         seen = name_ok.setdefault(ci, {})

@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from decodescope.trace.reader import TraceError, TraceMeta, json_size
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 TRACE_FILE = re.compile(r"\.json(\.gz)?$")
 FRONTEND_TRACE = re.compile(r"async_llm|api_server|frontend", re.I)
+_Result = TypeVar("_Result")  # what parse_all's `received` (or another reader) made of a file
 
 
 @dataclass
@@ -170,12 +171,12 @@ def _load_trace_dir(trace_dir: Path, workers: Optional[int]) -> LoadedTraces:
     workers = workers or (os.cpu_count() or 1)
     results = parse_all(files, workers, received=_columns_from)
     chosen, metas, warnings, skipped = ranked(results, trace_dir, front)
-    tables = [cols for _, cols, _ in chosen]
+    tables: list[_Columns] = [cols for _, cols, _ in chosen]
     return LoadedTraces(events=_table(tables, metas), metas=metas, warnings=warnings, skipped=skipped)
 
 
-def ranked(results: list, trace_dir: Path, front: list[Path]
-           ) -> tuple[list[tuple[Path, object, TraceMeta]], list[TraceMeta], list[str], list[str]]:
+def ranked(results: list[tuple[Any, _Result, Any, Optional[str]]], trace_dir: Path, front: list[Path]
+           ) -> tuple[list[tuple[Path, _Result, TraceMeta]], list[TraceMeta], list[str], list[str]]:
     """parse_all's results -> ((path, result, meta) of each rank's trace, by rank; the metas; warnings;
     files skipped). Damaged files, files without a rank, front-end traces and a rank's older traces
     (several runs in one directory) are left out, each with a warning naming it."""
@@ -183,7 +184,7 @@ def ranked(results: list, trace_dir: Path, front: list[Path]
     lone = _lone_trace_as_rank0(results, trace_dir)
     if lone:
         warnings.append(lone)
-    by_rank: dict[int, list[tuple[Path, object, TraceMeta]]] = {}
+    by_rank: dict[int, list[tuple[Path, _Result, TraceMeta]]] = {}
     for path, result, meta, err in results:
         if err:
             warnings.append(err)

@@ -48,11 +48,11 @@ def small_pages() -> Iterator[None]:
     So they are off while the table is made, and restored after."""
     try:
         # numpy's private switch: moved between numpy 1.x and 2.x
-        from numpy._core.multiarray import _set_madvise_hugepage
+        from numpy._core.multiarray import _set_madvise_hugepage  # type: ignore[attr-defined]  # private: no stub
     except ImportError:  # pragma: no cover  (numpy 1.x)
         try:
             # numpy's private switch: moved between numpy 1.x and 2.x
-            from numpy.core.multiarray import _set_madvise_hugepage
+            from numpy.core.multiarray import _set_madvise_hugepage  # type: ignore[no-redef]  # the same switch
         except ImportError:
             yield
             return

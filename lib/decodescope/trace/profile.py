@@ -138,10 +138,10 @@ def analyze_traces(loaded: LoadedTraces, model_config: Optional[dict] = None, tp
         unknown=an.unknown_ops(ops), schedule=schedule, warnings=list(loaded.warnings), step_kind=step_kind)
 
 
-def step_periods(steps: pd.DataFrame, kind: str) -> dict:
+def step_periods(steps: pd.DataFrame, kind: str) -> dict[str, Optional[float]]:
     """Medians over steps of `kind` that another step follows on the same rank: start-to-start period,
     end-to-start gap (what the host does between steps), and the decoded batch."""
-    out = {"period_us_median": None, "between_steps_us_median": None, "batch_median": None}
+    out: dict[str, Optional[float]] = {"period_us_median": None, "between_steps_us_median": None, "batch_median": None}
     if steps.empty or "start_us" not in steps:
         return out
     s = steps.sort_values(["rank", "start_us"])

@@ -72,6 +72,7 @@ class _Reduction:
 
     def add(self, rows: dict[str, np.ndarray], final: bool) -> None:
         cols = self.cols
+        assert cols is not None  # __call__ set it before handing the chunk's rows here
         n_names = len(cols.dicts["name"])
         cat_code = cols.dicts["cat"]
         name, cat = rows["name"], rows["cat"]
@@ -90,8 +91,10 @@ class _Reduction:
 
     # -- CPU ops: self times across chunks -------------------------------------------------------
     def _categories(self, codes: np.ndarray) -> np.ndarray:
-        if len(self.category_of) < len(self.cols.dicts["name"]):  # new names this chunk: only they are listed
-            new = list(islice(self.cols.dicts["name"], len(self.category_of), None))
+        cols = self.cols
+        assert cols is not None  # only rows of a chunk read into cols come here
+        if len(self.category_of) < len(cols.dicts["name"]):  # new names this chunk: only they are listed
+            new = list(islice(cols.dicts["name"], len(self.category_of), None))
             mapping = categorize_names(new, "cpu", self.rules)
             ids = [self.category_ids.setdefault(mapping[n], len(self.category_ids)) for n in new]
             self.category_of = np.concatenate([self.category_of, np.array(ids, np.int32)])
@@ -154,6 +157,7 @@ class _Reduction:
             closed = np.ones(len(ts), bool)
         else:
             closed = end <= self._horizon_of(tid, np.inf) + NEST_EPS_US
+        assert self.cols is not None  # set by the chunk these rows came in (finish() checks it too)
         n_names = len(self.cols.dicts["name"])
         for attr in ("cpu_time", "cpu_calls", "cpu_dur", "cpu_rows"):
             setattr(self, attr, _grown(getattr(self, attr), n_names))

@@ -3,7 +3,10 @@ the streamed breakdown (breakdown.py) sums."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, Union
+
+if TYPE_CHECKING:  # the numpy reduction's arrays; the module itself stays numpy-free (creduce.py's lists)
+    import numpy as np
 
 
 @dataclass
@@ -12,12 +15,12 @@ class RankTotals:
     and the CPU ops' self time, counted calls, duration and rows."""
     names: list[str]
     kernel_rows: int
-    gpu_dur_us: Sequence[float]
-    gpu_rows: Sequence[int]
-    cpu_time_us: Sequence[float]
-    cpu_calls: Sequence[int]
-    cpu_dur_us: Sequence[float]
-    cpu_rows: Sequence[int]
+    gpu_dur_us: Union[Sequence[float], np.ndarray]
+    gpu_rows: Union[Sequence[int], np.ndarray]
+    cpu_time_us: Union[Sequence[float], np.ndarray]
+    cpu_calls: Union[Sequence[int], np.ndarray]
+    cpu_dur_us: Union[Sequence[float], np.ndarray]
+    cpu_rows: Union[Sequence[int], np.ndarray]
     cpu_read: bool  # were the CPU ops reduced (a file whose header names a GPU skips them)
     warnings: list[str] = field(default_factory=list)
     # chunks by the reader that read them: "c_reduce" (creduce.py), "c" (the C scanner), "numpy"

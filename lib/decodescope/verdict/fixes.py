@@ -52,10 +52,10 @@ def profile_summaries(run_dir: Path, params) -> dict[int, ProfileSummary]:
         s = read_record(p, ProfileSummary)
         out[int(s.concurrency or p.parent.name[1:])] = s
     if not out:
-        s = _profile_summary(run_dir)
-        if s is not None:
+        only = _profile_summary(run_dir)
+        if only is not None:
             first = next((c for c in params.profile.concurrency if c != KNEE), 1)
-            out[int(s.concurrency or first)] = s
+            out[int(only.concurrency or first)] = only
     return out
 
 
@@ -90,7 +90,7 @@ class ModelInputs:
     gemm: pd.DataFrame
     gemm_tp: Optional[pd.DataFrame]
     coll: pd.DataFrame
-    arch: object
+    arch: archmod.ArchConfig
     tp: int
     communicator: str
     timing: str
@@ -155,7 +155,7 @@ def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
 @dataclass
 class Fix:
     name: str
-    prediction: object          # stepmodel.StepPrediction
+    prediction: sm.StepPrediction
     tokens_per_step: float = 1.0
     gpus_per_replica: int = 1
     assumptions: list = field(default_factory=list)

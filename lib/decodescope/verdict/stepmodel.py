@@ -247,6 +247,8 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
             if any(s.preempted_us > s.idle_us for s in samples):
                 notes.append("capped at the idle in the step")
             if freed:
+                # freed holds only with host_cores set (host_processes_get_a_core); None failed in `-` here anyway
+                assert host_cores is not None
                 notes.append(f"0 at tensor-parallel {tp}: its workers leave {host_cores - tp} of the host's "
                              f"{host_cores} cores to the engine core and the API server")
                 v = lo = hi = 0.0

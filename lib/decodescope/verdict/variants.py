@@ -160,8 +160,9 @@ def replay_rows(run_dir: Path, params, inp: Optional[ModelInputs]) -> list[dict]
     for mode in sorted(set(replay["mode"])):
         comm, timing = (("torch_nccl", "cuda_graph") if mode == "cuda_graph" else
                         ("torch_nccl", "back_to_back") if inp.timing == "cuda_graph" else ("torch_gloo", "back_to_back"))
-        ran = replay.loc[replay["mode"] == mode, "communicator"].dropna() if "communicator" in replay else ()
-        comm = str(ran.iloc[0]) if len(ran) else comm
+        if "communicator" in replay:
+            ran = replay.loc[replay["mode"] == mode, "communicator"].dropna()
+            comm = str(ran.iloc[0]) if len(ran) else comm
         batches = sorted(int(b) for b in replay.loc[replay["mode"] == mode, "batch"].unique())
         # an eager GPU step is issued op by op by its host: priced by the host's measured cost per call
         # when 02 and 03 measured it, else as GEMMs + collectives in series
