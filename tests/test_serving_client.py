@@ -20,6 +20,7 @@ from decodescope.serving.sweep import (SweepConfig, arrival_offsets_s, build_pro
 
 TOKENS = 8
 ITL_S = 0.01
+STALL_S = 0.8  # an engine stall: over serving.metrics.STALL_MIN_MS and 50 ITLs
 HELD_ITL_S = 0.05  # the held server's pace: its burst's per-token gaps are held to 1% of it (the client's parsing)
 
 
@@ -51,6 +52,10 @@ async def completions(request: web.Request):
     for i in range(n):
         if behaviour != "held":
             await asyncio.sleep(ITL_S)
+        if behaviour == "stall_once" and i == 3:  # every stream stands still at once, the first time only
+            app = request.app
+            app.setdefault("stall_until", time.monotonic() + STALL_S)
+            await asyncio.sleep(max(0.0, app["stall_until"] - time.monotonic()))
         if behaviour == "malformed" and i == 2:
             await resp.write(b"data: {not json\n\n")
             return resp
@@ -648,3 +653,37 @@ def test_every_level_is_warmed_by_a_full_wave_before_it_is_timed(server):
     assert len(warm) == 6 and sum(not r.warmup for r in records) == 2
     # all six in flight together: the last one was sent before the first one ended
     assert all(r.ok for r in warm) and max(r.send_ns for r in warm) < min(r.end_ns for r in warm)
+
+
+def test_a_level_whose_engine_stalled_is_measured_again_and_the_stalled_one_kept(server, tmp_path):
+    """Every stream silent at once for 0.8 s inside the timed window (on the H200: a kernel compiled for a
+    shape the warm-up had not run, 2.0 s at concurrency 64) is the engine's stall, not its decode speed:
+    the level is measured again once, the first measurement kept in serving/stalled/, both in its row."""
+    from decodescope.serving.metrics import engine_silence_ms
+
+    server.app["behaviour"] = "stall_once"
+    cfg = SweepConfig(base_url=server.url, model="m", endpoint="completions", levels=[4], input_tokens=16,
+                      output_tokens=TOKENS, requests_per_level=4, warmup_requests=0, timeout_s=10)
+    _, levels = run_sweep(cfg, tmp_path, progress=False)
+    first = pd.read_parquet(tmp_path / "serving" / "stalled" / "level_00004.parquet")
+    assert engine_silence_ms(first) >= 0.9 * STALL_S * 1e3
+    row = levels.set_index("level").loc[4]
+    assert row["stall_remeasured_ms"] == pytest.approx(engine_silence_ms(first))
+    assert row["engine_silence_ms"] < 0.5 * STALL_S * 1e3 and row["ok"] == 4
+    assert row["tpot_p50_us"] < 3 * ITL_S * 1e6  # the kept measurement's own pace
+    assert sorted(load_finished_levels(tmp_path)) == [(4, 1)]
+
+
+def test_engine_silence_counts_only_gaps_some_stream_spans():
+    """Two requests one after the other (concurrency 1): the time between them is no stream's silence;
+    a gap inside a stream is."""
+    from decodescope.serving.metrics import engine_silence_ms, is_engine_stall
+
+    ms = 1_000_000
+    rows = [{"warmup": False, "ok": True, "first_chunk_ns": 0, "end_ns": 30 * ms, "chunk_ns": [0, 10 * ms, 30 * ms]},
+            {"warmup": False, "ok": True, "first_chunk_ns": 900 * ms, "end_ns": 910 * ms,
+             "chunk_ns": [900 * ms, 910 * ms]},
+            {"warmup": True, "ok": True, "first_chunk_ns": 0, "end_ns": 2000 * ms, "chunk_ns": [0, 2000 * ms]}]
+    assert engine_silence_ms(pd.DataFrame(rows)) == pytest.approx(20.0)
+    assert is_engine_stall(600.0, 10_000.0) and not is_engine_stall(400.0, 1_000.0)
+    assert not is_engine_stall(600.0, 20_000.0)  # 30 ITLs: a slow engine, not a stall

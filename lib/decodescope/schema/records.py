@@ -193,6 +193,10 @@ class ServingLevel(_Model):
     inflight_sampled_mean: Optional[float] = Field(None, description="L: mean in-flight count over the level")
     littles_error_pct: Optional[float] = None
     client_suspect: Optional[bool] = Field(None, description="the client's loop lag or CPU may have distorted it")
+    engine_silence_ms: Optional[float] = Field(None, description="longest time every streaming request was silent "
+                                               "at once (serving.metrics.engine_silence_ms)")
+    stall_remeasured_ms: Optional[float] = Field(None, description="the engine stall of the level's first "
+                                                 "measurement, kept in serving/stalled/; the level was measured again")
     # Server and GPU telemetry over the level's measured requests (serving.telemetry); columns only when
     # telemetry ran, NaN where the server or the host did not report the figure.
     telemetry_scrapes: Optional[int] = Field(None, description="/metrics samples taken during the level")

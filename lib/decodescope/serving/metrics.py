@@ -26,6 +26,11 @@ COALESCED_FRAC_LIMIT = 0.10
 # Sampled in-flight count (L) and throughput x mean latency (λW) should agree; beyond this the level's
 # figures are suspect (too short for a steady state, or requests the client lost track of).
 LITTLES_LIMIT_PCT = 20.0
+# An engine stall: every stream that had started was silent at once for this long, and this many times
+# the level's median ITL. On the H200 a level of 64 held one of 2.0 s (a kernel compiled for a batch
+# shape the warm-up had not run) and read TPOT 20.9 ms against 5.7-6.0 ms in its unstalled requests.
+STALL_MIN_MS = 500.0
+STALL_ITL_FACTOR = 50.0
 
 
 def tpot(e2e_us, ttft_us, n_out):
@@ -51,6 +56,46 @@ def per_request(records: pd.DataFrame) -> pd.DataFrame:
                     for c in df["chunk_ns"]]
     df.loc[~df["ok"], ["ttft_us", "tpot_us"]] = np.nan
     return df
+
+
+def engine_silence_ms(records: pd.DataFrame) -> float:
+    """The longest time (ms) during which at least one measured request was streaming (past its first
+    chunk, before its end) and no measured request received a chunk: the engine, not one stream, stood
+    still. 0 when there is no such gap. records: a level's raw records (send/first_chunk/end_ns, chunk_ns)."""
+    measured = records[(~records["warmup"]) & records["ok"]]
+    chunks = [np.asarray(c, dtype="int64") for c in measured["chunk_ns"] if c is not None and len(c)]
+    if not chunks:
+        return 0.0
+    times = np.sort(np.concatenate(chunks))
+    gaps = np.diff(times)
+    if not gaps.size:
+        return 0.0
+    order = np.argsort(measured["first_chunk_ns"].to_numpy(dtype="int64"))
+    first = measured["first_chunk_ns"].to_numpy(dtype="int64")[order]
+    latest_end = np.maximum.accumulate(measured["end_ns"].to_numpy(dtype="int64")[order])
+    # a gap counts when some stream spans it whole: started by its start, ended after its end (the
+    # latest end among the streams started by then; O(n log n) for a level of 1,024 streams too)
+    started = np.searchsorted(first, times[:-1], side="right")
+    spanned = (started > 0) & (latest_end[np.maximum(started - 1, 0)] >= times[1:])
+    return float(gaps[spanned].max() / 1e6) if spanned.any() else 0.0
+
+
+def is_engine_stall(silence_ms: float, itl_p50_us: float) -> bool:
+    """A silence long enough, absolutely and against the level's own ITL, to be a stall of the engine
+    (a compile, a pause) rather than its decode speed."""
+    return bool(silence_ms >= STALL_MIN_MS and (not itl_p50_us == itl_p50_us or  # NaN ITL: the floor alone
+                                                 silence_ms * 1e3 >= STALL_ITL_FACTOR * itl_p50_us))
+
+
+def level_stall_ms(records: pd.DataFrame) -> Optional[float]:
+    """The level's engine silence (ms) when it is a stall (is_engine_stall against the level's ITL p50),
+    else None."""
+    silence_ms = engine_silence_ms(records)
+    if silence_ms < STALL_MIN_MS:
+        return None
+    ok = per_request(records[(~records["warmup"]) & records["ok"]])
+    gaps = [g for itl in ok["itl_us"] for g in itl]
+    return silence_ms if is_engine_stall(silence_ms, float(np.median(gaps)) if gaps else float("nan")) else None
 
 
 def _pcts(values, prefix: str) -> dict:

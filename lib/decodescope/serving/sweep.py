@@ -25,7 +25,7 @@ from decodescope.core.rundir import level_file
 from decodescope.serving.client import (InFlight, LoopHealth, RequestRecord, RequestSpec, check_completions_prompt,
                                         make_prompts, run_async)
 from decodescope.serving.rawclient import send_streaming_raw
-from decodescope.serving.metrics import level_summary, per_request
+from decodescope.serving.metrics import engine_silence_ms, level_stall_ms, level_summary, per_request
 from decodescope.serving.telemetry import NoTelemetry, Telemetry
 from decodescope.serving.telemetry_read import level_telemetry
 from decodescope.core.stats import band
@@ -308,11 +308,17 @@ def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
     with telemetry_for(cfg, data_dir) as tel:
         for level, rep in todo:
             bar.start(level)
-            with tel.level(level, rep):    # sampled from here to the last request (also on failure or Ctrl-C)
-                records, health = run_async(run_level(cfg, level, prompts, on_measured_start=tel.mark))
-            df = records_frame(records)
-            for k, v in health.items():
-                df[f"health_{k}"] = v
+            df = _measure_level(cfg, level, rep, prompts, tel)
+            stall_ms = level_stall_ms(df)
+            if stall_ms is not None:  # once: a second stall is kept, and shown in its row
+                write_parquet_atomic(stalled_path(data_dir, level, rep), df)
+                _reader_note(f"concurrency {level}: every stream stood still at once for {stall_ms / 1e3:.1f} s "
+                             "inside the timed window, an engine stall (a kernel compiled for a shape the warm-up "
+                             "had not run, or a pause), not its decode speed: the level was measured again "
+                             f"(the first measurement: serving/stalled/{level_file(level, rep)})")
+                df = _measure_level(cfg, level, rep, prompts, tel)
+                df["health_stall_remeasured_ms"] = stall_ms
+            df["health_engine_silence_ms"] = engine_silence_ms(df)
             write_parquet_atomic(level_path(data_dir, level, rep), df)
             combine(data_dir, cfg.slo)
             bar.end((level, rep))
@@ -320,6 +326,22 @@ def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
                 check_server(f"the serving sweep (concurrency {level})")
     write_json_atomic(data_dir / "serving_config.json", {**cfg.__dict__, "api_key": None})
     return combine(data_dir, cfg.slo)
+
+
+def _measure_level(cfg: SweepConfig, level: int, rep: int, prompts, tel) -> pd.DataFrame:
+    """One measurement of a level (warm-up, then the timed requests), its client health as columns."""
+    with tel.level(level, rep):    # sampled from here to the last request (also on failure or Ctrl-C)
+        records, health = run_async(run_level(cfg, level, prompts, on_measured_start=tel.mark))
+    df = records_frame(records)
+    for k, v in health.items():
+        df[f"health_{k}"] = v
+    return df
+
+
+def stalled_path(data_dir: Path, level: int, repeat: int = 1) -> Path:
+    """Where a level's measurement that held an engine stall is kept when it is measured again (outside
+    the folder's level_*.parquet, so the levels read only the kept measurement)."""
+    return Path(data_dir) / "serving" / "stalled" / level_file(level, repeat)
 
 
 def telemetry_for(cfg: SweepConfig, data_dir: Path):
