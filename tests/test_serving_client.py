@@ -5,6 +5,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -687,3 +688,16 @@ def test_engine_silence_counts_only_gaps_some_stream_spans():
     assert engine_silence_ms(pd.DataFrame(rows)) == pytest.approx(20.0)
     assert is_engine_stall(600.0, 10_000.0) and not is_engine_stall(400.0, 1_000.0)
     assert not is_engine_stall(600.0, 20_000.0)  # 30 ITLs: a slow engine, not a stall
+
+
+def test_the_h200_level_that_stalled_is_told_from_one_that_did_not():
+    """Real vLLM GPU streams (Qwen3-MoE on one H200, concurrency 64, tests/fixtures/vllm_gpu_h200_stall/): in
+    one run 50 streams stood still 1.9 s at once while 14 more were admitted (TPOT p50 20.9 ms); in the
+    next the same level ran through (6.4 ms), its longest all-stream silence some tens of ms."""
+    from decodescope.serving.metrics import engine_silence_ms, level_stall_ms
+
+    here = Path(__file__).parent / "fixtures" / "vllm_gpu_h200_stall"
+    stalled = pd.read_parquet(here / "level64_stalled_requests.parquet")
+    clean = pd.read_parquet(here / "level64_requests.parquet")
+    assert level_stall_ms(stalled) == pytest.approx(1895.1, abs=0.1)
+    assert level_stall_ms(clean) is None and engine_silence_ms(clean) < 100.0
