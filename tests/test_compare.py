@@ -60,7 +60,8 @@ def write_serving(data: Path, tpots: dict[int, list[int]], repeats: bool) -> pd.
 
 def write_profile(data: Path, categories: dict[str, list[tuple[float, float]]], wall_us: float) -> None:
     """profile_summary.json with per-rank (time us, calls) per category; None for a rank without it."""
-    rows = [{"rank": rank, "category": cat, "calls_per_step": per[1], "time_per_step_us": per[0], "steps": 10}
+    rows = [{"rank": rank, "category": cat, "calls_per_step": per[1], "calls_min": per[1], "calls_max": per[1],
+             "time_per_step_us": per[0], "steps": 10}
             for cat, ranks in categories.items() for rank, per in enumerate(ranks) if per is not None]
     write_record(data / "profile_summary.json", ProfileSummary(
         device="cpu", ranks=[0, 1, 2], step_kind="decode", steps={"decode": 30}, allreduce_share_of_time={},

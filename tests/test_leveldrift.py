@@ -64,3 +64,19 @@ def test_the_verdicts_level_rows_carry_the_in_level_drift_and_the_miss():
     # without 01's requests: no in-level drift, and a miss nothing measured explains
     r = level_reconcile(levels, {}, {1.0: (2_000.0, 1_800.0, 2_200.0)})[0]
     assert "in_level_drift" not in r and r["model_miss"] == "no movement of the step measured: the model misses"
+
+
+def test_an_engine_stall_is_named_where_the_model_misses_its_level():
+    """On the H200, level 64 read TPOT 20.9 ms against a model of 5.7 ms (-72.9%): its streams had all stood
+    still for 1.9 s at once (serving_levels' engine_stall_ms); the verdict names that, not a model miss."""
+    import pandas as pd
+
+    from decodescope.verdict.leveldrift import level_stalls, model_miss_causes, with_model_misses
+
+    levels = pd.DataFrame({"level": [32, 64], "engine_stall_ms": [float("nan"), 1895.1]})
+    assert level_stalls(levels) == {64: 1895.1} and level_stalls(levels.drop(columns="engine_stall_ms")) == {}
+    said = model_miss_causes(-0.729, None, None, None, None, stall_ms=1895.1)
+    assert said.startswith("an engine stall inside the level's window: every stream stood still for 1.9 s")
+    rows = with_model_misses([{"level": 32, "model_error": -0.042}, {"level": 64, "model_error": -0.729}],
+                             level_stalls(levels))
+    assert rows[0]["model_miss"] == "" and "1.9 s" in rows[1]["model_miss"]

@@ -47,12 +47,14 @@ def _host():
 def _profile():
     return ProfileSummary(
         device="gpu", ranks=[0, 1], step_kind="decode", steps={"decode": 12, "prefill": 1},
-        allreduce_share_of_time={"0": 0.5, "1": 0.4}, allreduce_calls_per_step={"0": 9.0, "1": 9.0},
-        allreduce_mean_us={"0": 20.0, "1": 18.0},
+        allreduce_share_of_time={0: 0.5, 1: 0.4}, allreduce_calls_per_step={0: 9.0, 1: 9.0},
+        allreduce_mean_us={0: 20.0, 1: 18.0},
         per_step=StepMedians(summed_us_median=900.0, busy_us_median=850.0, wall_us_median=1000.0,
                              idle_us_median=150.0),
-        expected_vs_observed=[{"rank": 0, "collective": "all_reduce", "expected_per_step": 9, "observed_per_step": 9.0}],
-        per_step_categories=[{"rank": r, "category": c, "calls_per_step": n, "time_per_step_us": t}
+        expected_vs_observed=[{"rank": 0, "collective": "all_reduce", "expected_per_step": 9, "observed_per_step": 9.0,
+                               "time_per_step_us": 450.0, "matches": True}],
+        per_step_categories=[{"rank": r, "category": c, "calls_per_step": n, "calls_min": n, "calls_max": n,
+                              "time_per_step_us": t, "steps": 12}
                              for r in (0, 1) for c, n, t in (("allreduce_nccl", 9.0, 450.0 - 50 * r),
                                                             ("gemm_dense", 20.0, 300.0), ("attention", 4.0, 100.0))],
         breakdown=[{"rank": 0, "category": "gemm_dense", "time_us": 3000.0, "share": 0.3, "calls": 200,
@@ -166,6 +168,29 @@ def test_another_schema_version_is_refused_naming_the_file(tmp_path, name):
     assert isinstance(e.value, ValueError)
 
 
+def test_profile_summary_rows_are_typed_and_its_rank_keys_ints(tmp_path):
+    """The file keeps its shape (rank keys as JSON's strings); the record reads them as ints and each
+    table row as its model, which refuses a key it does not declare."""
+    path = write_record(tmp_path / "profile_summary.json", _profile())
+    raw = json.loads(path.read_text())
+    assert raw["allreduce_share_of_time"] == {"0": 0.5, "1": 0.4}
+    back = read_record(path, ProfileSummary)
+    assert back.allreduce_mean_us == {0: 20.0, 1: 18.0} and back.allreduce_mean_us.get(1) == 18.0
+    assert back.per_step_categories[0].category == "allreduce_nccl" and back.breakdown[0].calls == 200
+    raw["breakdown"][0]["typo_us"] = 1.0
+    path.write_text(json.dumps(raw))
+    with pytest.raises(RecordError, match=r"breakdown\.0\.typo_us"):
+        read_record(path, ProfileSummary)
+
+
+def test_recorded_profile_summaries_validate_and_write_back_byte_for_byte(tmp_path, repo):
+    files = sorted((repo / "tests/fixtures/runs").glob("*/data/**/profile_summary.json"))
+    assert len(files) >= 7
+    for f in files:
+        out = write_record(tmp_path / "profile_summary.json", read_record(f, ProfileSummary))
+        assert out.read_bytes() == f.read_bytes(), f
+
+
 def test_a_file_without_schema_version_is_refused(tmp_path):
     path = tmp_path / "profile_summary.json"
     doc = _profile().to_json_dict()
@@ -240,7 +265,7 @@ def _levels_requests():
 def test_serving_level_rows_are_the_declared_columns_and_round_trip_through_parquet(tmp_path):
     req = _levels_requests()
     health = {"loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 0.4, "loop_lag_max_ms": 1.0, "client_cpu_pct": 20.0,
-              "inflight_sampled_mean": 1.2, "stall_remeasured_ms": 1900.0, "engine_silence_ms": 9.5}
+              "inflight_sampled_mean": 1.2, "engine_silence_ms": 1900.0, "engine_stall_ms": 1900.0}
     telemetry = {c: "sw_power_cap" if c == "gpu_throttle_reasons" else 3 if c.startswith("telemetry_") else 1.5
                  for c in SERVING_LEVEL_COLUMNS if c.startswith(("server_", "gpu_", "telemetry_"))}
     rows = [level_summary(req.assign(repeat=0), lvl, {"ttft_ms": 100}, health, repeat=0, telemetry=telemetry)

@@ -247,8 +247,8 @@ def test_a_cuda_graph_replay_trace_is_attributed_to_its_steps(repo, tmp_path):
     assert summary.device == "gpu" and summary.ranks == [0, 1]
     assert summary.steps == {"decode": 6}  # 3 steps on each rank
     for row in summary.expected_vs_observed:
-        assert row["observed_per_step"] == row["expected_per_step"], row  # 123 all-reduces, 1 all-gather
-    assert {r["collective"] for r in summary.expected_vs_observed} == {"all_reduce", "all_gather"}
+        assert row.observed_per_step == row.expected_per_step and row.matches, row  # 123 all-reduces, 1 all-gather
+    assert {r.collective for r in summary.expected_vs_observed} == {"all_reduce", "all_gather"}
     assert summary.other_share < 0.01
     per_step = result.per_step
     gemms = per_step[per_step["category"].astype(str) == "gemm_dense"].groupby("rank")["calls_per_step"].sum()
@@ -299,7 +299,8 @@ def _caps(by_level: dict) -> dict:
 def _summary(conc, batch, classes_by_rank, wall, period, between, idle, summed=None, busy=None, transfer=None):
     from decodescope.schema.records import ProfileSummary, StepMedians
 
-    cats = [{"rank": r, "category": c, "calls_per_step": 1.0, "time_per_step_us": t}
+    cats = [{"rank": r, "category": c, "calls_per_step": 1.0, "calls_min": 1, "calls_max": 1, "time_per_step_us": t,
+             "steps": 10}
             for r, d in classes_by_rank.items() for c, t in d.items()]
     return ProfileSummary(device="cpu", ranks=list(classes_by_rank), step_kind="decode", steps={}, concurrency=conc,
                           allreduce_share_of_time={}, allreduce_calls_per_step={}, allreduce_mean_us={}, other_share=0.0,
@@ -433,7 +434,7 @@ def test_the_profilers_measured_cost_comes_off_the_period_not_the_profiled_wall(
         s = _summary(conc, float(conc), {0: {"attention": 100.0, "elementwise_other": 50.0, "memcpy": 10.0}},
                      2000.0, 3000.0, 1000.0, 500.0)
         for row in s.per_step_categories:
-            row["calls_per_step"] = calls
+            row.calls_per_step = calls
         return s
     summaries = {1: summary(1, 100.0), 4: summary(4, 200.0)}
     plain = sm.predict_step(gemm, pd.DataFrame(), tiny, 1, 2, "", "", sm.step_samples(summaries, 40.0), 40.0)

@@ -114,7 +114,9 @@ def test_write_profile_files(cpu_traces, tmp_path, repo):
     assert (tmp_path / "kernels.parquet").is_file()
     on_disk = json.loads((tmp_path / "profile_summary.json").read_text())
     assert on_disk["ranks"] == [0, 1] == summary.ranks
+    # keyed by rank: an int in the record, a string in the file
     assert on_disk["allreduce_calls_per_step"] == {"0": 3.0, "1": 3.0}
+    assert summary.allreduce_calls_per_step == {0: 3.0, 1: 3.0}
     kernels = pd.read_parquet(tmp_path / "kernels.parquet")
     assert set(kernels["rank"]) == {0, 1}
 

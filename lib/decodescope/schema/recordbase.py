@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -63,7 +63,7 @@ def columns_of(model: type[BaseModel]) -> list[str]:
     return [f.alias or name for name, f in model.model_fields.items()]
 
 
-def frame(rows: list[BaseModel], model: type[BaseModel]):
+def frame(rows: Sequence[BaseModel], model: type[BaseModel]):  # Sequence (covariant): any row model's list
     """Rows of a record as a DataFrame with the model's columns (also when there are no rows)."""
     return pd.DataFrame([r.model_dump(by_alias=True) for r in rows], columns=columns_of(model))
 

@@ -14,7 +14,7 @@ are declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
 | manifest.json                | RunManifest      | runmanifest.Manifest                |
 | data/host.json               | HostInventory    | hardware.inventory (00_host)        |
 | data/collectives_fit.json    | CollectivesFit   | microbench.save_collectives (03)    |
-| data/profile_summary.json    | ProfileSummary   | trace.profile.write_profile (04)    |
+| data/profile_summary.json    | ProfileSummary   | trace.profile.write_profile (04; records_profile) |
 | data/verdict.json            | Verdict          | verdict.verdict (05_verdict)        |
 | data/profile_capture.json    | ProfileCaptures  | trace.capture (04)                  |
 | data/server.json             | ServerInfo       | server.write_server_info (records_server) |
@@ -34,6 +34,10 @@ from decodescope.schema.recordbase import Record, _Model, _OpenModel, columns_of
 # re-exported: the phases, the report and the tests name every record as records'
 from decodescope.schema.recordbase import (RecordError as RecordError, frame as frame, read_record as read_record,
                                            write_record as write_record)
+from decodescope.schema.records_profile import (BreakdownRow as BreakdownRow, CollectiveWaitRow as CollectiveWaitRow,
+                                                ExpectedVsObservedRow as ExpectedVsObservedRow,
+                                                ScheduleRow as ScheduleRow, StepCategoryRow as StepCategoryRow,
+                                                TopUnknownRow as TopUnknownRow)
 from decodescope.schema.records_verdict import (AttributionRow as AttributionRow, Bottleneck as Bottleneck,
                                                 CurveRow as CurveRow, FINDING_TOPICS as FINDING_TOPICS,
                                                 Finding as Finding, LevelReconcileRow as LevelReconcileRow,
@@ -195,8 +199,8 @@ class ServingLevel(_Model):
     client_suspect: Optional[bool] = Field(None, description="the client's loop lag or CPU may have distorted it")
     engine_silence_ms: Optional[float] = Field(None, description="longest time every streaming request was silent "
                                                "at once (serving.metrics.engine_silence_ms)")
-    stall_remeasured_ms: Optional[float] = Field(None, description="the engine stall of the level's first "
-                                                 "measurement, kept in serving/stalled/; the level was measured again")
+    engine_stall_ms: Optional[float] = Field(None, description="engine_silence_ms when it counts as a stall of the "
+                                             "engine (serving.metrics.is_engine_stall), not its decode speed")
     # Server and GPU telemetry over the level's measured requests (serving.telemetry); columns only when
     # telemetry ran, NaN where the server or the host did not report the figure.
     telemetry_scrapes: Optional[int] = Field(None, description="/metrics samples taken during the level")
@@ -298,31 +302,31 @@ class StepMedians(_Model):
 
 class ProfileSummary(Record):
     """data/profile_summary.json (04_profile, `decodescope analyze-trace`): the figures the verdict
-    and the report read. Per-rank dicts are keyed by the rank as a string; the list fields are the
-    rows of the analysis tables (trace.analyze) as records."""
+    and the report read. Per-rank dicts are keyed by the rank (an int here, a string in the file, as
+    JSON keys are); the list fields are the rows of the analysis tables (trace.analyze), typed
+    (decodescope.schema.records_profile)."""
 
     device: str = Field(description="gpu or cpu")
     ranks: list[int]
     concurrency: Optional[int] = Field(None, description="the level the capture ran at (04_profile)")
     step_kind: str = Field(description="the kind of step the per-step figures describe (decode when found)")
     steps: dict[str, int] = Field(description="steps found per kind")
-    allreduce_share_of_time: dict[str, float]
-    allreduce_calls_per_step: dict[str, float]
-    allreduce_mean_us: dict[str, float]
+    allreduce_share_of_time: dict[int, float] = Field(description="rank -> all-reduce share of its op time")
+    allreduce_calls_per_step: dict[int, float] = Field(description="rank -> all-reduces per step_kind step")
+    allreduce_mean_us: dict[int, float] = Field(description="rank -> mean time of one all-reduce call")
     allreduce_communicators: dict[str, float] = Field(
         default_factory=dict, description="communicator (from op/kernel names) -> its share of all-reduce time")
     allreduce_transfer_us_per_step: Optional[float] = Field(
         None, description="the median all-reduce call at its least time over the ranks x calls per step: the "
                           "collectives' own time, without waiting for a late rank")
     per_step: StepMedians
-    expected_vs_observed: list[dict[str, Any]] = Field(default_factory=list)
-    per_step_categories: list[dict[str, Any]] = Field(
-        default_factory=list, description="rank, category, calls_per_step, time_per_step_us")
-    breakdown: list[dict[str, Any]] = Field(default_factory=list)
+    expected_vs_observed: list[ExpectedVsObservedRow] = Field(default_factory=list)
+    per_step_categories: list[StepCategoryRow] = Field(default_factory=list)
+    breakdown: list[BreakdownRow] = Field(default_factory=list)
     other_share: float = Field(description="share of time in no category")
-    top_unknown: list[dict[str, Any]] = Field(default_factory=list)
-    collective_wait: list[dict[str, Any]] = Field(default_factory=list)
-    schedule: list[dict[str, Any]] = Field(default_factory=list)
+    top_unknown: list[TopUnknownRow] = Field(default_factory=list)
+    collective_wait: list[CollectiveWaitRow] = Field(default_factory=list)
+    schedule: list[ScheduleRow] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
 
 

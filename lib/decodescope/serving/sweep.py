@@ -309,16 +309,15 @@ def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
         for level, rep in todo:
             bar.start(level)
             df = _measure_level(cfg, level, rep, prompts, tel)
-            stall_ms = level_stall_ms(df)
-            if stall_ms is not None:  # once: a second stall is kept, and shown in its row
-                write_parquet_atomic(stalled_path(data_dir, level, rep), df)
-                _reader_note(f"concurrency {level}: every stream stood still at once for {stall_ms / 1e3:.1f} s "
-                             "inside the timed window, an engine stall (a kernel compiled for a shape the warm-up "
-                             "had not run, or a pause), not its decode speed: the level was measured again "
-                             f"(the first measurement: serving/stalled/{level_file(level, rep)})")
-                df = _measure_level(cfg, level, rep, prompts, tel)
-                df["health_stall_remeasured_ms"] = stall_ms
             df["health_engine_silence_ms"] = engine_silence_ms(df)
+            stall_ms = level_stall_ms(df)
+            # a column in every run (NaN without a stall): runs compare column for column
+            df["health_engine_stall_ms"] = float("nan") if stall_ms is None else stall_ms
+            if stall_ms is not None:
+                _reader_note(f"concurrency {level}: every stream stood still at once for {stall_ms / 1e3:.1f} s "
+                             "inside the timed window: an engine stall (a kernel compiled for a shape the warm-up "
+                             "had not run, or a pause of the host), not its decode speed; the verdict names it "
+                             "where the step model misses this level")
             write_parquet_atomic(level_path(data_dir, level, rep), df)
             combine(data_dir, cfg.slo)
             bar.end((level, rep))
@@ -336,12 +335,6 @@ def _measure_level(cfg: SweepConfig, level: int, rep: int, prompts, tel) -> pd.D
     for k, v in health.items():
         df[f"health_{k}"] = v
     return df
-
-
-def stalled_path(data_dir: Path, level: int, repeat: int = 1) -> Path:
-    """Where a level's measurement that held an engine stall is kept when it is measured again (outside
-    the folder's level_*.parquet, so the levels read only the kept measurement)."""
-    return Path(data_dir) / "serving" / "stalled" / level_file(level, repeat)
 
 
 def telemetry_for(cfg: SweepConfig, data_dir: Path):

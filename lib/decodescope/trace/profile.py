@@ -9,7 +9,7 @@ import pandas as pd
 
 from decodescope.model import arch as archmod
 from decodescope.core.io import write_parquet_atomic
-from decodescope.schema.records import ProfileSummary, StepMedians, write_record
+from decodescope.schema.records import ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
 from decodescope.trace import analyze as an
 from decodescope.trace.capture import capture_for_phase, level_dir_name
 from decodescope.trace.categorize import class_of, communicator_of
@@ -53,10 +53,10 @@ class ProfileResult:
             ranks=sorted(int(r) for r in self.ops["rank"].unique()),
             step_kind=self.step_kind,
             steps={str(k): int(v) for k, v in self.steps.groupby("kind").size().items()},
-            allreduce_share_of_time={str(int(r)): float(v) for r, v in ar_share.items()},
-            allreduce_calls_per_step={str(int(r)): float(v) for r, v in
+            allreduce_share_of_time={int(r): float(v) for r, v in ar_share.items()},
+            allreduce_calls_per_step={int(r): float(v) for r, v in
                                       decode_ar.groupby("rank")["calls_per_step"].sum().items()},
-            allreduce_mean_us={str(int(r)): float(g["time_us"].sum() / max(g["calls"].sum(), 1))
+            allreduce_mean_us={int(r): float(g["time_us"].sum() / max(g["calls"].sum(), 1))
                                for r, g in ar.groupby("rank")},
             allreduce_communicators=allreduce_communicators(self.ops),
             per_step=StepMedians(
@@ -66,6 +66,7 @@ class ProfileResult:
                 idle_us_median=float(kind_busy["idle_us"].median()) if len(kind_busy) else None,
                 **step_periods(self.steps, self.step_kind),
             ),
+            # the tables' rows (to_dict boxes numpy scalars) validate into records_profile's row models
             expected_vs_observed=self.expected.to_dict("records"),
             per_step_categories=self.per_step.assign(
                 category=self.per_step["category"].astype(str)).to_dict("records"),
@@ -201,7 +202,7 @@ def growth_table(levels: list[ProfiledLevel]) -> pd.DataFrame:
         row = {"concurrency": lv.capture.concurrency, "batch": ps.batch_median, "wall_us": ps.wall_us_median,
                "period_us": ps.period_us_median, "between_steps_us": ps.between_steps_us_median,
                "summed_us": ps.summed_us_median, "busy_us": ps.busy_us_median}
-        cats = pd.DataFrame(lv.summary.per_step_categories)
+        cats = frame(lv.summary.per_step_categories, StepCategoryRow)
         if not cats.empty:
             by = (cats.assign(cls=cats["category"].map(class_of)).groupby(["rank", "cls"])["time_per_step_us"].sum()
                   .groupby("cls").median())

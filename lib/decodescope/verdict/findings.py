@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Optional, cast
 
-import pandas as pd
-
 from decodescope.schema.records import ProfileSummary, VariantRow, Verdict
 from decodescope.verdict import leveldrift
 from decodescope.verdict.stepmodel import DEDUCTED, PREEMPTED
@@ -47,13 +45,14 @@ def _bottleneck_findings(v: Verdict, summary: Optional[ProfileSummary], tp: int)
 
 def _collective_count_findings(summary: ProfileSummary, tp: int) -> list[dict]:
     out: list[dict] = []
-    exp = pd.DataFrame(summary.expected_vs_observed)
-    if exp.empty or "observed_per_step" not in exp:
+    rows = summary.expected_vs_observed
+    if not rows:
         return out
-    for r in exp[exp["rank"] == exp["rank"].min()].itertuples():
+    first_rank = min(r.rank for r in rows)
+    for r in (r for r in rows if r.rank == first_rank):
         op, observed, expected = r.collective, r.observed_per_step, r.expected_per_step
-        if expected is not None and expected == expected:
-            per_call = summary.allreduce_mean_us.get(str(getattr(r, "rank", 0)))
+        if expected is not None:
+            per_call = summary.allreduce_mean_us.get(r.rank)
             out.append({"topic": "bottleneck", "figure": "profile-expected", "files": ["data/profile_summary.json"],
                         "text": f"{op}: {observed:g} calls per step against {expected:g} the architecture issues at "
                                 f"tensor-parallel {tp}" + (f"; {per_call:.1f} us per call in the step" if per_call and

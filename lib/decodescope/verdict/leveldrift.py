@@ -56,13 +56,17 @@ def bracketing_drift(drifts: dict[int, float], level: int) -> Optional[tuple[lis
 def model_miss_causes(model_error: Optional[float], host_drift: Optional[float], in_level_drift: Optional[float],
                       window_noise: Optional[float], model_error_same_server: Optional[float],
                       first_last_us: Optional[tuple[float, float]] = None,
-                      around: Optional[tuple[list[int], float]] = None) -> str:
+                      around: Optional[tuple[list[int], float]] = None, stall_ms: Optional[float] = None) -> str:
     """What a level's step-model error beyond MODEL_TARGET is put down to, from the measured movement of
     the step; "" within the target; a sentence saying none was measured otherwise. `around`: the
-    profiled levels the model's inputs came from at an unprofiled level, and their mean drift."""
+    profiled levels the model's inputs came from at an unprofiled level, and their mean drift; `stall_ms`:
+    the level's engine stall (serving_levels' engine_stall_ms)."""
     if model_error is None or abs(model_error) <= MODEL_TARGET:
         return ""
     causes = []
+    if stall_ms is not None:
+        causes.append(f"an engine stall inside the level's window: every stream stood still for "
+                      f"{stall_ms / 1e3:.1f} s at once (a compile or a pause, not the decode step)")
     if host_drift is not None and abs(host_drift) > MOVED:
         same = (f"; against that step the model is {100 * model_error_same_server:+.1f}%"
                 if model_error_same_server is not None else "")
@@ -82,14 +86,24 @@ def model_miss_causes(model_error: Optional[float], host_drift: Optional[float],
     return "; ".join(causes)
 
 
-def with_model_misses(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_model_misses(rows: list[dict[str, Any]], stalls: Optional[dict[int, float]] = None) -> list[dict[str, Any]]:
     """The verdict's level rows (verdict.level_reconcile), each with its model_miss: an unprofiled level
-    reads the drift of the profiled levels around it."""
+    reads the drift of the profiled levels around it; `stalls`: level -> its engine stall (ms)."""
     drifts = {int(r["level"]): float(r["host_drift"]) for r in rows if r.get("host_drift") is not None}
+    stalls = stalls or {}
     return [{**r, "model_miss": model_miss_causes(
         r.get("model_error"), r.get("host_drift"), r.get("in_level_drift"), r.get("window_noise"),
-        r.get("model_error_same_server"), _quarters_of(r), bracketing_drift(drifts, int(r["level"])))}
+        r.get("model_error_same_server"), _quarters_of(r), bracketing_drift(drifts, int(r["level"])),
+        stalls.get(int(r["level"])))}
         for r in rows]
+
+
+def level_stalls(levels: pd.DataFrame) -> dict[int, float]:
+    """level -> its engine stall (ms) from serving_levels' engine_stall_ms; none for runs written before it."""
+    if "engine_stall_ms" not in levels.columns:
+        return {}
+    stalled = levels.dropna(subset=["engine_stall_ms"])
+    return {int(r.level): float(r.engine_stall_ms) for r in stalled.itertuples()}
 
 
 def _quarters_of(row: dict[str, Any]) -> Optional[tuple[float, float]]:

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from decodescope.model import arch as archmod
-from decodescope.schema.records import ProfileCapture
+from decodescope.schema.records import ProfileCapture, StepCategoryRow, frame
 from decodescope.verdict.stepparts import Component, collective_component, gemm_component, latency_at, latency_curve
 from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, WAIT_CATEGORIES, class_of
 from decodescope.verdict.stepsample import (StepSample, between_steps_at_freed_core, host_processes_get_a_core,
@@ -63,7 +63,7 @@ def wait_in_own_op(summary) -> bool:
     path), so that a call costs its all-reduce op plus its wait op."""
     if summary is None or summary.device != "cpu":
         return False
-    cats = pd.DataFrame(summary.per_step_categories)
+    cats = frame(summary.per_step_categories, StepCategoryRow)
     wait = own_op_wait_by_rank(cats)
     ranks = set(cats["rank"]) if not cats.empty else set()
     return bool(ranks) and all(float(wait.get(r, 0.0)) > 0 for r in ranks)
@@ -76,7 +76,7 @@ def step_samples(summaries: dict, context_tokens: float,
     and the workers' run-queue wait per step: the time the host's other processes held their cores."""
     out = []
     for conc, s in sorted(summaries.items()):
-        cats = pd.DataFrame(s.per_step_categories)
+        cats = frame(s.per_step_categories, StepCategoryRow)
         ps = s.per_step
         if cats.empty or not ps.wall_us_median:
             continue

@@ -25,6 +25,7 @@ import pandas as pd
 
 from decodescope.model import arch as archmod
 from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE
+from decodescope.schema.records import StepCategoryRow, frame
 from decodescope.micro.bench import with_timing_columns
 
 # Which of 03's timings prices a step's collectives, first measured wins: in a CUDA graph on GPUs; on
@@ -124,7 +125,7 @@ def measured_routing_skew(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int,
     summary = summaries[max(summaries)]
     if summary.device != "gpu" or not summary.per_step_categories:
         return 0.0
-    cats = pd.DataFrame(summary.per_step_categories)
+    cats = frame(summary.per_step_categories, StepCategoryRow)
     moe = cats[cats["category"].astype(str) == "moe_experts"].groupby("rank")["time_per_step_us"].sum()
     batch = int(round(summary.per_step.batch_median or max(summaries)))
     if moe.empty or batch < 1:

@@ -12,7 +12,7 @@ import pandas as pd
 
 from decodescope.schema.records import (AttributionRow, Bottleneck, CurveRow, Finding, LevelReconcileRow,
                                         ProfileCapture, ProfileSummary, ProjectionRow, ReconcileRow, ReplayRow,
-                                        ServingHeadline, ServingLevel, VariantRow, Verdict)
+                                        ServingHeadline, ServingLevel, StepCategoryRow, VariantRow, Verdict, frame)
 from decodescope.model import arch as archmod
 from decodescope.verdict import leveldrift, stepmodel as sm, stepparts as sp, whatif
 from decodescope.exec.engine_comm import micro_communicator_for
@@ -66,7 +66,7 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
     served in, model.weight_dtype for the quantized kinds)."""
     rows: list[dict] = []
     summary = summary if summary is not None else _profile_summary(run_dir)
-    per_step = pd.DataFrame(summary.per_step_categories) if summary else pd.DataFrame()
+    per_step = frame(summary.per_step_categories, StepCategoryRow) if summary else pd.DataFrame()
     observed_ar = observed_gemm = observed_wait = None
     if not per_step.empty:
         assert summary is not None  # per_step has rows only from a summary's per_step_categories
@@ -193,7 +193,7 @@ def measured_step(summary: ProfileSummary, batch: int) -> "Optional[whatif.Measu
     """The profiled decode step as the what-ifs take it: wall and summed time, and what the step pays
     per all-reduce (median rank, waits included)."""
     ps = summary.per_step
-    per_step = pd.DataFrame(summary.per_step_categories)
+    per_step = frame(summary.per_step_categories, StepCategoryRow)
     if per_step.empty or not ps.wall_us_median or not ps.summed_us_median:
         return None
     ar = per_step[per_step["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")[
@@ -206,8 +206,6 @@ def measured_step(summary: ProfileSummary, batch: int) -> "Optional[whatif.Measu
     calls = int(round(ar["calls_per_step"].median()))
     return whatif.MeasuredStep(wall_us=ps.wall_us_median, summed_us=ps.summed_us_median, allreduce_calls=calls,
                                allreduce_us_per_call=float(ar["time_per_step_us"].median()) / calls, batch=batch)
-
-
 
 
 def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
@@ -272,7 +270,7 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
                 row.update(profile_batch=conc, profile_wall_us=ps.wall_us_median, profile_period_us=ps.period_us_median,
                            residual_us=residual, within_tolerance=ok, attributed_to="; ".join(causes) if not ok else "")
         rows.append(row)
-    return leveldrift.with_model_misses(rows)
+    return leveldrift.with_model_misses(rows, leveldrift.level_stalls(levels))
 
 
 def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> list[dict]:
@@ -296,7 +294,7 @@ def verdict(run_dir: Path, params) -> Verdict:
     levels = _read_parquet(run_dir, "serving_levels.parquet")
     out = Verdict()
     if summary and summary.per_step_categories:
-        per_step = pd.DataFrame(summary.per_step_categories)
+        per_step = frame(summary.per_step_categories, StepCategoryRow)
         att = step_attribution(per_step)
         cls, share = bottleneck(att)
         wall = summary.per_step.wall_us_median

@@ -1,0 +1,83 @@
+"""Rows of data/profile_summary.json's tables (decodescope.schema.records.ProfileSummary): each list field is
+a trace.analyze table written with DataFrame.to_dict("records"), so a model declares that table's columns in
+its order (the file's keys keep it) and with the types the table holds. decodescope.schema.records says how
+records are versioned, read and written."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from pydantic import Field
+
+from decodescope.schema.recordbase import _Model
+
+
+class ExpectedVsObservedRow(_Model):
+    """profile_summary.json expected_vs_observed: one collective per rank (trace.analyze.expected_vs_observed)."""
+
+    rank: int
+    collective: str = Field(description="all_reduce or all_gather")
+    expected_per_step: Optional[int] = Field(description="calls per step the architecture issues; None without "
+                                             "a model config")
+    observed_per_step: float = Field(description="calls per step in the trace, summed over the collective's categories")
+    time_per_step_us: float
+    matches: bool = Field(description="observed_per_step == expected_per_step")
+
+
+class StepCategoryRow(_Model):
+    """profile_summary.json per_step_categories: one category per rank over the steps of step_kind
+    (trace.analyze.calls_per_step)."""
+
+    rank: int
+    category: str
+    calls_per_step: float = Field(description="median over the steps")
+    # an int while every step has a call of the category; a float once a step without one counts 0 (the
+    # table's column turns float): the file keeps whichever the table held
+    calls_min: Union[int, float]
+    calls_max: Union[int, float]
+    time_per_step_us: float = Field(description="median over the steps")
+    steps: int = Field(description="steps the medians are over")
+
+
+class BreakdownRow(_Model):
+    """profile_summary.json breakdown: one category per rank, whole capture (trace.analyze.category_breakdown)."""
+
+    rank: int
+    category: str
+    time_us: float
+    calls: int
+    share: float = Field(description="of the rank's time")
+    mean_us: float = Field(description="per call (inf or NaN where no call is counted)")
+
+
+class TopUnknownRow(_Model):
+    """profile_summary.json top_unknown: one op name left in `other`, all ranks (trace.analyze.unknown_ops)."""
+
+    name: str
+    category: str
+    time_us: float
+    calls: int
+    ranks: int = Field(description="ranks it ran on")
+    mean_us: float
+    share: float = Field(description="of the time in `other`")
+
+
+class CollectiveWaitRow(_Model):
+    """profile_summary.json collective_wait: one collective category per rank (trace.analyze.skew_summary)."""
+
+    rank: int
+    category: str
+    instances: int = Field(description="calls matched on every rank")
+    time_us: float
+    transfer_us: float = Field(description="each instance's least time over the ranks, summed")
+    wait_us: float = Field(description="time_us - transfer_us: waiting for the last rank")
+    wait_share: float = Field(description="wait_us / time_us (NaN where time_us is 0)")
+
+
+class ScheduleRow(_Model):
+    """profile_summary.json schedule: one collective of a decode step (model.arch.collective_schedule)."""
+
+    op: str = Field(description="all_reduce, all_gather or gather")
+    where: str = Field(description="embedding, attention_out, mlp_out, moe_out or logits")
+    count: int = Field(description="calls per decode step")
+    msg_bytes: int = Field(description="per-rank input bytes of one call")
+    dtype: str
