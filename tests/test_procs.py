@@ -41,3 +41,22 @@ def test_a_killed_runs_semaphores_are_unlinked_by_its_resource_tracker():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_runner_pinned_to_some_cores_may_start_its_server_on_the_others():
+    """On the H200 a runner pinned with taskset to cores 8-15 refused server.cpus '0-7' ("cores this host does
+    not offer"): the check read the runner's own affinity, while taskset -c may put a child on any core of
+    the cgroup's cpuset. A core outside the host still fails, naming the valid ones."""
+    import os
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    pinned, other = str(cores[0]), str(cores[-1])
+    code = ("from decodescope.exec.server import _check_cpus, ServerError\n"
+            f"_check_cpus({other!r})\n"
+            "try:\n    _check_cpus('4096')\nexcept ServerError as e:\n    print(e)\n")
+    proc = subprocess.run(["taskset", "-c", pinned, sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "names cores [4096] this host does not offer" in proc.stdout and other in proc.stdout

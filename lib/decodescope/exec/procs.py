@@ -43,6 +43,36 @@ def parse_cpulist(spec: str) -> set[int]:
     return out
 
 
+def cores_offered() -> set[int]:
+    """The cores a process started here may be put on (taskset -c): its cgroup's cpuset, which this
+    process's own affinity does not narrow (a runner pinned to half the cores may start its server on the
+    other half); this process's affinity where no cpuset can be read."""
+    for path in _cpuset_files():
+        try:
+            return parse_cpulist(path.read_text().strip())
+        except (OSError, ValueError):  # no such file, or empty (cgroup v2 without the cpuset controller)
+            continue
+    return set(os.sched_getaffinity(0))
+
+
+def _cpuset_files() -> list[Path]:
+    """This process's cpuset files, from /proc/self/cgroup: cgroup v2's cpuset.cpus.effective, v1's
+    cpuset.effective_cpus."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        rel = rel.rstrip("/")
+        if controllers == "":
+            out.append(Path(f"/sys/fs/cgroup{rel}/cpuset.cpus.effective"))
+        elif "cpuset" in controllers.split(","):
+            out.append(Path(f"/sys/fs/cgroup/cpuset{rel}/cpuset.effective_cpus"))
+    return out
+
+
 def new_run_token() -> str:
     return uuid.uuid4().hex
 

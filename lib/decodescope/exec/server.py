@@ -104,8 +104,8 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def _check_cpus(cpus: str) -> None:
-    """server.cpus against the cores this process may use (a server started here inherits them)."""
-    have = os.sched_getaffinity(0)
+    """server.cpus against the cores a process started here may be put on (procs.cores_offered)."""
+    have = procs.cores_offered()
     missing = procs.parse_cpulist(cpus) - have
     if missing:
         raise ServerError(f"server.cpus {cpus!r} names cores {sorted(missing)} this host does not offer; "
