@@ -367,16 +367,21 @@ def test_the_package_type_checks_but_for_the_ratcheted_errors():
     assert _over(0, found, MYPY_ERRORS) == [], proc.stdout[-4000:]
 
 
-def test_the_hosts_agent_starts_on_the_standard_library_and_procs_only():
-    """hostagent runs on the GPU host for every supervised process and small command (LAZY_MODULES says
-    so); a top-level import of the host seam once brought pydantic and urllib into it (0.46-0.56 s a start)."""
+def _bare_python(code: str, timeout_s: float = 120):
+    """`python -c code` with only the package on the path: what a fresh process of it imports."""
     import subprocess
     import sys
 
-    code = ("import sys, decodescope.exec.hostagent\n"
-            "print(sorted(m for m in sys.modules if m.startswith('decodescope') or m in ('pydantic', 'urllib.request')))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
                           env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
+
+
+def test_the_hosts_agent_starts_on_the_standard_library_and_procs_only():
+    """hostagent runs on the GPU host for every supervised process and small command (LAZY_MODULES says
+    so); a top-level import of the host seam once brought pydantic and urllib into it (0.46-0.56 s a start)."""
+    proc = _bare_python("import sys, decodescope.exec.hostagent\n"
+                        "print(sorted(m for m in sys.modules if m.startswith('decodescope') or m in ('pydantic', "
+                        "'urllib.request')))\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "['decodescope', 'decodescope.exec', 'decodescope.exec.hostagent', 'decodescope.exec.procs']"
 
@@ -384,14 +389,9 @@ def test_the_hosts_agent_starts_on_the_standard_library_and_procs_only():
 def test_a_phase_notebook_starts_without_papermill():
     """Every phase notebook's first cell imports decodescope.orchestration.notebook; through the runner it
     once brought papermill and nbformat's schema checks (1.2 s of each phase, six phases a run)."""
-    import subprocess
-    import sys
-
-    code = ("import sys, decodescope.orchestration.notebook, decodescope.report.sections\n"
-            "print(sorted(m for m in ('papermill', 'nbformat', 'nbconvert', 'jsonschema', 'decodescope.orchestration.runner')"
-            " if m in sys.modules))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
+    proc = _bare_python("import sys, decodescope.orchestration.notebook, decodescope.report.sections\n"
+                        "print(sorted(m for m in ('papermill', 'nbformat', 'nbconvert', 'jsonschema', "
+                        "'decodescope.orchestration.runner') if m in sys.modules))\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -400,8 +400,6 @@ def test_every_import_in_the_notebooks_resolves():
     """The notebooks' imports name the package's modules by their folders; a stale name fails here, in
     the fast lane, not only in the first papermill phase of an integration run."""
     import json
-    import subprocess
-    import sys
 
     repo = PACKAGE.parent.parent
     statements = []
@@ -413,8 +411,7 @@ def test_every_import_in_the_notebooks_resolves():
             tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
             statements += [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert any("decodescope" in s for s in statements)
-    proc = subprocess.run([sys.executable, "-c", "\n".join(dict.fromkeys(statements))], capture_output=True,
-                          text=True, timeout=300, env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
+    proc = _bare_python("\n".join(dict.fromkeys(statements)), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -17,8 +17,8 @@ from decodescope.core.phases import PHASES
 from decodescope.show.escape import html_text
 from decodescope.report.index import headline, host_text
 from decodescope.trace.categorize import class_of
-from decodescope.schema.recordbase import RecordError
-from decodescope.schema.views import ProfileSummaryView, read_view
+from decodescope.schema.recordbase import RecordError, frame
+from decodescope.schema.views import ProfileSummaryView, StepCategoryView, read_view
 from decodescope.report.compare_sources import Source, _get, _read_table
 
 MISSING = "–"
@@ -264,7 +264,7 @@ def step_categories(summary: ProfileSummaryView) -> pd.DataFrame:
     cols = ["category", "time_per_step_us", "calls_per_step"]
     if not summary.per_step_categories:
         return pd.DataFrame(columns=cols)
-    cats = pd.DataFrame([r.model_dump() for r in summary.per_step_categories])
+    cats = frame(summary.per_step_categories, StepCategoryView)
     cats["calls_per_step"] = pd.to_numeric(cats["calls_per_step"], errors="coerce")
     cats = cats.assign(category=cats["category"].astype(str))
     full = (pd.DataFrame({"rank": sorted(cats["rank"].unique())})

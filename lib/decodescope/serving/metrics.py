@@ -87,10 +87,10 @@ def is_engine_stall(silence_ms: float, itl_p50_us: float) -> bool:
                                                  silence_ms * 1e3 >= STALL_ITL_FACTOR * itl_p50_us))
 
 
-def level_stall_ms(records: pd.DataFrame) -> Optional[float]:
+def level_stall_ms(records: pd.DataFrame, silence_ms: Optional[float] = None) -> Optional[float]:
     """The level's engine silence (ms) when it is a stall (is_engine_stall against the level's ITL p50),
-    else None."""
-    silence_ms = engine_silence_ms(records)
+    else None. silence_ms: engine_silence_ms(records) where the caller has it already."""
+    silence_ms = engine_silence_ms(records) if silence_ms is None else silence_ms
     if silence_ms < STALL_MIN_MS:
         return None
     ok = per_request(records[(~records["warmup"]) & records["ok"]])

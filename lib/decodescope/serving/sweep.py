@@ -309,8 +309,9 @@ def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
         for level, rep in todo:
             bar.start(level)
             df = _measure_level(cfg, level, rep, prompts, tel)
-            df["health_engine_silence_ms"] = engine_silence_ms(df)
-            stall_ms = level_stall_ms(df)
+            silence_ms = engine_silence_ms(df)
+            df["health_engine_silence_ms"] = silence_ms
+            stall_ms = level_stall_ms(df, silence_ms)
             # a column in every run (NaN without a stall): runs compare column for column
             df["health_engine_stall_ms"] = float("nan") if stall_ms is None else stall_ms
             if stall_ms is not None:
