@@ -13,7 +13,7 @@ from decodescope.schema.records import (AttributionRow, CurveRow, FINDING_TOPICS
                                         ProjectionRow, ReconcileRow, ReplayRow, VariantRow, Verdict, frame)
 from decodescope.report import plots
 from decodescope.show.display import show, show_note, show_table
-from decodescope.verdict.verdict import LEVEL_TOLERANCE
+from decodescope.verdict.verdict import LEVEL_TOLERANCE, NO_STEP_MODEL
 
 
 def host_interconnect(inv: HostInventory, tables: dict, source: str) -> None:
@@ -71,8 +71,7 @@ def verdict_levels(v: Verdict) -> None:
 def verdict_projections(v: Verdict) -> None:
     """The fixes priced from measured inputs, ranked; each with its assumptions."""
     if not v.projections:
-        show_note("*No projection from measured inputs: it needs the profile (04) and the collective "
-                  "micro-benchmark (03) of this run.*")
+        show_note(f"*No projection in this run: {v.sources.get('projections') or NO_STEP_MODEL}.*")
         return
     proj = frame(cast("list[BaseModel]", v.projections), ProjectionRow)
     show(plots.projection_bars(proj, v.wall_us))

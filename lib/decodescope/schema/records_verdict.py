@@ -40,7 +40,7 @@ class ServingHeadline(_Model):
 
 
 class ProjectionRow(_Model):
-    """One fix priced on the measured step (decodescope.verdict.whatif)."""
+    """One fix priced by the step model, calibrated by the measured TPOT (decodescope.verdict.fixes)."""
 
     fix: str
     step_us: float

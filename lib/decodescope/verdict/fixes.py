@@ -1,5 +1,6 @@
 """The step model at every level and the fixes priced on it (decodescope.verdict.verdict): the measured inputs from 02,
-03 and 04, each fix as a whole predicted step, and the curves over batch."""
+03 and 04, each fix as a whole predicted step, and the curves over batch. This is the verdict's one projection
+engine: every fix, and every variant's projection (decodescope.verdict.variants), is a step the model predicts."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace as dc_replace
@@ -10,11 +11,21 @@ import pandas as pd
 
 from decodescope.schema.records import HostInventory, ProfileCapture, ProfileSummary, read_record
 from decodescope.model import arch as archmod
-from decodescope.verdict import stepmodel as sm, whatif
+from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
 from decodescope.exec.engine_comm import micro_communicator_for
 from decodescope.micro.bench import GEMM_WHATIF_TP
 from decodescope.schema.params_schema import KNEE
+
+
+def expected_tokens_per_verify(k: int, alpha: float) -> float:
+    """Speculative decoding with k draft tokens and per-token acceptance alpha (i.i.d.): expected tokens
+    per verify step, (1 - alpha^(k+1)) / (1 - alpha) (Leviathan et al.)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"acceptance alpha must be in [0, 1], got {alpha}")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def _read_parquet(run_dir: Path, name: str) -> Optional[pd.DataFrame]:
@@ -122,6 +133,10 @@ class ModelInputs:
             "profiler's cost in the share it had of the parts it inflated; each replica serves the batch"])
 
 
+NO_STEP_MODEL = ("none: fixes are priced by the step model alone, which needs 02's GEMMs (gemm.parquet) and, above "
+                 "one GPU, 03's all-reduce (collectives.parquet) timed the way 04's profile shows the step issuing it")
+
+
 def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
                  captures: dict[int, ProfileCapture]) -> Optional[ModelInputs]:
     """What the step model needs from 02, 03 and 04 (captures: profile_captures); None when 02 or 03
@@ -187,7 +202,7 @@ def fixes_at(inp: ModelInputs, batch: float, params) -> list[Fix]:
     for k in params.whatif.spec_k:
         verify = inp.predict(batch * (k + 1))
         for alpha in params.whatif.spec_alpha:
-            tokens = whatif.expected_tokens_per_verify(k, alpha)
+            tokens = expected_tokens_per_verify(k, alpha)
             out.append(Fix(f"speculative decoding k={k}, alpha={alpha:g}", verify, tokens, tp, [
                 f"verify step = the step model at batch {batch:g} x {k + 1}; {tokens:.2f} tokens per verify step "
                 "((1 - a^(k+1)) / (1 - a)); n-gram drafting, cost ~0"]))

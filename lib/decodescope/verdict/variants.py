@@ -8,14 +8,15 @@ from typing import Optional
 
 import pandas as pd
 
-from decodescope.verdict import stepmodel as sm, whatif
+from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
 from decodescope.core.enginelog import last_engine_modes
 from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
 from decodescope.schema.records import ProfileCapture, RunManifest, VariantEntry, read_record
 from decodescope.core.rundir import VARIANTS
-from decodescope.verdict.fixes import Fix, ModelInputs, _read_parquet, baseline_tpot, level_tpot
+from decodescope.verdict.fixes import (Fix, ModelInputs, _read_parquet, baseline_tpot, expected_tokens_per_verify,
+                                       level_tpot)
 
 
 # ---- the variants (params.experiments), measured against their projections ----------------------------
@@ -54,7 +55,7 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
             # nothing was drafted (e.g. n-gram on text that never repeats): every step is a plain step
             return Fix(f"speculative decoding k={k}, nothing drafted (measured)", inp.predict(batch), 1.0, tp,
                        ["the server's vllm:spec_decode_* metrics show no draft tokens: the step is the base step"]), ""
-        tokens = whatif.expected_tokens_per_verify(k, min(alpha, 0.999))
+        tokens = expected_tokens_per_verify(k, min(alpha, 0.999))
         return Fix(f"speculative decoding k={k}, alpha={alpha:.2f} (measured)", inp.predict(batch * (k + 1)),
                    tokens, tp, ["acceptance i.i.d. per drafted token; a draft at every step"]), ""
     if ea.get("enable-expert-parallel") or ea.get("enable_expert_parallel"):

@@ -14,13 +14,13 @@ from decodescope.schema.records import (AttributionRow, Bottleneck, CurveRow, Fi
                                         ProfileCapture, ProfileSummary, ProjectionRow, ReconcileRow, ReplayRow,
                                         ServingHeadline, ServingLevel, StepCategoryRow, VariantRow, Verdict, frame)
 from decodescope.model import arch as archmod
-from decodescope.verdict import leveldrift, stepmodel as sm, stepparts as sp, whatif
+from decodescope.verdict import leveldrift, stepmodel as sm, stepparts as sp
 from decodescope.exec.engine_comm import micro_communicator_for
 from decodescope.core.enginelog import last_engine_modes
 from decodescope.micro.bench import with_timing_columns
 from decodescope.verdict.stepmodel import allreduce_wait_us
 from decodescope.trace import categorize
-from decodescope.verdict.fixes import (_engine_itls, _profile_summary, _read_parquet, curves, level_tpot, model_inputs,
+from decodescope.verdict.fixes import (NO_STEP_MODEL as NO_STEP_MODEL, _engine_itls, _profile_summary, _read_parquet, curves, level_tpot, model_inputs,
                                        profile_captures, profile_summaries, served_batches)
 from decodescope.verdict.variants import replay_rows, variant_rows
 # re-exported: importers name these as verdict's
@@ -189,25 +189,6 @@ def allreduce_reconcile_row(coll: pd.DataFrame, summary: Optional[ProfileSummary
             "note": f"same communicator ({micro_comm}); burst aligned by a barrier (no back-to-back sweep)"}
 
 
-def measured_step(summary: ProfileSummary, batch: int) -> "Optional[whatif.MeasuredStep]":
-    """The profiled decode step as the what-ifs take it: wall and summed time, and what the step pays
-    per all-reduce (median rank, waits included)."""
-    ps = summary.per_step
-    per_step = frame(summary.per_step_categories, StepCategoryRow)
-    if per_step.empty or not ps.wall_us_median or not ps.summed_us_median:
-        return None
-    ar = per_step[per_step["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")[
-        ["calls_per_step", "time_per_step_us"]].sum()
-    if ar.empty or ar["calls_per_step"].median() <= 0:
-        return None
-
-    if sm.wait_in_own_op(summary):  # gloo: a call pays its wait op too
-        ar["time_per_step_us"] += sm.own_op_wait_by_rank(per_step).reindex(ar.index, fill_value=0.0)
-    calls = int(round(ar["calls_per_step"].median()))
-    return whatif.MeasuredStep(wall_us=ps.wall_us_median, summed_us=ps.summed_us_median, allreduce_calls=calls,
-                               allreduce_us_per_call=float(ar["time_per_step_us"].median()) / calls, batch=batch)
-
-
 def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
                     model: dict[float, tuple[float, float, float]],
                     captures: Optional[dict[int, ProfileCapture]] = None,
@@ -273,21 +254,6 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
     return leveldrift.with_model_misses(rows, leveldrift.level_stalls(levels))
 
 
-def projections(run_dir: Path, params, summary: Optional[ProfileSummary]) -> list[dict]:
-    """Each fix priced on the profiled step from what 02/03 measured (decodescope.verdict.whatif)."""
-    if summary is None:
-        return []
-    step = measured_step(summary, summary.concurrency or 1)
-    coll = _read_parquet(run_dir, "collectives.parquet")
-    if step is None or coll is None or coll.empty:
-        return []
-    gemm = _read_parquet(run_dir, "gemm.parquet")
-    arch = archmod.normalize_config(params.model_config_dict())
-    profile_comm = next(iter(summary.allreduce_communicators), "unknown")
-    return whatif.projection_rows(whatif.measured_projections(step, coll, gemm, arch, params.server.tensor_parallel,
-                                                              profile_comm))
-
-
 def verdict(run_dir: Path, params) -> Verdict:
     run_dir = Path(run_dir)
     summary = _profile_summary(run_dir)
@@ -325,10 +291,7 @@ def verdict(run_dir: Path, params) -> Verdict:
         out.sources["projections"] = ("the step model: gemm.parquet (02), collectives.parquet (03), "
                                       "profile/c*/profile_summary.json (04); calibrated by serving_levels.parquet (01)")
     else:
-        out.projections = [ProjectionRow.model_validate(r) for r in projections(run_dir, params, summary)]
-        if out.projections:
-            out.sources["projections"] = ("profile_summary.json (04) for the measured step; collectives.parquet (03) "
-                                          "and gemm.parquet (02) for the changed pieces")
+        out.sources["projections"] = NO_STEP_MODEL
     if levels is not None and not levels.empty:
         out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(
             levels, summaries, model, captures, _read_parquet(run_dir, "serving_requests.parquet"))]
