@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from pydantic import ValidationError
 
 from decodescope.exec import hardware
 from decodescope.micro import bench as mb
@@ -16,7 +17,8 @@ from decodescope.schema.params import load_params
 from decodescope.schema.records import (LATENCY_FIT_COLUMNS, SERVING_LEVEL_COLUMNS, AttributionRow, Bottleneck,
                                         CollectivesFit, CpuInfo, CpuMatmul, GpuInfo, HostInventory, LatencyFit,
                                         ManifestHost, Peaks, PhaseEntry, ProfileSummary, ReconcileRow, RecordError,
-                                        RunManifest, ServingHeadline, ServingLevel, StepMedians, TopologyPair, Verdict,
+                                        RunManifest, ServingHeadline, ServingLevel, StepMedians, Teardown, TopologyPair,
+                                        Verdict,
                                         read_record, write_record)
 from decodescope.schema.records_server import LinkMeasure, ProcessCores, ServerInfo
 from decodescope.exec.server import VllmServer, write_server_info
@@ -341,8 +343,8 @@ def test_the_manifest_keeps_its_keys_and_refuses_another_version(tmp_path, repo)
     params = load_params(repo / "params/default.yaml")
     m = Manifest.create(tmp_path, params, ["00_host", "05_verdict"])
     m.update_phase("00_host", status="running", start="t0", end=None, error=None)
-    m.data.setdefault("teardowns", []).append({"at": "t1", "signalled": 3, "shm_removed": 1, "left": []})
-    m.data["something_new"] = {"kept": True}  # the runner may add keys: they are kept as they are
+    m.record.teardowns = [Teardown(at="t1", signalled=3, shm_removed=1, left=[])]
+    setattr(m.record, "something_new", {"kept": True})  # a key of another version: kept as it is
     m.save()
     doc = json.loads((tmp_path / "manifest.json").read_text())
     assert list(doc)[:2] == ["schema_version", "run_id"]
@@ -351,8 +353,14 @@ def test_the_manifest_keeps_its_keys_and_refuses_another_version(tmp_path, repo)
     assert doc["host"]["kind"] == "local" and doc["something_new"] == {"kept": True}
     assert "resumed" not in doc and "server" not in doc  # no key filled in that the runner did not set
     loaded = Manifest.load(tmp_path)
-    assert loaded.data == doc and loaded.record.phases["00_host"].status == "running"
-    assert loaded.phase("05_verdict") == {"status": "pending"}
+    assert loaded.record.to_json_dict() == doc and loaded.record.phases["00_host"].status == "running"
+    assert loaded.phase("05_verdict").model_dump(exclude_unset=True) == {"status": "pending"}
+    # a value of the wrong type fails where the runner sets it, naming the field, before any file is written
+    with pytest.raises(ValidationError, match="duration_s"):
+        loaded.update_phase("00_host", duration_s="soon")
+    with pytest.raises(ValidationError, match="status"):
+        loaded.record.status = None  # type: ignore[assignment]
+    assert json.loads((tmp_path / "manifest.json").read_text()) == doc
     doc.pop("schema_version")
     (tmp_path / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(RunError, match=r"manifest\.json: no schema_version found"):

@@ -10,6 +10,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
+from pydantic import BaseModel
+
 from decodescope.core import resources
 from decodescope.exec.hardware import cpu_summary, package_versions
 from decodescope.schema.params import Params, params_as_dict
@@ -52,19 +54,13 @@ def git_commit(repo: Optional[Path] = REPO_ROOT) -> Optional[str]:
 
 
 class Manifest:
-    """manifest.json of one run (a records.RunManifest), rewritten atomically at every change.
+    """manifest.json of one run, held as its typed record (records.RunManifest) and rewritten atomically at
+    every change. The runner sets the record's fields; the manifest's models check each value as it is
+    set (validate_assignment), so a value of the wrong type fails where it is set, before any file."""
 
-    `data` is the record as its JSON dict, which the runner updates in place; every save validates it
-    as a RunManifest and writes exactly the keys set."""
-
-    def __init__(self, path: Path, data: dict):
-        self.path, self.data = path, data
+    def __init__(self, path: Path, record: RunManifest):
+        self.path, self.record = path, record
         self._lock = threading.Lock()
-
-    @property
-    def record(self) -> RunManifest:
-        """The manifest as it stands, typed."""
-        return RunManifest.model_validate(self.data)
 
     @classmethod
     def create(cls, run_dir: Path, params: Params, phases: list[str]) -> "Manifest":
@@ -82,7 +78,7 @@ class Manifest:
             status="running",
             phases={p: PhaseEntry(status="pending") for p in phases},
         )
-        m = cls(run_dir / "manifest.json", record.to_json_dict())
+        m = cls(run_dir / "manifest.json", record)
         m.save()
         return m
 
@@ -96,13 +92,12 @@ class Manifest:
             record = read_record(path, RunManifest)
         except RecordError as e:
             raise RunError(f"cannot resume: {e}") from None
-        return cls(path, record.to_json_dict())
+        return cls(path, record)
 
     def save(self) -> None:
         with self._lock:
-            record = self.record  # a field of the wrong type is a bug: it fails here, before the file
             try:
-                write_record(self.path, record)
+                write_record(self.path, self.record)
             except OSError as e:
                 raise ResultsWriteError(self.path, e) from None
 
@@ -137,9 +132,15 @@ class Manifest:
     def release_reserve(self) -> None:
         self.reserve_path.unlink(missing_ok=True)
 
-    def phase(self, name: str) -> dict:
-        return self.data["phases"].setdefault(name, {"status": "pending"})
+    def phase(self, name: str) -> PhaseEntry:
+        return self.record.phases.setdefault(name, PhaseEntry(status="pending"))
 
     def update_phase(self, name: str, **fields) -> None:
-        self.phase(name).update(fields)
+        set_fields(self.phase(name), **fields)
         self.save()
+
+
+def set_fields(entry: BaseModel, **fields) -> None:
+    """Each field set on a part of the manifest, checked as it is set and written to the file from then on."""
+    for name, value in fields.items():
+        setattr(entry, name, value)

@@ -32,7 +32,8 @@ from decodescope.report import index as run_index
 from decodescope.core.rundir import ensure_layout, make_run_dir
 from decodescope.exec.server import hold_port, release_port, write_server_info
 from decodescope.orchestration.progress import Progress
-from decodescope.orchestration.runmanifest import Manifest, ResultsWriteError, RunError, utc_now
+from decodescope.orchestration.runmanifest import Manifest, ResultsWriteError, RunError, set_fields, utc_now
+from decodescope.schema.records import PhaseEntry, RunManifest, ServerLaunch, ServerState, Teardown, VariantEntry
 
 # The shipped notebooks, found under the package's _data/ (decodescope.core.resources).
 NOTEBOOK_DIR = resources.notebook_dir()
@@ -226,14 +227,14 @@ def _open_manifest(params: Params, selected: list[str], run_dir: Path, resume: O
         manifest = Manifest.load(run_dir)
         for p in selected:
             manifest.phase(p)
-        manifest.data["status"] = "running"
-        manifest.data.setdefault("resumed", []).append(utc_now())
+        manifest.record.status = "running"
+        manifest.record.resumed = [*manifest.record.resumed, utc_now()]
         manifest.save()
     else:
         manifest = Manifest.create(run_dir, params, selected)
 
         if os.environ.get(OVERRIDES_ENV):
-            manifest.data["overrides"] = json.loads(os.environ[OVERRIDES_ENV])
+            manifest.record.overrides = json.loads(os.environ[OVERRIDES_ENV])
             manifest.save()
     manifest.reserve_space()
     run_params_path = run_dir / "params.yaml"
@@ -251,10 +252,10 @@ def _write_report(run_dir: Path, manifest: Manifest) -> None:
         report = build_report(run_dir)
     except OSError as e:
         err = ResultsWriteError(getattr(e, "filename", None) or run_dir / "report.html", e)
-        manifest.data.update(status="failed", error=f"report: {err}")
+        set_fields(manifest.record, status="failed", error=f"report: {err}")
         manifest.try_save()
         raise err from None
-    manifest.data["report"] = str(report.relative_to(run_dir))
+    manifest.record.report = str(report.relative_to(run_dir))
     manifest.save()
 
 
@@ -268,7 +269,7 @@ class _PhaseLoop:
         self.params, self.selected, self.run_dir = params, selected, run_dir
         self.notebook_params, self.notebook_dir = notebook_params, notebook_dir
         self.manifest, self.progress, self.on_server = manifest, progress, on_server
-        self.todo = [p for p in selected if manifest.phase(p).get("status") != "ok"]
+        self.todo = [p for p in selected if manifest.phase(p).status != "ok"]
         self.server: Optional[srv.VllmServer] = None
         self.server_error: Optional[str] = None
 
@@ -341,18 +342,17 @@ class _PhaseLoop:
             self.progress.note("stopping the vLLM server and its workers ...")
             _stop_server(self.server, manifest)
         _reap_strays(self.run_dir.name, None, manifest, None)
-        ok = all(manifest.phase(p).get("status") == "ok" for p in self.selected)
-        manifest.data["status"] = ("interrupted" if interrupted else
-                                   "failed" if write_error or not ok else "ok")
+        ok = all(manifest.phase(p).status == "ok" for p in self.selected)
+        manifest.record.status = "interrupted" if interrupted else "failed" if write_error or not ok else "ok"
         if write_error:
-            manifest.data["error"] = str(write_error)
-        manifest.data["finished"] = utc_now()
+            manifest.record.error = str(write_error)
+        manifest.record.finished = utc_now()
         final_save_error = manifest.try_save()  # always: after a failed write it uses the reserve
         return ok, write_error or final_save_error
 
 
 def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_dir: Path, server, manifest: Manifest,
-                     progress: "Progress", entry: dict, variant: str = ""):
+                     progress: "Progress", entry: PhaseEntry | VariantEntry, variant: str = ""):
     """One notebook, then what it may have left behind: stray processes are stopped, and a server that
     died fails the phase even when the phase finished first. Returns (error or None, the executed
     notebook, the server or None when it died)."""
@@ -385,17 +385,17 @@ def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "
     server left running (or None)."""
     key = None  # the baseline's server: its settings (and profiler) are the baseline's, not a variant's
     t_start, done = time.monotonic(), []
-    variants = manifest.data.setdefault("variants", {})
+    manifest.record.variants = variants = dict(manifest.record.variants)
     for n, exp in enumerate(params.experiments, 1):
-        entry = variants.setdefault(exp.name, {"status": "pending"})
+        entry = variants.setdefault(exp.name, VariantEntry(status="pending"))
         label = f"variant {exp.name} ({n} of {len(params.experiments)})"
-        if entry.get("status") == "ok":
+        if entry.status == "ok":
             progress.note(f"{label} ... skipped (ok in a previous run)")
             continue
         vparams = with_experiment(params, exp.name)
         vdir = ensure_layout(run_dir / "variants" / exp.name)
         write_text_atomic(vdir / "params.yaml", dump_yaml(vparams))
-        entry.update(status="running", start=utc_now(), error=None, params=redact(exp.model_dump(mode="json")))
+        set_fields(entry, status="running", start=utc_now(), error=None, params=redact(exp.model_dump(mode="json")))
         manifest.save()
         t0 = time.monotonic()
         profiler_dir = vdir / "traces" if exp.profile else None
@@ -409,11 +409,11 @@ def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "
             server, err = _start_server(vparams, vdir, manifest, progress, profiler_dir)
             key = want if server is not None else None
             if server is None:
-                entry.update(status="failed", end=utc_now(), error=f"server did not start: {err}"[:4000],
-                             duration_s=time.monotonic() - t0)
+                set_fields(entry, status="failed", end=utc_now(), error=f"server did not start: {err}"[:4000],
+                           duration_s=time.monotonic() - t0)
                 manifest.save()
-                done.append(entry["duration_s"])
-                progress.note(f"{label} ... failed: server did not start ({entry['duration_s']:.1f} s)")
+                done.append(entry.duration_s or 0.0)
+                progress.note(f"{label} ... failed: server did not start ({entry.duration_s:.1f} s)")
                 continue
         else:
             write_server_info(vdir, server, vparams)
@@ -428,13 +428,13 @@ def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "
                 if server is None:
                     key = None
                     break
-        entry.update(status="failed" if errors else "ok", end=utc_now(), duration_s=time.monotonic() - t0,
-                     error="; ".join(f"{k}: {v}" for k, v in errors.items())[:4000] if errors else None)
+        set_fields(entry, status="failed" if errors else "ok", end=utc_now(), duration_s=time.monotonic() - t0,
+                   error="; ".join(f"{k}: {v}" for k, v in errors.items())[:4000] if errors else None)
         manifest.save()
-        done.append(entry["duration_s"])
+        done.append(entry.duration_s or 0.0)
         left = len(params.experiments) - n
         eta = f"about {sum(done) / len(done) * left:.0f} s left" if left else "done"
-        progress.note(f"{label} ... {entry['status']} ({entry['duration_s']:.1f} s; variants elapsed "
+        progress.note(f"{label} ... {entry.status} ({entry.duration_s:.1f} s; variants elapsed "
                       f"{time.monotonic() - t_start:.0f} s, {eta})"
                       + (f" - {next(iter(errors.values())).splitlines()[0][:200]}" if errors else ""))
     return server
@@ -448,7 +448,8 @@ def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
         progress.note(f"warning: could not rebuild {output_dir / 'index.html'}: {e}")
 
 
-def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str], entry: Optional[dict] = None) -> None:
+def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str],
+                 entry: PhaseEntry | VariantEntry | None = None) -> None:
     """A phase's kernel is gone when the phase ends; anything it started (a probe, a torchrun rank, a
     server of its own) that is still alive would outlive the run, and is stopped here. The run's own
     server is kept."""
@@ -456,17 +457,21 @@ def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str], 
     strays = [p for p in procs.run_processes(run_id, env_name=RUN_ID_ENV) if p not in keep]
     if strays:
         procs.terminate_pids(strays)
-        entry = entry if entry is not None else manifest.phase(phase) if phase else manifest.data
-        entry["stray_processes_stopped"] = len(strays) + entry.get("stray_processes_stopped", 0)
+        held: PhaseEntry | VariantEntry | RunManifest = (entry if entry is not None else manifest.phase(phase) if phase
+                                                         else manifest.record)
+        held.stray_processes_stopped = len(strays) + (held.stray_processes_stopped or 0)
 
 
 def _stop_server(server, manifest: Manifest) -> None:
     """Tear the server down and record what teardown found (processes signalled, shm files removed)."""
     server.stop()
-    manifest.data.setdefault("teardowns", []).append({
-        "at": utc_now(), "signalled": len(server.teardown.get("signalled", [])),
-        "shm_removed": len(server.teardown.get("shm_removed", [])), "left": server.teardown.get("left", [])})
-    manifest.data.setdefault("server", {})["stopped"] = utc_now()
+    record = manifest.record
+    record.teardowns = [*record.teardowns, Teardown(
+        at=utc_now(), signalled=len(server.teardown.get("signalled", [])),
+        shm_removed=len(server.teardown.get("shm_removed", [])), left=server.teardown.get("left", []))]
+    if record.server is None:
+        record.server = ServerState()
+    record.server.stopped = utc_now()
     manifest.try_save()  # a full disk must not stop the teardown from being reported by the caller
 
 
@@ -476,17 +481,17 @@ def _start_server(params, run_dir, manifest, progress, profiler_dir: Optional[Pa
     try:
         server = srv.start_for_params(params, run_dir, profiler_dir=profiler_dir)
     except (srv.ServerError, OSError, LockHeld) as e:
-        manifest.data["server"] = {"status": "failed", "error": str(e)[:4000]}
+        manifest.record.server = ServerState(status="failed", error=str(e)[:4000])
         manifest.save()
         progress.note(f"server failed: {str(e).splitlines()[0]}")
         return None, str(e)
-    manifest.data["server"] = {"status": "up", "base_url": server.base_url, "start_s": time.monotonic() - t0,
-                               "pids": server.tree_pids, "profiler_dir": str(profiler_dir) if profiler_dir else None,
-                               "launch": server.spec.describe() if server.spec else None}
+    manifest.record.server = ServerState(status="up", base_url=server.base_url, start_s=time.monotonic() - t0,
+                                         pids=server.tree_pids, profiler_dir=str(profiler_dir) if profiler_dir else None,
+                                         launch=server.spec.describe() if server.spec else None)
     # every server this run started, for the record (and for checking that none outlived it)
-    manifest.data.setdefault("servers", []).append({"started": utc_now(), "start_s": time.monotonic() - t0,
-                                                    "pids": server.tree_pids, "pgid": server.pgid, "run_token": server.run_token,
-                                                    "shm_files": sorted(map(str, server.shm_files))})
+    manifest.record.servers = [*manifest.record.servers, ServerLaunch(
+        started=utc_now(), start_s=time.monotonic() - t0, pids=server.tree_pids, pgid=server.pgid,
+        run_token=server.run_token, shm_files=sorted(map(str, server.shm_files)))]
     manifest.save()
     progress.note(f"server healthy at {server.base_url} after {time.monotonic() - t0:.1f} s")
     return server, None

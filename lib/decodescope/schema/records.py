@@ -386,7 +386,13 @@ class ProfileCaptures(Record):
 
 
 # ---- run manifest (manifest.json) ------------------------------------------------------------------
-class PhaseEntry(_OpenModel):
+class _ManifestPart(_OpenModel):
+    """A part of manifest.json, which the runner sets field by field: each value is checked as it is set."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, validate_assignment=True)
+
+
+class PhaseEntry(_ManifestPart):
     status: str = Field("pending", description="pending, running, ok, failed or skipped")
     start: Optional[str] = None
     end: Optional[str] = None
@@ -396,7 +402,7 @@ class PhaseEntry(_OpenModel):
     stray_processes_stopped: Optional[int] = None
 
 
-class ManifestHost(_OpenModel):
+class ManifestHost(_ManifestPart):
     kind: Optional[str] = Field(None, description="params `host`")
     model: Optional[str] = Field(None, description="CPU model")
     logical_cores: Optional[int] = None
@@ -404,7 +410,7 @@ class ManifestHost(_OpenModel):
     hostname: Optional[str] = None
 
 
-class ServerState(_OpenModel):
+class ServerState(_ManifestPart):
     status: Optional[str] = None
     error: Optional[str] = None
     base_url: Optional[str] = None
@@ -415,7 +421,7 @@ class ServerState(_OpenModel):
     stopped: Optional[str] = None
 
 
-class ServerLaunch(_OpenModel):
+class ServerLaunch(_ManifestPart):
     started: Optional[str] = None
     start_s: Optional[float] = None
     pids: Optional[list[int]] = None
@@ -424,14 +430,14 @@ class ServerLaunch(_OpenModel):
     shm_files: Optional[list[str]] = None
 
 
-class Teardown(_OpenModel):
+class Teardown(_ManifestPart):
     at: Optional[str] = None
     signalled: Optional[int] = None
     shm_removed: Optional[int] = None
     left: Any = None
 
 
-class VariantEntry(_OpenModel):
+class VariantEntry(_ManifestPart):
     """One variant of params.experiments as the runner measured it (variants/<name>/)."""
 
     status: str = Field("pending", description="pending, running, ok or failed")
@@ -445,9 +451,10 @@ class VariantEntry(_OpenModel):
 
 class RunManifest(Record):
     """manifest.json: the run's params (secrets redacted), versions, host and each phase's status.
-    The runner adds keys as the run goes; the file holds exactly the keys set (none filled in)."""
+    The runner sets fields as the run goes (each checked as it is set); the file holds exactly the fields
+    set (none filled in)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     run_id: str
     params_name: str
