@@ -60,3 +60,20 @@ def test_a_runner_pinned_to_some_cores_may_start_its_server_on_the_others():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "names cores [4096] this host does not offer" in proc.stdout and other in proc.stdout
+
+
+def test_a_cgroup_path_outside_the_containers_namespace_falls_back_to_the_mounts_own_cpuset(tmp_path):
+    """On the H200 machine /proc/self/cgroup reads '0::/process_api/<id>' while /sys/fs/cgroup is that cgroup
+    itself: the named path does not exist there, and a runner pinned to 8-15 refused server.cpus 0-7."""
+    from decodescope.exec.procs import _cpuset_files
+
+    cg = tmp_path / "cgroup"
+    cg.write_text("0::/process_api/f26f8634\n")
+    root = tmp_path / "fs"
+    root.mkdir()
+    (root / "cpuset.cpus.effective").write_text("0-15\n")
+    files = _cpuset_files(cg, root)
+    assert files == [root / "process_api/f26f8634/cpuset.cpus.effective", root / "cpuset.cpus.effective"]
+    assert [f for f in files if f.is_file()] == [root / "cpuset.cpus.effective"]
+    (cg).write_text("0::/\n")
+    assert _cpuset_files(cg, root)[0] == root / "cpuset.cpus.effective"

@@ -55,11 +55,12 @@ def cores_offered() -> set[int]:
     return set(os.sched_getaffinity(0))
 
 
-def _cpuset_files() -> list[Path]:
+def _cpuset_files(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> list[Path]:
     """This process's cpuset files, from /proc/self/cgroup: cgroup v2's cpuset.cpus.effective, v1's
-    cpuset.effective_cpus."""
+    cpuset.effective_cpus; then the mount's own, for a container whose /proc/self/cgroup names a path
+    outside its cgroup namespace (the H200 machine: '0::/process_api/<id>', mounted as the root)."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = proc_cgroup.read_text().splitlines()
     except OSError:
         return []
     out = []
@@ -67,9 +68,10 @@ def _cpuset_files() -> list[Path]:
         _, controllers, rel = line.split(":", 2)
         rel = rel.rstrip("/")
         if controllers == "":
-            out.append(Path(f"/sys/fs/cgroup{rel}/cpuset.cpus.effective"))
+            out += [root.joinpath(rel.lstrip("/"), "cpuset.cpus.effective"), root / "cpuset.cpus.effective"]
         elif "cpuset" in controllers.split(","):
-            out.append(Path(f"/sys/fs/cgroup/cpuset{rel}/cpuset.effective_cpus"))
+            out += [root.joinpath("cpuset", rel.lstrip("/"), "cpuset.effective_cpus"),
+                    root / "cpuset" / "cpuset.effective_cpus"]
     return out
 
 
