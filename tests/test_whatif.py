@@ -101,3 +101,64 @@ def test_a_run_whose_step_model_cannot_run_has_no_projection_and_says_why(tmp_pa
     v = verdict(run, load_params(repo / "params/h200-qwen3moe.yaml"))
     assert v.projections == [] and v.curves == []
     assert "02's GEMMs (gemm.parquet)" in v.sources["projections"]
+
+
+def test_a_batch_cap_is_the_step_at_the_cap_calibrated_by_the_baseline_measured_there(inputs):
+    from decodescope.verdict.variants import _calibration
+
+    fix = fixes.capped_fix(inputs, 8.0, 4)
+    assert fix.prediction.period_us == pytest.approx(inputs.predict(4.0).period_us) and fix.calibrate_at == 4.0
+    base = {4: 3_000.0, 8: 5_000.0}
+    scale, how = _calibration(inputs, fix, 8.0, base, base)
+    # the capped level's token costs what the baseline measured at batch 4, not level 8's TPOT x model ratio
+    assert fix.prediction.period_us * scale == pytest.approx(3_000.0)
+    assert how == "calibrated by the baseline's TPOT at level 4, the batch it runs at"
+    below = fixes.capped_fix(inputs, 2.0, 4)     # a level under the cap: the plain step, its own calibration
+    assert below.calibrate_at == 2.0 and below.prediction.period_us == pytest.approx(inputs.predict(2.0).period_us)
+
+
+def test_an_eager_step_is_the_host_issuing_the_profiled_kernels_at_02s_cost_per_call(inputs):
+    from dataclasses import replace
+
+    from decodescope.verdict.variants import _calibration, _implied_host_per_kernel
+
+    assert fixes.eager_fix(inputs, 1.0) == (None, "02 measured no host cost per call (it does on a GPU)")
+    gemm = inputs.gemm.assign(host_time_us=20.0, host_p10_us=18.0, host_p90_us=25.0)
+    inp = replace(inputs, gemm=gemm, samples=[replace(s, kernels_per_step=100.0) for s in inputs.samples])
+    fix, why = fixes.eager_fix(inp, 1.0)
+    assert why == "" and not fix.calibrated
+    base = inp.predict(1.0)
+    gpu_us = sum(c.us for c in base.components if c.name not in sm.HOST_PARTS) * base.overlap
+    between = _part(base, "between steps")
+    assert between == pytest.approx(1_000.0)
+    # GPU time per kernel under the host's 20 us: the host sets the pace, and the last kernel ends the step
+    assert gpu_us / 100 < 18.0
+    assert _part(fix.prediction, fixes.EAGER_STEP) == pytest.approx(100 * 20.0 + gpu_us / 100)
+    assert fix.prediction.period_us == pytest.approx(100 * 20.0 + gpu_us / 100 + 1_000.0)
+    assert fix.prediction.band_us == (pytest.approx(100 * 18.0 + gpu_us / 100 + 1_000.0),
+                                      pytest.approx(100 * 25.0 + gpu_us / 100 + 1_000.0))
+    assert _calibration(inp, fix, 1.0, {1: 2_000.0}, {1: 2_000.0})[0] == 1.0     # the model's own value
+    # measured 11,000 us a token: (11,000 - 1,000) / 100 kernels = 100 us of host time per kernel
+    assert "implies 100.0 us of host time per profiled kernel" in _implied_host_per_kernel(fix, 11_000.0)
+    assert fixes.eager_fix(replace(inp, samples=[replace(s, kernels_per_step=0.0) for s in inp.samples]), 1.0) == \
+        (None, "04 counted no kernels per step")
+
+
+def test_each_variant_is_routed_to_the_fix_that_projects_its_change(inputs, params):
+    from dataclasses import replace
+
+    from decodescope.schema.params import with_experiment
+    from decodescope.verdict.variants import variant_fix
+
+    inp = replace(inputs, gemm=inputs.gemm.assign(host_time_us=20.0, host_p10_us=18.0, host_p90_us=25.0),
+                  samples=[replace(s, kernels_per_step=100.0) for s in inputs.samples])
+    p = params.model_copy(update={"experiments": []})
+    cases = {"seqs": ({"max-num-seqs": 4}, "max-num-seqs 4: the step at batch 4"),
+             "eager": ({"enforce-eager": True}, "eager: no CUDA graphs, no torch.compile")}
+    for name, (args, projection) in cases.items():
+        exp = p.model_validate({**p.model_dump(), "experiments": [{"name": name, "engine_args": args}]})
+        fix, why = variant_fix(inp, exp, with_experiment(exp, name), exp.experiments[0], 8.0, (None, False))
+        assert why == "" and fix.name == projection
+    same = p.model_validate({**p.model_dump(), "experiments": [{"name": "same", "engine_args": {"seed": 1}}]})
+    assert variant_fix(inp, same, with_experiment(same, "same"), same.experiments[0], 8.0, (None, False)) == \
+        (None, "no projection for this change")

@@ -174,6 +174,53 @@ class Fix:
     tokens_per_step: float = 1.0
     gpus_per_replica: int = 1
     assumptions: list = field(default_factory=list)
+    # the batch whose measured TPOT calibrates the fix (a capped batch runs at the cap's); None: the level's own
+    calibrate_at: Optional[float] = None
+    calibrated: bool = True   # False: the model's own value (a step of another kind than the one measured)
+    per_kernel: Optional[tuple[float, float]] = None  # an eager step's (kernels per step, between-steps us)
+
+
+EAGER_STEP = "eager step (host-paced walk)"
+
+
+def eager_fix(inp: ModelInputs, batch: float) -> tuple[Optional[Fix], str]:
+    """No CUDA graphs and no torch.compile (--enforce-eager) on a GPU: the host issues the step's kernels one
+    by one. Priced as the eager walk (stepparts.eager_walk) of the profiled step's kernels (04, the nearest
+    profiled level), each issued at 02's measured host cost per call and run in its share of the step's GPU
+    time (the model's work at this batch), then the host's time between steps; (None, why) without those."""
+    g = inp.gemm[inp.gemm["status"] == "ok"] if "status" in inp.gemm else inp.gemm
+    if "host_time_us" not in g or g["host_time_us"].dropna().empty:
+        return None, "02 measured no host cost per call (it does on a GPU)"
+    counted = [s for s in inp.samples if s.kernels_per_step >= 1]
+    if not counted:
+        return None, "04 counted no kernels per step"
+    s = min(counted, key=lambda x: (abs(x.batch - batch), x.batch))
+    g = g.dropna(subset=["host_time_us"])
+    nb = min(set(g["batch"]), key=lambda b: (abs(b - batch), b))
+    host = {c: float(g.loc[g["batch"] == nb, c].median()) for c in sp.HOST_COLUMNS}
+    base = inp.predict(batch)
+    gpu_us = sum(c.us for c in base.components if c.name not in sm.HOST_PARTS) * base.overlap
+    n = int(round(s.kernels_per_step))
+    end, lo, hi = (sp.eager_walk([(host[c], gpu_us / n)] * n)[0] for c in sp.HOST_COLUMNS)
+    between = next((c for c in base.components if c.name == "between steps"),
+                   sp.Component("between steps", 0.0, 0.0, 0.0, "none profiled"))
+    walk = sp.Component(EAGER_STEP, end, min(lo, end), max(hi, end),
+                        f"gemm.parquet host_time_us (02, batch {nb:g}) x {n} kernels per step ({s.source})", [
+                            f"{n} kernels issued at {host['host_time_us']:.1f} us each, {gpu_us:,.0f} us of GPU time"])
+    return Fix("eager: no CUDA graphs, no torch.compile", sm.StepPrediction(batch, [walk, between], 1.0), 1.0, inp.tp, [
+        f"the host issues the {n} kernels of the profiled step (graph mode, at batch {s.batch:g}) one by one at 02's "
+        f"host cost per call ({host['host_time_us']:.1f} us, a bare GEMM call); the GPU runs each in its share of the "
+        "step's GPU time; then the host's time between steps; not calibrated (a step of another kind than 01's)"],
+                calibrated=False, per_kernel=(float(n), between.us)), ""
+
+
+def capped_fix(inp: ModelInputs, batch: float, cap: int) -> Fix:
+    """A batch cap (max-num-seqs): the level runs at most `cap` sequences at once, the rest queue; a
+    stream's token costs the step at min(level, cap), calibrated by the baseline measured at that batch."""
+    ran = min(float(batch), float(cap))
+    return Fix(f"max-num-seqs {cap}: the step at batch {ran:g}", inp.predict(ran), 1.0, inp.tp, [
+        f"at most {cap} sequences decode together; the others wait for a slot (their TTFT, not TPOT)"],
+               calibrate_at=ran)
 
 
 def fixes_at(inp: ModelInputs, batch: float, params) -> list[Fix]:

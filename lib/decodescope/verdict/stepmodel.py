@@ -100,7 +100,8 @@ def step_samples(summaries: dict, context_tokens: float,
                               engine_wait_us=engine.runq_wait_us,
                               allreduce_wait_us=0.0 if own_wait else allreduce_wait_us(
                                   cats, rank, s.allreduce_transfer_us_per_step),
-                              wait_own_op_us=own_wait))
+                              wait_own_op_us=own_wait,
+                              kernels_per_step=float(cats.loc[cats["rank"] == rank, "calls_per_step"].sum())))
     return sorted(out, key=lambda x: x.batch)
 
 

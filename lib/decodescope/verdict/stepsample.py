@@ -30,6 +30,7 @@ class StepSample:
     preempted_us: float = 0.0
     engine_cpu_us: float = 0.0      # the engine core's CPU time per step (04, /proc)
     engine_wait_us: float = 0.0     # its run-queue wait per step: runnable, no core free
+    kernels_per_step: float = 0.0   # the critical rank's kernels (or ops) per step (04): what an eager host issues
 
     @property
     def rest_us(self) -> float:

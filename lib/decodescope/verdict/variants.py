@@ -15,8 +15,8 @@ from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
 from decodescope.schema.records import ProfileCapture, RunManifest, VariantEntry, read_record
 from decodescope.core.rundir import VARIANTS
-from decodescope.verdict.fixes import (Fix, ModelInputs, _read_parquet, baseline_tpot, expected_tokens_per_verify,
-                                       level_tpot)
+from decodescope.verdict.fixes import (Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix, eager_fix,
+                                       expected_tokens_per_verify, level_tpot)
 
 
 # ---- the variants (params.experiments), measured against their projections ----------------------------
@@ -63,7 +63,49 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
             return None, "03 measured no all-to-all"
         c = sm.expert_parallel_collectives(inp.coll, inp.arch, tp, int(batch), inp.communicator, inp.timing)
         return Fix("expert parallelism", inp.predict(batch, collectives=c), 1.0, tp), ""
+    cap, base_cap = _max_num_seqs(ea), _max_num_seqs(params.server.engine_args)
+    if cap is not None and cap != base_cap:
+        return capped_fix(inp, batch, cap), ""
+    if _flag(ea, "enforce-eager") and not _flag(params.server.engine_args, "enforce-eager"):
+        return eager_fix(inp, batch)
     return None, "no projection for this change"
+
+
+def _flag(engine_args: dict, name: str) -> bool:
+    v = engine_args.get(name, engine_args.get(name.replace("-", "_")))
+    return v is True or (isinstance(v, str) and v.lower() in ("true", "1", ""))
+
+
+def _max_num_seqs(engine_args: dict) -> Optional[int]:
+    v = engine_args.get("max-num-seqs", engine_args.get("max_num_seqs"))
+    return int(v) if v is not None else None
+
+
+def _calibration(inp: ModelInputs, fix: Fix, level: float, calibration: dict[int, float],
+                 base: dict[int, float]) -> tuple[float, str]:
+    """(scale, how): the fix x the baseline's TPOT / the base model at the batch that calibrates it (the
+    level's own, or the cap's for a capped batch), so the model's own error there cancels."""
+    if not fix.calibrated:
+        return 1.0, "the model's own value (not calibrated: a step of another kind than the baseline's)"
+    ref = fix.calibrate_at if fix.calibrate_at is not None else level
+    model = inp.predict(ref).period_us
+    if int(ref) not in base:
+        return 1.0, f"the model's own value (the baseline did not measure level {ref:g})"
+    where = "this level" if ref == level else f"level {ref:g}, the batch it runs at"
+    return (calibration.get(int(ref), model) / model,
+            f"calibrated by the baseline's TPOT at {where}" + (" (the mean of its 01 and 04 measurements)"
+                                                               if calibration.get(int(ref)) != base.get(int(ref)) else ""))
+
+
+def _implied_host_per_kernel(fix: Fix, tpot_us: float) -> str:
+    """For an eager projection: the host time per kernel the measured TPOT implies (TPOT less the time
+    between steps, over the kernels), beside the cost per call the projection used."""
+    if fix.per_kernel is None:
+        return ""
+    kernels, between_us = fix.per_kernel
+    return (f"; the measured TPOT implies {(tpot_us - between_us) / kernels:,.1f} us of host time per profiled kernel "
+            f"((TPOT - {between_us:,.0f} us between steps) / {kernels:.0f}), where the projection issued each at "
+            "02's cost of a bare GEMM call")
 
 
 def _gist(error: str) -> str:
@@ -112,19 +154,14 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                 if fix is None:
                     row["notes"] = why
                 else:
-                    model = inp.predict(b).period_us
-                    scale = calibration.get(int(lv.level), model) / model
+                    scale, how = _calibration(inp, fix, b, calibration, base)
                     lo, hi = fix.prediction.band_us
                     proj = fix.prediction.period_us / fix.tokens_per_step * scale
                     row.update(projection=fix.name, projected_tpot_us=proj,
                                projected_low_us=lo / fix.tokens_per_step * scale,
                                projected_high_us=hi / fix.tokens_per_step * scale,
                                projection_error_pct=100 * (proj / tpot - 1),
-                               notes=("calibrated by the baseline's TPOT at this level"
-                                      + (" (the mean of its 01 and 04 measurements)"
-                                         if calibration.get(int(lv.level)) != base.get(int(lv.level)) else "")
-                                      if int(lv.level) in base else
-                                      "the model's own value (the baseline did not measure this level)"))
+                               notes=how + _implied_host_per_kernel(fix, tpot))
             if split:
                 row["gpu_host_split"] = split
             if modes:
