@@ -30,6 +30,7 @@ VERDICT_SECTIONS = ("verdict_headline", "verdict_findings", "verdict_attribution
 # pandas' Styler names each table's CSS with a random id (T_1a2b3): the same table, another id
 STYLER_ID = re.compile(r"T_[0-9a-f]{5}")
 FIXTURE_PARAMS = {"vllm_gpu_h200_qwen3moe": REPO / "params" / "h200-qwen3moe.yaml",
+                  "vllm_gpu_h200_qwen3moe_pinned": REPO / "params" / "h200-qwen3moe-pinned.yaml",
                   "vllm_gpu_h200_kimi_int4": REPO / "params" / "h200-kimi-int4.yaml"}
 
 

@@ -186,6 +186,64 @@ def test_eager_on_the_h200_is_host_bound_as_the_gpu_telemetry_shows(gpu_verdict)
     assert any("Variant eager" in f.text and "waiting on the host 27.23 ms" in f.text for f in gpu_verdict.findings)
 
 
+# ---- the pinned run: `taskset -c 8-15 decodescope run params/h200-qwen3moe-pinned.yaml` on the H200, 2026-12-03 ----
+PINNED = Path(__file__).parent / "fixtures" / "runs" / "vllm_gpu_h200_qwen3moe_pinned"
+
+
+@pytest.fixture(scope="module")
+def pinned_verdict():
+    from decodescope.schema.params import load_params
+    from decodescope.verdict.verdict import verdict
+
+    return verdict(PINNED, load_params(Path(__file__).parent.parent / "params" / "h200-qwen3moe-pinned.yaml"))
+
+
+def test_the_step_model_is_within_10pct_of_client_tpot_at_every_level_of_the_pinned_run(pinned_verdict):
+    """The server on cores 0-7, decodescope on 8-15, 04 profiling 1, 8, the knee and 64: the model, built from
+    02, 03 and 04, against 01's client TPOT p50 at each of the seven levels (-5.5% to +2.6% as recorded)."""
+    errors = {r.level: r.model_error for r in pinned_verdict.levels}
+    assert sorted(errors) == [1, 2, 4, 8, 16, 32, 64]
+    assert all(abs(e) < 0.10 for e in errors.values()), errors
+    assert not any(r.model_miss for r in pinned_verdict.levels)
+    # the engine's own step moved less than 11% between 01 and 04 on the profiled levels
+    drifts = {r.level: r.host_drift for r in pinned_verdict.levels if r.host_drift is not None}
+    assert set(drifts) == {1, 8, 64} and all(abs(d) < 0.11 for d in drifts.values()), drifts
+
+
+def test_every_variant_of_the_pinned_run_is_set_against_its_projection(pinned_verdict):
+    rows = {(r.variant, r.level): r for r in pinned_verdict.variants}
+    assert set(rows) == {("spec-ngram", 1), ("spec-ngram", 8), ("spec-ngram", 64), ("eager", 1), ("eager", 8),
+                         ("seqs16", 1), ("seqs16", 8), ("seqs16", 64)}
+    for r in rows.values():
+        assert r.projection and r.projected_tpot_us > 0
+        assert r.projection_error_pct == pytest.approx(100 * (r.projected_tpot_us / r.tpot_p50_us - 1))
+    # the cap runs level 64 at batch 16: priced by what the baseline measured at 16
+    assert rows[("seqs16", 64)].projection == "max-num-seqs 16: the step at batch 16"
+    assert abs(rows[("seqs16", 64)].projection_error_pct) < 10
+    # eager: 02's bare call is not vLLM's eager op; the row says what host time per kernel the TPOT implies
+    assert rows[("eager", 1)].projection_error_pct < -50
+    assert "us of host time per profiled kernel" in rows[("eager", 1)].notes
+    # n-gram speculative decoding switched vLLM's async scheduling off (its log): named where it misses
+    spec = rows[("spec-ngram", 1)]
+    assert spec.engine_modes.endswith(", async scheduling off") and pinned_verdict.engine.endswith("VLLM_COMPILE")
+    assert "its engine ran without async scheduling" in spec.notes
+    assert "async scheduling" not in rows[("seqs16", 1)].notes + rows[("seqs16", 1)].engine_modes
+
+
+def test_async_scheduling_is_read_for_each_engine_start_from_the_engine_cores_own_line():
+    from decodescope.core.enginelog import engine_modes
+
+    line = ("(EngineCore pid=9) INFO [core.py:116] Initializing a V1 LLM engine (v0.26.0) with config: "
+            "enforce_eager=False, 'mode': <CompilationMode.VLLM_COMPILE: 3>, 'cudagraph_mode': <CUDAGraphMode.FULL: 2>")
+    log = "\n".join([
+        "(APIServer pid=1) INFO [vllm.py:1109] Asynchronous scheduling is enabled.", line,
+        "(EngineCore pid=9) INFO [vllm.py:1109] Asynchronous scheduling is disabled.",   # the engine core's word
+        line,                                                                              # a restart, silent
+        "(APIServer pid=2) INFO [vllm.py:1109] Asynchronous scheduling is disabled.", line])
+    assert [m.async_scheduling for m in engine_modes(log)] == [False, None, False]
+    assert engine_modes(log)[0].describe() == "vLLM 0.26.0: CUDA graphs FULL, torch.compile VLLM_COMPILE, async scheduling off"
+
+
 # ---- one code path for both engines' /metrics: vLLM 0.26.0 on the GPU, vLLM CPU 0.32.0 ------------------
 def _gpu_metric_names() -> set[str]:
     frames = [pd.read_parquet(f) for f in sorted((RUN / "data" / "telemetry").glob("level_*.parquet"))]

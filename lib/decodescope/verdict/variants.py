@@ -108,6 +108,15 @@ def _implied_host_per_kernel(fix: Fix, tpot_us: float) -> str:
             "02's cost of a bare GEMM call")
 
 
+def _lost_async_scheduling(base, variant) -> str:
+    """A note where the variant's engine scheduled synchronously and the baseline's did not (both logs say so)."""
+    if base is None or variant is None or not (base.async_scheduling is True and variant.async_scheduling is False):
+        return ""
+    return ("; its engine ran without async scheduling (its log), the baseline's with it: the host schedules each "
+            "step once the one before has ended, a serial cost that the projection, priced on the baseline's "
+            "overlapped host time, leaves out")
+
+
 def _gist(error: str) -> str:
     """An error's first line and, when it quotes a log tail, the tail's last line (where vLLM says why)."""
     lines = [x.strip() for x in error.splitlines() if x.strip()]
@@ -126,6 +135,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
     calibration = {int(k): v for k, v in baseline_tpot(levels, captures).items()}
     utils = ({int(r.level): r.gpu_util_mean_pct for r in levels.itertuples()}
              if levels is not None and "gpu_util_mean_pct" in levels.columns else {})
+    base_modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
     rows = []
     for exp in params.experiments:
         state = states.get(exp.name) or VariantEntry(status="not run")
@@ -138,6 +148,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
         vparams = with_experiment(params, exp.name)
         acceptance = _acceptance(vlev)
         modes = last_engine_modes(Path(run_dir) / VARIANTS / exp.name / "logs" / "server.log")
+        lost_async = _lost_async_scheduling(base_modes, modes)
         for lv in vlev.sort_values("level").itertuples():
             b, (tpot, basis) = float(lv.level), level_tpot(lv)
             row = {"variant": exp.name, "status": status, "error": state.error.splitlines()[0][:300]
@@ -161,7 +172,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                                projected_low_us=lo / fix.tokens_per_step * scale,
                                projected_high_us=hi / fix.tokens_per_step * scale,
                                projection_error_pct=100 * (proj / tpot - 1),
-                               notes=how + _implied_host_per_kernel(fix, tpot))
+                               notes=how + _implied_host_per_kernel(fix, tpot) + lost_async)
             if split:
                 row["gpu_host_split"] = split
             if modes:
