@@ -1,5 +1,6 @@
 """Tear-down of a run's processes (decodescope.exec.procs) against real processes."""
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,3 +78,60 @@ def test_a_cgroup_path_outside_the_containers_namespace_falls_back_to_the_mounts
     assert [f for f in files if f.is_file()] == [root / "cpuset.cpus.effective"]
     (cg).write_text("0::/\n")
     assert _cpuset_files(cg, root)[0] == root / "cpuset.cpus.effective"
+
+
+def test_roles_come_from_the_process_tree_where_vllm_could_not_name_its_processes(tmp_path):
+    """The GPU bundle has no setproctitle, so vLLM's engine core and workers keep the interpreter's name, and on
+    the H200 04 read three 'api server' processes (their mean CPU per step). A real tree of the same shape,
+    unnamed: a root that spawns (multiprocessing, spawn: its resource tracker too) an 'engine core', which
+    spawns a 'worker'."""
+    import subprocess
+    import sys
+    import time
+
+    from decodescope.exec import procs
+
+    script = tmp_path / "tree.py"
+    script.write_text(
+        "import multiprocessing as mp, sys, time\n"
+        "def worker():\n    time.sleep(60)\n"
+        "def core():\n"
+        "    w = mp.get_context('spawn').Process(target=worker); w.start(); time.sleep(60)\n"
+        "if __name__ == '__main__':\n"
+        "    c = mp.get_context('spawn').Process(target=core); c.start()\n"
+        "    print('up', flush=True); time.sleep(60)\n")
+    root = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert root.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 30
+        while True:
+            tree = _group(root.pid)
+            roles = procs.process_roles(tree)
+            if sorted(roles.values()).count("worker") == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        by_role: dict[str, list[int]] = {}
+        for pid, role in roles.items():
+            by_role.setdefault(role, []).append(pid)
+        assert by_role["api server"] == [root.pid]
+        assert len(by_role["engine core"]) == 1 and len(by_role["worker"]) == 1, roles
+        assert len(by_role.get("resource tracker", [])) >= 1, roles       # spawn starts one beside the root
+        assert set(roles) == set(tree)
+        # named processes keep the name's role, wherever they sit
+        assert procs.process_role("VLLM::EngineCor") == "engine core" and procs.process_role("python3") == "api server"
+    finally:
+        os.killpg(root.pid, signal.SIGKILL)
+        root.wait()
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of a process group (what the runner finds by group and run token)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out

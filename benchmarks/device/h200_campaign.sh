@@ -5,6 +5,8 @@
 # (the tool's 64 MiB a call), each copied out of the tree at once; the campaign then runs in its own
 # process session, from a copy of the tree, so that later calls can poll it and a changed tree never
 # reaches a running campaign.
+# Build the bundle with `vllm-gpu-bundle.sh OUT compressed-tensors==0.17.0 loguru setproctitle`: without setproctitle
+# vLLM cannot name its processes (VLLM::EngineCore, VLLM::Worker) and 04 tells them apart by their place in the tree.
 #   pack BUNDLE WHEELHOUSE (here) the bundle's parts and the wheelhouse as one tar in 44 MiB pieces (PIECE=),
 #                          .gpu/p0..: a piece and the working tree (18 MiB) must pass together in 64 MiB
 #   stash                  copy this call's pieces to $VB

@@ -14,7 +14,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 RUN_TOKEN_ENV = "DECODESCOPE_RUN_TOKEN"
 SHM_DIR = Path("/dev/shm")
@@ -270,22 +270,58 @@ _ROLES = (("VLLM::Worker", "worker"), ("VLLM::EngineCor", "engine core"))
 
 def process_role(comm: str) -> str:
     """A vLLM server process's part, from its name: worker, engine core, or api server (the rest)."""
-    return next((role for prefix, role in _ROLES if comm.startswith(prefix)), "api server")
+    return _named_role(comm) or "api server"
+
+
+def _named_role(comm: str) -> Optional[str]:
+    return next((role for prefix, role in _ROLES if comm.startswith(prefix)), None)
+
+
+def _tree_entry(pid: int) -> Optional[tuple[str, int, str]]:
+    """(comm, parent pid, command line) of a live process; None when it is gone."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (OSError, ValueError, IndexError):
+        return None
+    return comm, ppid, cmd
+
+
+def process_roles(pids: Iterable[int]) -> dict[int, str]:
+    """pid -> its part in a vLLM server: by the name vLLM gives it (process_role) where it has one, else by
+    its place in the tree: where vLLM cannot name its processes (no setproctitle: the GPU bundle) the engine
+    core and the workers keep the interpreter's name, and would all read 'api server'. The tree's root is
+    the API server, a child of it the engine core, anything below that a worker; multiprocessing's
+    resource tracker is its own part. Processes that are gone are left out."""
+    tree = {pid: e for pid in pids if (e := _tree_entry(pid)) is not None}
+
+    def depth(pid: int) -> int:
+        d = 0
+        while tree[pid][1] in tree and d < 16:
+            pid, d = tree[pid][1], d + 1
+        return d
+
+    out = {}
+    for pid, (comm, _, cmd) in tree.items():
+        out[pid] = (_named_role(comm) or ("resource tracker" if "multiprocessing.resource_tracker" in cmd else
+                              ("api server", "engine core", "worker")[min(depth(pid), 2)]))
+    return out
 
 
 def cores_of(pids: Iterable[int]) -> dict[int, dict]:
     """pid -> {role, cpus}: the cores each process's main thread may run on (Cpus_allowed_list; a
     vLLM CPU worker's is where VLLM_CPU_OMP_THREADS_BIND put it). Processes that are gone are left out."""
     out = {}
-    for pid in pids:
+    roles = process_roles(pids)
+    for pid, role in roles.items():
         try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
         cpus = next((line.split(":", 1)[1].strip() for line in status.splitlines()
                      if line.startswith("Cpus_allowed_list:")), None)
-        out[pid] = {"role": process_role(comm), "cpus": cpus}
+        out[pid] = {"role": role, "cpus": cpus}
     return out
 
 
@@ -294,13 +330,12 @@ def cpu_schedstat(pids: Iterable[int]) -> dict[int, tuple[str, int, int]]:
     loop: a worker's step, the engine core's scheduler), from /proc/<pid>/schedstat: the wait is time
     the thread was ready to run and another held its core. Processes that are gone are left out."""
     out = {}
-    for pid in pids:
+    for pid, role in process_roles(pids).items():
         try:
             cpu_ns, wait_ns, _ = (int(x) for x in Path(f"/proc/{pid}/schedstat").read_text().split()[:3])
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except (OSError, ValueError):
             continue
-        out[pid] = (process_role(comm), cpu_ns, wait_ns)
+        out[pid] = (role, cpu_ns, wait_ns)
     return out
 
 
