@@ -361,6 +361,18 @@ def test_the_manifest_keeps_its_keys_and_refuses_another_version(tmp_path, repo)
     with pytest.raises(ValidationError, match="status"):
         loaded.record.status = None  # type: ignore[assignment]
     assert json.loads((tmp_path / "manifest.json").read_text()) == doc
+    # a variant's entry is the record's own: what the runner sets on it reaches the file, however many are added
+    from decodescope.orchestration.runmanifest import set_fields
+
+    first = loaded.variant("spec-ngram")
+    set_fields(first, status="running", start="t2")
+    set_fields(loaded.variant("eager"), status="failed", error="server did not start")
+    set_fields(first, status="ok", duration_s=1.5)
+    assert loaded.variant("spec-ngram") is loaded.record.variants["spec-ngram"]
+    loaded.save()
+    variants = json.loads((tmp_path / "manifest.json").read_text())["variants"]
+    assert variants == {"spec-ngram": {"status": "ok", "start": "t2", "duration_s": 1.5},
+                        "eager": {"status": "failed", "error": "server did not start"}}
     doc.pop("schema_version")
     (tmp_path / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(RunError, match=r"manifest\.json: no schema_version found"):

@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from decodescope.core import resources
 from decodescope.exec.hardware import cpu_summary, package_versions
 from decodescope.schema.params import Params, params_as_dict
-from decodescope.schema.records import ManifestHost, PhaseEntry, RecordError, RunManifest, read_record, write_record
+from decodescope.schema.records import (ManifestHost, PhaseEntry, RecordError, RunManifest, VariantEntry, read_record,
+                                        write_record)
 
 # Kept free on the run's disk and released when a write fails, so the manifest can still say "failed".
 MANIFEST_RESERVE_BYTES = 256 * 1024
@@ -134,6 +135,14 @@ class Manifest:
 
     def phase(self, name: str) -> PhaseEntry:
         return self.record.phases.setdefault(name, PhaseEntry(status="pending"))
+
+    def variant(self, name: str) -> VariantEntry:
+        """The entry of variant `name` as the record holds it (a new one pending). The whole mapping is assigned
+        when a name is added: assignment is what marks the field for the file, and validation copies the
+        mapping, so an entry added to a mapping held elsewhere would never reach the record."""
+        if name not in self.record.variants:
+            self.record.variants = {**self.record.variants, name: VariantEntry(status="pending")}
+        return self.record.variants[name]
 
     def update_phase(self, name: str, **fields) -> None:
         set_fields(self.phase(name), **fields)

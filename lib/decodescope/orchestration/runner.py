@@ -385,9 +385,8 @@ def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "
     server left running (or None)."""
     key = None  # the baseline's server: its settings (and profiler) are the baseline's, not a variant's
     t_start, done = time.monotonic(), []
-    manifest.record.variants = variants = dict(manifest.record.variants)
     for n, exp in enumerate(params.experiments, 1):
-        entry = variants.setdefault(exp.name, VariantEntry(status="pending"))
+        entry = manifest.variant(exp.name)
         label = f"variant {exp.name} ({n} of {len(params.experiments)})"
         if entry.status == "ok":
             progress.note(f"{label} ... skipped (ok in a previous run)")
