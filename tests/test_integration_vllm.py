@@ -296,6 +296,7 @@ base_url, model, out, n, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.a
 cfg = SweepConfig(base_url=base_url, model=model, endpoint="completions", levels=[1], input_tokens=64,
                   output_tokens=32, requests_per_level=n, warmup_requests=0, timeout_s=300, seed=seed,
                   completions_prompt="text")
+print("ready", flush=True)  # the test starts vllm bench once this process is waiting for it
 deadline = time.monotonic() + 600
 while time.monotonic() < deadline:  # start with vllm bench's first request (its start-up is slow)
     metrics = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
@@ -346,7 +347,12 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
                 break
             ours_path = tmp_path / f"ours{r}.parquet"
             ours_proc = subprocess.Popen([sys.executable, "-c", OURS_SIDE, server.base_url, params.model.name,
-                                          str(ours_path), str(N_SIDE_BY_SIDE), str(100 + r)])
+                                          str(ours_path), str(N_SIDE_BY_SIDE), str(100 + r)],
+                                         stdout=subprocess.PIPE, text=True)
+            # vllm bench starts once ours waits for its first request: started together, ours' imports on the
+            # clients' one core once outlasted vllm bench's whole run, and ours then sat out its 600 s
+            # deadline before sweeping alone (a round lost, ~10 minutes)
+            assert ours_proc.stdout.readline().strip() == "ready", "our client ended before it was ready"
             try:
                 path = run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, 1, 64, 32,
                                             2 * N_SIDE_BY_SIDE, tmp_path / "vllm", f"bench{r}.json",
