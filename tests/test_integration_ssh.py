@@ -26,7 +26,7 @@ import pytest
 
 from decodescope.exec import procs
 from decodescope.cli.main import EXIT_PHASE_FAILED
-from decodescope.exec.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV
+from decodescope.exec.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV, SSH_RUN_ID_ENV
 from decodescope.schema.params import PHASES
 from tests.test_faults import Run, digests, manifest, record_fault, wait_until
 from tests.test_host_ssh import SSHD, Sshd
@@ -115,7 +115,7 @@ def over_ssh(ssh_faults):
     faulted runs left (00, 02 and 03 never ran; 04 failed; 01 is kept), on the run directory of the faults."""
     r = ssh_faults["resume"]
     return {"proc": r, "run_dir": Path(r.stdout.strip().splitlines()[-1]).parent if r.stdout.strip() else None,
-            "wall_s": ssh_faults["resume_s"], "tmp": ssh_faults["tmp"]}
+            "wall_s": ssh_faults["resume_s"], "tmp": ssh_faults["tmp"], "masters": ssh_faults["masters"]}
 
 
 @pytest.fixture
@@ -150,6 +150,28 @@ def test_the_embedded_default_runs_end_to_end_over_ssh(over_ssh):
     assert "ssh tunnel" in (run_dir / "report.html").read_text(errors="replace")
     assert_nothing_left(run_dir)
     print(f"embedded default over ssh: wall {over_ssh['wall_s']:.0f} s, tunnel adds {link['added_p50_ms']:.2f} ms")
+
+
+def test_the_phases_run_over_ssh_from_the_cli_over_one_connection(over_ssh):
+    """`decodescope run` with an ssh host (moved here from tests/test_host_ssh.py, whose own run of 00, 02 and
+    03 over ssh this run repeats): the host's inventory is taken there, the probes run there, their files come
+    back, the notebooks and report stay here; the run's kernels (and its server's tunnel) multiplex over the
+    runner's one ControlMaster; nothing is left on either side."""
+    proc, run_dir = over_ssh["proc"], over_ssh["run_dir"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = manifest(run_dir)
+    assert all(m["phases"][p]["status"] == "ok" for p in ("00_host", "02_gemm", "03_collectives"))
+    masters = over_ssh["masters"]
+    assert len(masters) == 1  # one connection for the whole run, kernels included
+    host = json.loads((run_dir / "data/host.json").read_text())
+    assert host["cpu"]["hostname"] and host["cpu_matmul"]
+    remote_run = over_ssh["tmp"] / "remote" / run_dir.name
+    assert (remote_run / "data/gemm_raw.json").is_file() and (run_dir / "data/gemm_raw.json").is_file()
+    assert (run_dir / "logs/gemm_probe.log").stat().st_size > 0
+    assert (run_dir / "report.html").is_file() and not (remote_run / "report.html").exists()
+    assert procs.run_processes(run_dir.name, env_name=HOST_RUN_ID_ENV) == []
+    assert procs.run_processes(run_dir.name, env_name=SSH_RUN_ID_ENV) == []
+    assert not any(psutil.pid_exists(p) for p in masters)
 
 
 def outline(run_dir: Path) -> dict:
@@ -249,7 +271,14 @@ def ssh_faults(sshd, tmp_path_factory) -> dict:
 
     t_resume = time.monotonic()
     resumed = Run(tmp, params, "--resume", str(run_dir), label="resume")
-    out["resume_rc"], out["resume_stderr"] = resumed.wait(1800), resumed.stderr
+    out["masters"] = set()  # the run's ssh ControlMasters, sampled while it runs
+    while resumed.proc.poll() is None and time.monotonic() - t_resume < 1800:
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if cmd[:1] == ["ssh"] and "ControlMaster=yes" in cmd and str(sshd.port) in cmd:
+                out["masters"].add(p.pid)
+        time.sleep(0.1)
+    out["resume_rc"], out["resume_stderr"] = resumed.wait(60), resumed.stderr
     out["resume_s"] = time.monotonic() - t_resume
     out["resume"] = subprocess.CompletedProcess(resumed.proc.args, out["resume_rc"], resumed.out.read_text(),
                                                 out["resume_stderr"])
