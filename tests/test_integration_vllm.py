@@ -287,7 +287,12 @@ ROUNDS = 3
 # a round is compared when most tokens reached both clients one step at a time (on this host 10-55% of
 # gaps are coalesced in about half the rounds: a client or the API server was off-CPU for a while)
 SIDE_BY_SIDE_COALESCED_MAX = 0.20
-N_SIDE_BY_SIDE = 16  # ours; vllm bench sends twice as many, so it is still sending when ours ends
+N_SIDE_BY_SIDE = 16  # ours
+# vllm bench sends six times as many, so it is still sending when ours ends: ours' run_sweep starts its
+# telemetry process and builds its prompts through the server (~3 s beside vllm bench's requests) before its
+# first request, and vllm bench's 32 requests (twice ours, as before) were often all done by then (2.6 s here:
+# up to 6 of a test's 3 to 14 rounds had no request side by side)
+N_BENCH = 6 * N_SIDE_BY_SIDE
 OURS_SIDE = """
 import os, re, sys, time, urllib.request
 os.sched_setaffinity(0, {1})
@@ -357,7 +362,7 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
             assert line.strip() == "ready", "our client ended before it was ready"
             try:
                 path = run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, 1, 64, 32,
-                                            2 * N_SIDE_BY_SIDE, tmp_path / "vllm", f"bench{r}.json",
+                                            N_BENCH, tmp_path / "vllm", f"bench{r}.json",
                                             prefix=("taskset", "-c", "1"))
             finally:
                 assert ours_proc.wait(timeout=600) == 0
