@@ -647,47 +647,10 @@ def test_the_load_generator_runs_beside_the_server_and_its_levels_come_back(sshd
 
 
 # ---- a run ---------------------------------------------------------------------------------------------
-def _ssh_processes_of(run_id: str) -> list[int]:
-    from decodescope.exec.hostcore import SSH_RUN_ID_ENV
-
-    return procs.run_processes(run_id, env_name=SSH_RUN_ID_ENV)
-
-
-def test_the_probe_phases_run_over_ssh_from_the_cli_over_one_connection(sshd, tmp_path):
-    """`decodescope run` with an ssh host, the phases that need no vLLM server: the host's inventory is
-    taken there, the probes run there, their files come back, the notebooks and report stay here; the
-    run's kernels multiplex over the runner's one ControlMaster; nothing is left on either side."""
-    from decodescope.exec.hostcore import HOST_RUN_ID_ENV
-
-    text = _params_text(sshd, tmp_path).replace("  batches: [1, 2]\n", "  batches: [1]\n  dtypes: [fp32]\n")
-    params = _write(tmp_path, text)
-    env = dict(os.environ)
-    env.pop("DECODESCOPE_SSH_SESSION", None)
-    masters: set[int] = set()
-    with open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "decodescope.cli.main", "run", str(params), "--phases", "00_host",
-                                 "02_gemm", "03_collectives"], stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO,
-                                env=env)
-        while proc.poll() is None:
-            for p in psutil.process_iter(["cmdline"]):
-                cmd = p.info["cmdline"] or []
-                if cmd[:1] == ["ssh"] and "ControlMaster=yes" in cmd and str(sshd.port) in cmd:
-                    masters.add(p.pid)
-            time.sleep(0.1)
-        out = proc.stdout.read()
-    assert proc.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
-    run_dir = Path(out.strip().splitlines()[-1]).parent
-    m = json.loads((run_dir / "manifest.json").read_text())
-    assert {p: v["status"] for p, v in m["phases"].items()} == {"00_host": "ok", "02_gemm": "ok", "03_collectives": "ok"}
-    assert len(masters) == 1  # one connection for the whole run, kernels included
-    host = json.loads((run_dir / "data/host.json").read_text())
-    assert host["cpu"]["hostname"] and host["cpu_matmul"]
-    remote_run = tmp_path / "remote" / run_dir.name
-    assert (remote_run / "data/gemm_raw.json").is_file() and (run_dir / "data/gemm_raw.json").is_file()
-    assert (run_dir / "logs/gemm_probe.log").stat().st_size > 0
-    assert (run_dir / "report.html").is_file() and not (remote_run / "report.html").exists()
-    assert procs.run_processes(run_dir.name, env_name=HOST_RUN_ID_ENV) == []
-    assert _ssh_processes_of(run_dir.name) == [] and not any(psutil.pid_exists(p) for p in masters)
+# `decodescope run` over ssh from the CLI (the inventory and the probes there, their files back, the notebooks
+# and report here, one ControlMaster for the run, nothing left on either side): asserted on the embedded
+# default's whole run over ssh in tests/test_integration_ssh.py
+# (test_the_phases_run_over_ssh_from_the_cli_over_one_connection), which runs these phases there too.
 
 
 def test_an_attached_servers_traces_come_back_from_every_node_and_stay_moved(sshd, tmp_path, session):

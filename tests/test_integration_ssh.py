@@ -3,9 +3,12 @@ GPU host: tests/test_host_ssh.Sshd), and the faults of a remote run injected for
 killed mid-sweep and mid-profile (then --resume), the remote vLLM server killed. Each starts the real
 vLLM CPU server (only one at a time on a 2-core machine), so they are `integration` tests.
 
-The whole-run test also sets the session's local end-to-end run of the same params (tests/conftest.py
-e2e_run) beside it: the two reports have the same sections (figure titles, table captions) and the two
-runs' data files the same columns and keys.
+The faults and the whole run share one run directory (one server start fewer than a run of its own): the
+faults' runs measure 01 and profile 04 through three faults, and the last --resume runs every phase left
+(00, 02, 03 over ssh, 04 again, 05 and the report), which is the embedded default end to end over ssh. The
+whole-run test also sets the session's local end-to-end run of the same params (tests/conftest.py e2e_run)
+beside it: the two reports have the same sections (figure titles, table captions) and the two runs' data
+files the same columns and keys.
 """
 from __future__ import annotations
 
@@ -23,10 +26,11 @@ import pytest
 
 from decodescope.exec import procs
 from decodescope.cli.main import EXIT_PHASE_FAILED
-from decodescope.exec.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV
+from decodescope.exec.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV, SSH_RUN_ID_ENV
+from decodescope.schema.params import PHASES
 from tests.test_faults import Run, digests, manifest, record_fault, wait_until
 from tests.test_host_ssh import SSHD, Sshd
-from tests.test_integration_vllm import DECODESCOPE, _params
+from tests.test_integration_vllm import _params
 
 pytestmark = [pytest.mark.integration, pytest.mark.ssh,
               pytest.mark.skipif(not Path(SSHD).exists(), reason="needs Debian's openssh-server (make test installs it)")]
@@ -98,44 +102,38 @@ def kill_link(run: Run) -> int:
 
 
 # ---- the whole embedded default over ssh --------------------------------------------------------------
-def _run(params: Path, tmp: Path, label: str) -> tuple[subprocess.CompletedProcess, Path]:
-    out, err = tmp / f"{label}.stdout", tmp / f"{label}.stderr"
-    with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.run(DECODESCOPE + ["run", str(params)], stdout=o, stderr=e, text=True, cwd=REPO, timeout=2400)
-    stdout = out.read_text()
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, err.read_text())
-    return result, Path(stdout.strip().splitlines()[-1]).parent if stdout.strip() else None
-
-
 # The run over ssh is compared with the local run by its sections and its files' columns, not by what it
-# measured: a lighter workload of the same shape (the same levels, GEMM shapes and dtypes, profiled levels),
-# fewer requests and iterations, the collective sweep to 1 MiB.
-LIGHT = {"requests_per_level: 24": "requests_per_level: 8", "  requests: 12\n": "  requests: 6\n",
-         "  iterations: 10\n  warmup: 3\n": "  iterations: 5\n  warmup: 2\n  sweep_max_bytes: 1048576\n"}
+# measured: a workload of the same shape (the same GEMM shapes and dtypes, profiled levels; the faults' one
+# more serving level, 8, and their longer profile, which the faults need to land mid-sweep and mid-profile),
+# fewer micro-benchmark iterations, the collective sweep to 1 MiB.
+LIGHT = {"  iterations: 10\n  warmup: 3\n": "  iterations: 5\n  warmup: 2\n  sweep_max_bytes: 1048576\n"}
 
 
 @pytest.fixture(scope="module")
-def over_ssh(sshd, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e-ssh")
-    t0 = time.monotonic()
-    proc, run_dir = _run(ssh_params(tmp, 8821, "e2essh", sshd, LIGHT), tmp, "ssh")
-    return {"proc": proc, "run_dir": run_dir, "wall_s": time.monotonic() - t0, "tmp": tmp}
+def over_ssh(ssh_faults):
+    """The embedded default end to end over ssh: ssh_faults' last --resume, which runs every phase its
+    faulted runs left (00, 02 and 03 never ran; 04 failed; 01 is kept), on the run directory of the faults."""
+    r = ssh_faults["resume"]
+    return {"proc": r, "run_dir": Path(r.stdout.strip().splitlines()[-1]).parent if r.stdout.strip() else None,
+            "wall_s": ssh_faults["resume_s"], "tmp": ssh_faults["tmp"], "masters": ssh_faults["masters"]}
 
 
 @pytest.fixture
 def local(over_ssh, e2e_run):
     """The local run of the same params: the session's end-to-end run (tests/conftest.py e2e_run), which
-    test_integration_vllm checks in full; it differs from these params only in what it plants (secrets,
-    and markup as the served model's name, which outline() reads as the model's name)."""
+    test_integration_vllm checks in full; it differs from these params in what it plants (secrets, and
+    markup as the served model's name, which outline() reads as the model's name) and in the workload's
+    size (LIGHT above), which outline() reads as numbers and data_shapes() not at all."""
     assert e2e_run["proc"].returncode == 0, e2e_run["proc"].stderr[-3000:]
     return e2e_run["run_dir"]
 
 
 def test_the_embedded_default_runs_end_to_end_over_ssh(over_ssh):
+    """ssh_faults' last --resume: every phase the faulted runs left, then the report, on their run directory."""
     proc, run_dir = over_ssh["proc"], over_ssh["run_dir"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = manifest(run_dir)
-    assert {p: v["status"] for p, v in m["phases"].items()} == {p: "ok" for p in m["phases"]}
+    assert {p: v["status"] for p, v in m["phases"].items()} == {p: "ok" for p in PHASES}
     assert m["host"]["kind"].startswith("ssh://root@127.0.0.1:")
     assert (run_dir / "report.html").is_file()
     server = json.loads((run_dir / "data/server.json").read_text())
@@ -152,6 +150,28 @@ def test_the_embedded_default_runs_end_to_end_over_ssh(over_ssh):
     assert "ssh tunnel" in (run_dir / "report.html").read_text(errors="replace")
     assert_nothing_left(run_dir)
     print(f"embedded default over ssh: wall {over_ssh['wall_s']:.0f} s, tunnel adds {link['added_p50_ms']:.2f} ms")
+
+
+def test_the_phases_run_over_ssh_from_the_cli_over_one_connection(over_ssh):
+    """`decodescope run` with an ssh host (moved here from tests/test_host_ssh.py, whose own run of 00, 02 and
+    03 over ssh this run repeats): the host's inventory is taken there, the probes run there, their files come
+    back, the notebooks and report stay here; the run's kernels (and its server's tunnel) multiplex over the
+    runner's one ControlMaster; nothing is left on either side."""
+    proc, run_dir = over_ssh["proc"], over_ssh["run_dir"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = manifest(run_dir)
+    assert all(m["phases"][p]["status"] == "ok" for p in ("00_host", "02_gemm", "03_collectives"))
+    masters = over_ssh["masters"]
+    assert len(masters) == 1  # one connection for the whole run, kernels included
+    host = json.loads((run_dir / "data/host.json").read_text())
+    assert host["cpu"]["hostname"] and host["cpu_matmul"]
+    remote_run = over_ssh["tmp"] / "remote" / run_dir.name
+    assert (remote_run / "data/gemm_raw.json").is_file() and (run_dir / "data/gemm_raw.json").is_file()
+    assert (run_dir / "logs/gemm_probe.log").stat().st_size > 0
+    assert (run_dir / "report.html").is_file() and not (remote_run / "report.html").exists()
+    assert procs.run_processes(run_dir.name, env_name=HOST_RUN_ID_ENV) == []
+    assert procs.run_processes(run_dir.name, env_name=SSH_RUN_ID_ENV) == []
+    assert not any(psutil.pid_exists(p) for p in masters)
 
 
 def outline(run_dir: Path) -> dict:
@@ -208,17 +228,18 @@ def test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run(over_ss
     assert {k: ours[k] for k in theirs} == theirs
 
 
-# ---- faults over ssh: one run directory through three of them ------------------------------------------
+# ---- faults over ssh: one run directory through three of them, then the whole run ------------------------
 @pytest.fixture(scope="module")
 def ssh_faults(sshd, tmp_path_factory) -> dict:
     """One run directory over ssh through three faults, each on a server of its own, and what each step saw,
     for the tests below (one server start fewer than a run per fault, and no level measured twice): a run of
     01 whose API server there is SIGKILLed after level 1; its --resume, whose ssh link is killed
     once level 2 is written again; the next --resume of 01 and 04, which finishes the sweep and whose link is killed once
-    04's profile has started; and the last --resume, which profiles again."""
+    04's profile has started; and the last --resume of every phase, which profiles again and runs the phases
+    the faulted runs did not select (00, 02, 03, 05): the embedded default end to end over ssh (over_ssh)."""
     tmp = tmp_path_factory.mktemp("sshfaults")
     params = ssh_params(tmp, 8823, "sshfaults", sshd, {"concurrency: [1, 2, 4]": "concurrency: [1, 2, 4, 8]",
-                                                       "  requests: 12\n": "  requests: 24\n"})
+                                                       "  requests: 12\n": "  requests: 24\n", **LIGHT})
     out: dict = {"tmp": tmp}
     killed = Run(tmp, params, "--phases", "01_serving", label="killed")
     run_dir = out["run_dir"] = killed.run_dir()
@@ -249,9 +270,22 @@ def ssh_faults(sshd, tmp_path_factory) -> dict:
     out["sweep_kept_after_profile"] = digests(out["sweep_kept"])
 
     t_resume = time.monotonic()
-    resumed = Run(tmp, params, "--resume", str(run_dir), "--phases", "04_profile", label="resume")
-    out["resume_rc"], out["resume_stderr"] = resumed.wait(1200), resumed.stderr
+    resumed = Run(tmp, params, "--resume", str(run_dir), label="resume")
+    out["masters"] = set()  # the run's ssh ControlMasters, sampled while it runs
+    while resumed.proc.poll() is None and time.monotonic() - t_resume < 1800:
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if cmd[:1] == ["ssh"] and "ControlMaster=yes" in cmd and str(sshd.port) in cmd:
+                out["masters"].add(p.pid)
+        time.sleep(0.1)
+    out["resume_rc"], out["resume_stderr"] = resumed.wait(60), resumed.stderr
     out["resume_s"] = time.monotonic() - t_resume
+    out["resume"] = subprocess.CompletedProcess(resumed.proc.args, out["resume_rc"], resumed.out.read_text(),
+                                                out["resume_stderr"])
+    m = manifest(run_dir)
+    # what profiling again took (its server's start and 04), apart from the phases this resume also ran
+    out["profile_recover_s"] = (m["servers"][-1]["start_s"] + m["phases"]["04_profile"]["duration_s"]
+                                if out["resume_rc"] == 0 else out["resume_s"])
     out["resume_left"] = left_after_teardown(run_dir)
     return out
 
@@ -309,4 +343,4 @@ def test_link_dropped_mid_profile_tears_down_there_and_resume_finishes(ssh_fault
     record_fault("ssh link dropped mid-profile (ssh killed)",
                  "phase fails; server, engine core and workers there torn down by the host's supervisor; "
                  "--resume profiles again", rc=k["rc"], results_lost="the capture in flight", processes_left=0,
-                 shm_files_left=0, detect_and_stop_s=round(k["detect_s"], 1), recover_s=round(ssh_faults["resume_s"], 1))
+                 shm_files_left=0, detect_and_stop_s=round(k["detect_s"], 1), recover_s=round(ssh_faults["profile_recover_s"], 1))

@@ -287,7 +287,12 @@ ROUNDS = 3
 # a round is compared when most tokens reached both clients one step at a time (on this host 10-55% of
 # gaps are coalesced in about half the rounds: a client or the API server was off-CPU for a while)
 SIDE_BY_SIDE_COALESCED_MAX = 0.20
-N_SIDE_BY_SIDE = 16  # ours; vllm bench sends twice as many, so it is still sending when ours ends
+N_SIDE_BY_SIDE = 16  # ours
+# vllm bench sends six times as many, so it is still sending when ours ends: ours' run_sweep starts its
+# telemetry process and builds its prompts through the server (~3 s beside vllm bench's requests) before its
+# first request, and vllm bench's 32 requests (twice ours, as before) were often all done by then (2.6 s here:
+# up to 6 of a test's 3 to 14 rounds had no request side by side)
+N_BENCH = 6 * N_SIDE_BY_SIDE
 OURS_SIDE = """
 import os, re, sys, time, urllib.request
 os.sched_setaffinity(0, {1})
@@ -296,6 +301,7 @@ base_url, model, out, n, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.a
 cfg = SweepConfig(base_url=base_url, model=model, endpoint="completions", levels=[1], input_tokens=64,
                   output_tokens=32, requests_per_level=n, warmup_requests=0, timeout_s=300, seed=seed,
                   completions_prompt="text")
+print("ready", flush=True)  # the test starts vllm bench once this process is waiting for it
 deadline = time.monotonic() + 600
 while time.monotonic() < deadline:  # start with vllm bench's first request (its start-up is slow)
     metrics = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
@@ -346,10 +352,17 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
                 break
             ours_path = tmp_path / f"ours{r}.parquet"
             ours_proc = subprocess.Popen([sys.executable, "-c", OURS_SIDE, server.base_url, params.model.name,
-                                          str(ours_path), str(N_SIDE_BY_SIDE), str(100 + r)])
+                                          str(ours_path), str(N_SIDE_BY_SIDE), str(100 + r)],
+                                         stdout=subprocess.PIPE, text=True)
+            # vllm bench starts once ours waits for its first request: started together, ours' imports on the
+            # clients' one core once outlasted vllm bench's whole run, and ours then sat out its 600 s
+            # deadline before sweeping alone (a round lost, ~10 minutes)
+            while (line := ours_proc.stdout.readline()) and line.strip() != "ready":
+                pass  # anything an import prints before it
+            assert line.strip() == "ready", "our client ended before it was ready"
             try:
                 path = run_vllm_bench_serve(server.base_url, params.model.name, tokenizer, 1, 64, 32,
-                                            2 * N_SIDE_BY_SIDE, tmp_path / "vllm", f"bench{r}.json",
+                                            N_BENCH, tmp_path / "vllm", f"bench{r}.json",
                                             prefix=("taskset", "-c", "1"))
             finally:
                 assert ours_proc.wait(timeout=600) == 0
