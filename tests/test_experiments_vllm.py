@@ -68,7 +68,10 @@ def test_every_variant_is_measured_or_recorded_failed_and_the_run_goes_on(campai
     assert port_is_free("127.0.0.1", PORT)
     # the TP=1 server where its params put it: the worker on its bound core, the rest on the other
     cores = json.loads((campaign["run_dir"] / "variants/tp1/data/server.json").read_text())["cores"]
-    assert {c["role"] for c in cores.values()} == {"api server", "engine core", "worker"}, cores
+    # multiprocessing's resource tracker is a process of the server too, and is told apart (procs.process_roles)
+    roles = {c["role"] for c in cores.values()}
+    assert {"api server", "engine core", "worker"} <= roles <= {"api server", "engine core", "worker",
+                                                                "resource tracker"}, cores
     assert all(c["cpus"] == ("0" if c["role"] == "worker" else "1") for c in cores.values()), cores
     print(f"experiments run: {campaign['wall_s']:.0f} s")
 
