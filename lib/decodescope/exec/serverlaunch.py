@@ -25,11 +25,16 @@ def alias_for(token: str) -> str:
     return f"decodescope-{token[:16]}"
 
 
+def dashed(engine_args: dict) -> dict:
+    """The engine args keyed as the server's command line spells them: {'max_num_seqs': 16} -> {'max-num-seqs': 16}."""
+    return {str(key).replace("_", "-"): value for key, value in engine_args.items()}
+
+
 def engine_flags(engine_args: dict) -> list[str]:
     """{'max-model-len': 1024, 'enforce-eager': True} -> ['--max-model-len', '1024', '--enforce-eager']."""
     flags: list[str] = []
-    for key, value in engine_args.items():
-        flag = "--" + str(key).replace("_", "-")
+    for key, value in dashed(engine_args).items():
+        flag = "--" + key
         if value is True:
             flags.append(flag)
         elif value is False or value is None:

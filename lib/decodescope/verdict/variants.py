@@ -11,6 +11,7 @@ import pandas as pd
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
 from decodescope.core.enginelog import last_engine_modes
+from decodescope.exec.serverlaunch import dashed
 from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
 from decodescope.schema.records import ProfileCapture, RunManifest, VariantEntry, read_record
@@ -21,7 +22,7 @@ from decodescope.verdict.fixes import (Fix, ModelInputs, _read_parquet, baseline
 
 # ---- the variants (params.experiments), measured against their projections ----------------------------
 def _spec_config(engine_args: dict) -> Optional[dict]:
-    raw = engine_args.get("speculative-config") or engine_args.get("speculative_config")
+    raw = engine_args.get("speculative-config")
     if raw is None:
         return None
     try:
@@ -42,7 +43,7 @@ def _acceptance(levels: pd.DataFrame) -> tuple[Optional[float], bool]:
 
 def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance: tuple) -> tuple[Optional[Fix], str]:
     """The verdict's projection of what this variant changes, at `batch`; (None, why) when there is none."""
-    ea = vparams.server.engine_args
+    ea, base_ea = dashed(vparams.server.engine_args), dashed(params.server.engine_args)
     tp, vtp = inp.tp, vparams.server.tensor_parallel
     if vtp != tp:
         fix = inp.at_tensor_parallel(vtp, batch)
@@ -58,27 +59,18 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
         tokens = expected_tokens_per_verify(k, min(alpha, 0.999))
         return Fix(f"speculative decoding k={k}, alpha={alpha:.2f} (measured)", inp.predict(batch * (k + 1)),
                    tokens, tp, ["acceptance i.i.d. per drafted token; a draft at every step"]), ""
-    if ea.get("enable-expert-parallel") or ea.get("enable_expert_parallel"):
+    if ea.get("enable-expert-parallel"):
         if inp.coll.empty or inp.coll[(inp.coll["part"] == "all_to_all") & (inp.coll["status"] == "ok")].empty:
             return None, "03 measured no all-to-all"
         c = sm.expert_parallel_collectives(inp.coll, inp.arch, tp, int(batch), inp.communicator, inp.timing)
         return Fix("expert parallelism", inp.predict(batch, collectives=c), 1.0, tp), ""
-    cap, base_cap = _max_num_seqs(ea), _max_num_seqs(params.server.engine_args)
-    if cap is not None and cap != base_cap:
-        return capped_fix(inp, batch, cap), ""
-    if _flag(ea, "enforce-eager") and not _flag(params.server.engine_args, "enforce-eager"):
+    cap = ea.get("max-num-seqs")
+    if cap is not None and cap != base_ea.get("max-num-seqs"):
+        return capped_fix(inp, batch, int(cap)), ""
+    # a flag reaches the server only as True (serverlaunch.engine_flags)
+    if ea.get("enforce-eager") is True and base_ea.get("enforce-eager") is not True:
         return eager_fix(inp, batch)
     return None, "no projection for this change"
-
-
-def _flag(engine_args: dict, name: str) -> bool:
-    v = engine_args.get(name, engine_args.get(name.replace("-", "_")))
-    return v is True or (isinstance(v, str) and v.lower() in ("true", "1", ""))
-
-
-def _max_num_seqs(engine_args: dict) -> Optional[int]:
-    v = engine_args.get("max-num-seqs", engine_args.get("max_num_seqs"))
-    return int(v) if v is not None else None
 
 
 def _calibration(inp: ModelInputs, fix: Fix, level: float, calibration: dict[int, float],
@@ -88,9 +80,9 @@ def _calibration(inp: ModelInputs, fix: Fix, level: float, calibration: dict[int
     if not fix.calibrated:
         return 1.0, "the model's own value (not calibrated: a step of another kind than the baseline's)"
     ref = fix.calibrate_at if fix.calibrate_at is not None else level
-    model = inp.predict(ref).period_us
     if int(ref) not in base:
         return 1.0, f"the model's own value (the baseline did not measure level {ref:g})"
+    model = inp.predict(ref).period_us
     where = "this level" if ref == level else f"level {ref:g}, the batch it runs at"
     return (calibration.get(int(ref), model) / model,
             f"calibrated by the baseline's TPOT at {where}" + (" (the mean of its 01 and 04 measurements)"
