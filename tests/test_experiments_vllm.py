@@ -169,9 +169,11 @@ def test_the_step_model_and_the_allreduces_are_set_against_what_was_measured(cam
         # --cpu-path=avx2) and stated here rather than hidden. What the forced-AVX2 campaigns read:
         # 2026-12-02 (156bf4d): +35.6% at level 1, +37.9% of 04's own step at level 4, all-reduce row 0.72;
         # 2026-12-03: levels 1/2/4 at -4.4/-10.9/-30.5% of client TPOT, all-reduce row 1.14; then
-        # -13.7/-15.1/-22.0% with the row at 1.34, and a row of 2.67 in the next campaign. The model
-        # prices the all-reduce at 03's two ranks alone on two cores; in the engine the ranks share those
-        # cores with the engine core and the API server, and each gloo call's wait grows with them.
+        # -13.7/-15.1/-22.0% with the row at 1.34, and a row of 2.67 in the next campaign: all before the
+        # model priced the calls as the profile measured them where that is more than 03's price (in the
+        # engine gloo's threads share the two cores with the engine core and the API server, which 03's
+        # ranks alone never meet: stepmodel.collectives_under_load, benchmarks/gloo_contention.py); re-priced
+        # so, a forced-AVX2 run's -18.1/-29.3/-21.1% read -18.1/-12.3/-2.7%. A miss here still names itself.
         # On the shm path every bound below holds and is asserted.
         pytest.xfail("gloo path: " + "; ".join(misses))
     assert misses == [], misses

@@ -422,6 +422,47 @@ def test_where_the_wait_is_an_op_of_its_own_a_call_costs_both_and_is_priced_back
     pred = sm.predict_step(gemm, coll, tiny, 2, 1, "torch_gloo", "back_to_back", [sample], 40.0)
     parts = {c.name: c.us for c in pred.components}
     assert parts["collectives"] == pytest.approx(10 * 100.0) and sm.WAIT not in parts  # 9 all-reduces + 1 all-gather
+    # the profiled calls (930 us a step on the rank that waits least) cost less than 03's price: nothing added
+    loaded = next(c for c in pred.components if c.name == sm.LOADED)
+    assert loaded.us == 0.0 and "less than 03's price" in "; ".join(loaded.notes)
+
+
+def test_on_gloo_the_calls_cost_the_larger_of_03s_price_and_what_the_profile_measured(tiny):
+    """On the gloo path the engine's calls wait for cores the engine core and the API server hold, which
+    03's two ranks alone never meet. By hand: 03 prices the step's 10 calls at 100 us each (1,000 us at
+    every batch); the profile measured the calls on the rank that waits least at 930 us a step at batch 1
+    and 1,600 us at batch 4. Batch 1: 0 added (930 < 1,000). Batch 4: 600 us. Batch 2, linear between
+    the profiled levels: 930 + (1,600 - 930) / 3 = 1,153.3 us, so 153.3 us added. The shm path (its
+    wait is no op of its own) never gets the part."""
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": c,
+                          "timing": "back_to_back", "inplace": True, "rank": 0, "bytes": n, "time_us": 100.0,
+                          "p10_us": 100.0, "p90_us": 100.0} for c in ("torch_gloo", "vllm_shm")
+                         for n in (256, 512, 1024, 2048, 65536)])
+    summaries = {1: _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0, "attention": 50.0},
+                                      1: {"allreduce": 230.0, "collective_wait": 700.0, "attention": 60.0}},
+                             3000.0, 4000.0, 500.0, 0.0),
+                 4: _summary(4, 4.0, {0: {"allreduce": 400.0, "collective_wait": 1200.0, "attention": 80.0},
+                                      1: {"allreduce": 300.0, "collective_wait": 1500.0, "attention": 90.0}},
+                             4000.0, 5000.0, 600.0, 0.0)}
+    samples = sm.step_samples(summaries, 40.0)
+    assert [s.classes_us["communication"] for s in samples] == [pytest.approx(930.0), pytest.approx(1600.0)]
+
+    def part(batch, comm="torch_gloo", over=samples):
+        gemm = pd.DataFrame([{"op": g.op, "batch": batch, "dtype": "bf16", "status": "ok", "time_us": 10.0}
+                             for g in archmod.gemm_shapes(tiny, 2, batch)])
+        pred = sm.predict_step(gemm, coll, tiny, 2, batch, comm, "back_to_back", over, 40.0)
+        parts = {c.name: c for c in pred.components}
+        assert parts["collectives"].us == pytest.approx(1000.0)
+        return parts.get(sm.LOADED)
+
+    assert part(1).us == 0.0
+    assert part(4).us == pytest.approx(600.0)
+    at2 = part(2)
+    assert at2.us == pytest.approx(1600.0 / 3 + 930.0 * 2 / 3 - 1000.0)
+    assert (at2.low_us, at2.high_us) == (0.0, pytest.approx(600.0))  # the band: the profiled levels around it
+    # the wait is no op of its own (shm): the ranks' wait is priced apart (sm.WAIT), not this part
+    shm = [replace(s, wait_own_op_us=0.0) for s in samples]
+    assert part(4, "vllm_shm", shm) is None
 
 
 def test_the_profilers_measured_cost_comes_off_the_period_not_the_profiled_wall(tiny):

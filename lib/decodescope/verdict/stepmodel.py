@@ -172,6 +172,7 @@ class StepPrediction:
 
 PROFILER_COST = "profiler's own cost"
 WAIT = "all-reduce wait for the last rank"
+LOADED = "all-reduces slowed by the host's load"
 REST = "rest of the profiled period"
 PREEMPTED = "workers preempted by the host's processes"
 IN_STEP = ("idle in step", PREEMPTED)
@@ -206,20 +207,19 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
     At another tensor-parallel size than 03 measured (measured_world), the collectives are the measured
     ones scaled by (tp - 1) / (world - 1), a ring's latency term, and labelled extrapolated; attention is
     scaled by attention_scale (heads per rank). `collectives` replaces the priced collectives (a fix).
-    The workers' run-queue wait (04: the host's other processes holding their cores mid-step) is taken
+    Where each all-reduce waits in an op of its own (gloo), what the profiled calls cost beyond 03's price is
+    a part of its own (collectives_under_load). The workers' run-queue wait (04: the host's other processes holding their cores mid-step) is taken
     out of the idle in the step as its own part; at a tensor-parallel size whose workers leave the host
     (host_cores) a core, it is priced at zero."""
     comps = [gemm_component(gemm, arch, tp, batch, dtype, source=gemm_source, weight_dtype=weight_dtype, skew=skew)]
+    world = measured_world or tp
     if collectives is not None:
         comps.append(collectives)
     elif tp > 1:
-        world = measured_world or tp
-        c = collective_component(coll, arch, tp, batch, communicator, timing, dtype)
-        if world != tp:
-            f = (tp - 1) / max(world - 1, 1)
-            c = Component(c.name, c.us * f, c.low_us * f, c.high_us * f, c.source, c.notes + [
-                f"extrapolated from world size {world} to {tp}: x {f:.2f} ((n - 1) / (world - 1))"])
-        comps.append(c)
+        priced = _priced_collectives(coll, arch, tp, batch, communicator, timing, dtype, world)
+        comps.append(priced)
+        if samples and all(s.wait_own_op_us for s in samples):
+            comps.append(collectives_under_load(samples, batch, priced.us))
     if samples and tp > 1 and any(s.allreduce_wait_us for s in samples):
         v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.allreduce_wait_us)
         comps.append(Component(WAIT, v, lo, hi, "; ".join(s.source for s in samples) + " (all-reduce time on the rank "
@@ -271,6 +271,36 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
     return StepPrediction(float(batch), comps, overlap)
 
 
+def _priced_collectives(coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: float, communicator: str,
+                        timing: str, dtype: str, world: int) -> Component:
+    """03's collectives of the step at `batch`; at another tensor-parallel size than 03 measured (world),
+    scaled by (tp - 1) / (world - 1), a ring's latency term, and labelled extrapolated."""
+    c = collective_component(coll, arch, tp, batch, communicator, timing, dtype)
+    if world == tp:
+        return c
+    f = (tp - 1) / max(world - 1, 1)
+    return Component(c.name, c.us * f, c.low_us * f, c.high_us * f, c.source, c.notes + [
+        f"extrapolated from world size {world} to {tp}: x {f:.2f} ((n - 1) / (world - 1))"])
+
+
+def collectives_under_load(samples: list[StepSample], batch: float, priced_us: float) -> Component:
+    """Where each all-reduce waits in an op of its own (gloo), what the step's calls cost beyond 03's price
+    of them at `batch` (priced_us): the critical rank's communication ops per step, waits included, at the
+    profiled levels (linear in batch between them, as the other profile-sourced parts), less the price,
+    never below zero. A gloo call is three threads' hand-overs (the worker's, gloo's work thread, its TCP
+    loop), each waiting for a core; in the engine the engine core and the API server hold those cores too,
+    which 03's two ranks alone never meet (benchmarks/gloo_contention.py: 3.4-4.3x the run-queue wait a
+    call on 2 cores). The collectives then cost the step the larger of 03's price and what the profile
+    measured."""
+    paid, lo, hi, notes = _across_batches(samples, batch, lambda s: s.classes_us.get("communication", 0.0))
+    if paid < priced_us:
+        notes.append(f"0: the profiled calls ({paid:,.0f} us a step here) cost the step less than 03's price "
+                     f"({priced_us:,.0f} us)")
+    return Component(LOADED, max(0.0, paid - priced_us), max(0.0, lo - priced_us), max(0.0, hi - priced_us),
+                     "; ".join(s.source for s in samples) + " (the critical rank's all-reduce and wait ops per "
+                     "step, less 03's price of the calls)", notes)
+
+
 def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Component], overlap: float) -> list[Component]:
     """The profiler's measured cost at `batch` (across the profiled levels that measured it), as a share
     of the profile-sourced parts it inflated, taken off these parts in that share and never more than
@@ -280,7 +310,7 @@ def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Componen
     if not measured:
         return []
     profiled = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps
-                   if c.name not in ("gemm", "collectives", WAIT))
+                   if c.name not in ("gemm", "collectives", WAIT, LOADED))
     # the cost as a share of what the profiler inflated, applied to these parts: where a fix shrinks
     # them (another tensor-parallel size), the profiler would have cost that step less too
     share, _, _, notes = _across_batches(measured, batch, lambda s: s.profiler_cost_us / parts_us[id(s)])
