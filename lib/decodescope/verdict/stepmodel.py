@@ -271,7 +271,7 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
     return StepPrediction(float(batch), comps, overlap)
 
 
-def _priced_collectives(coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: float, communicator: str,
+def _priced_collectives(coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int, communicator: str,
                         timing: str, dtype: str, world: int) -> Component:
     """03's collectives of the step at `batch`; at another tensor-parallel size than 03 measured (world),
     scaled by (tp - 1) / (world - 1), a ring's latency term, and labelled extrapolated."""
