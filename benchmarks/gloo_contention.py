@@ -38,30 +38,23 @@ from decodescope.serving.client import run_async  # noqa: E402
 from decodescope.serving.sweep import SweepConfig, build_prompts, run_level  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-THREADS = ("main", "pt_gloo_runloop", "gloo_tcp_loop")
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # a call's hand-overs beside the main thread
 
 RANK = """
 import json, os, sys, time
-from pathlib import Path
 import torch, torch.distributed as dist
 import torch.distributed._functional_collectives as fc
+from decodescope.exec.procs import thread_schedstat
 dist.init_process_group("gloo")
 rank, n_calls, numel = dist.get_rank(), int(sys.argv[1]), int(sys.argv[2])
 t = torch.ones(numel, dtype=torch.bfloat16)
-def snap():
-    out = {}
-    for task in Path("/proc/self/task").iterdir():
-        name = "main" if int(task.name) == os.getpid() else (task / "comm").read_text().strip()
-        cpu, wait = (int(x) for x in (task / "schedstat").read_text().split()[:2])
-        out[task.name] = (name, cpu, wait)
-    return out
 for _ in range(50):
     t = fc.wait_tensor(fc.all_reduce(t, "sum", dist.group.WORLD))
 dist.barrier()
-a, t0 = snap(), time.perf_counter()
+a, t0 = thread_schedstat(os.getpid()), time.perf_counter()
 for _ in range(n_calls):
     t = fc.wait_tensor(fc.all_reduce(t, "sum", dist.group.WORLD))
-wall_us, b = (time.perf_counter() - t0) * 1e6, snap()
+wall_us, b = (time.perf_counter() - t0) * 1e6, thread_schedstat(os.getpid())
 threads = {}
 for tid, (name, cpu, wait) in b.items():
     if tid in a:
@@ -98,12 +91,7 @@ def task_times(pids) -> dict:
     """(role, name) -> [CPU ns, run-queue wait ns] summed over the server's threads of that kind."""
     out: dict = collections.defaultdict(lambda: [0, 0])
     for pid, role in procs.process_roles(pids).items():
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                name = "main" if int(task.name) == pid else (task / "comm").read_text().strip()
-                cpu, wait = (int(x) for x in (task / "schedstat").read_text().split()[:2])
-            except (OSError, ValueError):
-                continue
+        for name, cpu, wait in procs.thread_schedstat(pid).values():
             out[(role, name)][0] += cpu
             out[(role, name)][1] += wait
     return out
@@ -133,7 +121,7 @@ def report(ref: dict, levels: list[dict], calls_per_step: int, numel: int) -> st
              f"elements: {ref['call_us']:.0f} us a call"]
     lines += [f"  {name:16s} CPU {cpu:7.0f} us  run-queue wait {wait:7.0f} us  a call (mean over ranks)"
               for name, (cpu, wait) in sorted(ref["threads"].items()) if cpu > 1 or wait > 1]
-    ref_wait = sum(ref["threads"].get(n, (0.0, 0.0))[1] for n in THREADS[1:])
+    ref_wait = sum(ref["threads"].get(n, (0.0, 0.0))[1] for n in GLOO_THREADS)
     for lv in levels:
         lines.append(f"\nengine at concurrency {lv['level']}: {lv['step_us']:.0f} us a step, {calls_per_step} "
                      f"all-reduces a step")
@@ -141,10 +129,10 @@ def report(ref: dict, levels: list[dict], calls_per_step: int, numel: int) -> st
             if cpu > 20 or wait > 20:
                 lines.append(f"  {role:12s} {name:16s} CPU {cpu:7.0f} us  run-queue wait {wait:7.0f} us  a step "
                              "(per process)")
-        gloo_wait = sum(w for (role, name), (_, w) in lv["threads"].items() if role == "worker" and name in THREADS[1:])
+        gloo_wait = sum(w for (role, name), (_, w) in lv["threads"].items() if role == "worker" and name in GLOO_THREADS)
         per_call = gloo_wait / calls_per_step
-        lines.append(f"  gloo's threads' run-queue wait per call: engine {per_call:.0f} us, reference "
-                     f"{ref_wait:.0f} us, engine/reference {per_call / ref_wait:.2f}" if ref_wait else "")
+        lines.append(f"  gloo's threads' run-queue wait per call: engine {per_call:.0f} us, reference {ref_wait:.0f} us"
+                     + (f", engine/reference {per_call / ref_wait:.2f}" if ref_wait else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -135,3 +135,30 @@ def _group(pgid: int) -> list[int]:
             except OSError:
                 continue
     return out
+
+
+def test_each_threads_cpu_and_run_queue_wait_is_read_by_name():
+    """A real process with a named thread that spins: its threads come back by tid, the main one named
+    'main' and the other by its comm, the spinner's CPU time growing."""
+    code = ("import threading, time, ctypes\n"
+            "def spin():\n"
+            "    ctypes.CDLL(None).prctl(15, b'ds-spinner', 0, 0, 0)\n"  # PR_SET_NAME: the thread's comm
+            "    end = time.monotonic() + 30\n"
+            "    while time.monotonic() < end: pass\n"
+            "threading.Thread(target=spin, daemon=True).start()\n"
+            "print('ready', flush=True); time.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        first = procs.thread_schedstat(proc.pid)
+        time.sleep(0.5)
+        second = procs.thread_schedstat(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    names = {name for name, _, _ in second.values()}
+    assert {"main", "ds-spinner"} <= names and second[proc.pid][0] == "main"
+    tid = next(t for t, (name, _, _) in second.items() if name == "ds-spinner")
+    assert second[tid][1] - first[tid][1] > 50e6  # ns of CPU in 0.5 s of spinning
+    assert procs.thread_schedstat(proc.pid) == {}  # gone: no threads

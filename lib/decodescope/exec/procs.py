@@ -339,6 +339,21 @@ def cpu_schedstat(pids: Iterable[int]) -> dict[int, tuple[str, int, int]]:
     return out
 
 
+def thread_schedstat(pid: int) -> dict[int, tuple[str, int, int]]:
+    """tid -> (name, CPU time ns, run-queue wait ns) of each thread of a process, from
+    /proc/<pid>/task/<tid>/schedstat; the main thread is named 'main', the others by their comm (gloo's
+    pt_gloo_runloop, ZMQbg/IO/0, ...). Threads that are gone are left out; a gone process has none."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            name = "main" if int(task.name) == pid else (task / "comm").read_text().strip()
+            cpu_ns, wait_ns = (int(x) for x in (task / "schedstat").read_text().split()[:2])
+        except (OSError, ValueError):
+            continue
+        out[int(task.name)] = (name, cpu_ns, wait_ns)
+    return out
+
+
 def cpu_per_step(before: dict, after: dict, steps: float) -> dict[str, dict]:
     """role -> {cpu_us, runq_wait_us: per engine step, the mean over that role's processes; processes}."""
     by: dict[str, list[tuple[float, float]]] = {}

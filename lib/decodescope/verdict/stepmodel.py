@@ -208,9 +208,9 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
     ones scaled by (tp - 1) / (world - 1), a ring's latency term, and labelled extrapolated; attention is
     scaled by attention_scale (heads per rank). `collectives` replaces the priced collectives (a fix).
     Where each all-reduce waits in an op of its own (gloo), what the profiled calls cost beyond 03's price is
-    a part of its own (collectives_under_load). The workers' run-queue wait (04: the host's other processes holding their cores mid-step) is taken
-    out of the idle in the step as its own part; at a tensor-parallel size whose workers leave the host
-    (host_cores) a core, it is priced at zero."""
+    a part of its own (collectives_under_load). The workers' run-queue wait (04: the host's other processes
+    holding their cores mid-step) is taken out of the idle in the step as its own part; at a tensor-parallel
+    size whose workers leave the host (host_cores) a core, it is priced at zero."""
     comps = [gemm_component(gemm, arch, tp, batch, dtype, source=gemm_source, weight_dtype=weight_dtype, skew=skew)]
     world = measured_world or tp
     if collectives is not None:
@@ -224,7 +224,7 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
         v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.allreduce_wait_us)
         comps.append(Component(WAIT, v, lo, hi, "; ".join(s.source for s in samples) + " (all-reduce time on the rank "
                                "minus the transfer: least time over ranks per call)", notes))
-    freed = host_processes_get_a_core(tp, measured_world or tp, host_cores)
+    freed = host_processes_get_a_core(tp, world, host_cores)
     # preemption inside ops is contention the freed core removes, like the preemption in the idle; the
     # rest of the profiled period is what the profile measured outside the parts, as it was
     as_profiled, samples = samples, [ops_without_preemption(s) for s in samples] if freed else samples
