@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,31 @@ def make_cpu_traces(out_dir: Path, steps: int = 5, per_step: int = 3, gzip_them:
                 shutil.copyfileobj(src, dst)
             p.unlink()
     return out_dir
+
+
+class Handoff:
+    """What a fixture of make test's first stage hands to a test of its second (tests/lanes.py LATE), as JSON
+    in the directory that tests/lanes.py names in DECODESCOPE_TEST_HANDOFF; without that directory (pytest
+    run by hand) nothing is handed over and the test makes the fixture itself."""
+
+    def __init__(self, root: Path | None):
+        self.root = root
+
+    def load(self, name: str) -> dict | None:
+        path = self.root / f"{name}.json" if self.root else None
+        return json.loads(path.read_text()) if path and path.is_file() else None
+
+    def save(self, name: str, value: dict) -> None:
+        if self.root:
+            tmp = self.root / f".{name}.json.tmp"
+            tmp.write_text(json.dumps(value, default=str))
+            tmp.replace(self.root / f"{name}.json")
+
+
+@pytest.fixture(scope="session")
+def handoff() -> Handoff:
+    root = os.environ.get("DECODESCOPE_TEST_HANDOFF")
+    return Handoff(Path(root) if root else None)
 
 
 @pytest.fixture(scope="session")

@@ -1,19 +1,25 @@
-"""`make test` on two cores: two pytest processes at once, one lane each.
+"""`make test` on two cores: two stages, each of one or two pytest processes (lanes).
 
-The serial lane runs, one module after another in SERIAL's order, every test module that starts a vLLM
-server, an sshd or probe ranks of its own, or times something (a client's TPOT, a probe's microseconds):
-only one vLLM server runs at a time, as two cores hold one TP=2 engine. It opens with the tests that assert
-statuses, files and what is left running, which hold with unit tests beside them; the tests that time the
-engine or a client come after, when the other lane is long done. The other lane runs everything else
-(parsing, records, reports, packaging, type checks) beside it.
+Stage 1, two lanes at once. The modules there that start vLLM servers, sshds and probe ranks assert exit
+statuses, files, messages and what is left running, never how fast anything ran, so two of them may share
+the two cores: FAULTS (the fault tests, one server at a time) in one lane; the unit tests (parsing, records,
+reports, packaging, type checks) and then BESIDE_SERVERS (the runs over ssh) in the other.
+Stage 2, one lane alone on the machine: ALONE, the modules that time the engine, a client or a probe, or
+whose checks look at every process of the machine (test_host_ssh: no probe rank or load generator left
+anywhere), one after the other; then LATE, tests that read what both stages made (the report over ssh of
+stage 1 set against the local end-to-end run of stage 2).
+
+A stage-1 fixture that a LATE test reads is handed over through the directory in DECODESCOPE_TEST_HANDOFF
+(tests/conftest.py handoff), which this script makes for the session; without it (pytest run by hand) the
+test makes the fixture itself, as before.
 
 Two processes rather than pytest-xdist's groups: with pytest 9.2, xdist 3.8's `--dist loadgroup` no longer
 groups (it renames `item._nodeid`, which pytest no longer reads), and both workers started servers at once.
 
-    python -m tests.lanes [pytest arguments for both lanes]
+    python -m tests.lanes [pytest arguments for every lane]
 
-The serial lane writes to the terminal as it runs; the beside lane's output comes whole once it ends. The exit
-status is the first failing lane's.
+The lane of servers and the lone stage write to the terminal as they run; the unit lane's output comes whole
+once it ends. The exit status is the first failing lane's.
 """
 from __future__ import annotations
 
@@ -27,48 +33,73 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 NO_TESTS = 5  # pytest's exit status when no test was selected
-SERIAL = ("test_faults.py", "test_host_ssh.py",
-          "test_integration_vllm.py", "test_integration_ssh.py", "test_experiments_vllm.py", "test_probes.py",
-          "test_stepmodel.py", "test_engine_comm.py", "test_serving_client.py", "test_telemetry.py")
+HANDOFF_ENV = "DECODESCOPE_TEST_HANDOFF"
+FAULTS = ("test_faults.py",)
+BESIDE_SERVERS = ("test_integration_ssh.py",)
+ALONE = ("test_host_ssh.py", "test_integration_vllm.py", "test_experiments_vllm.py", "test_probes.py",
+         "test_stepmodel.py", "test_engine_comm.py", "test_serving_client.py", "test_telemetry.py")
+LATE = ("test_integration_ssh.py::test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run",)
+SERVERS = FAULTS + BESIDE_SERVERS + ALONE  # every module that starts a server, an sshd or probe ranks
 
 
-def lane_argvs(pytest_args: list[str]) -> dict[str, list[str]]:
-    """The two lanes' pytest command lines: the serial modules in order, and the rest of tests/."""
-    missing = [m for m in SERIAL if not (TESTS / m).is_file()]
+def unit_modules() -> list[str]:
+    """The modules of no lane above, in name order."""
+    return sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in SERVERS)
+
+
+def stage_argvs(pytest_args: list[str]) -> list[dict[str, list[str]]]:
+    """Each stage's lanes as pytest command lines, lane name -> argv."""
+    missing = [m for m in SERVERS + tuple(t.split("::")[0] for t in LATE) if not (TESTS / m).is_file()]
     if missing:
-        raise SystemExit(f"tests/lanes.py SERIAL names modules that are not in tests/: {', '.join(missing)}")
+        raise SystemExit(f"tests/lanes.py names modules that are not in tests/: {', '.join(missing)}")
     pytest = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider"]
-    serial = pytest + [str(TESTS / m) for m in SERIAL] + pytest_args
-    beside = pytest + [str(TESTS)] + [f"--ignore={TESTS / m}" for m in SERIAL] + pytest_args
-    return {"serial": serial, "beside": beside}
+    late_out = [f"--deselect={TESTS / t}" for t in LATE]
+    return [
+        {"servers": pytest + [str(TESTS / m) for m in FAULTS] + pytest_args,
+         "units": pytest + [str(TESTS / m) for m in unit_modules() + list(BESIDE_SERVERS)] + late_out + pytest_args},
+        {"alone": pytest + [str(TESTS / m) for m in ALONE] + [str(TESTS / t) for t in LATE] + pytest_args},
+    ]
 
 
-def _print_when_done(proc: subprocess.Popen, log) -> None:
+def _print_when_done(proc: subprocess.Popen, name: str, log) -> None:
     proc.wait()
     log.seek(0)
-    sys.stdout.write(f"\n---- the beside lane (exit status {proc.returncode}) ----\n{log.read()}---- end of the beside lane ----\n")
+    sys.stdout.write(f"\n---- the {name} lane (exit status {proc.returncode}) ----\n{log.read()}"
+                     f"---- end of the {name} lane ----\n")
     sys.stdout.flush()
 
 
-def main(argv: list[str]) -> int:
-    """The serial lane writes to this terminal as it runs (its progress is the suite's); the beside lane's
-    output is kept and printed whole once it ends, so the two do not interleave line by line."""
-    argvs = lane_argvs(argv)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    procs: dict[str, subprocess.Popen] = {}
+def run_stage(lanes: dict[str, list[str]], env: dict[str, str], procs: dict[str, subprocess.Popen]) -> dict[str, int]:
+    """The stage's lanes at once: the first writes to this terminal as it runs (its progress is the
+    stage's), the others' output is kept and printed whole once each ends, so lines do not interleave."""
+    names = list(lanes)
     with tempfile.TemporaryFile("w+") as log:
+        printers = []
+        for name in names[1:]:
+            procs[name] = subprocess.Popen(lanes[name], stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                                           cwd=TESTS.parent)
+            printers.append(threading.Thread(target=_print_when_done, args=(procs[name], name, log), daemon=True))
+            printers[-1].start()
+        procs[names[0]] = subprocess.Popen(lanes[names[0]], env=env, cwd=TESTS.parent)
+        codes = {name: procs[name].wait() for name in names}
+        for t in printers:
+            t.join(timeout=30)
+    return codes
+
+
+def main(argv: list[str]) -> int:
+    codes: dict[str, int] = {}
+    procs: dict[str, subprocess.Popen] = {}
+    with tempfile.TemporaryDirectory(prefix="decodescope-lanes-") as handoff:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{HANDOFF_ENV: handoff})
         try:
-            procs["beside"] = subprocess.Popen(argvs["beside"], stdout=log, stderr=subprocess.STDOUT, text=True,
-                                               env=env, cwd=TESTS.parent)
-            printer = threading.Thread(target=_print_when_done, args=(procs["beside"], log), daemon=True)
-            printer.start()
-            procs["serial"] = subprocess.Popen(argvs["serial"], env=env, cwd=TESTS.parent)
-            codes = {name: procs[name].wait() for name in ("serial", "beside")}
-            printer.join(timeout=30)
+            for stage in stage_argvs(argv):
+                codes.update(run_stage(stage, env, procs))
         except KeyboardInterrupt:
-            # the terminal's Ctrl-C reached both lanes too (one process group); wait for them to stop
+            # the terminal's Ctrl-C reached the lanes too (one process group); wait for them to stop
             for p in procs.values():
-                p.send_signal(signal.SIGINT)
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
             for p in procs.values():
                 p.wait()
             return 130
@@ -77,13 +108,13 @@ def main(argv: list[str]) -> int:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    print(f"lanes: serial exit status {codes['serial']}, beside exit status {codes['beside']}")
+    print("lanes: " + ", ".join(f"{name} exit status {rc}" for name, rc in codes.items()))
     return lanes_status(codes)
 
 
 def lanes_status(codes: dict[str, int]) -> int:
     """The first failing lane's status; a lane that selected no test (pytest's 5, e.g. under -k) is no
-    failure while the other ran some."""
+    failure while another ran some."""
     ran = {name: rc for name, rc in codes.items() if rc != NO_TESTS}
     if not ran:
         return NO_TESTS

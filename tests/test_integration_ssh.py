@@ -110,16 +110,30 @@ LIGHT = {"  iterations: 10\n  warmup: 3\n": "  iterations: 5\n  warmup: 2\n  swe
 
 
 @pytest.fixture(scope="module")
-def over_ssh(ssh_faults):
+def over_ssh(ssh_faults, handoff):
     """The embedded default end to end over ssh: ssh_faults' last --resume, which runs every phase its
-    faulted runs left (00, 02 and 03 never ran; 04 failed; 01 is kept), on the run directory of the faults."""
+    faulted runs left (00, 02 and 03 never ran; 04 failed; 01 is kept), on the run directory of the faults.
+    Its run directory and exit status are handed to make test's second stage (tests/lanes.py LATE)."""
     r = ssh_faults["resume"]
-    return {"proc": r, "run_dir": Path(r.stdout.strip().splitlines()[-1]).parent if r.stdout.strip() else None,
-            "wall_s": ssh_faults["resume_s"], "tmp": ssh_faults["tmp"], "masters": ssh_faults["masters"]}
+    run_dir = Path(r.stdout.strip().splitlines()[-1]).parent if r.stdout.strip() else None
+    handoff.save("over_ssh", {"run_dir": run_dir and str(run_dir), "returncode": r.returncode})
+    return {"proc": r, "returncode": r.returncode, "run_dir": run_dir, "wall_s": ssh_faults["resume_s"],
+            "tmp": ssh_faults["tmp"], "masters": ssh_faults["masters"]}
 
 
 @pytest.fixture
-def local(over_ssh, e2e_run):
+def over_ssh_run(request, handoff) -> dict:
+    """over_ssh's run directory and exit status: in make test's second stage, what its first stage handed
+    over (the run over ssh ran beside the fault tests; the local run it is set against runs alone later);
+    otherwise over_ssh itself."""
+    handed = handoff.load("over_ssh")
+    if handed is not None:
+        return {"run_dir": handed["run_dir"] and Path(handed["run_dir"]), "returncode": handed["returncode"]}
+    return request.getfixturevalue("over_ssh")
+
+
+@pytest.fixture
+def local(e2e_run):
     """The local run of the same params: the session's end-to-end run (tests/conftest.py e2e_run), which
     test_integration_vllm checks in full; it differs from these params in what it plants (secrets, and
     markup as the served model's name, which outline() reads as the model's name) and in the workload's
@@ -219,9 +233,9 @@ def data_shapes(run_dir: Path) -> dict:
     return shapes
 
 
-def test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run(over_ssh, local):
-    ssh_run = over_ssh["run_dir"]
-    assert over_ssh["proc"].returncode == 0
+def test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run(over_ssh_run, local):
+    ssh_run = over_ssh_run["run_dir"]
+    assert over_ssh_run["returncode"] == 0
     assert outline(ssh_run) == outline(local)
     ours, theirs = data_shapes(ssh_run), data_shapes(local)
     assert set(theirs) <= set(ours) and set(ours) - set(theirs) <= {"link.json"}

@@ -1,31 +1,86 @@
-"""make test's two lanes (tests/lanes.py): every test module runs in exactly one, the serial one in its
-order, and the lanes' exit statuses make one."""
+"""make test's stages and lanes (tests/lanes.py): every test module runs in exactly one lane, the modules that
+time something run alone, a test deferred to the last stage runs there only, and the lanes' exit statuses
+make one."""
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.lanes import NO_TESTS, SERIAL, TESTS, lane_argvs, lanes_status
+from tests.conftest import Handoff
+from tests.lanes import (ALONE, BESIDE_SERVERS, FAULTS, HANDOFF_ENV, LATE, NO_TESTS, SERVERS, TESTS, lanes_status,
+                         stage_argvs, unit_modules)
+
+
+def _modules(argv: list[str]) -> list[str]:
+    return [Path(a).name for a in argv if a.endswith(".py")]
 
 
 def test_every_test_module_runs_in_exactly_one_lane():
-    argvs = lane_argvs(["-q"])
-    serial = [Path(a).name for a in argvs["serial"] if a.endswith(".py")]
-    ignored = {Path(a.removeprefix("--ignore=")).name for a in argvs["beside"] if a.startswith("--ignore=")}
-    assert serial == list(SERIAL) and ignored == set(SERIAL)
-    assert str(TESTS) in argvs["beside"] and argvs["serial"][-1] == argvs["beside"][-1] == "-q"
-    modules = {p.name for p in TESTS.glob("test_*.py")}
-    assert set(SERIAL) <= modules
+    stages = stage_argvs(["-q"])
+    assert [sorted(s) for s in stages] == [["servers", "units"], ["alone"]]
+    lanes = [argv for stage in stages for argv in stage.values()]
+    ran = [m for argv in lanes for m in _modules(argv)]
+    modules = sorted(p.name for p in TESTS.glob("test_*.py"))
+    assert sorted(ran) == modules  # each once
+    assert _modules(stages[0]["servers"]) == list(FAULTS)
+    assert _modules(stages[0]["units"]) == unit_modules() + list(BESIDE_SERVERS)
+    assert _modules(stages[1]["alone"]) == list(ALONE)
+    assert all(argv[-1] == "-q" for argv in lanes)
 
 
-def test_the_modules_that_start_a_vllm_server_or_an_sshd_run_in_the_serial_lane():
-    """Two TP=2 engines on two cores would each time the other: a module that launches one is serial."""
+def test_a_late_test_is_left_out_of_its_modules_lane_and_runs_alone_after_the_end_to_end_run():
+    stages = stage_argvs([])
+    for node in LATE:
+        module = node.split("::")[0]
+        lane = next(argv for stage in stages for argv in stage.values() if str(TESTS / module) in argv)
+        assert f"--deselect={TESTS / node}" in lane
+        alone = stages[1]["alone"]
+        assert str(TESTS / node) in alone
+        assert alone.index(str(TESTS / node)) > alone.index(str(TESTS / "test_integration_vllm.py"))
+    # and the node ids name real tests: pytest collects each
+    ids = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *[str(TESTS / n) for n in LATE]], capture_output=True, text=True, cwd=TESTS.parent)
+    assert ids.returncode == 0 and ids.stdout.count("::") == len(LATE), ids.stdout + ids.stderr
+
+
+def test_the_modules_that_start_a_vllm_server_or_an_sshd_run_in_a_lane_of_servers():
+    """A module that launches a TP=2 engine, an sshd or a run is never among the unit tests; those that time
+    something run alone, the lanes of servers hold at most one such module at a time each."""
     # an sshd, the embedded default's params or run, a fault test's run, `decodescope run` of its own
     calls = re.compile(r'\bSshd\(|\brun_e2e\(|\b_params\(|import [^\n]*\bRun\b|DECODESCOPE \+ \["run"')
     starts = {p.name for p in TESTS.glob("test_*.py") if p.name != "test_lanes.py" and calls.search(p.read_text())}
-    assert starts and starts <= set(SERIAL), starts - set(SERIAL)
+    assert starts and starts <= set(SERVERS), starts - set(SERVERS)
+    assert not set(unit_modules()) & set(SERVERS)
 
 
-def test_a_lane_that_selected_nothing_is_no_failure_while_the_other_ran():
-    assert lanes_status({"serial": 0, "beside": 0}) == 0
-    assert lanes_status({"serial": NO_TESTS, "beside": 0}) == 0
-    assert lanes_status({"serial": 1, "beside": 0}) == 1 and lanes_status({"serial": 0, "beside": 2}) == 2
-    assert lanes_status({"serial": NO_TESTS, "beside": NO_TESTS}) == NO_TESTS
+def test_the_modules_that_time_something_or_read_every_process_run_alone():
+    """Stage 1's modules assert statuses, files and leftovers of their own runs only; a module with a timing
+    bound on a server or client (side by side, the step model, the probes' microseconds) or a check over every
+    process of the machine is in ALONE."""
+    timing = re.compile(r"tpot_p50_us|projection_error_pct|SIDE_BY_SIDE|psutil\.process_iter\(\[\"cmdline\"\]\)\s+if "
+                        r"\"decodescope\.probes|Path\(\"/dev/shm\"\)\.glob\(\"decodescope-probe-\*\"\)")
+    timed = {p.name for p in TESTS.glob("test_*.py") if p.name in SERVERS and timing.search(p.read_text())}
+    assert timed and timed <= set(ALONE), timed - set(ALONE)
+    assert {"test_host_ssh.py", "test_integration_vllm.py", "test_experiments_vllm.py"} <= timed
+
+
+def test_a_fixture_is_handed_from_one_process_to_another_through_the_named_directory(tmp_path):
+    Handoff(tmp_path).save("over_ssh", {"run_dir": tmp_path / "run", "returncode": 0})
+    code = (f"import os; os.environ['{HANDOFF_ENV}'] = {str(tmp_path)!r}\n"
+            "from pathlib import Path; from tests.conftest import Handoff\n"
+            "print(Handoff(Path(os.environ['" + HANDOFF_ENV + "'])).load('over_ssh'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=TESTS.parent)
+    assert out.stdout.strip() == str({"run_dir": str(tmp_path / "run"), "returncode": 0}), out.stderr
+    assert Handoff(None).load("over_ssh") is None and Handoff(tmp_path).load("nothing") is None
+    Handoff(None).save("x", {"a": 1})  # no directory: nothing is written anywhere
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["over_ssh.json"]
+    assert json.loads((tmp_path / "over_ssh.json").read_text())["returncode"] == 0
+
+
+def test_a_lane_that_selected_nothing_is_no_failure_while_another_ran():
+    assert lanes_status({"servers": 0, "units": 0, "alone": 0}) == 0
+    assert lanes_status({"servers": NO_TESTS, "units": 0, "alone": NO_TESTS}) == 0
+    assert lanes_status({"servers": 1, "units": 0, "alone": 0}) == 1
+    assert lanes_status({"servers": 0, "units": 0, "alone": 2}) == 2
+    assert lanes_status({"servers": NO_TESTS, "units": NO_TESTS, "alone": NO_TESTS}) == NO_TESTS

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -501,7 +502,8 @@ def test_the_profilers_cost_is_the_inter_token_latency_it_added_with_the_unprofi
     # a step; the two unprofiled windows differ by 300 us (9.5% of their mean): the band is 1,750 -/+ 300
     runs = [3000.0, 3300.0]
     cap = {"engine_itl_unprofiled_us": unprofiled_itl_us(runs), "window_noise": itl_window_noise(runs),
-           "profiler_step_cost_us": profiler_step_cost_us(runs, 4900.0), "profiler_event_cost_us": 0.5}
+           "profiler_step_cost_us": profiler_step_cost_us(unprofiled_itl_us(runs), 4900.0),
+           "profiler_event_cost_us": 0.5}
     assert cap["engine_itl_unprofiled_us"] == 3150.0 and cap["window_noise"] == pytest.approx(300 / 3150)
     s = _summary(1, 1.0, {0: {"attention": 1000.0, "elementwise_other": 500.0}}, 4000.0, 4900.0, 1500.0, 1000.0)
     (sample,) = sm.step_samples({1: s}, 40.0, _caps({1: cap}))
@@ -525,10 +527,46 @@ def test_the_profilers_cost_is_the_inter_token_latency_it_added_with_the_unprofi
     nocost = next(c for c in zero.components if c.name == sm.PROFILER_COST)
     assert nocost.us == 0.0 and nocost.low_us == 0.0 and nocost.high_us >= 0.0  # shown as 0, with its band
     # one unprofiled run measured: no spread to give
-    assert itl_window_noise([3000.0, None]) is None and profiler_step_cost_us([None, None], 4900.0) is None
+    assert itl_window_noise([3000.0, None]) is None and profiler_step_cost_us(unprofiled_itl_us([None, None]),
+                                                                              4900.0) is None
     # a profiled window faster than both unprofiled ones moved by at least its shortfall: 350 of 3,150
     assert itl_window_noise(runs, 2800.0) == pytest.approx(350 / 3150)
     assert itl_window_noise(runs, 4900.0) == pytest.approx(300 / 3150)     # slower: the spread stands
+
+
+def test_what_an_earlier_profile_left_behind_is_the_profilers_cost_too(tiny):
+    """The H200 Kimi-shaped run: 01's engine ran concurrency 4 at 2,143 us a step; 04, after profiling level
+    1, ran it unprofiled at 2,971 and 2,848 us, profiled at 4,137. Measured before the first profile (here
+    2,150 us), the level's unprofiled step is that one: the profiler's cost is 4,137 - 2,150 = 1,987 us, of
+    which 2,909.5 - 2,150 = 759.5 us the earlier profile left behind, and the model's step is 2,150 us."""
+    from decodescope.schema.records import ProfileCapture
+    from decodescope.trace.capture import CaptureResult
+
+    def capture(before):
+        return CaptureResult(trace_dir=Path("/t"), rank_files=[], frontend_files=[], tables=[], requests_ok=16,
+                             requests_failed=0, start_profile_s=0.1, workload_s=1.0, stop_profile_s=1.0,
+                             flush_wait_s=1.0, concurrency=4, engine_itl_unprofiled_runs_us=[2971.0, 2848.0],
+                             engine_itl_profiled_us=4137.0, engine_itl_before_profiles_us=before).to_record()
+    rec = capture(2150.0)
+    assert rec.engine_itl_unprofiled_us == 2150.0 and rec.engine_itl_before_profiles_us == 2150.0
+    assert rec.profiler_step_cost_us == pytest.approx(1987.0)
+    assert rec.profiler_residue_us == pytest.approx(2909.5 - 2150.0)
+    assert rec.window_noise == pytest.approx(123.0 / 2909.5)  # the two runs a second apart, as before
+    # the first level (nothing measured before it): as before, against its own unprofiled runs
+    first = capture(None)
+    assert first.engine_itl_unprofiled_us == pytest.approx(2909.5) and first.profiler_residue_us is None
+    assert first.profiler_step_cost_us == pytest.approx(4137.0 - 2909.5)
+    assert ProfileCapture.model_validate(rec.model_dump()) == rec
+
+    s = _summary(4, 4.0, {0: {"attention": 1000.0, "elementwise_other": 500.0}}, 3500.0, 4137.0, 1500.0, 1000.0)
+    (sample,) = sm.step_samples({4: s}, 40.0, _caps({4: rec.model_dump()}))
+    gemm = pd.DataFrame([{"op": x.op, "batch": 4, "dtype": "bf16", "status": "ok", "time_us": 0.0}
+                         for x in archmod.gemm_shapes(tiny, 1, 4)])
+    pred = sm.predict_step(gemm, pd.DataFrame(), tiny, 1, 4, "", "", [sample], 40.0)
+    cost = next(c for c in pred.components if c.name == sm.PROFILER_COST)
+    assert cost.us == pytest.approx(1987.0)
+    assert "before 04's first profile (760 us of it left by the earlier profiles)" in cost.source, cost.source
+    assert pred.period_us == pytest.approx(2150.0)
 
 
 def test_workers_preempted_by_the_host_come_out_of_the_idle_and_go_where_a_core_is_left_free(tiny):

@@ -363,10 +363,16 @@ class ProfileCapture(Record):
     profiler_event_cost_us: Optional[float] = Field(None, description="the profiler's cost per recorded op")
     host_cpu_per_step: dict[str, RoleCpu] = Field(default_factory=dict, description="role -> its CPU per step; "
                                                   "empty when the server's processes are not on this machine")
-    engine_itl_unprofiled_us: Optional[float] = Field(None, description="the mean of the unprofiled runs")
+    engine_itl_before_profiles_us: Optional[float] = Field(None, description="the same workload unprofiled before "
+                                                           "the phase's first /start_profile (levels after the first)")
+    engine_itl_unprofiled_us: Optional[float] = Field(None, description="the unprofiled step: before the first "
+                                                      "profile where measured, else the mean of the unprofiled runs")
     window_noise: Optional[float] = Field(None, description="|a - b| / mean of the two unprofiled runs, at least "
                                           "the profiled run's shortfall below them")
     profiler_step_cost_us: Optional[float] = Field(None, description="profiled less unprofiled inter-token latency")
+    profiler_residue_us: Optional[float] = Field(None, description="the unprofiled runs just before this level's "
+                                                 "profile less engine_itl_before_profiles_us: what earlier "
+                                                 "profiles left behind")
 
     def role(self, name: str) -> RoleCpu:
         return self.host_cpu_per_step.get(name) or RoleCpu()

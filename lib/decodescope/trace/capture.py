@@ -11,6 +11,13 @@ the step model against beside 01's TPOT; the two unprofiled runs differ by the h
 profiled run exceeds them by the profiler's own cost per step (its trace writers and the profiled
 front end share the cores with the workers, so it is far more than its cost per recorded op, which is
 measured too as profiler_event_cost_us: the fallback where /metrics has no inter-token latency).
+
+A profile also leaves something behind: on the H200, after 04's first /stop_profile the Kimi-shaped engine
+ran unprofiled 36% slower at concurrency 4 and 62% at 16 than 01 had measured it (its engine core's CPU per
+step grew alike), while 04's first level, measured before any profile, agreed with 01. So before the
+phase's first /start_profile every later level's workload runs once unprofiled too: that level's step as a
+server never profiled runs it, which the profiler's cost is taken against (what an earlier profile left
+behind included, as profiler_residue_us).
 """
 from __future__ import annotations
 
@@ -63,6 +70,9 @@ class CaptureResult:
     engine_itl_unprofiled_runs_us: list = field(default_factory=list)
     engine_itl_profiled_us: Optional[float] = None
     profiler_event_cost_us: Optional[float] = None
+    # the same workload unprofiled before the phase's first /start_profile (levels after the first; the
+    # first level's own unprofiled runs come before every profile)
+    engine_itl_before_profiles_us: Optional[float] = None
     # the last unprofiled run: role -> CPU time and run-queue wait per step (procs.cpu_per_step); empty
     # when the server's processes are not on this machine. A worker's wait is the time the host's other
     # processes held its core mid-step.
@@ -70,7 +80,7 @@ class CaptureResult:
 
     @property
     def engine_itl_unprofiled_us(self) -> Optional[float]:
-        return unprofiled_itl_us(self.engine_itl_unprofiled_runs_us)
+        return engine_itl_unprofiled_us(self.engine_itl_unprofiled_runs_us, self.engine_itl_before_profiles_us)
 
     def to_record(self) -> ProfileCapture:
         d = dict(self.__dict__)
@@ -79,8 +89,9 @@ class CaptureResult:
             d[k] = [str(p) for p in d[k]]
         d["engine_itl_unprofiled_us"] = self.engine_itl_unprofiled_us
         d["window_noise"] = itl_window_noise(self.engine_itl_unprofiled_runs_us, self.engine_itl_profiled_us)
-        d["profiler_step_cost_us"] = profiler_step_cost_us(self.engine_itl_unprofiled_runs_us,
-                                                           self.engine_itl_profiled_us)
+        d["profiler_step_cost_us"] = profiler_step_cost_us(self.engine_itl_unprofiled_us, self.engine_itl_profiled_us)
+        d["profiler_residue_us"] = profiler_residue_us(self.engine_itl_unprofiled_runs_us,
+                                                       self.engine_itl_before_profiles_us)
         return ProfileCapture.model_validate(d)
 
     def raise_if_incomplete(self) -> None:
@@ -107,10 +118,22 @@ def itl_window_noise(runs_us: list, profiled_us: Optional[float] = None) -> Opti
     return max(spread, (mean - float(profiled_us)) / mean) if profiled_us else spread
 
 
-def profiler_step_cost_us(runs_us: list, profiled_us: Optional[float]) -> Optional[float]:
-    """What the profiler added to each step: the profiled run's inter-token latency less the unprofiled runs'."""
-    base = unprofiled_itl_us(runs_us)
-    return profiled_us - base if base and profiled_us else None
+def engine_itl_unprofiled_us(runs_us: list, before_profiles_us: Optional[float]) -> Optional[float]:
+    """The level's unprofiled step: as measured before the phase's first profile where it was, else the
+    mean of the unprofiled runs just before its own profile."""
+    return float(before_profiles_us) if before_profiles_us else unprofiled_itl_us(runs_us)
+
+
+def profiler_step_cost_us(unprofiled_us: Optional[float], profiled_us: Optional[float]) -> Optional[float]:
+    """What the profiler added to each step: the profiled run's inter-token latency less the unprofiled step's."""
+    return profiled_us - unprofiled_us if unprofiled_us and profiled_us else None
+
+
+def profiler_residue_us(runs_us: list, before_profiles_us: Optional[float]) -> Optional[float]:
+    """How much slower the level ran unprofiled just before its own profile than before the phase's first:
+    what the earlier profiles left behind in the server (plus the host's drift over the phase)."""
+    after = unprofiled_itl_us(runs_us)
+    return after - float(before_profiles_us) if after and before_profiles_us else None
 
 
 def wait_for_traces(trace_dir: Path, before: set[Path], expected_ranks: int, timeout_s: float,
@@ -147,32 +170,68 @@ def wait_for_traces(trace_dir: Path, before: set[Path], expected_ranks: int, tim
         time.sleep(poll_s)
 
 
-def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[int] = None,
-                    records_path: Optional[Path] = None, concurrency: Optional[int] = None) -> CaptureResult:
-    """Warm up, profile a decode workload at one concurrency, stop, and wait for the traces."""
+@dataclass
+class LevelWorkload:
+    """04's decode workload at one concurrency: its config, prompts and request count."""
+
+    cfg: SweepConfig
+    prompts: list
+    n_requests: int
+    concurrency: int
+
+    def warm_up(self, warmup_requests: int) -> None:
+        """At least one full batch: a batch size's first step is not a decode step's cost."""
+        if warmup_requests:
+            run_async(run_level(self.cfg, self.concurrency, self.prompts,
+                                n_requests=warmup_count(warmup_requests, self.concurrency), warmup=0))
+
+    def run(self):
+        return run_async(run_level(self.cfg, self.concurrency, self.prompts, n_requests=self.n_requests, warmup=0))
+
+
+def level_workload(server, params, concurrency: int) -> LevelWorkload:
     prof = params.profile
-    concurrency = concurrency or next(c for c in prof.concurrency if isinstance(c, int))
     n_requests = max(prof.requests, concurrency)  # a level gets at least one full batch
-    trace_dir = Path(trace_dir)
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    expected_ranks = expected_ranks or params.server.tensor_parallel
     cfg = SweepConfig(base_url=server.base_url, model=params.model.name, endpoint="completions",
                       levels=[concurrency], input_tokens=prof.input_tokens, output_tokens=prof.output_tokens,
                       requests_per_level=n_requests, warmup_requests=prof.warmup_requests,
                       timeout_s=params.workload.request_timeout_s, seed=params.workload.seed + 1,
                       api_key=params.server.api_key)
-    prompts = run_async(build_prompts(cfg, n_requests + prof.warmup_requests))
-    if prof.warmup_requests:  # at least one full batch: a batch size's first step is not a decode step's cost
-        run_async(run_level(cfg, concurrency, prompts, n_requests=warmup_count(prof.warmup_requests, concurrency),
-                            warmup=0))
+    return LevelWorkload(cfg, run_async(build_prompts(cfg, n_requests + prof.warmup_requests)), n_requests,
+                         concurrency)
+
+
+def itl_before_profiles(server, params, levels: list[int]) -> dict[int, Optional[float]]:
+    """Every level after the first, its workload run once unprofiled (after its warm-up) before the phase's
+    first /start_profile: the engine's inter-token latency there, None where /metrics had none."""
+    scraper = Scraper(server.base_url, params.server.api_key)
+    out: dict[int, Optional[float]] = {}
+    for c in levels[1:]:
+        work = level_workload(server, params, c)
+        work.warm_up(params.profile.warmup_requests)
+        out[c] = _engine_window(scraper, work.run)[1].itl_us
+    return out
+
+
+def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[int] = None,
+                    records_path: Optional[Path] = None, concurrency: Optional[int] = None,
+                    itl_before_profiles_us: Optional[float] = None) -> CaptureResult:
+    """Warm up, profile a decode workload at one concurrency, stop, and wait for the traces.
+    itl_before_profiles_us: this level's inter-token latency before the phase's first profile
+    (itl_before_profiles), the unprofiled step the profiler's cost is taken against."""
+    prof = params.profile
+    concurrency = concurrency or next(c for c in prof.concurrency if isinstance(c, int))
+    trace_dir = Path(trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    expected_ranks = expected_ranks or params.server.tensor_parallel
+    work = level_workload(server, params, concurrency)
+    work.warm_up(prof.warmup_requests)
     scraper = Scraper(server.base_url, params.server.api_key)
     # the server's processes, where /proc can see them: their CPU time and run-queue wait per step
     local = getattr(server, "remote", None) is None and hasattr(server, "process_tree")
     pids = server.process_tree() if local else []
     # the last one's /proc figures are what is kept (host_cpu_per_step): the first is not read for them
-    unprofiled = [_engine_window(scraper, lambda: run_async(
-        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)), pids if last else ())[1]
-        for last in (False, True)]
+    unprofiled = [_engine_window(scraper, work.run, pids if last else ())[1] for last in (False, True)]
     before = set(p for group in find_trace_files(trace_dir) for p in group)
     problems: list[str] = []
     t0 = time.monotonic()
@@ -187,8 +246,7 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
         server.raise_if_dead("the profile (/start_profile)")
         raise
     t1 = time.monotonic()
-    (records, _), profiled = _engine_window(scraper, lambda: run_async(
-        run_level(cfg, concurrency, prompts, n_requests=n_requests, warmup=0)))
+    (records, _), profiled = _engine_window(scraper, work.run)
     t2 = time.monotonic()
     df = records_frame(records)
     if records_path is not None:
@@ -221,7 +279,8 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
                          expected_ranks=expected_ranks, problems=problems, concurrency=concurrency,
                          engine_itl_unprofiled_runs_us=[w.itl_us for w in unprofiled],
                          engine_itl_profiled_us=profiled.itl_us, host_cpu_per_step=unprofiled[-1].cpu,
-                         profiler_event_cost_us=profiler_event_cost_us())
+                         profiler_event_cost_us=profiler_event_cost_us(),
+                         engine_itl_before_profiles_us=itl_before_profiles_us)
 
 
 def profiler_event_cost_us(n_ops: int = 20000, repeats: int = 3) -> Optional[float]:
@@ -350,12 +409,17 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str]]:
 
     # node_traces: an attached server's traces on the ssh host(s) (host.trace_dir) copied into traces/node<i>/
     with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server, node_traces(ctx.params, trace_dir):
+        if len(levels) > 1:
+            print(f"profile: concurrency {', '.join(map(str, levels[1:]))} unprofiled, before the first profile",
+                  flush=True)
+        before = itl_before_profiles(server, ctx.params, levels)
         for i, c in enumerate(levels):
             print(f"profile: concurrency {c} ({i + 1} of {len(levels)})", flush=True)
             level_data = ctx.data_dir / "profile" / level_dir_name(c)
             level_data.mkdir(parents=True, exist_ok=True)
             result = capture_profile(server, ctx.params, trace_dir, concurrency=c,
-                                     records_path=level_data / "profile_requests.parquet")
+                                     records_path=level_data / "profile_requests.parquet",
+                                     itl_before_profiles_us=before.get(c))
             result = _file_level(result, trace_dir, ctx.params)
             write_record(level_data / "profile_capture.json", result.to_record())
             if not result.rank_files:

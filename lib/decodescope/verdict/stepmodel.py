@@ -27,14 +27,20 @@ MICRO_CLASSES = ("gemm", "communication")
 def profiler_cost(cap: ProfileCapture, cats: pd.DataFrame, rank) -> tuple[Optional[float], tuple, str]:
     """What the profiler added to a step at one profiled level (04's profile_capture.json): the engine's
     inter-token latency under the profiler less without it, the same workload on the same server a
-    second apart, with a band of the two unprofiled runs' difference; where /metrics had no inter-token
-    latency, the critical rank's ops per step x the profiler's cost per recorded op (a floor: it misses
-    the trace writers and the profiled front end sharing the host's cores)."""
+    second apart, with a band of the two unprofiled runs' difference; at a level measured unprofiled before
+    the phase's first profile too, less that measurement, so what earlier profiles left behind in the server
+    is the profiler's cost as well; where /metrics had no inter-token latency, the critical rank's ops per
+    step x the profiler's cost per recorded op (a floor: it misses the trace writers and the profiled front
+    end sharing the host's cores)."""
     step, base = cap.profiler_step_cost_us, cap.engine_itl_unprofiled_us
     if step is not None and base:
         noise_us = float(cap.window_noise or 0.0) * float(base)
         v = max(float(step), 0.0)   # the profiler cannot speed a step up: a negative reading is noise
-        return v, (max(v - noise_us, 0.0), v + noise_us), "inter-token latency profiled - unprofiled"
+        source = "inter-token latency profiled - unprofiled"
+        if cap.engine_itl_before_profiles_us:
+            source += (" before 04's first profile" + (f" ({cap.profiler_residue_us:,.0f} us of it left by the "
+                                                        "earlier profiles)" if cap.profiler_residue_us else ""))
+        return v, (max(v - noise_us, 0.0), v + noise_us), source
     if cap.profiler_event_cost_us is None:
         return None, (), ""
     v = float(cats[cats["rank"] == rank]["calls_per_step"].sum()) * float(cap.profiler_event_cost_us)
