@@ -413,7 +413,7 @@ def test_remote_disk_full_is_one_clear_error_and_nothing_is_left_there(sshd, tmp
     msg = str(e.value)
     assert "No space left on device" in msg and str(disk) in msg, msg
     assert all(p.read_bytes() == b for p, b in before.items() if p.name != "collectives_plan.json")
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "decodescope.probes" in " ".join(p.info["cmdline"] or [])]
+    assert not processes_of("decodescope.probes", tmp_path)
     record_fault("ssh host's disk full", "one error naming the host's path and errno 28; results here kept; "
                  "nothing started or left there", rc=1, results_lost="the phase in flight", processes_left=0,
                  shm_files_left=0, detect_and_stop_s=round(wall, 1))
@@ -517,6 +517,30 @@ def _write(tmp_path: Path, text: str, name: str = "ssh.yaml") -> Path:
     return p
 
 
+# make test runs this module beside the fault tests (tests/lanes.py), whose runs start probes and load
+# generators of their own: a check for what is left looks at this test's processes (their command lines name
+# its directory) and at the probe segments no live process holds.
+def processes_of(module: str, tmp_path: Path) -> list[int]:
+    """Live processes running `module` whose command line names a path under tmp_path."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if module in cmd and str(tmp_path) in cmd:
+            out.append(p.pid)
+    return out
+
+
+def unheld_probe_segments() -> list[Path]:
+    """/dev/shm/decodescope-probe-* segments that no live process has mapped: left behind by a probe that
+    is gone (a running probe's ranks map theirs for their whole life)."""
+    held: set[str] = set()
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            held |= {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                     if "/dev/shm/decodescope-probe-" in line}
+    return sorted(p for p in Path("/dev/shm").glob("decodescope-probe-*") if str(p) not in held)
+
+
 def _run_dir(params) -> Path:
     from decodescope.orchestration.runner import new_run_dir
 
@@ -538,7 +562,7 @@ def test_the_collectives_probe_runs_there_with_torchrun_and_its_files_come_back(
     assert local == remote == ["collectives_rank0.json", "collectives_rank1.json"]
     assert "all_to_all" in set(coll["part"])
     assert (run_dir / "logs/collectives_probe.log").stat().st_size > 0
-    assert not list(Path("/dev/shm").glob("decodescope-probe-*"))
+    assert not processes_of("decodescope.probes", tmp_path) and unheld_probe_segments() == []
 
 
 def test_a_probe_whose_link_drops_is_stopped_there_and_says_resume(sshd, tmp_path, session):
@@ -559,11 +583,9 @@ def test_a_probe_whose_link_drops_is_stopped_there_and_says_resume(sshd, tmp_pat
     t = threading.Thread(target=probe)
     t.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len([p for p in psutil.process_iter(["cmdline"])
-                                                if "decodescope.probes.collectives" in " ".join(p.info["cmdline"] or [])]) < 2:
+    while time.monotonic() < deadline and len(processes_of("decodescope.probes.collectives", tmp_path)) < 2:
         time.sleep(0.1)
-    ranks = [p.pid for p in psutil.process_iter(["cmdline"])
-             if "decodescope.probes.collectives" in " ".join(p.info["cmdline"] or [])]
+    ranks = processes_of("decodescope.probes.collectives", tmp_path)
     assert len(ranks) >= 2
     os.kill(host._master.pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -646,7 +668,7 @@ def test_the_load_generator_runs_beside_the_server_and_its_levels_come_back(sshd
     assert link["via_tunnel_p50_ms"] > 0 and link["on_host_p50_ms"] > 0
     assert "ran on root@127.0.0.1" in link_note(run_dir / "data", params)
     # nothing of the load generator is left there
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "decodescope.serving.remote" in " ".join(p.info["cmdline"] or [])]
+    assert not processes_of("decodescope.serving.remote", tmp_path)
 
 
 # ---- a run ---------------------------------------------------------------------------------------------

@@ -57,12 +57,13 @@ def test_the_modules_that_start_a_vllm_server_or_an_sshd_run_in_a_lane_of_server
 def test_the_modules_that_time_something_or_read_every_process_run_alone():
     """Stage 1's modules assert statuses, files and leftovers of their own runs only; a module with a timing
     bound on a server or client (side by side, the step model, the probes' microseconds) or a check over every
-    process of the machine is in ALONE."""
-    timing = re.compile(r"tpot_p50_us|projection_error_pct|SIDE_BY_SIDE|psutil\.process_iter\(\[\"cmdline\"\]\)\s+if "
-                        r"\"decodescope\.probes|Path\(\"/dev/shm\"\)\.glob\(\"decodescope-probe-\*\"\)")
+    process or probe segment of the machine is in ALONE."""
+    timing = re.compile(r"tpot_p50_us|projection_error_pct|SIDE_BY_SIDE|"
+                        r"if \"decodescope\.(probes|serving\.remote)[a-z.]*\" in \" \"\.join|"
+                        r"list\(Path\(\"/dev/shm\"\)\.glob\(\"decodescope-probe-\*\"\)\)")
     timed = {p.name for p in TESTS.glob("test_*.py") if p.name in SERVERS and timing.search(p.read_text())}
     assert timed and timed <= set(ALONE), timed - set(ALONE)
-    assert {"test_host_ssh.py", "test_integration_vllm.py", "test_experiments_vllm.py"} <= timed
+    assert {"test_integration_vllm.py", "test_experiments_vllm.py"} <= timed
 
 
 def test_a_fixture_is_handed_from_one_process_to_another_through_the_named_directory(tmp_path):
