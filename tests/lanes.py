@@ -53,7 +53,8 @@ def stage_argvs(pytest_args: list[str]) -> list[dict[str, list[str]]]:
     if missing:
         raise SystemExit(f"tests/lanes.py names modules that are not in tests/: {', '.join(missing)}")
     pytest = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider"]
-    late_out = [f"--deselect={TESTS / t}" for t in LATE]
+    # pytest matches --deselect against node ids as it names them, relative to the root directory
+    late_out = [f"--deselect={TESTS.name}/{t}" for t in LATE]
     return [
         {"servers": pytest + [str(TESTS / m) for m in FAULTS] + pytest_args,
          "units": pytest + [str(TESTS / m) for m in unit_modules() + list(BESIDE_SERVERS)] + late_out + pytest_args},
