@@ -44,8 +44,8 @@ run: $(CORE_STAMP)
 # whatever this CPU has; unset: the host's own path (tests/conftest.py --cpu-path, decodescope.exec.engine_comm).
 CPU_PATH_ARG = $(if $(CPU_PATH),--cpu-path=$(CPU_PATH))
 
-# Two lanes at once on two cores (tests/lanes.py): one runs the modules that start servers, sshd or probe
-# ranks, or time something, one at a time in its SERIAL order; the other runs the rest beside them.
+# Two stages on two cores (tests/lanes.py): the fault and ssh-host tests beside the unit tests and the runs
+# over ssh (two pytest processes), then the modules that time something, alone.
 LANES := $(PY) -m tests.lanes
 
 test: $(DEV_STAMP) chromium sshd
