@@ -15,7 +15,8 @@
 #   queue 'PARAMS ARGS' .. the same for several runs, one after the other, in one background session
 #   gputests [PYTEST ARGS] the gpu-marked tests, with vLLM and the wheelhouse on the path (log to $OUT)
 #   resume PARAMS          copy lib/, notebooks/ and params/ again and resume the last run
-#   poll SECONDS           wait until the run ends or SECONDS pass; print the log's tail
+#   poll SECONDS           wait until the run ends or SECONDS pass; print the log's tail (300 at most: a lent
+#                          machine was released under a 560 s poll, and its run's files with it)
 #   collect                tar the run directories into $OUT (pieces of at most 15 MiB; traces left out when
 #                          the whole would pass the tool's 8 files)
 set -u
