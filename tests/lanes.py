@@ -23,6 +23,7 @@ once it ends. The exit status is the first failing lane's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -74,9 +75,10 @@ def run_stage(lanes: dict[str, list[str]], env: dict[str, str], procs: dict[str,
     """The stage's lanes at once: the first writes to this terminal as it runs (its progress is the
     stage's), the others' output is kept and printed whole once each ends, so lines do not interleave."""
     names = list(lanes)
-    with tempfile.TemporaryFile("w+") as log:
+    with contextlib.ExitStack() as files:
         printers = []
         for name in names[1:]:
+            log = files.enter_context(tempfile.TemporaryFile("w+"))  # one a lane: each is printed whole
             procs[name] = subprocess.Popen(lanes[name], stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
                                            cwd=TESTS.parent)
             printers.append(threading.Thread(target=_print_when_done, args=(procs[name], name, log), daemon=True))
