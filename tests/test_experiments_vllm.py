@@ -4,46 +4,24 @@ TP=1 server, n-gram speculative decoding, and a variant whose server cannot star
 import json
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from decodescope.exec.server import port_is_free
 from tests.browser import inspect_report
-from tests.test_integration_vllm import sweep_to_1mib
+from tests.test_integration_vllm import E2E_PORT
 
 pytestmark = pytest.mark.integration
 DECODESCOPE = [sys.executable, "-m", "decodescope.cli.main"]
-PORT = 8796
 
 
 @pytest.fixture(scope="module")
-def campaign(repo, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("experiments")
-    text = (repo / "params/experiments.yaml").read_text()
-    text = text.replace("output_dir: outputs", f"output_dir: {tmp / 'out'}")
-    text = text.replace("config: models/", f"config: {repo / 'params/models'}/")
-    text = text.replace("port: 8765", f"port: {PORT}")
-    text = sweep_to_1mib(text)  # the 2-16 MiB sizes were most of 03's 71 s on an AVX2 host
-    # the baseline's levels three times (their bands), each variant's once: on an AVX2 host (gloo, ~30 ms
-    # a token) the variants' two further repeats were ~3 of the campaign's 17 minutes; a TP=1 start's
-    # repeats agreed within 10% where its starts differed by up to 40%
-    for name in ("tp1", "spec-ngram"):
-        assert text.count(f"  - name: {name}\n") == 1
-        text = text.replace(f"  - name: {name}\n", f"  - name: {name}\n    workload: {{repeats: 1}}\n")
-    params = tmp / "experiments.yaml"
-    params.write_text(text)
-    t0 = time.monotonic()
-    proc = subprocess.run(DECODESCOPE + ["run", str(params), "--repeats", "3"], capture_output=True, text=True,
-                          cwd=repo, timeout=2400)
-    wall = time.monotonic() - t0
-    report = Path(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None
-    run_dir = report.parent if report else None
-    return {"proc": proc, "report": report, "run_dir": run_dir, "wall_s": wall,
-            "manifest": json.loads((run_dir / "manifest.json").read_text()) if run_dir else {},
-            "verdict": json.loads((run_dir / "data/verdict.json").read_text()) if run_dir else {}}
+def campaign(e2e_run):
+    """The session's end-to-end run (tests/conftest.py e2e_run), which is the experiments campaign:
+    params/experiments.yaml with --repeats 3 for the baseline and each variant measured once
+    (tests/test_integration_vllm.py e2e_params)."""
+    return e2e_run
 
 
 def test_every_variant_is_measured_or_recorded_failed_and_the_run_goes_on(campaign):
@@ -65,7 +43,7 @@ def test_every_variant_is_measured_or_recorded_failed_and_the_run_goes_on(campai
     # per settings, none reused across changes
     assert len(m["servers"]) == 1 + 2  # bad-flag never came up, so it is not among the servers started
     assert "variant bad-flag (3 of 3) ... failed: server did not start" in proc.stderr
-    assert port_is_free("127.0.0.1", PORT)
+    assert port_is_free("127.0.0.1", E2E_PORT)
     # the TP=1 server where its params put it: the worker on its bound core, the rest on the other
     cores = json.loads((campaign["run_dir"] / "variants/tp1/data/server.json").read_text())["cores"]
     # multiprocessing's resource tracker is a process of the server too, and is told apart (procs.process_roles)

@@ -134,10 +134,11 @@ def over_ssh_run(request, handoff) -> dict:
 
 @pytest.fixture
 def local(e2e_run):
-    """The local run of the same params: the session's end-to-end run (tests/conftest.py e2e_run), which
-    test_integration_vllm checks in full; it differs from these params in what it plants (secrets, and
-    markup as the served model's name, which outline() reads as the model's name) and in the workload's
-    size (LIGHT above), which outline() reads as numbers and data_shapes() not at all."""
+    """The local run of the same embedded default: the session's end-to-end run (tests/conftest.py e2e_run),
+    which test_integration_vllm checks in full. It differs from these params in what it plants (secrets, and
+    markup as the served model's name, which outline() reads as the model's name), in the workload's size
+    (LIGHT above), which outline() reads as numbers and data_shapes() not at all, and in what the experiments
+    campaign adds (its variants and repeats: baseline_of_campaign)."""
     assert e2e_run["proc"].returncode == 0, e2e_run["proc"].stderr[-3000:]
     return e2e_run["run_dir"]
 
@@ -233,11 +234,33 @@ def data_shapes(run_dir: Path) -> dict:
     return shapes
 
 
+# What the experiments campaign (the local run) shows beyond a run of the embedded default: its variants in
+# 05, and of its repeats a table a row per level and repeat, a band per level, each request's repeat
+VARIANT_SECTIONS = {"05_verdict": {("figure", "Variants: measured TPOT against the baseline and the projection"),
+                                   ("table", "variants: measured (their N) vs baseline and vs projection")}}
+REPEATS_FILE = "serving_levels_repeats.parquet"
+
+
+def baseline_of_campaign(sections: dict, shapes: dict) -> tuple[dict, dict]:
+    """A campaign's outline and data shapes less what its variants and repeats add, each of which must be
+    there."""
+    for phase, items in VARIANT_SECTIONS.items():
+        assert items <= sections[phase], (phase, sorted(sections[phase]))
+    assert REPEATS_FILE in shapes and "repeats" in shapes["serving_levels.parquet"]
+    sections = {k: v - VARIANT_SECTIONS.get(k, set()) for k, v in sections.items()}
+    shapes = {k: v for k, v in shapes.items() if k != REPEATS_FILE}
+    shapes["serving_levels.parquet"] = [c for c in shapes["serving_levels.parquet"]
+                                        if c != "repeats" and not c.endswith(("_low", "_high"))]
+    shapes["serving_requests.parquet"] = [c for c in shapes["serving_requests.parquet"] if c != "repeat"]
+    return sections, shapes
+
+
 def test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run(over_ssh_run, local):
     ssh_run = over_ssh_run["run_dir"]
     assert over_ssh_run["returncode"] == 0
-    assert outline(ssh_run) == outline(local)
-    ours, theirs = data_shapes(ssh_run), data_shapes(local)
+    sections, theirs = baseline_of_campaign(outline(local), data_shapes(local))
+    assert outline(ssh_run) == sections
+    ours = data_shapes(ssh_run)
     assert set(theirs) <= set(ours) and set(ours) - set(theirs) <= {"link.json"}
     assert {k: ours[k] for k in theirs} == theirs
 

@@ -7,8 +7,9 @@
 # reaches a running campaign.
 # Build the bundle with `vllm-gpu-bundle.sh OUT compressed-tensors==0.17.0 loguru setproctitle`: without setproctitle
 # vLLM cannot name its processes (VLLM::EngineCore, VLLM::Worker) and 04 tells them apart by their place in the tree.
-#   pack BUNDLE WHEELHOUSE (here) the bundle's parts and the wheelhouse as one tar in 44 MiB pieces (PIECE=),
-#                          .gpu/p0..: a piece and the working tree (18 MiB) must pass together in 64 MiB
+#   pack BUNDLE WHEELHOUSE (here) the bundle's parts and the wheelhouse as one tar in 28 MiB pieces (PIECE=),
+#                          .gpu/p0..: a piece and the working tree (31 MiB at 29f382e; 33 MiB pieces were
+#                          refused with it) must pass together in 64 MiB
 #   stash                  copy this call's pieces to $VB
 #   setup                  check and unpack the pieces; vLLM onto $SITE, the wheelhouse into $DS
 #   start PARAMS [ARGS..]  copy the tree to $REPO and start `decodescope run PARAMS ARGS` there
@@ -28,7 +29,7 @@ case "${1:?pack|stash|setup|start|resume|poll|collect}" in
 pack)
   set -e; rm -rf .gpu/stage .gpu/p? && mkdir -p .gpu/stage/wh
   cp "${2:?bundle parts dir}"/* .gpu/stage/ && cp "${3:?wheelhouse}"/*.whl .gpu/stage/wh/ && rm -f .gpu/stage/wh/decodescope-*.whl
-  tar -C .gpu/stage -cf - . | (cd .gpu && split -b "${PIECE:-44M}" -d - piece-) && (cd .gpu && sha256sum piece-* > PIECES.SHA256)
+  tar -C .gpu/stage -cf - . | (cd .gpu && split -b "${PIECE:-28M}" -d - piece-) && (cd .gpu && sha256sum piece-* > PIECES.SHA256)
   i=0; for f in .gpu/piece-*; do mkdir -p .gpu/p$i && mv $f .gpu/p$i/; i=$((i+1)); done; cp .gpu/PIECES.SHA256 .gpu/p$((i-1))/
   ls -l .gpu/p* ;;
 stash)
