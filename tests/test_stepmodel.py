@@ -636,6 +636,37 @@ def test_preemption_beyond_the_idle_fell_in_ops_and_comes_off_them_where_a_core_
     assert sm.ops_without_preemption(replace(sample, preempted_us=100.0)) == replace(sample, preempted_us=100.0)
 
 
+def test_the_share_of_ops_a_freed_core_keeps_is_taken_at_the_batch_not_level_by_level(tiny):
+    """A native campaign (2026-12-03) priced TP=1's attention at 0 at batch 4: each profiled level's ops were
+    scaled by its own share (0.70 at batch 1, 0.54 at 2) before attention's line through the levels, so the
+    line fell with batch. Hand-worked: attention 100 us at batch 1 and 120 at batch 2 (context 40: 80 + 0.5 us
+    a token), small ops 200, all-reduce 500, idle 100; run-queue wait 340 at batch 1 and 510 at 2, so
+    240/800 and 410/820 of the runnable time fell in ops: 0.7 and 0.5 kept. At TP=1 (heads x 2): batch 1
+    100 x 0.7 x 2 = 140; batch 4 (line 160, share held at batch 2's 0.5) 160 x 0.5 x 2 = 160, small ops
+    200 x 0.5 = 100. Scaled level by level first, batch 4 read (80 - 0.25 x 160) x 2 = 80."""
+    gemm1 = pd.DataFrame([{"op": x.op, "batch": b, "dtype": "bf16", "status": "ok", "time_us": 0.0}
+                          for b in (1, 2, 4) for x in archmod.gemm_shapes(tiny, 1, b)])
+    summaries = {c: _summary(c, float(c), {0: {"allreduce": 500.0, "attention": att, "elementwise_other": 200.0}},
+                             wall=1100.0, period=1600.0, between=300.0, idle=100.0)
+                 for c, att in ((1, 100.0), (2, 120.0))}
+    samples = sm.step_samples(summaries, 40.0, _caps({c: {"host_cpu_per_step": {"worker": {"runq_wait_us": w}}}
+                                                       for c, w in ((1, 340.0), (2, 510.0))}))
+    assert [sm.ops_keep(x) for x in samples] == [pytest.approx(0.7), pytest.approx(0.5)]
+
+    def parts(batch):
+        pred = sm.predict_step(gemm1, pd.DataFrame(), tiny, 1, batch, "", "", samples, 40.0, measured_world=2,
+                               attention_scale=2.0, host_cores=2)
+        return {c.name: c for c in pred.components}
+    assert parts(1)["attention"].us == pytest.approx(140.0)
+    at4 = parts(4)
+    assert at4["attention"].us == pytest.approx(160.0) and at4["small ops"].us == pytest.approx(100.0)
+    assert any("x 0.50" in n for n in at4["attention"].notes)
+    # at TP=2 nothing is freed: the ops as profiled
+    at2 = {c.name: c.us for c in sm.predict_step(gemm1, pd.DataFrame(), tiny, 1, 4, "", "", samples, 40.0,
+                                                 measured_world=2, host_cores=None).components}
+    assert at2["attention"] == pytest.approx(160.0) and at2["small ops"] == pytest.approx(200.0)
+
+
 def test_another_tensor_parallel_size_scales_attention_and_extrapolates_collectives(tiny):
     shapes1 = archmod.gemm_shapes(tiny, 1, 1)
     gemm1 = pd.DataFrame([{"op": s.op, "batch": 1, "dtype": "bf16", "status": "ok", "time_us": 30.0} for s in shapes1])

@@ -16,7 +16,7 @@ from decodescope.schema.records import ProfileCapture, StepCategoryRow, frame
 from decodescope.verdict.stepparts import Component, collective_component, gemm_component, latency_at, latency_curve
 from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, WAIT_CATEGORIES, class_of
 from decodescope.verdict.stepsample import (StepSample, between_steps_at_freed_core, host_processes_get_a_core,
-                                            ops_without_preemption)
+                                            ops_keep, ops_without_preemption)
 
 
 # ---- the whole step: what only the profile measures --------------------------------------------------
@@ -231,20 +231,31 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
         comps.append(Component(WAIT, v, lo, hi, "; ".join(s.source for s in samples) + " (all-reduce time on the rank "
                                "minus the transfer: least time over ranks per call)", notes))
     freed = host_processes_get_a_core(tp, world, host_cores)
-    # preemption inside ops is contention the freed core removes, like the preemption in the idle; the
-    # rest of the profiled period is what the profile measured outside the parts, as it was
-    as_profiled, samples = samples, [ops_without_preemption(s) for s in samples] if freed else samples
+    # preemption inside ops is contention the freed core removes, like the preemption in the idle: the op
+    # classes keep, at this batch, the share of their time that was not run-queue wait (ops_keep across the
+    # profiled levels). Scaled level by level before attention's fit through the levels, the levels' shares
+    # set its slope (a native campaign: 0.70 at batch 1, 0.54 at 2, and TP=1's attention fell to 0 at 4).
+    # The rest of the profiled period is what the profile measured outside the parts, as it was.
+    keep = _across_batches(samples, batch, ops_keep)[0] if freed and samples else 1.0
+    keep_note = [f"x {keep:.2f}: less the workers' run-queue wait inside ops (a core of their own at "
+                 f"tensor-parallel {tp})"] if keep != 1.0 else []
+    as_profiled = samples
     if samples:
         a = attention_component(samples, batch, context_tokens)
-        if attention_scale != 1.0:
-            a = Component(a.name, a.us * attention_scale, a.low_us * attention_scale, a.high_us * attention_scale,
-                          a.source, a.notes + [f"x {attention_scale:g}: heads per rank at this tensor-parallel size"])
+        if attention_scale != 1.0 or keep != 1.0:
+            scale = attention_scale * keep
+            a = Component(a.name, a.us * scale, a.low_us * scale, a.high_us * scale, a.source, a.notes + keep_note +
+                          ([f"x {attention_scale:g}: heads per rank at this tensor-parallel size"]
+                           if attention_scale != 1.0 else []))
         comps.append(a)
         src = "; ".join(s.source for s in samples)
         others = sorted({c for s in samples for c in s.classes_us} - set(MICRO_CLASSES) - {"attention"})
         for cls in others:
             v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
-            comps.append(Component(cls, v, lo, hi, src, notes))
+            comps.append(Component(cls, v * keep, lo * keep, hi * keep, src, notes + keep_note))
+        # the profiler's cost as a share of the parts it inflated, those parts as this tensor-parallel size
+        # keeps them
+        samples = [ops_without_preemption(s) for s in samples] if freed else samples
 
         def preempted(s):
             return min(s.preempted_us, s.idle_us)

@@ -55,16 +55,21 @@ def between_steps_at_freed_core(s: StepSample) -> float:
     return min(s.between_us, max(s.between_us - s.engine_wait_us, s.engine_cpu_us))
 
 
-def ops_without_preemption(s: StepSample) -> StepSample:
-    """The sample's ops as a worker with a core of its own runs them: the run-queue wait beyond the idle
-    in the step fell inside ops, spread over them by their runnable time (an op's time less the wait in
-    ops of their own, where the rank sleeps), and comes off each op class in that share."""
+def ops_keep(s: StepSample) -> float:
+    """The share of the sample's op time a worker with a core of its own keeps: the run-queue wait beyond
+    the idle in the step fell inside ops, spread over them by their runnable time (an op's time less the
+    wait in ops of their own, where the rank sleeps)."""
     excess_us = max(s.preempted_us - s.idle_us, 0.0)
     runnable_us = sum(s.classes_us.values()) - s.wait_own_op_us
     if excess_us <= 0 or runnable_us <= 0:
-        return s
-    keep = max(1.0 - excess_us / runnable_us, 0.0)
-    return replace(s, classes_us={k: v * keep for k, v in s.classes_us.items()})
+        return 1.0
+    return max(1.0 - excess_us / runnable_us, 0.0)
+
+
+def ops_without_preemption(s: StepSample) -> StepSample:
+    """The sample's ops as a worker with a core of its own runs them: each op class times ops_keep."""
+    keep = ops_keep(s)
+    return s if keep == 1.0 else replace(s, classes_us={k: v * keep for k, v in s.classes_us.items()})
 
 
 def host_processes_get_a_core(tp: int, measured_tp: int, host_cores: Optional[int]) -> bool:
