@@ -91,7 +91,10 @@ def test_the_tensor_parallel_1_projection_is_set_against_the_real_tp1_server(cam
         # +43.9/+3.5/-2.9% once the workers' run-queue wait past the idle came off the ops at TP=1
         # (stepsample.ops_without_preemption), then +42.7%, +34.4% and +120.4% in three more campaigns
         # (the TP=1 server's own step at concurrency 1 read 4.3 to 7.7 ms across them); CI's shm host
-        # read +73% before that.
+        # read +73% before that. With the TP=1 variant profiled (benchmarks/tp1_projection_parts.py) most of
+        # the miss was the rest of the profiled period carried whole (2.0-3.3 ms a step on gloo at TP=2, 30-70 us
+        # at TP=1); taken as the same share of the TP=1 step's parts, two forced-AVX2 campaigns read -3.2% and
+        # -7.5% at level 1 (stepmodel._rest).
         pytest.xfail(f"gloo path: TP=1 projection {at1['projection_error_pct']:+.1f}% (bound 55% holds on the "
                      "shm path); the TP=2 gloo step's host time does not carry to TP=1 as priced")
     assert abs(at1["projection_error_pct"]) <= 55.0

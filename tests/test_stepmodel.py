@@ -609,7 +609,8 @@ def test_preemption_beyond_the_idle_fell_in_ops_and_comes_off_them_where_a_core_
     workers' run-queue wait past the idle in the step fell inside ops. Hand-worked: ops 1,000 us
     (attention 300, small ops 200, all-reduce 500, of it no wait of its own), idle 100, run-queue wait
     300: 200 us inside ops, a fifth of their runnable time, so at TP=1 with a core of its own attention is
-    300 x 0.8 x 2 (heads) = 480 and small ops 160; the rest of the profiled period stays as measured."""
+    300 x 0.8 x 2 (heads) = 480 and small ops 160. The rest of the profiled period (1,600 - 1,000 - 100 - 300 =
+    200 us, 1/7 of the parts it was left by) is at TP=1 1/7 of that step's parts: (480 + 160 + 300) / 7."""
     gemm2, gemm1 = (pd.DataFrame([{"op": x.op, "batch": 1, "dtype": "bf16", "status": "ok", "time_us": 0.0}
                                   for x in archmod.gemm_shapes(tiny, t, 1)]) for t in (2, 1))
     s = _summary(1, 1.0, {0: {"allreduce": 500.0, "attention": 300.0, "elementwise_other": 200.0}},
@@ -622,7 +623,10 @@ def test_preemption_beyond_the_idle_fell_in_ops_and_comes_off_them_where_a_core_
                           attention_scale=2.0, host_cores=2)
     parts = {c.name: c.us for c in at1.components}
     assert parts["attention"] == pytest.approx(480.0) and parts["small ops"] == pytest.approx(160.0)
-    assert parts[sm.PREEMPTED] == 0.0 and parts[sm.REST] == pytest.approx(200.0)
+    assert parts[sm.PREEMPTED] == 0.0 and parts[sm.REST] == pytest.approx(940.0 / 7)
+    # at the tensor-parallel size profiled, the rest as measured
+    same = sm.predict_step(gemm1, pd.DataFrame(), tiny, 1, 1, "", "", [sample], 40.0)
+    assert {c.name: c.us for c in same.components}[sm.REST] == pytest.approx(200.0)
     assert parts["idle in step"] == 0.0 and parts["between steps"] == 300.0
     # at TP=2, or where no core is freed, the ops stay as profiled: that contention is real there
     for cores in (None, 64):

@@ -236,23 +236,11 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
     # profiled levels). Scaled level by level before attention's fit through the levels, the levels' shares
     # set its slope (a native campaign: 0.70 at batch 1, 0.54 at 2, and TP=1's attention fell to 0 at 4).
     # The rest of the profiled period is what the profile measured outside the parts, as it was.
-    keep = _across_batches(samples, batch, ops_keep)[0] if freed and samples else 1.0
-    keep_note = [f"x {keep:.2f}: less the workers' run-queue wait inside ops (a core of their own at "
-                 f"tensor-parallel {tp})"] if keep != 1.0 else []
     as_profiled = samples
     if samples:
-        a = attention_component(samples, batch, context_tokens)
-        if attention_scale != 1.0 or keep != 1.0:
-            scale = attention_scale * keep
-            a = Component(a.name, a.us * scale, a.low_us * scale, a.high_us * scale, a.source, a.notes + keep_note +
-                          ([f"x {attention_scale:g}: heads per rank at this tensor-parallel size"]
-                           if attention_scale != 1.0 else []))
-        comps.append(a)
+        comps += _profiled_ops(samples, batch, context_tokens, attention_scale,
+                               _across_batches(samples, batch, ops_keep)[0] if freed else 1.0, tp)
         src = "; ".join(s.source for s in samples)
-        others = sorted({c for s in samples for c in s.classes_us} - set(MICRO_CLASSES) - {"attention"})
-        for cls in others:
-            v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
-            comps.append(Component(cls, v * keep, lo * keep, hi * keep, src, notes + keep_note))
         # the profiler's cost as a share of the parts it inflated, those parts as this tensor-parallel size
         # keeps them
         samples = [ops_without_preemption(s) for s in samples] if freed else samples
@@ -274,18 +262,63 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
                                    " (workers' run-queue wait per step, /proc schedstat)", notes))
         for name, get, over in (("idle in step", lambda s: s.idle_us - preempted(s), samples),
                                 ("between steps", between_steps_at_freed_core if freed else lambda s: s.between_us,
-                                 samples),
-                                (REST, lambda s: s.rest_us, as_profiled)):
+                                 samples)):
             v, lo, hi, notes = _across_batches(over, batch, get)
             if freed and name == "between steps" and any(s.engine_cpu_us for s in samples):
                 notes.append(f"at tensor-parallel {tp} the engine core has a core of its own: between steps is "
                              "its own CPU time per step, not its wait for a core (04, /proc), where that is less")
             comps.append(Component(name, v, lo, hi, src, notes))
         overlap = _across_batches(samples, batch, lambda s: s.overlap)[0]
+        comps.append(_rest(as_profiled, batch, comps, overlap, tp if world != tp else None))
         comps += _profiler_cost(samples, batch, comps, overlap)
     else:
         overlap = 1.0
     return StepPrediction(float(batch), comps, overlap)
+
+
+def _profiled_ops(samples: list[StepSample], batch: float, context_tokens: float, attention_scale: float,
+                  keep: float, tp: int) -> list[Component]:
+    """The op classes only the profile prices (attention, small ops, framework) at `batch`: attention x
+    attention_scale (heads per rank), each x keep (the share of their time that was not run-queue wait,
+    where this tensor-parallel size frees a core)."""
+    keep_note = [f"x {keep:.2f}: less the workers' run-queue wait inside ops (a core of their own at "
+                 f"tensor-parallel {tp})"] if keep != 1.0 else []
+    a = attention_component(samples, batch, context_tokens)
+    if attention_scale != 1.0 or keep != 1.0:
+        scale = attention_scale * keep
+        a = Component(a.name, a.us * scale, a.low_us * scale, a.high_us * scale, a.source, a.notes + keep_note +
+                      ([f"x {attention_scale:g}: heads per rank at this tensor-parallel size"]
+                       if attention_scale != 1.0 else []))
+    out = [a]
+    src = "; ".join(s.source for s in samples)
+    for cls in sorted({c for s in samples for c in s.classes_us} - set(MICRO_CLASSES) - {"attention"}):
+        v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
+        out.append(Component(cls, v * keep, lo * keep, hi * keep, src, notes + keep_note))
+    return out
+
+
+def _rest(samples: list[StepSample], batch: float, comps: list[Component], overlap: float,
+          other_tp: Optional[int]) -> Component:
+    """The rest of the profiled period: what the medians of its parts leave of the median period. At the
+    tensor-parallel size profiled, as measured; at another (other_tp), the same share of that step's parts.
+    The share is the parts' spread step to step, which goes with them: on gloo (each all-reduce a sleep in
+    gloo's wait, 1-6 ms a step) TP=2's rest was 2.0-3.3 ms a step and a profiled TP=1 server's 30-70 us
+    (benchmarks/tp1_projection_parts.py), and carried whole it was most of the projection's +72-93%."""
+    src = "; ".join(s.source for s in samples)
+    v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.rest_us)
+    if other_tp is None:
+        return Component(REST, v, lo, hi, src, notes)
+    share, lo_s, hi_s, notes = _across_batches(samples, batch, _rest_share)
+    parts_us = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps)
+    notes.append(f"{share:.3f} of the step's parts ({parts_us:.0f} us at tensor-parallel {other_tp}), the rest's "
+                 "share of the profiled parts")
+    return Component(REST, share * parts_us, lo_s * parts_us, hi_s * parts_us, src, notes)
+
+
+def _rest_share(s: StepSample) -> float:
+    """The rest of the profiled period as a share of the parts it was left by."""
+    parts_us = s.period_us - s.rest_us
+    return s.rest_us / parts_us if parts_us > 0 else 0.0
 
 
 def _priced_collectives(coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int, communicator: str,
