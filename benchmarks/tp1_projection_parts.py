@@ -18,6 +18,7 @@ from decodescope.verdict import stepmodel as sm
 from decodescope.verdict.fixes import model_inputs, profile_captures
 from decodescope.verdict.verdict import profile_summaries
 
+
 def measured_parts(sample: sm.StepSample) -> dict[str, float]:
     """A TP=1 profile's step in the model's part names."""
     return {**sample.classes_us, "idle in step": sample.idle_us, "between steps": sample.between_us,

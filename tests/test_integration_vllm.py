@@ -18,12 +18,13 @@ pytestmark = pytest.mark.integration
 DECODESCOPE = [sys.executable, "-m", "decodescope.cli.main"]
 
 
-def _params(repo, tmp_path, port, extra_engine_args=None, name="it"):
-    text = (repo / "params/default.yaml").read_text()
+def _params(repo, tmp_path, port, extra_engine_args=None, name="it", source="default"):
+    """params/<source>.yaml into tmp_path as <name>.yaml: its output, model config path, port and run name set."""
+    text = (repo / f"params/{source}.yaml").read_text()
     text = text.replace("output_dir: outputs", f"output_dir: {tmp_path / 'out'}")
     text = text.replace("config: models/", f"config: {repo / 'params/models'}/")
     text = text.replace("port: 8765", f"port: {port}")
-    text = text.replace("name: default", f"name: {name}")
+    text = text.replace(f"name: {source}", f"name: {name}")
     if extra_engine_args:
         for k, v in extra_engine_args.items():
             text = text.replace("    load-format: dummy", f"    load-format: dummy\n    {k}: {v}")
@@ -99,15 +100,11 @@ E2E_REPEATS = 3
 def e2e_params(repo: Path, tmp: Path) -> Path:
     """params/experiments.yaml (the embedded default with its fixes as variants) into tmp, with secrets and
     markup planted (_plant), the collective sweep to 1 MiB, and each variant measured once."""
-    text = (repo / "params/experiments.yaml").read_text()
-    text = text.replace("output_dir: outputs", f"output_dir: {tmp / 'out'}")
-    text = text.replace("config: models/", f"config: {repo / 'params/models'}/")
-    text = text.replace("port: 8765", f"port: {E2E_PORT}").replace("name: experiments", "name: e2e")
-    text = sweep_to_1mib(text)  # the 2-16 MiB sizes were most of 03's 71 s on an AVX2 host
+    params = _params(repo, tmp, E2E_PORT, name="e2e", source="experiments")
+    text = sweep_to_1mib(params.read_text())  # the 2-16 MiB sizes were most of 03's 71 s on an AVX2 host
     for name in ONCE:
         assert text.count(f"  - name: {name}\n") == 1
         text = text.replace(f"  - name: {name}\n", f"  - name: {name}\n    workload: {{repeats: 1}}\n")
-    params = tmp / "e2e.yaml"
     params.write_text(text)
     _plant(params)
     return params
@@ -145,7 +142,7 @@ def test_run_ends_with_the_report_path_and_every_phase_ok(e2e):
     proc = e2e["proc"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert e2e["report"].name == "report.html" and e2e["report"].is_file()
-    manifest = json.loads((e2e["run_dir"] / "manifest.json").read_text())
+    manifest = e2e["manifest"]
     assert {p: v["status"] for p, v in manifest["phases"].items()} == {
         "00_host": "ok", "01_serving": "ok", "02_gemm": "ok", "03_collectives": "ok", "04_profile": "ok",
         "05_verdict": "ok"}

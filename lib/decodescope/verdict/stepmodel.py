@@ -235,12 +235,12 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
     # classes keep, at this batch, the share of their time that was not run-queue wait (ops_keep across the
     # profiled levels). Scaled level by level before attention's fit through the levels, the levels' shares
     # set its slope (a native campaign: 0.70 at batch 1, 0.54 at 2, and TP=1's attention fell to 0 at 4).
-    # The rest of the profiled period is what the profile measured outside the parts, as it was.
+    # The rest of the profiled period is taken from the samples as profiled (_rest).
     as_profiled = samples
     if samples:
-        comps += _profiled_ops(samples, batch, context_tokens, attention_scale,
-                               _across_batches(samples, batch, ops_keep)[0] if freed else 1.0, tp)
         src = "; ".join(s.source for s in samples)
+        comps += _profiled_ops(samples, batch, context_tokens, attention_scale,
+                               _across_batches(samples, batch, ops_keep)[0] if freed else 1.0, tp, src)
         # the profiler's cost as a share of the parts it inflated, those parts as this tensor-parallel size
         # keeps them
         samples = [ops_without_preemption(s) for s in samples] if freed else samples
@@ -269,7 +269,7 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
                              "its own CPU time per step, not its wait for a core (04, /proc), where that is less")
             comps.append(Component(name, v, lo, hi, src, notes))
         overlap = _across_batches(samples, batch, lambda s: s.overlap)[0]
-        comps.append(_rest(as_profiled, batch, comps, overlap, tp if world != tp else None))
+        comps.append(_rest(as_profiled, batch, comps, overlap, tp if world != tp else None, src))
         comps += _profiler_cost(samples, batch, comps, overlap)
     else:
         overlap = 1.0
@@ -277,7 +277,7 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
 
 
 def _profiled_ops(samples: list[StepSample], batch: float, context_tokens: float, attention_scale: float,
-                  keep: float, tp: int) -> list[Component]:
+                  keep: float, tp: int, src: str) -> list[Component]:
     """The op classes only the profile prices (attention, small ops, framework) at `batch`: attention x
     attention_scale (heads per rank), each x keep (the share of their time that was not run-queue wait,
     where this tensor-parallel size frees a core)."""
@@ -290,7 +290,6 @@ def _profiled_ops(samples: list[StepSample], batch: float, context_tokens: float
                       ([f"x {attention_scale:g}: heads per rank at this tensor-parallel size"]
                        if attention_scale != 1.0 else []))
     out = [a]
-    src = "; ".join(s.source for s in samples)
     for cls in sorted({c for s in samples for c in s.classes_us} - set(MICRO_CLASSES) - {"attention"}):
         v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
         out.append(Component(cls, v * keep, lo * keep, hi * keep, src, notes + keep_note))
@@ -298,15 +297,15 @@ def _profiled_ops(samples: list[StepSample], batch: float, context_tokens: float
 
 
 def _rest(samples: list[StepSample], batch: float, comps: list[Component], overlap: float,
-          other_tp: Optional[int]) -> Component:
+          other_tp: Optional[int], src: str) -> Component:
     """The rest of the profiled period: what the medians of its parts leave of the median period. At the
     tensor-parallel size profiled, as measured; at another (other_tp), the same share of that step's parts.
     The share is the parts' spread step to step, which goes with them: on gloo (each all-reduce a sleep in
     gloo's wait, 1-6 ms a step) TP=2's rest was 2.0-3.3 ms a step and a profiled TP=1 server's 30-70 us
-    (benchmarks/tp1_projection_parts.py), and carried whole it was most of the projection's +72-93%."""
-    src = "; ".join(s.source for s in samples)
-    v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.rest_us)
+    (benchmarks/tp1_projection_parts.py), and carried whole it was most of the projection's excess over the
+    TP=1 profile's step (x 1.72 and x 1.93 at batch 1 and 4)."""
     if other_tp is None:
+        v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.rest_us)
         return Component(REST, v, lo, hi, src, notes)
     share, lo_s, hi_s, notes = _across_batches(samples, batch, _rest_share)
     parts_us = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps)
