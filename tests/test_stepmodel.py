@@ -17,6 +17,7 @@ from decodescope.verdict import stepparts as sp
 from decodescope.schema.params import load_params
 from decodescope.schema.records import ProfileCapture
 from decodescope.schema.records_probe import read_probe_output, read_probe_rows
+from decodescope.trace.profile import PERIOD_TRIM, step_periods, trimmed_mean
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +321,67 @@ def test_step_samples_take_the_rank_that_waits_least_in_its_collectives():
     (sample,) = sm.step_samples({1: s}, context_tokens=40.0)
     assert sample.classes_us["attention"] == 100.0 and sample.classes_us["small ops"] == 200.0
     assert sample.between_us == 1000.0 and sample.idle_us == 500.0 and sample.batch == 1.0
+
+
+def test_the_step_period_is_its_trimmed_mean_as_tpot_is_a_requests_mean_gap():
+    """TPOT is a request's mean gap, slow steps included, and the profiler's cost is a difference of
+    means (inter-token latency): the sample's period is the steps' mean period without the slowest and
+    fastest 2% (the profiler's own start, stop and flush steps) where 04 recorded it (the H200 10-layer
+    Kimi-shaped run at concurrency 1: median 2,737 us, 9.6% under the engine's profiled inter-token latency;
+    against it the model read -14.4% of client TPOT), the median in summaries from before."""
+    # rank 0: decode steps starting at 0, 100, 200, 600 (a slow one), then a prefill at 700; rank 1 alike
+    steps = pd.DataFrame({"rank": [0] * 5 + [1] * 2, "start_us": [0.0, 100.0, 200.0, 600.0, 700.0, 0.0, 100.0],
+                          "end_us": [90.0, 190.0, 590.0, 690.0, 750.0, 90.0, 190.0],
+                          "kind": ["decode"] * 4 + ["prefill"] + ["decode"] * 2, "gen_reqs": [1] * 7})
+    got = step_periods(steps, "decode")
+    # periods of decode steps another step follows: rank 0 100, 100, 400, 100; rank 1 100 (5: none trimmed)
+    assert got["period_us_median"] == 100.0 and got["period_us_trimmed_mean"] == pytest.approx(160.0)
+    # of 50 periods, int(50 x 0.02) = 1 left out at each end: the 10 us and the 5,000 us one
+    assert trimmed_mean(np.array([100.0] * 24 + [200.0] * 24 + [10.0, 5000.0]), PERIOD_TRIM) == pytest.approx(150.0)
+    s = _summary(1, 1.0, {0: {"attention": 100.0}}, wall=2000.0, period=3000.0, between=100.0, idle=500.0)
+    (median_only,) = sm.step_samples({1: s}, context_tokens=40.0)
+    assert median_only.period_us == 3000.0
+    s.per_step.period_us_trimmed_mean = 3400.0
+    (with_mean,) = sm.step_samples({1: s}, context_tokens=40.0)
+    assert with_mean.period_us == 3400.0 and with_mean.rest_us == pytest.approx(median_only.rest_us + 400.0)
+
+
+def test_the_routing_skew_is_read_at_each_profiled_batch_and_interpolated_between(kimi):
+    """With dummy weights the Kimi-shaped engine routed a batch of 4 to the same experts as a batch of
+    1 (expert time 685 us at both), 16 to a few more, 64 to many: one skew read at 64 priced 16's experts
+    at 1.5x what 04 measured. Each profiled level gives its own; a batch between levels takes the line
+    between them; a level whose uniform routing hits few more experts than top-k gives none."""
+    shapes = archmod.gemm_shapes(kimi, 1, 1)
+    # each routed-expert GEMM 1 us per expert it reads (groups = experts hit), the rest 0: the uniform
+    # price of a step's experts is then the experts uniform routing hits x the expert GEMMs per layer
+    gemm = pd.DataFrame([{"op": s.op, "layer_kind": s.layer_kind, "batch": b, "dtype": d, "status": "ok",
+                          "groups": archmod.active_experts(b, kimi.top_k, kimi.num_experts)
+                          if s.layer_kind == "moe_expert" else 1,
+                          "time_us": float(archmod.active_experts(b, kimi.top_k, kimi.num_experts))
+                          if s.layer_kind == "moe_expert" else 0.0}
+                         for s in shapes for b in (1, 4, 16, 64) for d in ("bf16", "int4")])
+
+    def summary(conc, moe_us):
+        out = _summary(conc, float(conc), {0: {"moe_experts": moe_us}}, 1000.0, 1000.0, 0.0, 0.0)
+        return out.model_copy(update={"device": "gpu"})
+
+    per_layer = len([s for s in shapes if s.layer_kind == "moe_expert"]) * max(s.count for s in shapes
+                                                                                 if s.layer_kind == "moe_expert")
+    hit = {b: archmod.active_experts(b, kimi.top_k, kimi.num_experts) for b in (1, 4, 16, 64)}
+    # 04 measured the experts as if 8 were hit at 1 and 4, 12 at 16, 40 at 64
+    measured = {1: 8, 4: 8, 16: 12, 64: 40}
+    summaries = {b: summary(b, per_layer * measured[b]) for b in (1, 4, 16, 64)}
+    skews = sp.measured_routing_skews(gemm, kimi, 1, summaries, weight_dtype="int4")
+    assert [b for b, _ in skews] == [4.0, 16.0, 64.0]          # batch 1 hits top-k experts under any routing
+    for b, skew in skews:
+        assert skew == pytest.approx(sp.routing_skew(per_layer * measured[b], per_layer * hit[b], b, kimi.top_k,
+                                                     kimi.num_experts))
+        # (the skew is capped at 0.99: 8.2 experts at batch 4)
+        assert archmod.active_experts(b, kimi.top_k, kimi.num_experts, skew) == pytest.approx(measured[b], rel=0.05)
+    at = dict(skews)
+    assert sp.skew_at(skews, 40.0) == pytest.approx((at[16.0] + at[64.0]) / 2)
+    assert sp.skew_at(skews, 1.0) == at[4.0] and sp.skew_at(skews, 128.0) == at[64.0]
+    assert sp.skew_at((), 16.0) == 0.0
 
 
 def test_the_whole_step_is_micro_benchmarks_plus_the_profiled_rest_by_hand(tiny):

@@ -296,6 +296,10 @@ class StepMedians(_Model):
     idle_us_median: Optional[float] = None
     period_us_median: Optional[float] = Field(None, description="start of one step to the start of the next: "
                                               "the step plus the host/scheduler time between steps")
+    period_us_trimmed_mean: Optional[float] = Field(None, description="the same period's mean without its slowest "
+                                                    "and fastest 2% (trace.profile.PERIOD_TRIM): what a stream pays per "
+                                                    "token (TPOT is a request's mean gap), the profiler's own start, "
+                                                    "stop and flush steps left out")
     between_steps_us_median: Optional[float] = Field(None, description="end of one step to the start of the next")
     batch_median: Optional[float] = Field(None, description="sequences decoded per step (the trace's step names)")
 

@@ -109,12 +109,12 @@ class ModelInputs:
     serving_context_tokens: float
     host_cores: Optional[int] = None
     weight_dtype: Optional[str] = None  # model.weight_dtype: the quantized kinds' GEMMs are priced in it
-    skew: float = 0.0                   # routing skew measured by 04 (stepmodel.measured_routing_skew)
+    skews: tuple = ()                   # (batch, routing skew) measured by 04 (stepparts.measured_routing_skews)
 
     def predict(self, batch: float, **kw):
         return sm.predict_step(self.gemm, self.coll, self.arch, self.tp, int(round(batch)), self.communicator,
                                self.timing, self.samples, self.serving_context_tokens,
-                               weight_dtype=self.weight_dtype, skew=self.skew, **kw)
+                               weight_dtype=self.weight_dtype, skew=sp.skew_at(self.skews, batch), **kw)
 
     def at_tensor_parallel(self, t: int, batch: float) -> Optional["Fix"]:
         """Tensor-parallel t with replicas keeping the rank count: GEMMs at t's shapes (02's what-if
@@ -159,12 +159,12 @@ def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
         if not timing:
             return None
     arch = archmod.normalize_config(params.model_config_dict())
-    skew = sp.measured_routing_skew(gemm, arch, tp, summaries, weight_dtype=params.model.weight_dtype)
+    skews = sp.measured_routing_skews(gemm, arch, tp, summaries, weight_dtype=params.model.weight_dtype)
     return ModelInputs(gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
                        else pd.DataFrame(), arch=arch, tp=tp,
                        communicator=comm, timing=timing, samples=samples,
                        serving_context_tokens=wl.input_tokens + wl.output_tokens / 2, host_cores=host_cores(run_dir),
-                       weight_dtype=params.model.weight_dtype, skew=skew)
+                       weight_dtype=params.model.weight_dtype, skews=skews)
 
 
 @dataclass

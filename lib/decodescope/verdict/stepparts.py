@@ -114,24 +114,39 @@ def routing_skew(moe_profile_us: float, moe_uniform_us: float, batch: int, top_k
     return float(min(0.99, (uniform - hit) / (uniform - floor)))
 
 
-def measured_routing_skew(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, summaries: dict,
-                          dtype: str = "bf16", weight_dtype: Optional[str] = None) -> float:
-    """routing_skew at the largest profiled batch (the most experts hit: the clearest reading), from 04's
-    routed-expert time on the median rank against 02's price of the same step's experts. GPU profiles
-    only: there a decode step's expert GEMMs are bound by reading each hit expert's weights; on a CPU the
-    fused MoE kernel is bound by its routed rows' arithmetic, the same for any experts hit."""
+def measured_routing_skews(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, summaries: dict,
+                           dtype: str = "bf16", weight_dtype: Optional[str] = None) -> tuple[tuple[float, float], ...]:
+    """(batch, routing_skew) at each profiled level whose batch hits more experts than top-k under uniform
+    routing, from 04's routed-expert time on the median rank against 02's price of the same step's
+    experts. One skew for every batch does not hold: with dummy weights the Kimi-shaped engine's expert
+    time on the H200 was the same at batch 4 as at 1 (the tokens routed alike) and x 6 at 64, so a skew
+    read at 64 (0.82) priced batch 16's experts at 1.5x what 04 measured there. GPU profiles only: there
+    a decode step's expert GEMMs are bound by reading each hit expert's weights; on a CPU the fused MoE
+    kernel is bound by its routed rows' arithmetic, the same for any experts hit."""
     if not arch.moe_layers or not summaries:
+        return ()
+    out = []
+    for conc, summary in sorted(summaries.items()):
+        if summary.device != "gpu" or not summary.per_step_categories:
+            continue
+        cats = frame(summary.per_step_categories, StepCategoryRow)
+        moe = cats[cats["category"].astype(str) == "moe_experts"].groupby("rank")["time_per_step_us"].sum()
+        batch = int(round(summary.per_step.batch_median or conc))
+        uniform_hit = archmod.active_experts(batch, arch.top_k, arch.num_experts)
+        if moe.empty or batch < 1 or uniform_hit < 1.5 * min(arch.top_k, arch.num_experts):
+            continue
+        uniform = gemm_component(gemm, arch, tp, batch, dtype, weight_dtype=weight_dtype, layer_kinds=("moe_expert",))
+        out.append((float(batch), routing_skew(float(moe.median()), uniform.us, batch, arch.top_k, arch.num_experts)))
+    return tuple(out)
+
+
+def skew_at(skews: tuple[tuple[float, float], ...], batch: float) -> float:
+    """The routing skew at `batch`: linear in batch between the profiled levels' readings, the nearest
+    reading beyond them, 0 (uniform) with none."""
+    if not skews:
         return 0.0
-    summary = summaries[max(summaries)]
-    if summary.device != "gpu" or not summary.per_step_categories:
-        return 0.0
-    cats = frame(summary.per_step_categories, StepCategoryRow)
-    moe = cats[cats["category"].astype(str) == "moe_experts"].groupby("rank")["time_per_step_us"].sum()
-    batch = int(round(summary.per_step.batch_median or max(summaries)))
-    if moe.empty or batch < 1:
-        return 0.0
-    uniform = gemm_component(gemm, arch, tp, batch, dtype, weight_dtype=weight_dtype, layer_kinds=("moe_expert",))
-    return routing_skew(float(moe.median()), uniform.us, batch, arch.top_k, arch.num_experts)
+    batches, values = zip(*sorted(skews))
+    return float(np.interp(batch, batches, values))
 
 
 def gemm_component(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int, dtype: str = "bf16",
