@@ -579,6 +579,43 @@ def test_the_inflight_integral_on_a_clock_of_its_own():
     assert f.mean() == pytest.approx(6.0 / 4.0)
 
 
+def test_a_request_leaves_the_count_at_its_end_not_when_its_task_next_runs():
+    """W ends at the stream's close (end_ns); the count drops there too. At concurrency 2 on 2 busy cores the
+    client stalled 138 ms between one request's end and the next one's start: in L, in no request's W (L 2.00
+    against lambda x W 1.91, and 1.64 in a CI run). Own clock: 1 in flight from 10 s, ended at 12 s, seen
+    at 15 s; the mean over 10-16 s is 2 / 6, not 5 / 6."""
+    from decodescope.serving.client import InFlight
+
+    t = {"s": 10.0}
+    f = InFlight(clock=lambda: t["s"])
+    f.start()
+    f.add(1)
+    t["s"] = 15.0
+    f.add(-1, at_s=12.0)
+    t["s"] = 16.0
+    assert f.mean() == pytest.approx(2.0 / 6.0)
+    # an end before the window began counts from the window's start, never below 0 of area
+    g = InFlight(clock=lambda: t["s"])
+    g.add(1)
+    t["s"] = 17.0
+    g.start()
+    t["s"] = 18.0
+    g.add(-1, at_s=16.5)
+    t["s"] = 20.0
+    assert g.mean() == pytest.approx(0.0)
+
+    async def drive(inflight):      # on the real clock, the loop starved 0.3 s after the request's end
+        inflight.add(1)
+        await asyncio.sleep(0.2)
+        ended_s = time.monotonic()
+        time.sleep(0.3)
+        inflight.add(-1, at_s=ended_s)
+        inflight.add(1)
+        await asyncio.sleep(0.2)
+
+    assert _inflight_mean(drive) == pytest.approx(0.4 / 0.7, abs=0.05)
+
+
 def test_a_request_connects_on_a_descriptor_past_selects_limit(server):
     """At 1,024 streams the client's sockets get descriptors above FD_SETSIZE (1,024)."""
     import resource

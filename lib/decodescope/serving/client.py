@@ -136,7 +136,7 @@ class InFlight:
     was (at concurrency 1 it often lands between one request's end and the next one's start, and read
     0 for a stall spent with 1 in flight: L 0.76 against lambda x W 1.00 in one CI run)."""
 
-    def __init__(self, clock=time.perf_counter):
+    def __init__(self, clock=time.monotonic):
         self.n = 0
         self.area_s = 0.0
         self._clock = clock
@@ -154,9 +154,15 @@ class InFlight:
         self._advance()
         self.area_s, self._start = 0.0, self._since
 
-    def add(self, k: int) -> None:
+    def add(self, k: int, at_s: Optional[float] = None) -> None:
+        """Change the count by k now, or as of `at_s`, an earlier reading of the clock (a request that
+        ended then, seen to have ended only now): the count's integral since then is corrected."""
         self._advance()
         self.n += k
+        if at_s is not None:
+            since = cast(float, self._since)  # _advance() has just set it to the clock's reading
+            start = self._start if self._start is not None else at_s
+            self.area_s += k * max(since - max(at_s, start), 0.0)
 
     def mean(self) -> float:
         """Mean count since start(), up to now."""

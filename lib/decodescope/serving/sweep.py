@@ -121,10 +121,16 @@ async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int],
             await asyncio.sleep(max(0.0, t_start + arrivals[i] - asyncio.get_running_loop().time()))
         async with sem:
             inflight.add(1)
+            rec: Optional[RequestRecord] = None
             try:
-                return await one(i, False)
+                rec = await one(i, False)
+                return rec
             finally:
-                inflight.add(-1)
+                # out of flight at its end (end_ns, where W ends), not when this task next runs: on 2 busy
+                # cores the client stalled 138 ms between one request's end and the next one's start at
+                # concurrency 2, counted in L and in no request's W (L 2.00 against lambda x W 1.91; 1.64
+                # in one CI run). A stall is the client's, reported as its loop lag.
+                inflight.add(-1, at_s=rec.end_ns / 1e9 if rec is not None and rec.end_ns else None)
     with LoopHealth(inflight=inflight) as health:
         records += await asyncio.gather(*(gated(i) for i in range(n_requests)))
     return records, health.summary()
