@@ -217,8 +217,13 @@ def killed_mid_sweep(tmp_path_factory) -> dict:
     out.update(term_left=leftovers(run_dir), term_kept_after=digests(term_kept))
 
     run = Run(tmp, params, "--resume", str(run_dir), "--phases", "01_serving")
-    wait_until(level2.is_file, 600, "level 2 of the sweep", run)
-    kept = digests([level1, level2])
+    # the first level this resume measures (level 2, unless the stop let it finish: test_sigterm says so), and
+    # its own server's pid: server.json names the SIGTERMed run's server until this run's is healthy
+    first_new = next(p for p in (run_dir / f"data/serving/level_0000{n}.parquet" for n in (2, 4, 8)) if not p.exists())
+    wait_until(first_new.is_file, 600, f"{first_new.name} of the sweep", run)
+    wait_until(lambda: json.loads((run_dir / "data/server.json").read_text()).get("owner_pid") == run.proc.pid, 60,
+               "the resume's own server in server.json", run)
+    kept = digests(sorted((run_dir / "data/serving").glob("level_*.parquet")))
     api_pid = json.loads((run_dir / "data/server.json").read_text())["pid"]
     os.kill(api_pid, signal.SIGKILL)  # the API server only: its engine core and workers stay up
     t_kill = time.monotonic()

@@ -2,6 +2,7 @@
 import asyncio
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -614,6 +615,37 @@ def test_a_request_leaves_the_count_at_its_end_not_when_its_task_next_runs():
         await asyncio.sleep(0.2)
 
     assert _inflight_mean(drive) == pytest.approx(0.4 / 0.7, abs=0.05)
+
+
+def test_an_interrupt_in_a_kernel_cancels_the_coroutine_on_its_thread(tmp_path):
+    """In a Jupyter kernel (a running loop) run_async runs the coroutine on a thread; Ctrl-C, or the runner's
+    SIGTERM sent on as one, lands in the waiting main thread. The coroutine is cancelled there and then: a
+    level's write after its requests never happens (left alone, the thread finished the level and wrote it
+    2.3 s after a SIGTERM)."""
+    import threading
+
+    from decodescope.serving.client import run_async
+
+    written = tmp_path / "level.parquet"
+    unwound = []
+
+    async def level():
+        try:
+            await asyncio.sleep(5.0)        # the level's requests
+            written.write_text("measured")  # its write, once they are done
+        finally:
+            unwound.append(time.monotonic())
+
+    async def kernel_cell():                # a cell runs synchronously inside the kernel's loop
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # as ipykernel has it while a cell runs
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()   # as the runner interrupts a kernel
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            run_async(level())
+        return time.monotonic() - t0
+
+    took_s = asyncio.run(kernel_cell())
+    assert took_s < 2.0 and unwound and not written.exists()
 
 
 def test_a_request_connects_on_a_descriptor_past_selects_limit(server):
