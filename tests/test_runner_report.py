@@ -76,6 +76,28 @@ def test_resume_skips_phases_already_ok(params_file, phase_notebooks):
     assert manifest["phases"]["05_verdict"]["end"] == first_end  # not re-run
 
 
+def test_resume_with_changed_params_keeps_the_earlier_ones_and_records_the_change(params_file, phase_notebooks):
+    """What the phases after a --resume ran with is on record: a resumed H200 run once showed the first
+    run's 32 requests a level in its params.yaml while its 01 had run the params file's 128."""
+    run_dir, _ = runner.run(params_file, notebook_dir=phase_notebooks)
+    before = (run_dir / "params.yaml").read_text()
+    _notebook(phase_notebooks / "00_host.ipynb", "print('fixed')")
+    runner.run(params_file, notebook_dir=phase_notebooks, resume=run_dir)      # the same params: nothing kept
+    assert not list(run_dir.glob("params.before-resume-*.yaml"))
+    assert "params_changes" not in json.loads((run_dir / "manifest.json").read_text())
+    text = params_file.read_text()
+    assert "requests_per_level: 24" in text
+    params_file.write_text(text.replace("requests_per_level: 24", "requests_per_level: 48"))
+    runner.run(params_file, notebook_dir=phase_notebooks, resume=run_dir)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    (change,) = manifest["params_changes"]
+    assert change["changed"] == ["workload.requests_per_level: 24 -> 48"]
+    assert change["resumed"] == manifest["resumed"][-1] and len(manifest["resumed"]) == 2
+    assert (run_dir / change["before"]).read_text() == before
+    assert "requests_per_level: 48" in (run_dir / "params.yaml").read_text()
+    assert manifest["params"]["workload"]["requests_per_level"] == 48
+
+
 def test_report_is_offline_with_every_figure_drawn_and_failures_shown(params_file, phase_notebooks):
     run_dir, _ = runner.run(params_file, notebook_dir=phase_notebooks)
     report = run_dir / "report.html"

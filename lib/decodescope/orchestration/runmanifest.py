@@ -15,8 +15,9 @@ from pydantic import BaseModel
 from decodescope.core import resources
 from decodescope.exec.hardware import cpu_summary, package_versions
 from decodescope.schema.params import Params, params_as_dict
-from decodescope.schema.records import (ManifestHost, PhaseEntry, RecordError, RunManifest, VariantEntry, read_record,
-                                        write_record)
+from decodescope.core.io import write_text_atomic
+from decodescope.schema.records import (ManifestHost, ParamsChange, PhaseEntry, RecordError, RunManifest, VariantEntry,
+                                        read_record, write_record)
 
 # Kept free on the run's disk and released when a write fails, so the manifest can still say "failed".
 MANIFEST_RESERVE_BYTES = 256 * 1024
@@ -95,6 +96,26 @@ class Manifest:
             raise RunError(f"cannot resume: {e}") from None
         return cls(path, record)
 
+    def record_params_change(self, params: dict, source_path: Optional[str]) -> None:
+        """On --resume with params (as params_as_dict gives them) that differ from the run's: the earlier
+        params.yaml kept beside it and taken away (the runner writes the new one), the change recorded, so
+        that what the phases after the resume ran with is on record (a resumed H200 run once showed 32
+        requests a level in its params.yaml while its 01 had run the params file's 128)."""
+        changed = changed_params(self.record.params, params) if self.record.params else []
+        if not changed:
+            return
+        run_params = self.path.with_name("params.yaml")
+        before = run_params.with_name(f"params.before-resume-{len(self.record.resumed)}.yaml")
+        try:
+            if run_params.exists():
+                write_text_atomic(before, run_params.read_text())
+                run_params.unlink()
+        except OSError as e:
+            raise ResultsWriteError(before, e) from None
+        self.record.params_changes = [*self.record.params_changes, ParamsChange(
+            resumed=self.record.resumed[-1] if self.record.resumed else utc_now(), changed=changed, before=before.name)]
+        self.record.params, self.record.params_path = params, source_path
+
     def save(self) -> None:
         with self._lock:
             try:
@@ -153,3 +174,16 @@ def set_fields(entry: BaseModel, **fields) -> None:
     """Each field set on a part of the manifest, checked as it is set and written to the file from then on."""
     for name, value in fields.items():
         setattr(entry, name, value)
+
+
+def changed_params(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two params dicts, each as 'key: before -> after'."""
+    out = []
+    for key in sorted(set(before) | set(after), key=str):
+        b, a = before.get(key), after.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(b, dict) and isinstance(a, dict):
+            out += changed_params(b, a, name + ".")
+        elif b != a:
+            out.append(f"{name}: {b!r} -> {a!r}")
+    return out

@@ -24,8 +24,8 @@ from decodescope.exec.host import close_all as close_hosts, preflight
 from decodescope.exec.hostcore import RUN_ID_ENV
 from decodescope.core.io import write_text_atomic
 from decodescope.exec.locks import LockHeld, holder_info, run_dir_lock
-from decodescope.schema.params import (OVERRIDES_ENV, Params, dump_yaml, load_params, redact, with_experiment,
-                                       with_overrides)
+from decodescope.schema.params import (OVERRIDES_ENV, Params, dump_yaml, load_params, params_as_dict, redact,
+                                       with_experiment, with_overrides)
 from decodescope.core.phases import PHASES, SERVER_PHASES, execution_order
 from decodescope.report.html import build_report
 from decodescope.report import index as run_index
@@ -194,6 +194,8 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
     manifest = _open_manifest(params, selected, run_dir, resume)
     progress = Progress(len(selected))
     progress.note(f"decodescope run {run_dir}")
+    for change in (c for c in manifest.record.params_changes if resume and c.resumed == manifest.record.resumed[-1]):
+        progress.note(f"params changed since the run began ({'; '.join(change.changed[:5])}): kept as {change.before}")
     # Notebooks read the source params (with secrets and relative paths intact).
     assert params.source_path is not None  # set by load_params; Path(None) would raise here anyway
     loop = _PhaseLoop(params, selected, run_dir, Path(params.source_path), notebook_dir, manifest, progress, on_server)
@@ -229,6 +231,7 @@ def _open_manifest(params: Params, selected: list[str], run_dir: Path, resume: O
             manifest.phase(p)
         manifest.record.status = "running"
         manifest.record.resumed = [*manifest.record.resumed, utc_now()]
+        manifest.record_params_change(params_as_dict(params), params.source_path)
         manifest.save()
     else:
         manifest = Manifest.create(run_dir, params, selected)

@@ -459,6 +459,13 @@ class VariantEntry(_ManifestPart):
     stray_processes_stopped: Optional[int] = None
 
 
+class ParamsChange(_ManifestPart):
+    """A --resume with other params: when, the keys ('key: before -> after'), the earlier params.yaml kept as."""
+    resumed: str
+    changed: list[str]
+    before: str
+
+
 class RunManifest(Record):
     """manifest.json: the run's params (secrets redacted), versions, host and each phase's status.
     The runner sets fields as the run goes (each checked as it is set); the file holds exactly the fields
@@ -477,6 +484,7 @@ class RunManifest(Record):
     status: str = Field(description="running, ok, failed or interrupted")
     phases: dict[str, PhaseEntry] = Field(default_factory=dict)
     resumed: list[str] = Field(default_factory=list, description="when the run was resumed")
+    params_changes: list[ParamsChange] = Field(default_factory=list, description="other params on a --resume")
     server: Optional[ServerState] = None
     servers: list[ServerLaunch] = Field(default_factory=list, description="every server this run started")
     teardowns: list[Teardown] = Field(default_factory=list)
