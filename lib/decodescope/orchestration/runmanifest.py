@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from decodescope.core import resources
 from decodescope.exec.hardware import cpu_summary, package_versions
-from decodescope.schema.params import Params, params_as_dict
+from decodescope.schema.params import Params, flatten_dotted, params_as_dict
 from decodescope.core.io import write_text_atomic
 from decodescope.schema.records import (ManifestHost, ParamsChange, PhaseEntry, RecordError, RunManifest, VariantEntry,
                                         read_record, write_record)
@@ -176,14 +176,8 @@ def set_fields(entry: BaseModel, **fields) -> None:
         setattr(entry, name, value)
 
 
-def changed_params(before: dict, after: dict, prefix: str = "") -> list[str]:
+def changed_params(before: dict, after: dict) -> list[str]:
     """The dotted keys whose values differ between two params dicts, each as 'key: before -> after'."""
-    out = []
-    for key in sorted(set(before) | set(after), key=str):
-        b, a = before.get(key), after.get(key)
-        name = f"{prefix}{key}"
-        if isinstance(b, dict) and isinstance(a, dict):
-            out += changed_params(b, a, name + ".")
-        elif b != a:
-            out.append(f"{name}: {b!r} -> {a!r}")
-    return out
+    b, a = flatten_dotted(before), flatten_dotted(after)
+    return [f"{k}: {b.get(k, '(absent)')} -> {a.get(k, '(absent)')}"
+            for k in sorted(set(b) | set(a)) if b.get(k) != a.get(k)]

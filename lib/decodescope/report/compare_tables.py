@@ -2,7 +2,6 @@
 as the page)."""
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -17,6 +16,7 @@ from decodescope.core.phases import PHASES
 from decodescope.show.escape import html_text
 from decodescope.report.index import headline, host_text
 from decodescope.trace.categorize import class_of
+from decodescope.schema.params import flatten_dotted
 from decodescope.schema.recordbase import RecordError, frame
 from decodescope.schema.views import ProfileSummaryView, StepCategoryView, read_view
 from decodescope.report.compare_sources import Source, _get, _read_table
@@ -89,18 +89,6 @@ def wide_table(long: pd.DataFrame, keys: list[str], scale: float = 1.0, digits: 
 
 
 # ---- params and versions ---------------------------------------------------------------------------
-def _flatten(d: Any, prefix: str = "") -> dict[str, str]:
-    if isinstance(d, dict):
-        out: dict[str, str] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        if not d and prefix:
-            out[prefix[:-1]] = "{}"
-        return out
-    value = json.dumps(d, default=str) if isinstance(d, (list, tuple)) else ("null" if d is None else str(d))
-    return {prefix[:-1]: value}
-
-
 def _differing(per_source: dict[str, dict[str, str]]) -> pd.DataFrame:
     keys = list(dict.fromkeys(k for flat in per_source.values() for k in flat))
     rows = []
@@ -113,14 +101,14 @@ def _differing(per_source: dict[str, dict[str, str]]) -> pd.DataFrame:
 
 def params_diff(sources: list[Source]) -> pd.DataFrame:
     """The params keys (dotted) whose values differ between the sources, one column per source."""
-    return _differing({s.letter: _flatten(s.params) for s in sources})
+    return _differing({s.letter: flatten_dotted(s.params) for s in sources})
 
 
 def versions_diff(sources: list[Source]) -> pd.DataFrame:
     """Package versions, commit and host that differ between the sources."""
     per = {}
     for s in sources:
-        flat = {f"versions.{k}": v for k, v in _flatten(s.manifest.versions).items()}
+        flat = {f"versions.{k}": v for k, v in flatten_dotted(s.manifest.versions).items()}
         flat["git_commit"] = str(s.manifest.git_commit)
         flat["host"] = host_text(s.data_dir.parent if s.data_dir.name == "data" else s.data_dir, s.manifest) \
             or MISSING

@@ -414,3 +414,17 @@ def params_as_dict(params: Params, redact_secrets: bool = True) -> dict:
 
 def dump_yaml(params: Params, redact_secrets: bool = True) -> str:
     return yaml.safe_dump(params_as_dict(params, redact_secrets), sort_keys=False)
+
+
+def flatten_dotted(d: Any, prefix: str = "") -> dict[str, str]:
+    """A nested mapping (params, versions) as its leaves by dotted key, each value as text (lists as JSON,
+    None as null, an empty mapping as {})."""
+    if isinstance(d, dict):
+        out: dict[str, str] = {}
+        for k, v in d.items():
+            out.update(flatten_dotted(v, f"{prefix}{k}."))
+        if not d and prefix:
+            out[prefix[:-1]] = "{}"
+        return out
+    value = json.dumps(d, default=str) if isinstance(d, (list, tuple)) else ("null" if d is None else str(d))
+    return {prefix[:-1]: value}

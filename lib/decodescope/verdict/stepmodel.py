@@ -303,8 +303,9 @@ def _profiled_ops(samples: list[StepSample], batch: float, context_tokens: float
 
 def _rest(samples: list[StepSample], batch: float, comps: list[Component], overlap: float,
           other_tp: Optional[int], src: str) -> Component:
-    """The rest of the profiled period: what the medians of its parts leave of the median period. At the
-    tensor-parallel size profiled, as measured; at another (other_tp), the same share of that step's parts.
+    """The rest of the profiled period: what the medians of its parts leave of the period (its trimmed mean,
+    the median in older summaries: StepSample.period_us). At the tensor-parallel size profiled, as
+    measured; at another (other_tp), the same share of that step's parts.
     The share is the parts' spread step to step, which goes with them: on gloo (each all-reduce a sleep in
     gloo's wait, 1-6 ms a step) TP=2's rest was 2.0-3.3 ms a step and a profiled TP=1 server's 30-70 us
     (benchmarks/tp1_projection_parts.py), and carried whole it was most of the projection's excess over the

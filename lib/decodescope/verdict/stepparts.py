@@ -101,6 +101,12 @@ def recorded_unbatched(gemm: pd.DataFrame, shapes: list) -> set[str]:
     return {s.op for s in shapes if s.groups > 1 and bool(single.get(s.op, False))}
 
 
+def hits_few_experts(batch: int, top_k: int, experts: int) -> bool:
+    """Whether uniform routing at `batch` hits under 1.5x top-k experts: too few beyond top-k for a skew to
+    show in the expert time."""
+    return archmod.active_experts(batch, top_k, experts) < 1.5 * min(top_k, experts)
+
+
 def routing_skew(moe_profile_us: float, moe_uniform_us: float, batch: int, top_k: int, experts: int) -> float:
     """The routing skew (arch.active_experts) under which the experts a step hits match what 04 measured:
     02 prices the routed experts under uniform routing (moe_uniform_us at this batch); a profiled expert
@@ -108,7 +114,7 @@ def routing_skew(moe_profile_us: float, moe_uniform_us: float, batch: int, top_k
     weights). 0 where the profile is at or above the uniform price, or the batch hits few experts anyway."""
     uniform = archmod.active_experts(batch, top_k, experts)
     floor = float(min(top_k, experts))
-    if moe_uniform_us <= 0 or moe_profile_us >= moe_uniform_us or uniform < 1.5 * floor:
+    if moe_uniform_us <= 0 or moe_profile_us >= moe_uniform_us or hits_few_experts(batch, top_k, experts):
         return 0.0
     hit = max(floor, uniform * moe_profile_us / moe_uniform_us)
     return float(min(0.99, (uniform - hit) / (uniform - floor)))
@@ -132,8 +138,7 @@ def measured_routing_skews(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int
         cats = frame(summary.per_step_categories, StepCategoryRow)
         moe = cats[cats["category"].astype(str) == "moe_experts"].groupby("rank")["time_per_step_us"].sum()
         batch = int(round(summary.per_step.batch_median or conc))
-        uniform_hit = archmod.active_experts(batch, arch.top_k, arch.num_experts)
-        if moe.empty or batch < 1 or uniform_hit < 1.5 * min(arch.top_k, arch.num_experts):
+        if moe.empty or batch < 1 or hits_few_experts(batch, arch.top_k, arch.num_experts):
             continue
         uniform = gemm_component(gemm, arch, tp, batch, dtype, weight_dtype=weight_dtype, layer_kinds=("moe_expert",))
         out.append((float(batch), routing_skew(float(moe.median()), uniform.us, batch, arch.top_k, arch.num_experts)))

@@ -35,7 +35,8 @@ class StepSample:
     @property
     def rest_us(self) -> float:
         """The profiled period less its parts (work x overlap, idle, between steps): medians of parts do
-        not add up to the median period, and the model must reproduce what was measured."""
+        not add up to the period (the steps' trimmed mean period), and the model must reproduce what was
+        measured."""
         return self.period_us - (sum(self.classes_us.values()) * self.overlap + self.idle_us + self.between_us)
 
 
