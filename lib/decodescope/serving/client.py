@@ -6,6 +6,7 @@ A request's record keeps every content chunk's arrival so TTFT, TPOT and ITL can
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import random
 import time
@@ -258,5 +259,7 @@ def run_async(coro):
         except KeyboardInterrupt:
             held["stop"] = True
             if "task" in held:
-                held["loop"].call_soon_threadsafe(held["task"].cancel)
+                # the coroutine may have ended and its loop closed as the interrupt came: the interrupt stands
+                with contextlib.suppress(RuntimeError):
+                    held["loop"].call_soon_threadsafe(held["task"].cancel)
             raise   # leaving the pool waits for the cancelled coroutine to unwind (its finally blocks)
