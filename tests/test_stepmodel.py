@@ -17,7 +17,8 @@ from decodescope.verdict import stepparts as sp
 from decodescope.schema.params import load_params
 from decodescope.schema.records import ProfileCapture
 from decodescope.schema.records_probe import read_probe_output, read_probe_rows
-from decodescope.trace.profile import PERIOD_TRIM, step_periods, trimmed_mean
+from decodescope.core.stats import trimmed_mean
+from decodescope.trace.profile import PERIOD_TRIM, step_periods
 
 
 @pytest.fixture(scope="module")

@@ -156,3 +156,10 @@ def differ_frame(a: pd.DataFrame, b: pd.DataFrame, keys: list[str], value: str) 
     rows = [{**dict(zip(keys, k)), **differ(ga.get(k, []), gb.get(k, [])).as_dict()}
             for k in dict.fromkeys([*ga, *gb])]
     return pd.DataFrame(rows, columns=[*keys, *DIFFERENCE_COLUMNS])
+
+
+def trimmed_mean(values: Sequence, trim: float) -> float:
+    """The mean of `values` without the lowest and highest `trim` share of them (int(n x trim) each)."""
+    v = np.sort(np.asarray(values, dtype=float))
+    k = int(len(v) * trim)
+    return float(v[k:len(v) - k].mean())

@@ -5,11 +5,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-import numpy as np
 import pandas as pd
 
 from decodescope.model import arch as archmod
 from decodescope.core.io import write_parquet_atomic
+from decodescope.core.stats import trimmed_mean
 from decodescope.schema.records import ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
 from decodescope.trace import analyze as an
 from decodescope.trace.capture import capture_for_phase, level_dir_name
@@ -145,13 +145,6 @@ def analyze_traces(loaded: LoadedTraces, model_config: Optional[dict] = None, tp
 # profiled levels of five H200 runs the 2%-trimmed mean was within -2.2..+1.7% of that latency on 15
 # (the median -9.6..+7.7%, the plain mean +0.4..+5.1%): the period the profiler's measured cost comes off.
 PERIOD_TRIM = 0.02
-
-
-def trimmed_mean(values: np.ndarray, trim: float) -> float:
-    """The mean of `values` without the lowest and highest `trim` share of them (int(n x trim) each)."""
-    v = np.sort(np.asarray(values, dtype=float))
-    k = int(len(v) * trim)
-    return float(v[k:len(v) - k].mean())
 
 
 def step_periods(steps: pd.DataFrame, kind: str) -> dict[str, Optional[float]]:
