@@ -491,6 +491,42 @@ def test_where_the_wait_is_an_op_of_its_own_a_call_costs_both_and_is_priced_back
     assert loaded.us == 0.0 and "less than 03's price" in "; ".join(loaded.notes)
 
 
+def test_on_gloo_a_typical_call_with_its_wait_is_set_against_the_late_rank_as_on_the_other_paths(tiny, tmp_path):
+    """With the per-call figure (profile_summary allreduce_with_wait) the first row is like for like as the
+    shm and NCCL rows are: the profile's median call, all-reduce op + its wait op, at its least time over the
+    ranks (210 us) x 9 calls = 1,890 us per step, against 03's late rank (180 us a call, 1,620 us): 1.1667.
+    The second row keeps the calls as a step pays them (930 us on the rank that waits least against 03's
+    900 back to back) and says what the stalled calls add: (700 - 210) x 9 = 4,410 us per step. The op
+    alone (the hand-over) is no longer a row of its own."""
+    from decodescope.schema.records import CallsWithWait, write_record
+    from decodescope.verdict.verdict import reconcile
+
+    s = _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0, "attention": 50.0},
+                          1: {"allreduce": 230.0, "collective_wait": 700.0, "attention": 60.0}},
+                 3000.0, 4000.0, 500.0, 0.0, transfer=20.0)
+    s = s.model_copy(update={"allreduce_communicators": {"torch_gloo": 1.0},
+                             "allreduce_with_wait": CallsWithWait(median_us=210.0, mean_us=700.0, p90_us=2400.0,
+                                                                  calls_per_step=9.0, calls=900)})
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "torch_gloo",
+                          "timing": t, "inplace": True, "rank": 0, "bytes": n, "time_us": us, "p10_us": us,
+                          "p90_us": us} for t, us in (("back_to_back", 100.0), ("late_rank", 180.0))
+                         for n in (256, 512, 65536)])
+    (tmp_path / "data").mkdir()
+    coll.to_parquet(tmp_path / "data/collectives.parquet")
+    write_record(tmp_path / "data/profile_summary.json", s)
+    rows = reconcile(tmp_path, 1, s, tiny, 2)
+    assert [p for p in rows["piece"] if "all-reduce" in p] == [
+        "all-reduces per step (torch_gloo)",
+        "all-reduces as a step pays them (torch_gloo), the ranks' skew and the host's stalls in"]
+    call = rows.iloc[0]
+    assert call["profile_us"] == pytest.approx(1890.0) and call["micro_benchmark_us"] == pytest.approx(1620.0)
+    assert call["profile_over_micro"] == pytest.approx(1890.0 / 1620.0)
+    assert "late_rank" in call["micro_source"] and "median call (210 us) x 9" in call["profile_source"]
+    paid = rows.iloc[1]
+    assert paid["profile_us"] == pytest.approx(930.0) and paid["micro_benchmark_us"] == pytest.approx(900.0)
+    assert "back_to_back" in paid["micro_source"] and "4,410 us per step" in paid["note"]
+
+
 def test_on_gloo_the_calls_cost_the_larger_of_03s_price_and_what_the_profile_measured(tiny):
     """On the gloo path the engine's calls wait for cores the engine core and the API server hold, which
     03's two ranks alone never meet. By hand: 03 prices the step's 10 calls at 100 us each (1,000 us at

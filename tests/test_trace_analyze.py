@@ -83,6 +83,45 @@ def test_collective_skew_takes_min_as_transfer_and_excess_as_wait():
     assert summary.loc[0, "wait_us"] == 38.0 and summary.loc[1, "wait_us"] == 30.0
 
 
+def test_a_call_whose_wait_is_an_op_of_its_own_costs_its_op_plus_the_waits_that_follow_it():
+    """gloo through the functional collectives: each call is an all_reduce_ op, then wait_tensor. By hand,
+    two ranks, two steps of two calls each, (op, wait) in us:
+      rank 0: (20, 200) (30, 2500)  |  (25, 180) (20, 210)
+      rank 1: (40, 300) (25, 2600)  |  (20, 5)   (30, 190)
+    The calls: rank 0 220 2530 205 230, rank 1 340 2625 25 220; least over the ranks 220 2530 25 220 (the
+    second call stalled on both ranks, the third's rank 1 arrived last). A wait op is the call's before
+    the next call starts; other ops between them are not. Then per step: median 220, mean 748.75, 2 calls."""
+    from decodescope.trace.profile import calls_with_wait_stats
+
+    calls = {0: [(20, 200), (30, 2500), (25, 180), (20, 210)], 1: [(40, 300), (25, 2600), (20, 5), (30, 190)]}
+    rows = []
+    for rank, pairs in calls.items():
+        ts = 0.0
+        for i, (op_us, wait_us) in enumerate(pairs):
+            step = i // 2
+            rows.append({"rank": rank, "step": step, "category": "allreduce", "counted": True, "ts_us": ts,
+                         "dur_us": float(op_us)})
+            rows.append({"rank": rank, "step": step, "category": "attention", "counted": True, "ts_us": ts + op_us,
+                         "dur_us": 1.0})
+            rows.append({"rank": rank, "step": step, "category": "collective_wait", "counted": True,
+                         "ts_us": ts + op_us + 1, "dur_us": float(wait_us)})
+            # nested under the wait: not counted, not added
+            rows.append({"rank": rank, "step": step, "category": "collective_wait", "counted": False,
+                         "ts_us": ts + op_us + 2, "dur_us": 1.0})
+            ts += 10_000.0
+    got = an.calls_with_wait(pd.DataFrame(rows))
+    by = got.set_index(["rank", "instance"])
+    assert by["call_us"].tolist() == [220.0, 2530.0, 205.0, 230.0, 340.0, 2625.0, 25.0, 220.0]
+    assert by.loc[0, "least_us"].tolist() == [220.0, 2530.0, 25.0, 220.0]
+    steps = pd.DataFrame({"rank": [0, 0, 1, 1], "step": [0, 1, 0, 1], "kind": ["decode"] * 4})
+    stats = calls_with_wait_stats(got, steps, "decode")
+    assert (stats.median_us, stats.mean_us, stats.calls_per_step, stats.calls) == (220.0, 748.75, 2.0, 4)
+    # no wait ops (the shm path, NCCL): nothing
+    assert an.calls_with_wait(pd.DataFrame([r for r in rows if r["category"] != "collective_wait"])).empty
+    assert calls_with_wait_stats(an.calls_with_wait(pd.DataFrame(rows[:0], columns=list(rows[0]))), steps,
+                                 "decode") is None
+
+
 def test_gpu_kernels_are_placed_by_launch_time_without_gpu_annotations():
     rows = [
         {"rank": 0, "cat": "user_annotation", "name": "execute_context_0(0)_generation_2(2)", "ts_us": 0.0,

@@ -55,8 +55,10 @@ def collectives_plan(params, dtype: str = "bf16") -> dict:
     # late_rank timing reads as much before each call, as the engine's call follows the layer's GEMMs
     between = (archmod.weight_bytes_per_step(archmod.gemm_shapes(arch, tp, 1, mb.expert_parallel, mb.moe_skew))["total"]
                / max(1, archmod.expected_all_reduces_per_step(arch, tp)))
+    # the ranks sit where the engine binds its workers: gloo's hand-overs between a rank's threads cost
+    # what they cost in the engine only on the same cores (unbound, 03's gloo call read 1.6x the engine's)
     return {"dtype": dtype, "iters": mb.iterations, "warmup": mb.warmup, "burst": burst,
-            "between_calls_bytes": int(between),
+            "between_calls_bytes": int(between), "rank_cpus": engine_rank_cpus(params),
             "sweep": {"min_bytes": mb.sweep_min_bytes, "max_bytes": mb.sweep_max_bytes,
                       "ops": ["all_reduce", "all_to_all"]},
             "all_to_all": [{"tokens_per_gpu": x["tokens_per_gpu"], "dispatch_bytes": x["dispatch_bytes"]} for x in a2a]}
@@ -108,14 +110,20 @@ def run_gemm_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.Da
 GEMM_WHATIF_TP = "gemm_whatif_tp.parquet"
 
 
-def rank_cpus(params) -> Optional[str]:
-    """On a CPU host, the cores vLLM binds its first rank to (VLLM_CPU_OMP_THREADS_BIND '0|1' -> '0'):
-    02 times the GEMMs with the threads one rank has, like for like; None when the server does not
-    bind (a GPU host, or no binding given)."""
+def engine_rank_cpus(params) -> Optional[list[str]]:
+    """On a CPU host, the cores vLLM binds each local rank to (VLLM_CPU_OMP_THREADS_BIND '0|1' -> ['0', '1']);
+    None when the server does not bind (a GPU host, or no binding given)."""
     bind = params.server.env.get("VLLM_CPU_OMP_THREADS_BIND")
-    if not bind or bind in ("auto", "all"):
+    if not bind or bind in ("auto", "all", "nobind"):
         return None
-    return bind.split("|")[0].strip() or None
+    cpus = [part.strip() for part in bind.split("|")]
+    return cpus if all(cpus) else None
+
+
+def rank_cpus(params) -> Optional[str]:
+    """The cores vLLM binds its first rank to: 02 times the GEMMs with the threads one rank has, like for like."""
+    cpus = engine_rank_cpus(params)
+    return cpus[0] if cpus else None
 
 
 def peaks_for(run_dir: Path, params) -> Optional[Peaks]:
@@ -246,7 +254,7 @@ def step_plan(params, dtype: str = "bf16") -> dict:
     arch = archmod.normalize_config(params.model_config_dict())
     tp, mb = params.server.tensor_parallel, params.microbench
     return {"dtype": dtype, "iters": mb.iterations, "warmup": mb.warmup, "communicator": "engine",
-            "steps": [{"batch": b, "program": archmod.step_program(arch, tp, b, mb.expert_parallel)} for b in mb.batches]}
+            "rank_cpus": engine_rank_cpus(params), "steps": [{"batch": b, "program": archmod.step_program(arch, tp, b, mb.expert_parallel)} for b in mb.batches]}
 
 
 def run_step_replay(params, run_dir: Path, device: Optional[str] = None) -> pd.DataFrame:

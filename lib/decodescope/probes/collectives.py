@@ -47,6 +47,7 @@ from decodescope.probes.gemm_kernels import TORCH_DTYPES
 from decodescope.probes.timing import (HOST_AFTER_GEMM, HOST_ISSUE, HostRef, host_issue_after_us, host_issue_us,
                                        median_spread)
 from decodescope.core.probefile import write_probe_output
+from decodescope.exec.procs import parse_cpulist
 
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
@@ -431,12 +432,20 @@ def all_to_all_tokens(plan: dict, device, dtype, timer: Timer, world: int, rank:
     return rows
 
 
-def init_ranks(device_kind: str) -> tuple[bool, "torch.device", int, int]:
-    """This torchrun rank's process group (NCCL on GPUs, gloo on CPUs) and device."""
+def init_ranks(device_kind: str, rank_cpus: Optional[list[str]] = None) -> tuple[bool, "torch.device", int, int]:
+    """This torchrun rank's process group (NCCL on GPUs, gloo on CPUs) and device. On a CPU, with
+    `rank_cpus` (the plan's: where the engine binds each local rank), the rank and every thread it starts
+    (gloo's included, so before the group) run on its entry's cores."""
     use_cuda = device_kind == "cuda"
     local = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
         torch.cuda.set_device(local)
+    elif rank_cpus and local < len(rank_cpus):
+        try:
+            os.sched_setaffinity(0, parse_cpulist(rank_cpus[local]))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"local rank {local}: cannot bind to cores {rank_cpus[local]!r} (the plan's rank_cpus, "
+                             f"from server.env VLLM_CPU_OMP_THREADS_BIND): {e}") from e
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     return use_cuda, device, dist.get_rank(), dist.get_world_size()
@@ -449,14 +458,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     plan = json.load(open(args.plan))
-    use_cuda, device, rank, world = init_ranks(args.device)
+    use_cuda, device, rank, world = init_ranks(args.device, plan.get("rank_cpus"))
     dtype = TORCH_DTYPES[plan.get("dtype", "bf16")]
     timer = Timer(device)
     meta = {"rank": rank, "world_size": world, "backend": dist.get_backend(), "device": str(device),
             "torch": torch.__version__,
             "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
             "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
-            "iters": plan["iters"], "warmup": plan["warmup"], "dtype": plan.get("dtype", "bf16")}
+            "iters": plan["iters"], "warmup": plan["warmup"], "dtype": plan.get("dtype", "bf16"),
+            "cpus": None if use_cuda else sorted(os.sched_getaffinity(0))}
     comms, skipped = communicators(device, world, rank)
     meta.update(communicators=[c.name for c in comms], communicators_skipped=skipped,
                 back_to_back_calls=int(plan.get("back_to_back_calls", BACK_TO_BACK_CALLS)))

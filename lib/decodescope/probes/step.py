@@ -188,12 +188,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     args = ap.parse_args(argv)
     plan = json.load(open(args.plan))
-    use_cuda, device, rank, world = init_ranks(args.device)
+    use_cuda, device, rank, world = init_ranks(args.device, plan.get("rank_cpus"))
     timer = Timer(device)
     meta = {"rank": rank, "world_size": world, "backend": dist.get_backend(), "device": str(device),
             "torch": torch.__version__, "dtype": plan["dtype"], "iters": plan["iters"], "warmup": plan["warmup"],
             "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
-            "gpu": torch.cuda.get_device_name(device) if use_cuda else None}
+            "gpu": torch.cuda.get_device_name(device) if use_cuda else None,
+            "cpus": None if use_cuda else sorted(os.sched_getaffinity(0))}
     comm, comm_note = step_communicator(plan.get("communicator", "torch"), device, world, rank)
     meta.update(communicator=comm.name, communicator_note=comm_note)
     out = os.path.join(args.out_dir, f"step_rank{rank}.json")

@@ -34,7 +34,8 @@ from decodescope.schema.recordbase import Record, _Model, _OpenModel, columns_of
 # re-exported: the phases, the report and the tests name every record as records'
 from decodescope.schema.recordbase import (RecordError as RecordError, frame as frame, read_record as read_record,
                                            write_record as write_record)
-from decodescope.schema.records_profile import (BreakdownRow as BreakdownRow, CollectiveWaitRow as CollectiveWaitRow,
+from decodescope.schema.records_profile import (BreakdownRow as BreakdownRow, CallsWithWait as CallsWithWait,
+                                                CollectiveWaitRow as CollectiveWaitRow, StepMedians as StepMedians,
                                                 ExpectedVsObservedRow as ExpectedVsObservedRow,
                                                 ScheduleRow as ScheduleRow, StepCategoryRow as StepCategoryRow,
                                                 TopUnknownRow as TopUnknownRow)
@@ -287,23 +288,6 @@ class CollectivesFit(Record):
 
 
 # ---- profile summary (data/profile_summary.json) ---------------------------------------------------
-class StepMedians(_Model):
-    """Medians over the profiled steps of one kind; None when no step was found."""
-
-    summed_us_median: Optional[float] = None
-    busy_us_median: Optional[float] = None
-    wall_us_median: Optional[float] = None
-    idle_us_median: Optional[float] = None
-    period_us_median: Optional[float] = Field(None, description="start of one step to the start of the next: "
-                                              "the step plus the host/scheduler time between steps")
-    period_us_trimmed_mean: Optional[float] = Field(None, description="the same period's mean without its slowest "
-                                                    "and fastest 2% (trace.profile.PERIOD_TRIM): what a stream pays per "
-                                                    "token (TPOT is a request's mean gap), the profiler's own start, "
-                                                    "stop and flush steps left out")
-    between_steps_us_median: Optional[float] = Field(None, description="end of one step to the start of the next")
-    batch_median: Optional[float] = Field(None, description="sequences decoded per step (the trace's step names)")
-
-
 class ProfileSummary(Record):
     """data/profile_summary.json (04_profile, `decodescope analyze-trace`): the figures the verdict
     and the report read. Per-rank dicts are keyed by the rank (an int here, a string in the file, as
@@ -323,6 +307,8 @@ class ProfileSummary(Record):
     allreduce_transfer_us_per_step: Optional[float] = Field(
         None, description="the median all-reduce call at its least time over the ranks x calls per step: the "
                           "collectives' own time, without waiting for a late rank")
+    allreduce_with_wait: Optional[CallsWithWait] = Field(None, description="gloo: the calls, op plus wait op, at their "
+                                                         "least time over the ranks (trace.analyze.calls_with_wait)")
     per_step: StepMedians
     expected_vs_observed: list[ExpectedVsObservedRow] = Field(default_factory=list)
     per_step_categories: list[StepCategoryRow] = Field(default_factory=list)

@@ -81,3 +81,32 @@ class ScheduleRow(_Model):
     count: int = Field(description="calls per decode step")
     msg_bytes: int = Field(description="per-rank input bytes of one call")
     dtype: str
+
+
+class CallsWithWait(_Model):
+    """The all-reduce calls of the profiled steps where the wait is an op of its own, each call its op
+    plus its wait at its least time over the ranks: a typical call (median), the mean call (every call a
+    preempted thread stretched, on both ranks, included) and how many a step makes."""
+
+    median_us: float
+    mean_us: float
+    p90_us: float
+    calls_per_step: float
+    calls: int = Field(description="calls the figures come from")
+
+
+class StepMedians(_Model):
+    """Medians over the profiled steps of one kind; None when no step was found."""
+
+    summed_us_median: Optional[float] = None
+    busy_us_median: Optional[float] = None
+    wall_us_median: Optional[float] = None
+    idle_us_median: Optional[float] = None
+    period_us_median: Optional[float] = Field(None, description="start of one step to the start of the next: "
+                                              "the step plus the host/scheduler time between steps")
+    period_us_trimmed_mean: Optional[float] = Field(None, description="the same period's mean without its slowest "
+                                                    "and fastest 2% (trace.profile.PERIOD_TRIM): what a stream pays per "
+                                                    "token (TPOT is a request's mean gap), the profiler's own start, "
+                                                    "stop and flush steps left out")
+    between_steps_us_median: Optional[float] = Field(None, description="end of one step to the start of the next")
+    batch_median: Optional[float] = Field(None, description="sequences decoded per step (the trace's step names)")

@@ -16,7 +16,8 @@ import pandas as pd
 from decodescope.core.dtypes import element_bytes
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
 from decodescope.trace.reader import GPU_WORK
-from decodescope.trace.categorize import ALLGATHER_CATEGORIES, ALLREDUCE_CATEGORIES, OTHER, add_categories
+from decodescope.trace.categorize import (ALLGATHER_CATEGORIES, ALLREDUCE_CATEGORIES, OTHER, WAIT_CATEGORIES,
+                                         add_categories)
 
 GPU_WORK_CATS = GPU_WORK  # the table counts as GPU work what the streamed breakdown does
 STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
@@ -310,6 +311,35 @@ def collective_skew(ops: pd.DataFrame, categories=ALLREDUCE_CATEGORIES) -> pd.Da
     coll["transfer_us"] = coll.groupby(["category", "instance"], observed=True)["dur_us"].transform("min")
     coll["wait_us"] = coll["dur_us"] - coll["transfer_us"]
     return coll[["category", "instance", "rank", "step", "ts_us", "dur_us", "transfer_us", "wait_us", "msg_bytes"]]
+
+
+def calls_with_wait(ops: pd.DataFrame, categories=ALLREDUCE_CATEGORIES,
+                    wait_categories=WAIT_CATEGORIES) -> pd.DataFrame:
+    """Where a collective waits in an op of its own (gloo through the functional collectives: the
+    all-reduce op, then its wait_tensor), each call as a step pays it: its op plus the wait ops that
+    follow it on the rank's thread before the next call. Instances are matched across ranks as in
+    collective_skew; `least_us` is the call at its least time over the ranks (the rank that arrived last
+    waited for no one). Empty where no wait op follows the calls."""
+    cols = ["instance", "rank", "step", "call_us", "least_us"]
+    if ops.empty:
+        return pd.DataFrame(columns=cols)
+    sel = ops[ops["counted"].astype(bool)]
+    calls = sel[sel["category"].isin(categories)].sort_values(["rank", "ts_us"])
+    waits = sel[sel["category"].isin(wait_categories)].sort_values("ts_us")
+    if calls.empty or waits.empty or calls["rank"].nunique() < 2:
+        return pd.DataFrame(columns=cols)
+    calls = calls[["rank", "step", "ts_us", "dur_us"]].reset_index(drop=True)
+    calls["instance"] = calls.groupby("rank").cumcount()
+    owner = pd.merge_asof(waits[["rank", "ts_us", "dur_us"]].rename(columns={"dur_us": "wait_us"}),
+                          calls[["rank", "ts_us", "instance"]].sort_values("ts_us"), on="ts_us", by="rank",
+                          direction="backward")
+    wait = owner.dropna(subset=["instance"]).groupby(["rank", "instance"])["wait_us"].sum()
+    calls = calls.join(wait, on=["rank", "instance"])
+    calls["call_us"] = calls["dur_us"] + calls["wait_us"].fillna(0.0)
+    complete = calls.groupby("instance")["rank"].transform("nunique") == calls["rank"].nunique()
+    calls = calls[complete].copy()
+    calls["least_us"] = calls.groupby("instance")["call_us"].transform("min")
+    return calls[cols].reset_index(drop=True)
 
 
 def skew_summary(skew: pd.DataFrame) -> pd.DataFrame:

@@ -10,7 +10,7 @@ import pandas as pd
 from decodescope.model import arch as archmod
 from decodescope.core.io import write_parquet_atomic
 from decodescope.core.stats import trimmed_mean
-from decodescope.schema.records import ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
+from decodescope.schema.records import CallsWithWait, ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
 from decodescope.trace import analyze as an
 from decodescope.trace.capture import capture_for_phase, level_dir_name
 from decodescope.trace.categorize import class_of, communicator_of
@@ -76,6 +76,7 @@ class ProfileResult:
                               / max(self.breakdown["time_us"].sum(), 1e-9)),
             top_unknown=self.unknown.assign(category=self.unknown["category"].astype(str)).to_dict("records"),
             allreduce_transfer_us_per_step=allreduce_transfer_per_step(self.skew, self.steps, self.step_kind),
+            allreduce_with_wait=calls_with_wait_stats(an.calls_with_wait(self.ops), self.steps, self.step_kind),
             collective_wait=self.skew_summary.assign(
                 category=self.skew_summary["category"].astype(str)).to_dict("records"),
             schedule=self.schedule.to_dict("records"),
@@ -98,6 +99,22 @@ def allreduce_transfer_per_step(skew: pd.DataFrame, steps: pd.DataFrame, kind: s
     if calls.empty:
         return None
     return float(calls["transfer_us"].median() * calls.groupby("step").size().median())
+
+
+def calls_with_wait_stats(calls: pd.DataFrame, steps: pd.DataFrame, kind: str) -> Optional[CallsWithWait]:
+    """The `kind` steps' all-reduce calls with their wait ops (trace.analyze.calls_with_wait), each at its
+    least time over the ranks; None where the calls wait in no op of their own."""
+    if calls.empty or steps.empty:
+        return None
+    first = calls[calls["rank"] == calls["rank"].min()]  # one row per instance
+    kinds = steps[steps["rank"] == first["rank"].iloc[0]][["step", "kind"]]
+    first = first.merge(kinds, on="step")
+    least = first.loc[first["kind"] == kind, ["step", "least_us"]]
+    if least.empty:
+        return None
+    return CallsWithWait(median_us=float(least["least_us"].median()), mean_us=float(least["least_us"].mean()),
+                         p90_us=float(least["least_us"].quantile(0.9)),
+                         calls_per_step=float(least.groupby("step").size().median()), calls=len(least))
 
 
 def allreduce_communicators(ops: pd.DataFrame) -> dict[str, float]:

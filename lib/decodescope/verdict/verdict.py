@@ -94,31 +94,52 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
 def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: pd.DataFrame,
                               ar_by_rank: pd.Series, transfer: Optional[float], profile_batch: int, arch, tp: int,
                               rows: list, by_rank: pd.DataFrame, weight_dtype: Optional[str] = None) -> pd.DataFrame:
-    """The all-reduce rows where the wait is an op of its own (gloo): a step's calls (all-reduce op plus
-    wait op, on the rank that waits least) against 03's calls back to back, waits included; then the
-    hand-over alone (each call's least time over the ranks against the late rank's op), named for what it is."""
+    """The all-reduce rows where the wait is an op of its own (gloo). First, as on the other paths, each
+    call at its least time over the ranks, here its all-reduce op plus its wait op (the median call x calls
+    per step), against 03's late rank, who waits for no one either; then the calls as a step pays them on
+    the rank that waits least (the ranks' skew and the host's stalls in), against 03's calls back to back.
+    Summaries written before the per-call figure have the second row and the hand-over alone."""
     wait = sm.own_op_wait_by_rank(per_step).reindex(ar_by_rank.index, fill_value=0.0)
     paid = ar_by_rank + wait
     rank = paid.idxmin()
     observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
     coll = _read_parquet(run_dir, "collectives.parquet")
-    if coll is not None and not coll.empty:
-        row = allreduce_reconcile_row(coll, summary, float(paid.min()), profile_batch, arch, tp,
-                                      timings=sp.WAIT_INCLUDED_TIMINGS)
-        row["profile_source"] = (f"profile_summary.json per_step_categories, rank {rank} (the one that waits least): "
-                                 f"all-reduce {float(ar_by_rank[rank]):,.0f} us + its wait op (collective_wait) "
-                                 f"{float(wait[rank]):,.0f} us per step: on this path a call costs both")
-        row["note"] = (row.get("note", "") + "; the wait is an op of its own here (gloo), so both sides take the calls "
-                       "as a step issues them, waits included").lstrip("; ")
+    calls = summary.allreduce_with_wait
+    if coll is None or coll.empty:
+        return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
+    comm = next(iter(summary.allreduce_communicators), "unknown")
+    if calls is not None:
+        row = allreduce_reconcile_row(coll, summary, calls.median_us * calls.calls_per_step, profile_batch, arch, tp,
+                                      timings=("late_rank",))
+        row["profile_source"] = (
+            f"profile_summary.json allreduce_with_wait: each call, all-reduce op + its wait op, at its least time over "
+            f"the ranks; the median call ({calls.median_us:,.0f} us) x {calls.calls_per_step:g} calls per step")
+        row["note"] = (f"same communicator ({comm}); per call as a step makes it, its wait op included, where no rank "
+                       "waits for a late one: 03's late rank against each call's least time over the ranks")
         rows.append(row)
-        if transfer is not None:
-            t = allreduce_reconcile_row(coll, summary, float(transfer), profile_batch, arch, tp, timings=("late_rank",))
-            comm = next(iter(summary.allreduce_communicators), "unknown")
-            t["piece"] = f"all-reduce hand-over only ({comm}), without its wait"
-            t["profile_source"] = ("profile_summary.json allreduce_transfer_us_per_step (each call's all-reduce op at "
-                                   "its least time over the ranks, its wait op left out)")
-            t["note"] = "the all-reduce op alone: not what a step pays per call on this path (see the row above)"
-            rows.append(t)
+    step = allreduce_reconcile_row(coll, summary, float(paid.min()), profile_batch, arch, tp,
+                                   timings=sp.WAIT_INCLUDED_TIMINGS)
+    step["profile_source"] = (f"profile_summary.json per_step_categories, rank {rank} (the one that waits least): "
+                              f"all-reduce {float(ar_by_rank[rank]):,.0f} us + its wait op (collective_wait) "
+                              f"{float(wait[rank]):,.0f} us per step: on this path a call costs both")
+    if calls is not None:
+        step["piece"] = f"all-reduces as a step pays them ({comm}), the ranks' skew and the host's stalls in"
+        step["note"] = (f"the mean call at its least over the ranks is {calls.mean_us:,.0f} us against the median's "
+                        f"{calls.median_us:,.0f} (p90 {calls.p90_us:,.0f} us): calls stalled on both ranks, "
+                        f"{(calls.mean_us - calls.median_us) * calls.calls_per_step:,.0f} us per step of the host's "
+                        "time, which the step model books to the all-reduces slowed by the host's load")
+        rows.append(step)
+        return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
+    step["note"] = (step.get("note", "") + "; the wait is an op of its own here (gloo), so both sides take the calls "
+                    "as a step issues them, waits included").lstrip("; ")
+    rows.append(step)
+    if transfer is not None:
+        t = allreduce_reconcile_row(coll, summary, float(transfer), profile_batch, arch, tp, timings=("late_rank",))
+        t["piece"] = f"all-reduce hand-over only ({comm}), without its wait"
+        t["profile_source"] = ("profile_summary.json allreduce_transfer_us_per_step (each call's all-reduce op at "
+                               "its least time over the ranks, its wait op left out)")
+        t["note"] = "the all-reduce op alone: not what a step pays per call on this path (see the row above)"
+        rows.append(t)
     return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
 
 
