@@ -14,10 +14,10 @@ from decodescope.core.enginelog import last_engine_modes
 from decodescope.exec.serverlaunch import dashed
 from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
-from decodescope.schema.records import ProfileCapture, RunManifest, VariantEntry, read_record
+from decodescope.schema.records import ProfileCapture, ProfileSummary, RunManifest, VariantEntry, read_record
 from decodescope.core.rundir import VARIANTS
 from decodescope.verdict.fixes import (Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix, eager_fix,
-                                       expected_tokens_per_verify, level_tpot)
+                                       expected_tokens_per_verify, level_tpot, profile_summaries)
 
 
 # ---- the variants (params.experiments), measured against their projections ----------------------------
@@ -109,6 +109,27 @@ def _lost_async_scheduling(base, variant) -> str:
             "overlapped host time, leaves out")
 
 
+def _period_and_busy(s: ProfileSummary) -> tuple[Optional[float], Optional[float]]:
+    ps = s.per_step
+    return ps.period_us_trimmed_mean or ps.period_us_median or ps.wall_us_median, ps.busy_us_median
+
+
+def own_profile_note(variant: Optional[ProfileSummary], base: Optional[ProfileSummary]) -> str:
+    """Where the variant was profiled at this level (`profile: true`): its step under the profiler, the
+    part of it the GPU was busy and the rest, the host's, set beside the baseline's profile at the level."""
+    if variant is None:
+        return ""
+    period, busy = _period_and_busy(variant)
+    if not period or busy is None:
+        return ""
+    text = (f"; its own profile here: a step of {period:,.0f} us under the profiler, the GPU busy {busy:,.0f} us "
+            f"of it, {period - busy:,.0f} us the host's")
+    b_period, b_busy = _period_and_busy(base) if base is not None else (None, None)
+    if b_period and b_busy is not None:
+        text += f" (the baseline's: {b_period:,.0f} us, GPU {b_busy:,.0f} us, host {b_period - b_busy:,.0f} us)"
+    return text
+
+
 def _gist(error: str) -> str:
     """An error's first line and, when it quotes a log tail, the tail's last line (where vLLM says why)."""
     lines = [x.strip() for x in error.splitlines() if x.strip()]
@@ -128,6 +149,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
     utils = ({int(r.level): r.gpu_util_mean_pct for r in levels.itertuples()}
              if levels is not None and "gpu_util_mean_pct" in levels.columns else {})
     base_modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
+    base_profiles = profile_summaries(run_dir, params)
     rows = []
     for exp in params.experiments:
         state = states.get(exp.name) or VariantEntry(status="not run")
@@ -141,6 +163,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
         acceptance = _acceptance(vlev)
         modes = last_engine_modes(Path(run_dir) / VARIANTS / exp.name / "logs" / "server.log")
         lost_async = _lost_async_scheduling(base_modes, modes)
+        own_profiles = profile_summaries(Path(run_dir) / VARIANTS / exp.name, vparams) if exp.profile else {}
         for lv in vlev.sort_values("level").itertuples():
             b, (tpot, basis) = float(lv.level), level_tpot(lv)
             row = {"variant": exp.name, "status": status, "error": state.error.splitlines()[0][:300]
@@ -164,7 +187,8 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                                projected_low_us=lo / fix.tokens_per_step * scale,
                                projected_high_us=hi / fix.tokens_per_step * scale,
                                projection_error_pct=100 * (proj / tpot - 1),
-                               notes=how + _implied_host_per_kernel(fix, tpot) + lost_async)
+                               notes=how + _implied_host_per_kernel(fix, tpot) + lost_async
+                               + own_profile_note(own_profiles.get(int(lv.level)), base_profiles.get(int(lv.level))))
             if split:
                 row["gpu_host_split"] = split
             if modes:
