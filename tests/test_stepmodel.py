@@ -447,6 +447,21 @@ def test_the_ranks_wait_in_the_all_reduces_is_added_to_the_lock_step_micro_bench
     assert bare.allreduce_wait_us == 0.0
 
 
+def _gloo_run_dir(tmp_path, summary, late_rank_us: float) -> pd.DataFrame:
+    """A run directory with `summary` and 03's gloo sweep: 100 us a call back to back, `late_rank_us` for the
+    late rank, at every size; the sweep returned."""
+    from decodescope.schema.records import write_record
+
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "torch_gloo",
+                          "timing": t, "inplace": True, "rank": 0, "bytes": n, "time_us": us, "p10_us": us,
+                          "p90_us": us} for t, us in (("back_to_back", 100.0), ("late_rank", late_rank_us))
+                         for n in (256, 512, 65536)])
+    (tmp_path / "data").mkdir()
+    coll.to_parquet(tmp_path / "data/collectives.parquet")
+    write_record(tmp_path / "data/profile_summary.json", summary)
+    return coll
+
+
 def test_where_the_wait_is_an_op_of_its_own_a_call_costs_both_and_is_priced_back_to_back(tiny, tmp_path):
     """gloo (vLLM CPU's _C_AVX2 path): each all-reduce is an `allreduce` op that hands the tensor over and a
     collective_wait op for the other rank. By hand: rank 0 pays 70 + 900 = 970 us per step, rank 1
@@ -454,7 +469,6 @@ def test_where_the_wait_is_an_op_of_its_own_a_call_costs_both_and_is_priced_back
     included: profile over micro = 930 / 900. The hand-over alone (20 us per step at the least time over
     the ranks) is set against the late rank's op (15 us a call) in a row of its own, named so. The step
     model prices the calls back to back and adds no wait on top of them."""
-    from decodescope.schema.records import write_record
     from decodescope.verdict.verdict import reconcile
 
     s = _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0, "attention": 50.0},
@@ -463,13 +477,7 @@ def test_where_the_wait_is_an_op_of_its_own_a_call_costs_both_and_is_priced_back
     s = s.model_copy(update={"allreduce_communicators": {"torch_gloo": 1.0}})
     assert sm.wait_in_own_op(s)
     assert not sm.wait_in_own_op(s.model_copy(update={"device": "gpu"}))
-    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "torch_gloo",
-                          "timing": t, "inplace": True, "rank": 0, "bytes": n, "time_us": us, "p10_us": us,
-                          "p90_us": us} for t, us in (("back_to_back", 100.0), ("late_rank", 15.0))
-                         for n in (256, 512, 65536)])
-    (tmp_path / "data").mkdir()
-    coll.to_parquet(tmp_path / "data/collectives.parquet")
-    write_record(tmp_path / "data/profile_summary.json", s)
+    coll = _gloo_run_dir(tmp_path, s, late_rank_us=15.0)
     rows = reconcile(tmp_path, 1, s, tiny, 2).set_index("piece")
     paid = rows.loc["all-reduces per step (torch_gloo)"]
     assert paid["profile_us"] == pytest.approx(930.0) and paid["micro_benchmark_us"] == pytest.approx(900.0)
@@ -498,7 +506,7 @@ def test_on_gloo_a_typical_call_with_its_wait_is_set_against_the_late_rank_as_on
     The second row keeps the calls as a step pays them (930 us on the rank that waits least against 03's
     900 back to back) and says what the stalled calls add: (700 - 210) x 9 = 4,410 us per step. The op
     alone (the hand-over) is no longer a row of its own."""
-    from decodescope.schema.records import CallsWithWait, write_record
+    from decodescope.schema.records import CallsWithWait
     from decodescope.verdict.verdict import reconcile
 
     s = _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0, "attention": 50.0},
@@ -507,13 +515,7 @@ def test_on_gloo_a_typical_call_with_its_wait_is_set_against_the_late_rank_as_on
     s = s.model_copy(update={"allreduce_communicators": {"torch_gloo": 1.0},
                              "allreduce_with_wait": CallsWithWait(median_us=210.0, mean_us=700.0, p90_us=2400.0,
                                                                   calls_per_step=9.0, calls=900)})
-    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "torch_gloo",
-                          "timing": t, "inplace": True, "rank": 0, "bytes": n, "time_us": us, "p10_us": us,
-                          "p90_us": us} for t, us in (("back_to_back", 100.0), ("late_rank", 180.0))
-                         for n in (256, 512, 65536)])
-    (tmp_path / "data").mkdir()
-    coll.to_parquet(tmp_path / "data/collectives.parquet")
-    write_record(tmp_path / "data/profile_summary.json", s)
+    _gloo_run_dir(tmp_path, s, late_rank_us=180.0)
     rows = reconcile(tmp_path, 1, s, tiny, 2)
     assert [p for p in rows["piece"] if "all-reduce" in p] == [
         "all-reduces per step (torch_gloo)",
