@@ -101,9 +101,9 @@ def test_the_tensor_parallel_1_projection_is_set_against_the_real_tp1_server(cam
 
 
 def test_the_step_model_and_the_allreduces_are_set_against_what_was_measured(campaign, engine_allreduce):
-    """The issue's targets: all-reduce micro vs profile within 30% (like for like on both paths: the late
-    rank's own time against each call's least time over the ranks, on the gloo path the call's all-reduce
-    op plus its wait op), and the step model within 20%
+    """The issue's targets: all-reduce micro vs profile within 30% (like for like: on the shm path the late
+    rank's own op against each call's least time over the ranks; on the gloo path a typical call, its
+    all-reduce op plus its wait op, against 03's typical call back to back), and the step model within 20%
     of TPOT at concurrency 1. On this 2-core host the step itself moves between measurements: the
     engine's inter-token latency at one concurrency differs between 01 and 04 (another server start,
     minutes later; host_drift) and between two runs of one workload a second apart (window_noise),
@@ -114,9 +114,11 @@ def test_the_step_model_and_the_allreduces_are_set_against_what_was_measured(cam
     print("all-reduce per step, micro vs profile:", ar["micro_benchmark_us"], ar["profile_us"], ar["profile_over_micro"])
     host = json.loads((campaign["run_dir"] / "data/host.json").read_text())["engine_allreduce"]
     assert host["communicator"] == engine_allreduce.communicator  # 00 found what the tests' processes find
-    # like for like on each path: the late rank's own time against each call's least time over the ranks; on
-    # gloo (_C_AVX2) a call is an all-reduce op plus a wait op of its own, and the profile's call is both
-    assert host["communicator"] in ar["piece"] and "late_rank" in ar["micro_source"], ar
+    # like for like on each path: on shm the late rank's own op against each call's least time over the ranks;
+    # on gloo (_C_AVX2) a call is an all-reduce op plus a wait op of its own, and the profile's median call (both
+    # ops) is set against 03's median call back to back
+    timing = {"shm": "late_rank", "gloo": "back_to_back"}[host["path"]]
+    assert host["communicator"] in ar["piece"] and timing in ar["micro_source"], ar
     if host["path"] == "gloo":
         assert "all-reduce op + its wait op" in ar["profile_source"], ar
     for r in v["levels"]:

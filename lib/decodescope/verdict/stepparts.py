@@ -34,8 +34,8 @@ from decodescope.micro.bench import with_timing_columns
 STEP_TIMINGS = ("cuda_graph", "late_rank", "back_to_back")
 # Where a communicator's wait for the other ranks is an op of its own (gloo on CPUs: its c10d wait, booked
 # to collective_wait, beside an `allreduce` op that only hands the tensor over), what a step pays per call
-# is both ops, and the step model prices the calls back to back, waits included (the verdict's reconcile
-# sets a typical call, both ops at their least over the ranks, against the late rank's own time).
+# is both ops, and the step model prices the calls back to back, waits included (on a CPU 03 times each of
+# them by itself: the median is a typical call, as the profile's median call that the reconcile sets against it).
 WAIT_INCLUDED_TIMINGS = ("cuda_graph", "back_to_back")
 
 

@@ -94,9 +94,9 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
 def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: pd.DataFrame,
                               ar_by_rank: pd.Series, transfer: Optional[float], profile_batch: int, arch, tp: int,
                               rows: list, by_rank: pd.DataFrame, weight_dtype: Optional[str] = None) -> pd.DataFrame:
-    """The all-reduce rows where the wait is an op of its own (gloo). First, as on the other paths, each
-    call at its least time over the ranks, here its all-reduce op plus its wait op (the median call x calls
-    per step), against 03's late rank, who waits for no one either; then the calls as a step pays them on
+    """The all-reduce rows where the wait is an op of its own (gloo). First a typical call: the profile's
+    median call, its all-reduce op plus its wait op at its least time over the ranks, x calls per step,
+    against 03's median call back to back (each timed by itself); then the calls as a step pays them on
     the rank that waits least (the ranks' skew and the host's stalls in), against 03's calls back to back.
     Summaries written before the per-call figure have the second row and the hand-over alone."""
     wait = sm.own_op_wait_by_rank(per_step).reindex(ar_by_rank.index, fill_value=0.0)
@@ -110,12 +110,13 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
     comm = next(iter(summary.allreduce_communicators), "unknown")
     if calls is not None:
         row = allreduce_reconcile_row(coll, summary, calls.median_us * calls.calls_per_step, profile_batch, arch, tp,
-                                      timings=("late_rank",))
+                                      timings=("back_to_back",))
         row["profile_source"] = (
             f"profile_summary.json allreduce_with_wait: each call, all-reduce op + its wait op, at its least time over "
             f"the ranks; the median call ({calls.median_us:,.0f} us) x {calls.calls_per_step:g} calls per step")
-        row["note"] = (f"same communicator ({comm}); per call as a step makes it, its wait op included, where no rank "
-                       "waits for a late one: 03's late rank against each call's least time over the ranks")
+        row["note"] = (f"same communicator ({comm}); a typical call on both sides, its wait included: 03's median "
+                       "call back to back (the ranks arrive together, as at a step's typical call) against the "
+                       "profile's median call at its least time over the ranks")
         rows.append(row)
     step = allreduce_reconcile_row(coll, summary, float(paid.min()), profile_batch, arch, tp,
                                    timings=sp.WAIT_INCLUDED_TIMINGS)
