@@ -176,23 +176,18 @@ def communicators(device, world: int, rank: int) -> tuple[list[Communicator], di
 
 
 def back_to_back(timer: "Timer", fn, calls: int, iters: int, warmup: int) -> list[float]:
-    """Per-call microseconds of `calls` calls issued back to back: on a GPU each repetition's mean (one
-    event pair around the calls); on a CPU every call timed by itself, as a profile times each op, so that
-    the median is a typical call and a call stalled by the scheduler (2-5 ms on two busy cores) is one
-    sample, not a share of every call in its repetition."""
+    """Per-call microseconds of `calls` calls issued back to back: on a GPU each repetition's mean; on a CPU
+    each call timed by itself, as a profile times each op: a call the scheduler stalled is one sample."""
     if timer.cuda:
-        def many():
-            for _ in range(calls):
-                fn()
-        return [t / calls for t in timer.run(many, iters, warmup)]
+        return [t / calls for t in timer.run(lambda: [fn() for _ in range(calls)], iters, warmup)]
     each: list[float] = []
 
-    def timed():
+    def many():
         for _ in range(calls):
             t0 = time.perf_counter()
             fn()
             each.append((time.perf_counter() - t0) * 1e6)
-    timer.run(timed, iters, warmup)
+    timer.run(many, iters, warmup)
     return each[-calls * iters:]  # the warm-up repetitions' calls left out
 
 
@@ -446,9 +441,8 @@ def all_to_all_tokens(plan: dict, device, dtype, timer: Timer, world: int, rank:
 
 
 def init_ranks(device_kind: str, rank_cpus: Optional[list[str]] = None) -> tuple[bool, "torch.device", int, int]:
-    """This torchrun rank's process group (NCCL on GPUs, gloo on CPUs) and device. On a CPU, with
-    `rank_cpus` (the plan's: where the engine binds each local rank), the rank and every thread it starts
-    (gloo's included, so before the group) run on its entry's cores."""
+    """This torchrun rank's process group (NCCL on GPUs, gloo on CPUs) and device; on a CPU bound first (gloo's
+    threads too) to its entry of `rank_cpus`, the plan's: where the engine binds each local rank."""
     use_cuda = device_kind == "cuda"
     local = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
