@@ -16,11 +16,21 @@ import bisect
 import collections
 import gzip
 import json
-import re
 import statistics
+import sys
 from pathlib import Path
 
-DECODE = re.compile(r"execute_context_0\(0\)_generation_\d+\(\d+\)")
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+
+from decodescope.trace.analyze import STEP_NAME  # noqa: E402
+from decodescope.trace.nesting import parents_in_order, prev_in_thread  # noqa: E402
+
+
+def is_decode(name: str) -> bool:
+    m = STEP_NAME.fullmatch(name)
+    return m is not None and m.group(1) == "0"  # no context (prefill) requests in the step
 
 
 def load_events(trace_dir: Path) -> list[dict]:
@@ -32,23 +42,18 @@ def load_events(trace_dir: Path) -> list[dict]:
 
 
 def top_level(ops: list[dict]) -> list[dict]:
-    """Per thread, the ops no earlier op of that thread still holds open."""
-    out, by_tid = [], collections.defaultdict(list)
-    for e in sorted(ops, key=lambda e: e["ts"]):
-        by_tid[e["tid"]].append(e)
-    for evs in by_tid.values():
-        end = float("-inf")
-        for e in evs:
-            if e["ts"] >= end:
-                out.append(e)
-                end = e["ts"] + e["dur"]
-    return out
+    """The ops no earlier op of their thread still holds open (trace.nesting, as the trace table nests them)."""
+    ops = sorted(ops, key=lambda e: (str(e["tid"]), e["ts"], -e["dur"]))
+    thread = np.unique([str(e["tid"]) for e in ops], return_inverse=True)[1]
+    ts = np.array([e["ts"] for e in ops], dtype=float)
+    parent = parents_in_order(prev_in_thread(len(ops), thread), ts, ts + np.array([e["dur"] for e in ops], dtype=float))
+    return [e for e, p in zip(ops, parent) if p < 0]
 
 
 def step_anatomy(events: list[dict]) -> dict:
     """Per decode step (medians and per-step means): its CPU range, GPU busy (union of kernel time inside
     the range's span), the gap to the next step's range, and the top-level CPU ops inside it by name."""
-    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and DECODE.fullmatch(e["name"])),
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and is_decode(e["name"])),
                    key=lambda e: e["ts"])
     if not steps:
         raise SystemExit("no decode steps (execute_context_0(0)_generation_N ranges) in the trace")

@@ -110,3 +110,9 @@ class StepMedians(_Model):
                                                     "stop and flush steps left out")
     between_steps_us_median: Optional[float] = Field(None, description="end of one step to the start of the next")
     batch_median: Optional[float] = Field(None, description="sequences decoded per step (the trace's step names)")
+
+    @property
+    def period_us(self) -> Optional[float]:
+        """The step's period as a stream pays it: the trimmed mean, else (older summaries) the median
+        period, else the median wall time."""
+        return self.period_us_trimmed_mean or self.period_us_median or self.wall_us_median

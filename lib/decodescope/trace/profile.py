@@ -90,26 +90,26 @@ def allreduce_transfer_per_step(skew: pd.DataFrame, steps: pd.DataFrame, kind: s
     step. Per call, not per step: a step's sum takes in every call a preempted rank stretched, which
     is the host's time, booked to the wait. None with one rank."""
     ar = skew[skew["category"].astype(str).isin(an.ALLREDUCE_CATEGORIES)] if not skew.empty else skew
-    if ar.empty or steps.empty:
-        return None
-    first = ar[ar["rank"] == ar["rank"].min()]       # an instance's transfer is the same on every rank
-    kinds = steps[steps["rank"] == first["rank"].iloc[0]][["step", "kind"]]
-    calls = first.merge(kinds, on="step")
-    calls = calls[calls["kind"] == kind]
+    calls = _instances_in(ar, steps, kind)  # an instance's transfer is the same on every rank
     if calls.empty:
         return None
     return float(calls["transfer_us"].median() * calls.groupby("step").size().median())
 
 
+def _instances_in(calls: pd.DataFrame, steps: pd.DataFrame, kind: str) -> pd.DataFrame:
+    """One row per collective instance (the first rank's), in that rank's steps of `kind`."""
+    if calls.empty or steps.empty:
+        return calls.iloc[0:0]
+    first = calls[calls["rank"] == calls["rank"].min()]
+    kinds = steps[steps["rank"] == first["rank"].iloc[0]][["step", "kind"]]
+    first = first.merge(kinds, on="step")
+    return first[first["kind"] == kind]
+
+
 def calls_with_wait_stats(calls: pd.DataFrame, steps: pd.DataFrame, kind: str) -> Optional[CallsWithWait]:
     """The `kind` steps' all-reduce calls with their wait ops (trace.analyze.calls_with_wait), each at its
     least time over the ranks; None where the calls wait in no op of their own."""
-    if calls.empty or steps.empty:
-        return None
-    first = calls[calls["rank"] == calls["rank"].min()]  # one row per instance
-    kinds = steps[steps["rank"] == first["rank"].iloc[0]][["step", "kind"]]
-    first = first.merge(kinds, on="step")
-    least = first.loc[first["kind"] == kind, ["step", "least_us"]]
+    least = _instances_in(calls, steps, kind)
     if least.empty:
         return None
     return CallsWithWait(median_us=float(least["least_us"].median()), mean_us=float(least["least_us"].mean()),

@@ -100,7 +100,7 @@ def step_samples(summaries: dict, context_tokens: float,
         # and the profiler's cost taken off it is a difference of means (inter-token latency). On the H200
         # the 10-layer Kimi-shaped step's profiled periods at concurrency 1 had a median 9.6% under the
         # engine's profiled inter-token latency; against it the model read -14% of client TPOT with no drift
-        period_us = ps.period_us_trimmed_mean or ps.period_us_median or ps.wall_us_median
+        period_us = ps.period_us
         out.append(StepSample(batch=float(ps.batch_median or conc), context_tokens=context_tokens,
                               classes_us={str(k): float(v) for k, v in by.loc[rank].items()},
                               idle_us=float(ps.idle_us_median or 0.0), between_us=float(ps.between_steps_us_median or 0.0),

@@ -109,22 +109,17 @@ def _lost_async_scheduling(base, variant) -> str:
             "overlapped host time, leaves out")
 
 
-def _period_and_busy(s: ProfileSummary) -> tuple[Optional[float], Optional[float]]:
-    ps = s.per_step
-    return ps.period_us_trimmed_mean or ps.period_us_median or ps.wall_us_median, ps.busy_us_median
-
-
 def own_profile_note(variant: Optional[ProfileSummary], base: Optional[ProfileSummary]) -> str:
     """Where the variant was profiled at this level (`profile: true`): its step under the profiler, the
     part of it the GPU was busy and the rest, the host's, set beside the baseline's profile at the level."""
     if variant is None:
         return ""
-    period, busy = _period_and_busy(variant)
+    period, busy = variant.per_step.period_us, variant.per_step.busy_us_median
     if not period or busy is None:
         return ""
     text = (f"; its own profile here: a step of {period:,.0f} us under the profiler, the GPU busy {busy:,.0f} us "
             f"of it, {period - busy:,.0f} us the host's")
-    b_period, b_busy = _period_and_busy(base) if base is not None else (None, None)
+    b_period, b_busy = (base.per_step.period_us, base.per_step.busy_us_median) if base is not None else (None, None)
     if b_period and b_busy is not None:
         text += f" (the baseline's: {b_period:,.0f} us, GPU {b_busy:,.0f} us, host {b_period - b_busy:,.0f} us)"
     return text

@@ -129,12 +129,11 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
                         f"{calls.median_us:,.0f} (p90 {calls.p90_us:,.0f} us): calls stalled on both ranks, "
                         f"{(calls.mean_us - calls.median_us) * calls.calls_per_step:,.0f} us per step of the host's "
                         "time, which the step model books to the all-reduces slowed by the host's load")
-        rows.append(step)
-        return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
-    step["note"] = (step.get("note", "") + "; the wait is an op of its own here (gloo), so both sides take the calls "
-                    "as a step issues them, waits included").lstrip("; ")
+    else:
+        step["note"] = (step.get("note", "") + "; the wait is an op of its own here (gloo), so both sides take the "
+                        "calls as a step issues them, waits included").lstrip("; ")
     rows.append(step)
-    if transfer is not None:
+    if calls is None and transfer is not None:
         t = allreduce_reconcile_row(coll, summary, float(transfer), profile_batch, arch, tp, timings=("late_rank",))
         t["piece"] = f"all-reduce hand-over only ({comm}), without its wait"
         t["profile_source"] = ("profile_summary.json allreduce_transfer_us_per_step (each call's all-reduce op at "
