@@ -257,6 +257,11 @@ class ProfileParams(_Section):
     warmup_requests: NonNegative = Field(2, description="untimed requests before each level, at least one per "
                                          "concurrent slot (serving.sweep.warmup_count); 0: none")
     flush_timeout_s: Positive = 600.0
+    host_ops_tokens: NonNegative = Field(1024, description="the prompt of one more profiled request, longer than the "
+                                         "largest CUDA graph the engine captures (vLLM's default: 512 tokens), whose "
+                                         "prefill runs the ops graphs hide on the host (the verdict's eager and "
+                                         "piecewise projections); capped by max-model-len; 0: not captured")
+
     @field_validator("concurrency", mode="before")
     @classmethod
     def _levels(cls, v):

@@ -17,6 +17,7 @@ are declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
 | data/profile_summary.json    | ProfileSummary   | trace.profile.write_profile (04; records_profile) |
 | data/verdict.json            | Verdict          | verdict.verdict (05_verdict)        |
 | data/profile_capture.json    | ProfileCaptures  | trace.capture (04)                  |
+| data/profile/host_ops.json   | HostOps          | trace.hostops.host_op_costs (04; records_profile) |
 | data/server.json             | ServerInfo       | server.write_server_info (records_server) |
 | data/link.json               | LinkMeasure      | server.write_server_info (records_server) |
 | data/gemm_raw.json           | ProbeOutput      | probes.gemm (02; records_probe)     |
@@ -36,6 +37,7 @@ from decodescope.schema.recordbase import (RecordError as RecordError, frame as 
                                            write_record as write_record)
 from decodescope.schema.records_profile import (BreakdownRow as BreakdownRow, CallsWithWait as CallsWithWait,
                                                 CollectiveWaitRow as CollectiveWaitRow, StepMedians as StepMedians,
+                                                HostOpRow as HostOpRow, HostOps as HostOps,
                                                 ExpectedVsObservedRow as ExpectedVsObservedRow,
                                                 ScheduleRow as ScheduleRow, StepCategoryRow as StepCategoryRow,
                                                 TopUnknownRow as TopUnknownRow)

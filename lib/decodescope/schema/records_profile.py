@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 from pydantic import Field
 
-from decodescope.schema.recordbase import _Model
+from decodescope.schema.recordbase import Record, _Model
 
 
 class ExpectedVsObservedRow(_Model):
@@ -116,3 +116,29 @@ class StepMedians(_Model):
         """The step's period as a stream pays it: the trimmed mean, else (older summaries) the median
         period, else the median wall time."""
         return self.period_us_trimmed_mean or self.period_us_median or self.wall_us_median
+
+
+class HostOpRow(_Model):
+    """data/profile/host_ops.json ops: one custom op (`vllm::*`, outermost on its thread) in the un-graphed step
+    (trace.hostops.host_op_costs)."""
+
+    name: str
+    calls_per_step: int = Field(description="calls in the un-graphed step: one forward of the model")
+    host_us_per_call: float = Field(description="median wall time less waits: the host's own cost, under the profiler")
+    wait_us_per_call: float = Field(description="median time its synchronizing CUDA calls waited for the GPU")
+    events_per_call: float = Field(description="median host events the profiler recorded inside it")
+    launches_per_call: float = Field(description="median kernel (or graph) launches inside it")
+
+
+class HostOps(Record):
+    """data/profile/host_ops.json (04_profile): one request past the largest CUDA graph, profiled
+    (trace.capture.capture_host_ops), and the host's cost of each op graphs hide, from its prefill step."""
+
+    schema_version: int = 1
+    prompt_tokens: int = Field(0, description="the request's prompt (profile.host_ops_tokens, capped)")
+    step_tokens: int = Field(0, description="tokens of the step the ops were priced in (the longest prefill step)")
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    decode_events_per_step: Optional[float] = Field(None, description="host events recorded per decode step "
+                                                    "(start to start): what the profiler's cost per step is spread over")
+    ops: list[HostOpRow] = Field(default_factory=list)

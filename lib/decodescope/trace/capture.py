@@ -283,6 +283,62 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
                          engine_itl_before_profiles_us=itl_before_profiles_us)
 
 
+HOST_OPS = "host_ops"   # traces/host_ops/ and data/profile/host_ops.json: the un-graphed step's capture
+
+
+def host_ops_prompt_tokens(params) -> int:
+    """The un-graphed capture's prompt: profile.host_ops_tokens, within the server's max-model-len with
+    room for the capture's few output tokens."""
+    limit = params.server.engine_args.get("max-model-len") or params.server.engine_args.get("max_model_len")
+    want = int(params.profile.host_ops_tokens)
+    return min(want, int(limit) - HOST_OPS_OUTPUT_TOKENS - 8) if limit else want
+
+
+HOST_OPS_OUTPUT_TOKENS = 8   # a few decode steps after the prefill: their events per step price the profiler
+
+
+def capture_host_ops(server, params, trace_dir: Path) -> Optional[CaptureResult]:
+    """One request whose prompt is longer than the largest CUDA graph the engine captures, profiled: its
+    prefill step runs outside the graphs (compiled, not replayed), so every op the graphs hide in a decode
+    step (attention, the MoE layer, their Python) runs on the host there, and the trace prices each (the
+    verdict's eager and piecewise-graph projections). None when profile.host_ops_tokens is 0."""
+    tokens = host_ops_prompt_tokens(params)
+    if tokens <= 0:
+        return None
+    trace_dir = Path(trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    cfg = SweepConfig(base_url=server.base_url, model=params.model.name, endpoint="completions", levels=[1],
+                      input_tokens=tokens, output_tokens=HOST_OPS_OUTPUT_TOKENS, requests_per_level=1,
+                      warmup_requests=0, timeout_s=params.workload.request_timeout_s,
+                      seed=params.workload.seed + 2, api_key=params.server.api_key)
+    # a fresh prompt for the warm-up and for the profiled request: a cached prefix would skip the prefill
+    prompts = run_async(build_prompts(cfg, 2))
+    run_async(run_level(cfg, 1, prompts[:1], n_requests=1, warmup=0))
+    before = set(p for group in find_trace_files(trace_dir) for p in group)
+    t0 = time.monotonic()
+    server.start_profile()
+    t1 = time.monotonic()
+    records, _ = run_async(run_level(cfg, 1, prompts[1:], n_requests=1, warmup=0))
+    t2 = time.monotonic()
+    df = records_frame(records)
+    if df["error_class"].isin(SERVER_FAILURE_CLASSES).any():
+        server.raise_if_dead("the un-graphed step's profiled request")
+    try:
+        server.stop_profile(timeout_s=params.profile.flush_timeout_s)
+    except ServerHTTPError as e:
+        server.raise_if_dead("the profile (/stop_profile)")
+        raise stop_profile_error(server, e.status, time.monotonic() - t2) from None
+    t3 = time.monotonic()
+    ranks, front = wait_for_traces(trace_dir, before, params.server.tensor_parallel, params.profile.flush_timeout_s,
+                                   check=lambda: server.raise_if_dead("the wait for the profiler's traces"))
+    return CaptureResult(trace_dir=trace_dir, rank_files=ranks, frontend_files=front,
+                         tables=sorted(trace_dir.glob("*profiler_out*")),
+                         requests_ok=int(df["ok"].sum()), requests_failed=int((~df["ok"]).sum()),
+                         start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2,
+                         flush_wait_s=time.monotonic() - t3, expected_ranks=params.server.tensor_parallel,
+                         concurrency=1)
+
+
 def profiler_event_cost_us(n_ops: int = 20000, repeats: int = 3) -> Optional[float]:
     """What torch.profiler (CPU activity, no stacks or shapes: how the server is started) adds to one
     recorded op: a tiny op timed n_ops times with and without it, the least difference of `repeats`."""
@@ -377,10 +433,10 @@ def level_dir_name(concurrency: int) -> str:
     return f"c{concurrency}"
 
 
-def _file_level(result: CaptureResult, trace_dir: Path, params=None) -> CaptureResult:
-    """Move one capture's files into traces/c<N>/ (an earlier capture there is replaced), so each level
-    is its own trace directory."""
-    dest = trace_dir / level_dir_name(result.concurrency)
+def _file_level(result: CaptureResult, trace_dir: Path, params=None, name: Optional[str] = None) -> CaptureResult:
+    """Move one capture's files into traces/c<N>/ (or traces/<name>/; an earlier capture there is replaced),
+    so each level is its own trace directory."""
+    dest = trace_dir / (name or level_dir_name(result.concurrency))
     if params is not None:  # on an ssh host the same move there first, or copying traces/ back brings them back
         mirror_move(params, [*result.rank_files, *result.frontend_files,
                              *(p for p in result.tables if p.parent == trace_dir)], dest)
@@ -398,11 +454,12 @@ def _file_level(result: CaptureResult, trace_dir: Path, params=None) -> CaptureR
     return result
 
 
-def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str]]:
+def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[CaptureResult]]:
     """Profile every level of profile.concurrency through the run's server, launched with traces/ as
     its profiler directory (or a server started here for this notebook alone, with the same
     directory); each level's files end in traces/c<N>/ and its records in data/profile/c<N>/. A level
-    whose capture loses ranks is kept (its problems say so); one with no trace at all stops the phase."""
+    whose capture loses ranks is kept (its problems say so); one with no trace at all stops the phase. Then
+    the un-graphed step (capture_host_ops) into traces/host_ops/, returned third (None when not asked)."""
     trace_dir = ctx.run_dir / "traces"
     levels, notes = profile_levels(ctx.params, ctx.data("serving_levels.parquet"))
     results = []
@@ -425,6 +482,10 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str]]:
             if not result.rank_files:
                 result.raise_if_incomplete()
             results.append(result)
+        print(f"profile: one request of {host_ops_prompt_tokens(ctx.params)} prompt tokens, past the largest CUDA "
+              "graph: the host's cost of the ops graphs hide", flush=True)
+        host = capture_host_ops(server, ctx.params, trace_dir)
+        host = _file_level(host, trace_dir, ctx.params, HOST_OPS) if host is not None else None
     write_record(ctx.data("profile_capture.json"), ProfileCaptures(levels=levels, notes=notes,
                                                                     captures=[r.to_record() for r in results]))
-    return results, notes
+    return results, notes, host

@@ -12,13 +12,15 @@ from decodescope.core.io import write_parquet_atomic
 from decodescope.core.stats import trimmed_mean
 from decodescope.schema.records import CallsWithWait, ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
 from decodescope.trace import analyze as an
-from decodescope.trace.capture import capture_for_phase, level_dir_name
+from decodescope.trace.capture import capture_for_phase, host_ops_prompt_tokens, level_dir_name
+from decodescope.trace.hostops import host_op_costs, read_host_events
 from decodescope.trace.categorize import class_of, communicator_of
 from decodescope.trace.load import LoadedTraces, load_trace_dir
 
 if TYPE_CHECKING:  # a type name only: capture (a phase) imports this module
     from decodescope.trace.capture import CaptureResult
 
+HOST_OPS_FILE = "host_ops.json"   # data/profile/host_ops.json: the un-graphed step's custom ops (trace.hostops)
 KERNEL_COLUMNS = ["rank", "step", "category", "name", "ts_us", "dur_us", "time_us", "lane", "msg_bytes",
                   "correlation", "coll_name"]
 
@@ -208,8 +210,12 @@ class ProfiledLevel:
 def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
     """04_profile's work: capture every level of profile.concurrency, analyse each level's traces and
     write its files to data/profile/c<N>/; the first level is also written to data/ (the detailed
-    sections of 04 and the verdict's reconciliation read it there)."""
-    captures, notes = capture_for_phase(ctx)
+    sections of 04 and the verdict's reconciliation read it there); the un-graphed step's custom ops to
+    data/profile/host_ops.json."""
+    captures, notes, host = capture_for_phase(ctx)
+    if host is not None and host.rank_files:
+        write_record(ctx.data_dir / "profile" / HOST_OPS_FILE,
+                     host_op_costs(read_host_events(host.rank_files[0]), host_ops_prompt_tokens(ctx.params)))
     out = []
     for cap in captures:
         loaded = load_trace_dir(cap.trace_dir)
