@@ -21,6 +21,7 @@ _CUDAGRAPH = re.compile(r"'cudagraph_mode': <CUDAGraphMode\.(?P<mode>[A-Z_]+)")
 _COMPILATION = re.compile(r"'mode': <CompilationMode\.(?P<mode>[A-Z_]+)")
 _EAGER = re.compile(r"enforce_eager=(?P<eager>True|False)")
 _ASYNC = re.compile(r"Asynchronous scheduling is (?P<state>enabled|disabled)")
+_SPLITTING = re.compile(r"'splitting_ops': \[(?P<ops>[^\]]*)\]")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class EngineModes:
     compilation_mode: Optional[str]    # VLLM_COMPILE, DYNAMO_TRACE_ONCE, NONE, ...
     enforce_eager: Optional[bool]
     async_scheduling: Optional[bool] = None   # None: the log does not say (vLLM CPU, older versions)
+    # the ops piecewise CUDA graphs leave out and run on the host (attention, KV-cache updates), as configured
+    splitting_ops: tuple = ()
 
     def describe(self) -> str:
         graphs = "no CUDA graphs" if self.cudagraph_mode in (None, "NONE") else f"CUDA graphs {self.cudagraph_mode}"
@@ -57,11 +60,13 @@ def engine_modes(log_text: str) -> list[EngineModes]:
             continue
         config = m.group("config")
         graph, comp, eager = _CUDAGRAPH.search(config), _COMPILATION.search(config), _EAGER.search(config)
+        split = _SPLITTING.search(config)
         out.append(EngineModes(vllm_version=m.group("version").lstrip("v"),
                                cudagraph_mode=graph.group("mode") if graph else None,
                                compilation_mode=comp.group("mode") if comp else None,
                                enforce_eager=(eager.group("eager") == "True") if eager else None,
-                               async_scheduling=scheduling))
+                               async_scheduling=scheduling,
+                               splitting_ops=tuple(re.findall(r"'([^']+)'", split.group("ops"))) if split else ()))
         scheduling = None
     return out
 

@@ -110,6 +110,9 @@ class StepMedians(_Model):
                                                     "stop and flush steps left out")
     between_steps_us_median: Optional[float] = Field(None, description="end of one step to the start of the next")
     batch_median: Optional[float] = Field(None, description="sequences decoded per step (the trace's step names)")
+    host_between_steps_us_median: Optional[float] = Field(None, description="on the host's thread: end of one step's "
+                                                          "execute range to the start of the next (scheduling, output "
+                                                          "processing), which async scheduling overlaps with the GPU")
 
     @property
     def period_us(self) -> Optional[float]:

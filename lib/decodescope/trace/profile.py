@@ -43,6 +43,7 @@ class ProfileResult:
     schedule: pd.DataFrame
     warnings: list[str] = field(default_factory=list)
     step_kind: str = "decode"
+    host_steps: Optional[pd.DataFrame] = None   # the steps as the host's execute ranges hold them (user_annotation)
 
     def summary(self) -> ProfileSummary:
         """profile_summary.json: the figures the verdict and the report read."""
@@ -68,6 +69,8 @@ class ProfileResult:
                 wall_us_median=float(kind_busy["wall_us"].median()) if len(kind_busy) else None,
                 idle_us_median=float(kind_busy["idle_us"].median()) if len(kind_busy) else None,
                 **step_periods(self.steps, self.step_kind),
+                host_between_steps_us_median=(step_periods(self.host_steps, self.step_kind)["between_steps_us_median"]
+                                              if self.host_steps is not None else None),
             ),
             # the tables' rows (to_dict boxes numpy scalars) validate into records_profile's row models
             expected_vs_observed=self.expected.to_dict("records"),
@@ -156,7 +159,8 @@ def analyze_traces(loaded: LoadedTraces, model_config: Optional[dict] = None, tp
         device=device, ops=ops, steps=steps, breakdown=an.category_breakdown(ops), per_step=per_step,
         expected=expected, busy=an.busy_vs_sum(ops, steps), gaps=an.idle_gaps(ops), skew=skew,
         skew_summary=an.skew_summary(skew), calls=an.per_call_latency(ops), top=an.top_ops(ops),
-        unknown=an.unknown_ops(ops), schedule=schedule, warnings=list(loaded.warnings), step_kind=step_kind)
+        unknown=an.unknown_ops(ops), schedule=schedule, warnings=list(loaded.warnings), step_kind=step_kind,
+        host_steps=an.steps_from_annotations(events[events["cat"] != "gpu_user_annotation"]))
 
 
 # The share of step periods left out at each end of the trimmed mean: the profiler's own slow steps (its start,

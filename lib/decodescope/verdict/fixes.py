@@ -9,9 +9,11 @@ from typing import Optional
 
 import pandas as pd
 
-from decodescope.schema.records import HostInventory, ProfileCapture, ProfileSummary, read_record
+from decodescope.core.enginelog import last_engine_modes
+from decodescope.schema.records import HostInventory, HostOps, ProfileCapture, ProfileSummary, read_record
 from decodescope.model import arch as archmod
 from decodescope.verdict import stepmodel as sm
+from decodescope.verdict import graphless
 from decodescope.verdict import stepparts as sp
 from decodescope.exec.engine_comm import micro_communicator_for
 from decodescope.micro.bench import GEMM_WHATIF_TP
@@ -110,6 +112,32 @@ class ModelInputs:
     host_cores: Optional[int] = None
     weight_dtype: Optional[str] = None  # model.weight_dtype: the quantized kinds' GEMMs are priced in it
     skews: tuple = ()                   # (batch, routing skew) measured by 04 (stepparts.measured_routing_skews)
+    host_ops: Optional[HostOps] = None  # 04's un-graphed step: the host's cost of the ops graphs hide (graphless)
+    per_event_us: Optional[float] = None  # the profiler's cost per recorded event, taken off those costs
+    per_event_how: str = ""
+    splitting_ops: tuple = ()           # the ops the baseline engine's piecewise graphs leave to the host (its log)
+    host_gaps: tuple = ()               # (batch, us): 04's host time between steps at each profiled level
+
+    def host_gap_at(self, batch: float) -> tuple[Optional[float], str]:
+        """The host's time between steps at the profiled level nearest `batch` (the lower on a tie)."""
+        if not self.host_gaps:
+            return None, ""
+        b, us = min(self.host_gaps, key=lambda g: (abs(g[0] - batch), g[0]))
+        return us, f"profile_summary.json host_between_steps_us_median (04, batch {b:g})"
+
+    def gpu_us(self, pred) -> tuple[float, float]:
+        """(the step's GPU time, its attention part) in a prediction: its work components after the lanes' overlap."""
+        work = sum(c.us for c in pred.components if c.name not in sm.HOST_PARTS) * pred.overlap
+        return work, sum(c.us for c in pred.components if c.name == "attention") * pred.overlap
+
+    def call_us(self, batch: float) -> Optional[float]:
+        """02's host cost of a bare call at the measured batch nearest `batch`; None where 02 measured none."""
+        g = self.gemm[self.gemm["status"] == "ok"] if "status" in self.gemm else self.gemm
+        if "host_time_us" not in g or g["host_time_us"].dropna().empty:
+            return None
+        g = g.dropna(subset=["host_time_us"])
+        nb = min(set(g["batch"]), key=lambda b: (abs(b - batch), b))
+        return float(g.loc[g["batch"] == nb, "host_time_us"].median())
 
     def predict(self, batch: float, **kw):
         return sm.predict_step(self.gemm, self.coll, self.arch, self.tp, int(round(batch)), self.communicator,
@@ -160,7 +188,13 @@ def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
             return None
     arch = archmod.normalize_config(params.model_config_dict())
     skews = sp.measured_routing_skews(gemm, arch, tp, summaries, weight_dtype=params.model.weight_dtype)
-    return ModelInputs(gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
+    host_ops = graphless.read_host_ops(run_dir)
+    per_event, per_event_how = graphless.profiler_us_per_event(host_ops, captures)
+    modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
+    gaps = tuple((float(x.per_step.batch_median or c), float(x.per_step.host_between_steps_us_median))
+                 for c, x in sorted(summaries.items()) if x.per_step.host_between_steps_us_median is not None)
+    return ModelInputs(host_ops=host_ops, per_event_us=per_event, per_event_how=per_event_how, host_gaps=gaps,
+                       splitting_ops=modes.splitting_ops if modes else (),gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
                        else pd.DataFrame(), arch=arch, tp=tp,
                        communicator=comm, timing=timing, samples=samples,
                        serving_context_tokens=wl.input_tokens + wl.output_tokens / 2, host_cores=host_cores(run_dir),
@@ -201,17 +235,31 @@ def eager_fix(inp: ModelInputs, batch: float) -> tuple[Optional[Fix], str]:
     base = inp.predict(batch)
     gpu_us = sum(c.us for c in base.components if c.name not in sm.HOST_PARTS) * base.overlap
     n = int(round(s.kernels_per_step))
-    end, lo, hi = (sp.eager_walk([(host[c], gpu_us / n)] * n)[0] for c in sp.HOST_COLUMNS)
     between = next((c for c in base.components if c.name == "between steps"),
                    sp.Component("between steps", 0.0, 0.0, 0.0, "none profiled"))
-    walk = sp.Component(EAGER_STEP, end, min(lo, end), max(hi, end),
-                        f"gemm.parquet host_time_us (02, batch {nb:g}) x {n} kernels per step ({s.source})", [
-                            f"{n} kernels issued at {host['host_time_us']:.1f} us each, {gpu_us:,.0f} us of GPU time"])
+    if inp.host_ops is not None and inp.host_ops.ops:
+        # the custom ops at their host cost in the baseline's un-graphed step, the other kernels at 02's
+        walks = [graphless.eager_items(inp.host_ops, inp.per_event_us, n, host[c], gpu_us) for c in sp.HOST_COLUMNS]
+        end, lo, hi = (sp.eager_walk(items)[0] for items, _ in walks)
+        walk = sp.Component(EAGER_STEP, end, min(lo, end), max(hi, end),
+                            f"host_ops.json (04's un-graphed step) and gemm.parquet host_time_us (02, batch {nb:g}), "
+                            f"{n} kernels per step ({s.source})", walks[0][1] + [
+                                f"the profiler's cost taken off per recorded event: {inp.per_event_us or 0:,.2f} us "
+                                f"({inp.per_event_how})"])
+        how = ("the host issues the forward's custom ops at their host cost in 04's un-graphed step (the baseline's "
+               "engine, the profiler's cost taken off) and the profiled step's other kernels at 02's host cost per call")
+        per_kernel = None
+    else:
+        end, lo, hi = (sp.eager_walk([(host[c], gpu_us / n)] * n)[0] for c in sp.HOST_COLUMNS)
+        walk = sp.Component(EAGER_STEP, end, min(lo, end), max(hi, end),
+                            f"gemm.parquet host_time_us (02, batch {nb:g}) x {n} kernels per step ({s.source})", [
+                                f"{n} kernels issued at {host['host_time_us']:.1f} us each, {gpu_us:,.0f} us of GPU time"])
+        how = (f"the host issues the {n} kernels of the profiled step (graph mode, at batch {s.batch:g}) one by one at "
+               f"02's host cost per call ({host['host_time_us']:.1f} us, a bare GEMM call)")
+        per_kernel = (float(n), between.us)
     return Fix("eager: no CUDA graphs, no torch.compile", sm.StepPrediction(batch, [walk, between], 1.0), 1.0, inp.tp, [
-        f"the host issues the {n} kernels of the profiled step (graph mode, at batch {s.batch:g}) one by one at 02's "
-        f"host cost per call ({host['host_time_us']:.1f} us, a bare GEMM call); the GPU runs each in its share of the "
-        "step's GPU time; then the host's time between steps; not calibrated (a step of another kind than 01's)"],
-                calibrated=False, per_kernel=(float(n), between.us)), ""
+        how + "; the GPU runs each in its share of the step's GPU time; then the host's time between steps; not "
+        "calibrated (a step of another kind than 01's)"], calibrated=False, per_kernel=per_kernel), ""
 
 
 def capped_fix(inp: ModelInputs, batch: float, cap: int) -> Fix:

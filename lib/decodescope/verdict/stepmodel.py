@@ -186,7 +186,11 @@ WAIT = "all-reduce wait for the last rank"
 LOADED = "all-reduces slowed by the host's load"
 REST = "rest of the profiled period"
 PREEMPTED = "workers preempted by the host's processes"
-IN_STEP = ("idle in step", PREEMPTED)
+# a variant's ops that its CUDA graphs no longer cover, run by the host inside the step (verdict.graphless)
+OUTSIDE_GRAPH = "ops outside the CUDA graph, on the host"
+# a variant that schedules synchronously where the baseline overlapped its host's work between steps
+LOST_ASYNC = "host between steps, no longer overlapped"
+IN_STEP = ("idle in step", PREEMPTED, OUTSIDE_GRAPH, LOST_ASYNC)
 # Host parts are added after the lanes' overlap; the profiler's cost (taken off: DEDUCTED) and the rest of the profiled
 # period count in the period (TPOT, measured without a profiler) but not in the wall of a profiled step.
 HOST_PARTS = IN_STEP + ("between steps", PROFILER_COST, REST)

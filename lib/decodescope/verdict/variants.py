@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from dataclasses import replace as dc_replace
 from typing import Optional
 
 import pandas as pd
 
+from decodescope.verdict import graphless
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
 from decodescope.core.enginelog import last_engine_modes
@@ -41,8 +43,10 @@ def _acceptance(levels: pd.DataFrame) -> tuple[Optional[float], bool]:
     return (float(v.median()) / 100.0, True) if len(v) else (None, False)
 
 
-def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance: tuple) -> tuple[Optional[Fix], str]:
-    """The verdict's projection of what this variant changes, at `batch`; (None, why) when there is none."""
+def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance: tuple,
+                lost_async: bool = False) -> tuple[Optional[Fix], str]:
+    """The verdict's projection of what this variant changes, at `batch`; (None, why) when there is none.
+    lost_async: the variant's engine scheduled synchronously where the baseline's did not (their logs)."""
     ea, base_ea = dashed(vparams.server.engine_args), dashed(params.server.engine_args)
     tp, vtp = inp.tp, vparams.server.tensor_parallel
     if vtp != tp:
@@ -53,12 +57,11 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
         k = int(spec.get("num_speculative_tokens", 1))
         alpha, drafted = acceptance
         if alpha is None:
-            # nothing was drafted (e.g. n-gram on text that never repeats): every step is a plain step
-            return Fix(f"speculative decoding k={k}, nothing drafted (measured)", inp.predict(batch), 1.0, tp,
-                       ["the server's vllm:spec_decode_* metrics show no draft tokens: the step is the base step"]), ""
+            return _synchronous(inp, nothing_drafted_fix(inp, batch, k), batch, lost_async), ""
         tokens = expected_tokens_per_verify(k, min(alpha, 0.999))
-        return Fix(f"speculative decoding k={k}, alpha={alpha:.2f} (measured)", inp.predict(batch * (k + 1)),
-                   tokens, tp, ["acceptance i.i.d. per drafted token; a draft at every step"]), ""
+        return _synchronous(inp, Fix(f"speculative decoding k={k}, alpha={alpha:.2f} (measured)",
+                                     inp.predict(batch * (k + 1)), tokens, tp,
+                                     ["acceptance i.i.d. per drafted token; a draft at every step"]), batch, lost_async), ""
     if ea.get("enable-expert-parallel"):
         if inp.coll.empty or inp.coll[(inp.coll["part"] == "all_to_all") & (inp.coll["status"] == "ok")].empty:
             return None, "03 measured no all-to-all"
@@ -71,6 +74,44 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
     if ea.get("enforce-eager") is True and base_ea.get("enforce-eager") is not True:
         return eager_fix(inp, batch)
     return None, "no projection for this change"
+
+
+def _synchronous(inp: ModelInputs, fix: Fix, batch: float, lost_async: bool) -> Fix:
+    """The fix with the baseline's host time between steps added where the variant lost async scheduling."""
+    gap, source = inp.host_gap_at(batch) if lost_async else (None, "")
+    comp = graphless.lost_async_component(gap, source)
+    if comp is None:
+        return fix
+    pred = fix.prediction
+    return dc_replace(fix, prediction=sm.StepPrediction(pred.batch, pred.components + [comp], pred.overlap),
+                      assumptions=fix.assumptions + [
+                          f"its engine schedules synchronously (its log), the baseline's did not: the baseline's host "
+                          f"time between steps, {gap:,.0f} us, adds to every step"])
+
+
+def nothing_drafted_fix(inp: ModelInputs, batch: float, k: int) -> Fix:
+    """Speculative decoding that drafted nothing (n-gram on text that never repeats): every step decodes one
+    token a request, which is no uniform batch of 1 + k tokens, so vLLM replays its piecewise graphs and runs
+    their splitting ops on the host (graphless.piecewise_items, walked); without 04's un-graphed capture or 02's
+    host cost per call, the base step."""
+    name = f"speculative decoding k={k}, nothing drafted (measured)"
+    base = inp.predict(batch)
+    gpu_us, attention_us = inp.gpu_us(base)
+    call_us, host_ops = inp.call_us(batch), inp.host_ops
+    items, notes = (graphless.piecewise_items(host_ops, inp.per_event_us, inp.splitting_ops, call_us, gpu_us,
+                                              attention_us) if host_ops is not None and call_us is not None
+                    else ([], []))
+    if host_ops is None or not items:
+        return Fix(name, base, 1.0, inp.tp, [
+            "the server's vllm:spec_decode_* metrics show no draft tokens: the step is the base step (04 priced no "
+            "op outside the CUDA graph)"])
+    comp = graphless.piecewise_component(items, notes, gpu_us, host_ops.step_tokens, inp.per_event_how,
+                                         inp.per_event_us)
+    return Fix(name + ": piecewise CUDA graphs", sm.StepPrediction(base.batch, base.components + [comp], base.overlap),
+               1.0, inp.tp, ["the server's vllm:spec_decode_* metrics show no draft tokens: each step decodes one "
+                             "token a request, no uniform batch of 1 + k, so the engine replays its piecewise graphs and "
+                             f"the host runs their splitting ops, {comp.us:,.0f} us a step at their cost in 04's "
+                             "un-graphed step"])
 
 
 def _calibration(inp: ModelInputs, fix: Fix, level: float, calibration: dict[int, float],
@@ -171,18 +212,19 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
             else:
                 split = None
             if inp is not None:
-                fix, why = variant_fix(inp, params, vparams, exp, b, acceptance)
+                fix, why = variant_fix(inp, params, vparams, exp, b, acceptance, lost_async=bool(lost_async))
                 if fix is None:
                     row["notes"] = why
                 else:
                     scale, how = _calibration(inp, fix, b, calibration, base)
                     lo, hi = fix.prediction.band_us
                     proj = fix.prediction.period_us / fix.tokens_per_step * scale
+                    priced_sync = any(c.name == sm.LOST_ASYNC for c in fix.prediction.components)
                     row.update(projection=fix.name, projected_tpot_us=proj,
                                projected_low_us=lo / fix.tokens_per_step * scale,
                                projected_high_us=hi / fix.tokens_per_step * scale,
                                projection_error_pct=100 * (proj / tpot - 1),
-                               notes=how + _implied_host_per_kernel(fix, tpot) + lost_async
+                               notes=how + _implied_host_per_kernel(fix, tpot) + ("" if priced_sync else lost_async)
                                + own_profile_note(own_profiles.get(int(lv.level)), base_profiles.get(int(lv.level))))
             if split:
                 row["gpu_host_split"] = split
