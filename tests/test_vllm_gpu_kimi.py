@@ -144,7 +144,9 @@ def test_the_verdict_on_the_10_layer_int4_engine_meets_client_tpot_and_the_engin
 
 def test_the_variants_on_the_10_layer_int4_engine_are_set_against_their_projections_and_their_own_profiles():
     """The variants of params/h200-kimi-int4-10l-pinned.yaml, measured on the H200 (2026-12-04) after the
-    baseline in the same run directory, n-gram and eager profiled too. max-num-seqs 16 is priced within 10%
+    baseline in the same run directory, n-gram and eager profiled too. This run predates 04's un-graphed
+    capture (data/profile/host_ops.json) and its host time between steps, so the projections here are the
+    graphed step's (test_vllm_gpu_kimi_hostops prices the same variants from that capture). max-num-seqs 16 is priced within 10%
     (-0.6/-7.1/-5.5% at 1/16/64). The n-gram (nothing drafted) and eager projections miss by 33-64%: their
     own profiles show why, the host's time in the step (5.5-5.7 ms a step with n-gram, where the baseline's
     profile has 0.2-0.9 ms; 19-35 ms eager), which the projections, priced on the baseline's graphed step,

@@ -219,12 +219,16 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                     scale, how = _calibration(inp, fix, b, calibration, base)
                     lo, hi = fix.prediction.band_us
                     proj = fix.prediction.period_us / fix.tokens_per_step * scale
-                    priced_sync = any(c.name == sm.LOST_ASYNC for c in fix.prediction.components)
+                    parts = {c.name for c in fix.prediction.components}
+                    priced_sync = sm.LOST_ASYNC in parts
+                    # a step priced with host time the baseline's graphs hid says how, in the row
+                    said = fix.assumptions if parts & {sm.OUTSIDE_GRAPH, sm.LOST_ASYNC} else []
                     row.update(projection=fix.name, projected_tpot_us=proj,
                                projected_low_us=lo / fix.tokens_per_step * scale,
                                projected_high_us=hi / fix.tokens_per_step * scale,
                                projection_error_pct=100 * (proj / tpot - 1),
-                               notes=how + _implied_host_per_kernel(fix, tpot) + ("" if priced_sync else lost_async)
+                               notes=how + "".join(f"; {a}" for a in said)
+                               + _implied_host_per_kernel(fix, tpot) + ("" if priced_sync else lost_async)
                                + own_profile_note(own_profiles.get(int(lv.level)), base_profiles.get(int(lv.level))))
             if split:
                 row["gpu_host_split"] = split
