@@ -233,7 +233,7 @@ def eager_fix(inp: ModelInputs, batch: float) -> tuple[Optional[Fix], str]:
     nb = min(set(g["batch"]), key=lambda b: (abs(b - batch), b))
     host = {c: float(g.loc[g["batch"] == nb, c].median()) for c in sp.HOST_COLUMNS}
     base = inp.predict(batch)
-    gpu_us = sum(c.us for c in base.components if c.name not in sm.HOST_PARTS) * base.overlap
+    gpu_us = inp.gpu_us(base)[0]
     n = int(round(s.kernels_per_step))
     between = next((c for c in base.components if c.name == "between steps"),
                    sp.Component("between steps", 0.0, 0.0, 0.0, "none profiled"))
