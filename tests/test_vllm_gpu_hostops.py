@@ -1,8 +1,10 @@
 """The variants that lose the CUDA graph's cover, priced from the baseline's own un-graphed step, on the real vLLM
-GPU engine: the Kimi-K2.5-shaped 10-layer W4A16 model on one H200 (vLLM 0.26.0), `decodescope run
-params/h200-kimi-int4-10l-hostops.yaml` on 2026-12-04 PM (benchmarks/results/h200_vllm_kimi-k2.5-10l-w4a16/
-hostops_20261204). Fixtures: 04's un-graphed capture (one request of 1,024 prompt tokens, rank 0's trace), and
-the run directory without its kernel tables and traces, the n-gram and eager variants measured beside it."""
+GPU engine on one H200 (vLLM 0.26.0), 2026-12-04 PM, two models: the Kimi-K2.5-shaped 10-layer W4A16 model
+(`params/h200-kimi-int4-10l-hostops.yaml`, benchmarks/results/h200_vllm_kimi-k2.5-10l-w4a16/hostops_20261204) and
+the Qwen3-30B-A3B-shaped 16-layer bf16 MoE (`params/h200-qwen3moe-hostops.yaml`, benchmarks/results/
+h200_vllm_qwen3moe/hostops_20261204). Fixtures: the Kimi run's un-graphed capture (one request of 1,024 prompt
+tokens, rank 0's trace), and both run directories without their kernel tables and traces, the n-gram and eager
+variants measured beside each baseline."""
 import gzip
 import json
 import shutil
@@ -19,6 +21,8 @@ HERE = Path(__file__).parent
 TRACE = HERE / "fixtures" / "traces" / "vllm_gpu_h200_kimi_int4_10l_host_ops"
 RUN = HERE / "fixtures" / "runs" / "vllm_gpu_h200_kimi_int4_10l_hostops"
 PARAMS = HERE.parent / "params" / "h200-kimi-int4-10l-hostops.yaml"
+QWEN = HERE / "fixtures" / "runs" / "vllm_gpu_h200_qwen3moe_hostops"
+QWEN_PARAMS = HERE.parent / "params" / "h200-qwen3moe-hostops.yaml"
 WAITS = ("Synchronize", "cudaMemcpyAsync", "cudaMemcpy")
 
 
@@ -29,7 +33,8 @@ def _rank_file() -> Path:
 
 def test_the_fixtures_are_small_enough_to_commit():
     assert sum(f.stat().st_size for f in TRACE.iterdir()) < 1 << 20
-    assert sum(f.stat().st_size for f in RUN.rglob("*") if f.is_file()) < 2 << 20
+    for run in (RUN, QWEN):
+        assert sum(f.stat().st_size for f in run.rglob("*") if f.is_file()) < 2 << 20
 
 
 def test_the_ungraphed_prefill_prices_every_custom_op_a_decode_graph_hides():
@@ -96,3 +101,25 @@ def test_without_the_ungraphed_capture_the_same_files_miss_low(tmp_path):
         assert rows[("eager", level)].projection_error_pct < -50.0
         assert rows[("spec-ngram", level)].projection_error_pct < -5.0
         assert "piecewise" not in rows[("spec-ngram", level)].projection
+
+
+def test_on_a_second_model_the_same_pricing_holds_within_a_quarter():
+    """The Qwen3-MoE-shaped model (GQA attention, 128 experts, no shared expert; 16 layers): its un-graphed step
+    ran 16 x vllm::moe_forward, unified_attention_with_output and unified_kv_cache_update on the host. Measured:
+    eager 19,275/21,964 us at 1/16 against 21,744/20,527 (+12.8/-6.5%); n-gram 3,620/6,133/9,287 at 1/16/64
+    against 4,441/5,687/9,834 (+22.7/-7.3/+5.9%). The same model's variants of 2026-12-03, priced on the graphed
+    step, read -83/-79% and -64/-38/-37%. Here the baseline's own step moved +15.7% between 01 and 04 at level 1
+    (the model is +2.1% against 04's unprofiled step there), and level 4 was not profiled in this cut."""
+    v = verdict(QWEN, load_params(QWEN_PARAMS))
+    ops = json.loads((QWEN / "data" / "profile" / "host_ops.json").read_text())["ops"]
+    assert {o["name"]: o["calls_per_step"] for o in ops} == {
+        "vllm::moe_forward": 16, "vllm::unified_attention_with_output": 16, "vllm::unified_kv_cache_update": 16}
+    rows = {(r.variant, r.level): r for r in v.variants}
+    assert set(rows) == {("spec-ngram", 1), ("spec-ngram", 16), ("spec-ngram", 64), ("eager", 1), ("eager", 16)}
+    for (name, level), r in sorted(rows.items()):
+        print(name, level, f"{r.tpot_p50_us:,.0f} vs {r.projected_tpot_us:,.0f} ({r.projection_error_pct:+.1f}%)")
+        assert abs(r.projection_error_pct) < 25.0, r
+    assert "piecewise CUDA graphs" in rows[("spec-ngram", 1)].projection
+    levels = {r.level: r for r in v.levels}
+    assert abs(levels[1].model_error_same_server) < 0.05 and levels[1].host_drift > 0.10
+    assert all(abs(levels[c].model_error) < 0.10 for c in (16, 64))
