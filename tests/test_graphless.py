@@ -60,9 +60,12 @@ def test_the_host_op_component_lands_inside_the_step_and_its_period():
     pred = sm.StepPrediction(1.0, base.components + [comp], 1.0)
     assert comp.us == pytest.approx(3300.0)
     assert pred.wall_us == pytest.approx(4300.0) and pred.period_us == pytest.approx(4300.0)
-    lost = graphless.lost_async_component(700.0, "04")
-    assert sm.StepPrediction(1.0, pred.components + [lost], 1.0).period_us == pytest.approx(5000.0)
-    assert graphless.lost_async_component(None, "04") is None
+    # synchronous scheduling: the host's 700 us between steps less the 200 us the GPU already sat idle a step
+    lost = graphless.lost_async_component(700.0, 200.0, "04")
+    assert (lost.us, lost.low_us, lost.high_us) == (500.0, 500.0, 700.0)
+    assert sm.StepPrediction(1.0, pred.components + [lost], 1.0).period_us == pytest.approx(4800.0)
+    assert graphless.lost_async_component(700.0, 900.0, "04").us == 0.0   # the base step was the host's already
+    assert graphless.lost_async_component(None, 0.0, "04") is None
 
 
 def test_an_eager_step_issues_the_custom_ops_then_the_other_kernels_at_a_bare_call():

@@ -73,8 +73,8 @@ def hostops_verdict():
 def test_eager_and_ngram_are_priced_from_the_ungraphed_step(hostops_verdict):
     """Measured on the H200 (client TPOT p50) against the projections: eager 16,104/16,403/16,406 us at 1/16/64
     against 16,922/17,237/17,017 (+5.1/+5.1/+3.7%); n-gram, which drafted nothing, 3,804/4,876/9,943 against
-    4,720/5,100/9,068 (+24.1/+4.6/-8.8%). Priced on the graphed step alone, as before 04's un-graphed capture,
-    the same files read -59/-55/-58% and -41/-39/-37% (test below)."""
+    4,247/4,604/8,850 (+11.7/-5.6/-11.0%), each within its band. Priced on the graphed step alone, as before 04's
+    un-graphed capture, the same files read -59/-55/-58% and -41/-39/-37% (test below)."""
     rows = {(r.variant, r.level): r for r in hostops_verdict.variants}
     assert set(rows) == {(n, c) for n in ("spec-ngram", "eager") for c in (1, 16, 64)}
     for level in (1, 16, 64):
@@ -82,7 +82,8 @@ def test_eager_and_ngram_are_priced_from_the_ungraphed_step(hostops_verdict):
         print(level, f"eager {eager.tpot_p50_us:,.0f} vs {eager.projected_tpot_us:,.0f} ({eager.projection_error_pct:+.1f}%), "
               f"n-gram {ngram.tpot_p50_us:,.0f} vs {ngram.projected_tpot_us:,.0f} ({ngram.projection_error_pct:+.1f}%)")
         assert abs(eager.projection_error_pct) < 10.0, eager
-        assert abs(ngram.projection_error_pct) < 25.0, ngram
+        assert abs(ngram.projection_error_pct) < 15.0, ngram
+        assert ngram.projected_low_us <= ngram.tpot_p50_us <= ngram.projected_high_us, ngram
         assert "piecewise CUDA graphs" in ngram.projection
         assert "replays its piecewise graphs" in ngram.notes and "schedules synchronously" in ngram.notes
     # the baseline's own step model, against client TPOT at every level
@@ -91,8 +92,8 @@ def test_eager_and_ngram_are_priced_from_the_ungraphed_step(hostops_verdict):
 
 def test_without_the_ungraphed_capture_the_same_files_miss_low(tmp_path):
     """Without data/profile/host_ops.json eager is priced as before (02's bare call per kernel: -59/-55/-58%),
-    and n-gram as the graphed step plus the host's time between steps (-23/-20/-9%): the walk of the ops the
-    piecewise graphs leave to the host is what brings both within reach."""
+    and n-gram as the graphed step plus the host's time between steps the baseline's GPU did not already wait
+    out: the walk of the ops the piecewise graphs leave to the host is what brings both within reach."""
     run = tmp_path / "run"
     shutil.copytree(RUN, run)
     (run / "data" / "profile" / "host_ops.json").unlink()
@@ -103,11 +104,11 @@ def test_without_the_ungraphed_capture_the_same_files_miss_low(tmp_path):
         assert "piecewise" not in rows[("spec-ngram", level)].projection
 
 
-def test_on_a_second_model_the_same_pricing_holds_within_a_quarter():
+def test_on_a_second_model_the_same_pricing_holds_within_13_percent():
     """The Qwen3-MoE-shaped model (GQA attention, 128 experts, no shared expert; 16 layers): its un-graphed step
     ran 16 x vllm::moe_forward, unified_attention_with_output and unified_kv_cache_update on the host. Measured:
     eager 19,275/21,964 us at 1/16 against 21,744/20,527 (+12.8/-6.5%); n-gram 3,620/6,133/9,287 at 1/16/64
-    against 4,441/5,687/9,834 (+22.7/-7.3/+5.9%). The same model's variants of 2026-12-03, priced on the graphed
+    against 3,407/5,371/9,526 (-5.9/-12.4/+2.6%), each within its band. The same model's variants of 2026-12-03, priced on the graphed
     step, read -83/-79% and -64/-38/-37%. Here the baseline's own step moved +15.7% between 01 and 04 at level 1
     (the model is +2.1% against 04's unprofiled step there), and level 4 was not profiled in this cut."""
     v = verdict(QWEN, load_params(QWEN_PARAMS))
@@ -118,7 +119,9 @@ def test_on_a_second_model_the_same_pricing_holds_within_a_quarter():
     assert set(rows) == {("spec-ngram", 1), ("spec-ngram", 16), ("spec-ngram", 64), ("eager", 1), ("eager", 16)}
     for (name, level), r in sorted(rows.items()):
         print(name, level, f"{r.tpot_p50_us:,.0f} vs {r.projected_tpot_us:,.0f} ({r.projection_error_pct:+.1f}%)")
-        assert abs(r.projection_error_pct) < 25.0, r
+        assert abs(r.projection_error_pct) < 13.0, r
+        if name == "spec-ngram":
+            assert r.projected_low_us <= r.tpot_p50_us <= r.projected_high_us, r
     assert "piecewise CUDA graphs" in rows[("spec-ngram", 1)].projection
     levels = {r.level: r for r in v.levels}
     assert abs(levels[1].model_error_same_server) < 0.05 and levels[1].host_drift > 0.10

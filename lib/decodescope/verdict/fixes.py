@@ -116,14 +116,15 @@ class ModelInputs:
     per_event_us: Optional[float] = None  # the profiler's cost per recorded event, taken off those costs
     per_event_how: str = ""
     splitting_ops: tuple = ()           # the ops the baseline engine's piecewise graphs leave to the host (its log)
-    host_gaps: tuple = ()               # (batch, us): 04's host time between steps at each profiled level
+    host_gaps: tuple = ()               # (batch, host us between steps, GPU idle us a period) per profiled level
 
-    def host_gap_at(self, batch: float) -> tuple[Optional[float], str]:
-        """The host's time between steps at the profiled level nearest `batch` (the lower on a tie)."""
+    def host_gap_at(self, batch: float) -> tuple[Optional[float], float, str]:
+        """At the profiled level nearest `batch` (the lower on a tie): the host's time between steps, the
+        time the GPU sat idle per step period (the period less its busy time), and where they come from."""
         if not self.host_gaps:
-            return None, ""
-        b, us = min(self.host_gaps, key=lambda g: (abs(g[0] - batch), g[0]))
-        return us, f"profile_summary.json host_between_steps_us_median (04, batch {b:g})"
+            return None, 0.0, ""
+        b, gap_us, idle_us = min(self.host_gaps, key=lambda g: (abs(g[0] - batch), g[0]))
+        return gap_us, idle_us, f"profile_summary.json host_between_steps_us_median, period less busy (04, batch {b:g})"
 
     def gpu_us(self, pred) -> tuple[float, float]:
         """(the step's GPU time, its attention part) in a prediction: its work components after the lanes' overlap."""
@@ -191,10 +192,11 @@ def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
     host_ops = graphless.read_host_ops(run_dir)
     per_event, per_event_how = graphless.profiler_us_per_event(host_ops, captures)
     modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
-    gaps = tuple((float(x.per_step.batch_median or c), float(x.per_step.host_between_steps_us_median))
+    gaps = tuple((float(x.per_step.batch_median or c), float(x.per_step.host_between_steps_us_median),
+                  max(float(x.per_step.period_us or 0.0) - float(x.per_step.busy_us_median or 0.0), 0.0))
                  for c, x in sorted(summaries.items()) if x.per_step.host_between_steps_us_median is not None)
     return ModelInputs(host_ops=host_ops, per_event_us=per_event, per_event_how=per_event_how, host_gaps=gaps,
-                       splitting_ops=modes.splitting_ops if modes else (),gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
+                       splitting_ops=modes.splitting_ops if modes else (), gemm=gemm, gemm_tp=_read_parquet(run_dir, GEMM_WHATIF_TP), coll=coll if coll is not None
                        else pd.DataFrame(), arch=arch, tp=tp,
                        communicator=comm, timing=timing, samples=samples,
                        serving_context_tokens=wl.input_tokens + wl.output_tokens / 2, host_cores=host_cores(run_dir),

@@ -95,14 +95,18 @@ def piecewise_component(items: list[tuple[float, float]], notes: list[str], gpu_
                                  f"({how_per_event})"])
 
 
-def lost_async_component(host_gap_us: Optional[float], source: str) -> Optional[sm.Component]:
+def lost_async_component(host_gap_us: Optional[float], gpu_idle_us: float, source: str) -> Optional[sm.Component]:
     """A variant that schedules synchronously where the baseline did not: the host's work between steps
     (scheduling, output processing: the baseline's host gap between one step's execute range and the next,
-    measured under the profiler) no longer overlaps the GPU's step and adds to it."""
+    under the profiler) no longer overlaps the GPU's step. What it adds is that gap less the time the
+    baseline's GPU already sat idle a step (its period less its busy time): where the baseline's step was
+    the host's, part of the gap was in it already. Band: none of the idle was the gap's (the whole gap)."""
     if host_gap_us is None:
         return None
-    return sm.Component(sm.LOST_ASYNC, host_gap_us, host_gap_us, host_gap_us, source,
-                        ["the baseline's host time between steps, which its async scheduling overlapped with the GPU"])
+    us = max(host_gap_us - gpu_idle_us, 0.0)
+    return sm.Component(sm.LOST_ASYNC, us, us, host_gap_us, source,
+                        [f"the baseline's host time between steps, {host_gap_us:,.0f} us, which its async scheduling "
+                         f"overlapped with the GPU, less the {gpu_idle_us:,.0f} us its GPU sat idle a step"])
 
 
 def eager_items(host_ops: HostOps, per_event_us: Optional[float], kernels_per_step: int, call_us: float,

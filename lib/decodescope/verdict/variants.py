@@ -78,15 +78,16 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
 
 def _synchronous(inp: ModelInputs, fix: Fix, batch: float, lost_async: bool) -> Fix:
     """The fix with the baseline's host time between steps added where the variant lost async scheduling."""
-    gap, source = inp.host_gap_at(batch) if lost_async else (None, "")
-    comp = graphless.lost_async_component(gap, source)
+    gap, idle, source = inp.host_gap_at(batch) if lost_async else (None, 0.0, "")
+    comp = graphless.lost_async_component(gap, idle, source)
     if comp is None:
         return fix
     pred = fix.prediction
     return dc_replace(fix, prediction=sm.StepPrediction(pred.batch, pred.components + [comp], pred.overlap),
                       assumptions=fix.assumptions + [
                           f"its engine schedules synchronously (its log), the baseline's did not: the baseline's host "
-                          f"time between steps, {gap:,.0f} us, adds to every step"])
+                          f"time between steps ({gap:,.0f} us) adds to every step, less what its GPU already sat idle "
+                          f"a step ({idle:,.0f} us): {comp.us:,.0f} us"])
 
 
 def nothing_drafted_fix(inp: ModelInputs, batch: float, k: int) -> Fix:
