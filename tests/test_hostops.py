@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from decodescope.schema.records import HostOps, read_record, write_record
-from decodescope.trace.hostops import host_op_costs, outer_custom_ops, read_host_events
+from decodescope.trace.hostops import host_op_costs, host_ops_wanted, outer_custom_ops, read_host_events
 
 FIXTURE = Path(__file__).parent / "fixtures" / "traces" / "vllm_gpu_h200_kimi_int4_c64"
 
@@ -75,3 +75,11 @@ def test_a_real_gpu_trace_prices_the_attention_its_piecewise_prefill_ran_on_the_
     assert 100 < by["vllm::unified_mla_attention_with_output"].host_us_per_call < 2000
     assert by["vllm::unified_mla_attention_with_output"].launches_per_call >= 1
     assert costs.decode_steps > 10 and costs.decode_events_per_step > 50
+
+
+def test_the_capture_is_taken_where_graphs_hide_ops_or_where_it_is_asked_for():
+    assert host_ops_wanted(False, "FULL_AND_PIECEWISE", True) == (True, "")
+    assert host_ops_wanted(False, None, False)[0]            # an attached server: no log, modes unknown
+    skip, why = host_ops_wanted(False, "NONE", True)         # vLLM CPU, or --enforce-eager
+    assert not skip and "no CUDA graphs" in why and "host_ops_tokens" in why
+    assert host_ops_wanted(True, "NONE", True)[0]

@@ -102,6 +102,9 @@ def e2e_params(repo: Path, tmp: Path) -> Path:
     markup planted (_plant), the collective sweep to 1 MiB, and each variant measured once."""
     params = _params(repo, tmp, E2E_PORT, name="e2e", source="experiments")
     text = sweep_to_1mib(params.read_text())  # the 2-16 MiB sizes were most of 03's 71 s on an AVX2 host
+    # the un-graphed capture, asked for: the CPU engine runs no CUDA graphs, so 04 takes it only when asked
+    assert text.count("\nprofile:\n") == 1
+    text = text.replace("\nprofile:\n", "\nprofile:\n  host_ops_tokens: 256\n")
     for name in ONCE:
         assert text.count(f"  - name: {name}\n") == 1
         text = text.replace(f"  - name: {name}\n", f"  - name: {name}\n    workload: {{repeats: 1}}\n")
@@ -249,6 +252,18 @@ def test_profile_finds_the_allreduces_the_architecture_expects(e2e):
     assert (share < 0.01).all(), share
     assert list((e2e["run_dir"] / "traces").rglob("*rank0*.pt.trace.json.gz"))
     assert list((e2e["run_dir"] / "traces").rglob("*profiler_out*"))
+
+
+def test_the_ungraphed_capture_prices_the_custom_ops_of_a_real_engine(e2e):
+    """Asked for (profile.host_ops_tokens: 256), 04 profiled one request of 256 prompt tokens on the real CPU
+    engine into traces/host_ops/ (both ranks) and priced each outermost vllm:: op of its prefill step."""
+    run = e2e["run_dir"]
+    assert len(list((run / "traces" / "host_ops").glob("*rank*.pt.trace.json.gz"))) == 2
+    ops = json.loads((run / "data" / "profile" / "host_ops.json").read_text())
+    assert ops["prompt_tokens"] == 256 and ops["prefill_steps"] >= 1 and ops["decode_steps"] >= 2
+    by = {o["name"]: o for o in ops["ops"]}
+    assert by["vllm::unified_attention_with_output"]["calls_per_step"] == 4   # the tiny model's 4 layers
+    assert all(o["host_us_per_call"] > 0 for o in ops["ops"])
 
 
 def test_the_step_replay_runs_through_the_engines_communicator_and_is_priced_by_it(e2e, engine_allreduce):

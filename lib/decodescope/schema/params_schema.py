@@ -257,10 +257,11 @@ class ProfileParams(_Section):
     warmup_requests: NonNegative = Field(2, description="untimed requests before each level, at least one per "
                                          "concurrent slot (serving.sweep.warmup_count); 0: none")
     flush_timeout_s: Positive = 600.0
-    host_ops_tokens: NonNegative = Field(1024, description="the prompt of one more profiled request, longer than the "
-                                         "largest CUDA graph the engine captures (vLLM's default: 512 tokens), whose "
-                                         "prefill runs the ops graphs hide on the host (the verdict's eager and "
-                                         "piecewise projections); capped by max-model-len; 0: not captured")
+    host_ops_tokens: Optional[NonNegative] = Field(
+        None, description="the prompt of one more profiled request, longer than the largest CUDA graph the engine "
+        "captures (vLLM's default: 512 tokens), whose prefill runs the ops graphs hide on the host (the verdict's "
+        "eager and piecewise projections); capped by max-model-len. null: 1024 where the engine runs CUDA graphs "
+        "(its log) or its modes are unknown, none where it runs none; 0: never")
 
     @field_validator("concurrency", mode="before")
     @classmethod

@@ -36,6 +36,9 @@ from decodescope.serving.promtext import ENGINE_STEPS, HISTOGRAM_MEANS, Scraper,
 from decodescope.serving.telemetry import SETTLE_S
 from decodescope.serving.sweep import (SERVER_FAILURE_CLASSES, SweepConfig, build_prompts, records_frame, run_level,
                                        warmup_count)
+from decodescope.core.enginelog import last_engine_modes
+from decodescope.core.rundir import LOGS
+from decodescope.trace.hostops import host_ops_wanted
 from decodescope.trace.load import find_trace_files
 from decodescope.core.io import gzip_complete, write_parquet_atomic
 from decodescope.schema.params_schema import KNEE
@@ -290,11 +293,13 @@ def host_ops_prompt_tokens(params) -> int:
     """The un-graphed capture's prompt: profile.host_ops_tokens, within the server's max-model-len with
     room for the capture's few output tokens."""
     limit = params.server.engine_args.get("max-model-len") or params.server.engine_args.get("max_model_len")
-    want = int(params.profile.host_ops_tokens)
+    asked = params.profile.host_ops_tokens
+    want = HOST_OPS_TOKENS if asked is None else int(asked)
     return min(want, int(limit) - HOST_OPS_OUTPUT_TOKENS - 8) if limit else want
 
 
 HOST_OPS_OUTPUT_TOKENS = 8   # a few decode steps after the prefill: their events per step price the profiler
+HOST_OPS_TOKENS = 1024       # profile.host_ops_tokens when not given: past vLLM's largest captured graph (512)
 
 
 def capture_host_ops(server, params, trace_dir: Path) -> Optional[CaptureResult]:
@@ -482,9 +487,12 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[Cap
             if not result.rank_files:
                 result.raise_if_incomplete()
             results.append(result)
+        modes = last_engine_modes(ctx.run_dir / LOGS / "server.log")
+        wanted, why_not = host_ops_wanted(ctx.params.profile.host_ops_tokens is not None,
+                                          modes.cudagraph_mode if modes else None, modes is not None)
         print(f"profile: one request of {host_ops_prompt_tokens(ctx.params)} prompt tokens, past the largest CUDA "
-              "graph: the host's cost of the ops graphs hide", flush=True)
-        host = capture_host_ops(server, ctx.params, trace_dir)
+              "graph: the host's cost of the ops graphs hide" if wanted else f"profile: {why_not}", flush=True)
+        host = capture_host_ops(server, ctx.params, trace_dir) if wanted else None
         host = _file_level(host, trace_dir, ctx.params, HOST_OPS) if host is not None else None
     write_record(ctx.data("profile_capture.json"), ProfileCaptures(levels=levels, notes=notes,
                                                                     captures=[r.to_record() for r in results]))

@@ -31,6 +31,17 @@ WAIT_CALL = re.compile(r"Synchronize|^cudaMemcpy$|^cudaMemcpyAsync$|^cuMemcpyDto
 LAUNCH_CALL = re.compile(r"LaunchKernel|GraphLaunch|^cuLaunch")
 
 
+def host_ops_wanted(asked: bool, cudagraph_mode: Optional[str], known: bool) -> tuple[bool, str]:
+    """Whether 04 takes the un-graphed capture, and why not: it is taken where the engine runs CUDA graphs (its
+    log says so), where its modes are unknown (no log: an attached server), or where profile.host_ops_tokens
+    was set in the params (`asked`); an engine without graphs (vLLM CPU, --enforce-eager) hides no op from the
+    host, and its level traces hold every op's host cost already."""
+    if asked or not known or cudagraph_mode not in (None, "NONE"):
+        return True, ""
+    return False, ("the engine runs no CUDA graphs (its log): no op is hidden from the host, so 04 takes no "
+                   "un-graphed capture (set profile.host_ops_tokens to take it anyway)")
+
+
 def read_host_events(path: Path) -> pd.DataFrame:
     """The complete ('X') host events and step annotations of one rank's trace file (.json or .json.gz)."""
     opener = gzip.open if str(path).endswith(".gz") else open
