@@ -18,7 +18,7 @@ from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
 from decodescope.schema.records import ProfileCapture, ProfileSummary, RunManifest, VariantEntry, read_record
 from decodescope.core.rundir import VARIANTS
-from decodescope.verdict.fixes import (Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix, eager_fix,
+from decodescope.verdict.fixes import (EAGER_STEP, Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix, eager_fix,
                                        expected_tokens_per_verify, level_tpot, profile_summaries)
 
 
@@ -223,7 +223,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                     parts = {c.name for c in fix.prediction.components}
                     priced_sync = sm.LOST_ASYNC in parts
                     # a step priced with host time the baseline's graphs hid says how, in the row
-                    said = fix.assumptions if parts & {sm.OUTSIDE_GRAPH, sm.LOST_ASYNC} else []
+                    said = fix.assumptions if parts & {sm.OUTSIDE_GRAPH, sm.LOST_ASYNC, EAGER_STEP} else []
                     row.update(projection=fix.name, projected_tpot_us=proj,
                                projected_low_us=lo / fix.tokens_per_step * scale,
                                projected_high_us=hi / fix.tokens_per_step * scale,
