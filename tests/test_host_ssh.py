@@ -701,9 +701,14 @@ def test_an_attached_servers_traces_come_back_from_every_node_and_stay_moved(ssh
         (remote_traces / "rank0.pt.trace.json.gz").write_bytes(whole[: len(whole) // 2])  # still being written
         time.sleep(1.0)
         (remote_traces / "rank0.pt.trace.json.gz").write_bytes(whole)
-        time.sleep(1.5)
-        for node in ("node0", "node1"):
-            assert (trace_dir / node / "rank0.pt.trace.json.gz").read_bytes() == whole
+        # a copy every 0.3 s over ssh: the whole file arrives within a few of them, later on a loaded host
+        # (a fixed 1.5 s wait failed once under a full suite on two cores)
+        copies = [trace_dir / node / "rank0.pt.trace.json.gz" for node in ("node0", "node1")]
+        deadline = time.monotonic() + 20.0
+        while time.monotonic() < deadline and not all(c.is_file() and c.read_bytes() == whole for c in copies):
+            time.sleep(0.2)
+        for copy in copies:
+            assert copy.read_bytes() == whole
         filed = trace_dir / "c1"
         filed.mkdir()
         (trace_dir / "node0" / "rank0.pt.trace.json.gz").rename(filed / "rank0.pt.trace.json.gz")
