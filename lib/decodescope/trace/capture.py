@@ -286,7 +286,11 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
                          engine_itl_before_profiles_us=itl_before_profiles_us)
 
 
-HOST_OPS = "host_ops"   # traces/host_ops/ and data/profile/host_ops.json: the un-graphed step's capture
+HOST_OPS = "host_ops"   # traces/host_ops/: the un-graphed step's capture (its record: trace.hostops.HOST_OPS_RECORD)
+
+
+HOST_OPS_OUTPUT_TOKENS = 8   # a few decode steps after the prefill: their events per step price the profiler
+HOST_OPS_TOKENS = 1024       # profile.host_ops_tokens when not given: past vLLM's largest captured graph (512)
 
 
 def host_ops_prompt_tokens(params) -> int:
@@ -296,10 +300,6 @@ def host_ops_prompt_tokens(params) -> int:
     asked = params.profile.host_ops_tokens
     want = HOST_OPS_TOKENS if asked is None else int(asked)
     return min(want, int(limit) - HOST_OPS_OUTPUT_TOKENS - 8) if limit else want
-
-
-HOST_OPS_OUTPUT_TOKENS = 8   # a few decode steps after the prefill: their events per step price the profiler
-HOST_OPS_TOKENS = 1024       # profile.host_ops_tokens when not given: past vLLM's largest captured graph (512)
 
 
 def capture_host_ops(server, params, trace_dir: Path) -> Optional[CaptureResult]:

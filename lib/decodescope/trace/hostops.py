@@ -24,6 +24,7 @@ from decodescope.schema.records_profile import HostOpRow, HostOps
 from decodescope.trace.analyze import steps_from_annotations
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
 
+HOST_OPS_RECORD = Path("profile") / "host_ops.json"   # under the run's data/: written by 04, read by 05
 CUSTOM_OP_PREFIX = "vllm::"
 HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
 # CUDA calls whose duration is the host waiting for the device, not its own work

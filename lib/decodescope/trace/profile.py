@@ -13,14 +13,13 @@ from decodescope.core.stats import trimmed_mean
 from decodescope.schema.records import CallsWithWait, ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
 from decodescope.trace import analyze as an
 from decodescope.trace.capture import capture_for_phase, host_ops_prompt_tokens, level_dir_name
-from decodescope.trace.hostops import host_op_costs, read_host_events
+from decodescope.trace.hostops import HOST_OPS_RECORD, host_op_costs, read_host_events
 from decodescope.trace.categorize import class_of, communicator_of
 from decodescope.trace.load import LoadedTraces, load_trace_dir
 
 if TYPE_CHECKING:  # a type name only: capture (a phase) imports this module
     from decodescope.trace.capture import CaptureResult
 
-HOST_OPS_FILE = "host_ops.json"   # data/profile/host_ops.json: the un-graphed step's custom ops (trace.hostops)
 KERNEL_COLUMNS = ["rank", "step", "category", "name", "ts_us", "dur_us", "time_us", "lane", "msg_bytes",
                   "correlation", "coll_name"]
 
@@ -218,7 +217,7 @@ def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
     data/profile/host_ops.json."""
     captures, notes, host = capture_for_phase(ctx)
     if host is not None and host.rank_files:
-        write_record(ctx.data_dir / "profile" / HOST_OPS_FILE,
+        write_record(ctx.data_dir / HOST_OPS_RECORD,
                      host_op_costs(read_host_events(host.rank_files[0]), host_ops_prompt_tokens(ctx.params)))
     out = []
     for cap in captures:

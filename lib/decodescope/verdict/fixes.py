@@ -131,14 +131,20 @@ class ModelInputs:
         work = sum(c.us for c in pred.components if c.name not in sm.HOST_PARTS) * pred.overlap
         return work, sum(c.us for c in pred.components if c.name == "attention") * pred.overlap
 
-    def call_us(self, batch: float) -> Optional[float]:
-        """02's host cost of a bare call at the measured batch nearest `batch`; None where 02 measured none."""
+    def host_costs_at(self, batch: float) -> Optional[tuple[float, dict[str, float]]]:
+        """(the measured batch nearest `batch`, 02's host cost of a bare call there per stepparts.HOST_COLUMNS);
+        None where 02 measured none."""
         g = self.gemm[self.gemm["status"] == "ok"] if "status" in self.gemm else self.gemm
         if "host_time_us" not in g or g["host_time_us"].dropna().empty:
             return None
         g = g.dropna(subset=["host_time_us"])
         nb = min(set(g["batch"]), key=lambda b: (abs(b - batch), b))
-        return float(g.loc[g["batch"] == nb, "host_time_us"].median())
+        return float(nb), {c: float(g.loc[g["batch"] == nb, c].median()) for c in sp.HOST_COLUMNS}
+
+    def call_us(self, batch: float) -> Optional[float]:
+        """02's host cost of a bare call at the measured batch nearest `batch`; None where 02 measured none."""
+        costs = self.host_costs_at(batch)
+        return costs[1]["host_time_us"] if costs is not None else None
 
     def predict(self, batch: float, **kw):
         return sm.predict_step(self.gemm, self.coll, self.arch, self.tp, int(round(batch)), self.communicator,
@@ -224,16 +230,14 @@ def eager_fix(inp: ModelInputs, batch: float) -> tuple[Optional[Fix], str]:
     by one. Priced as the eager walk (stepparts.eager_walk) of the profiled step's kernels (04, the nearest
     profiled level), each issued at 02's measured host cost per call and run in its share of the step's GPU
     time (the model's work at this batch), then the host's time between steps; (None, why) without those."""
-    g = inp.gemm[inp.gemm["status"] == "ok"] if "status" in inp.gemm else inp.gemm
-    if "host_time_us" not in g or g["host_time_us"].dropna().empty:
+    costs = inp.host_costs_at(batch)
+    if costs is None:
         return None, "02 measured no host cost per call (it does on a GPU)"
     counted = [s for s in inp.samples if s.kernels_per_step >= 1]
     if not counted:
         return None, "04 counted no kernels per step"
     s = min(counted, key=lambda x: (abs(x.batch - batch), x.batch))
-    g = g.dropna(subset=["host_time_us"])
-    nb = min(set(g["batch"]), key=lambda b: (abs(b - batch), b))
-    host = {c: float(g.loc[g["batch"] == nb, c].median()) for c in sp.HOST_COLUMNS}
+    nb, host = costs
     base = inp.predict(batch)
     gpu_us = inp.gpu_us(base)[0]
     n = int(round(s.kernels_per_step))

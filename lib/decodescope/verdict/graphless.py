@@ -16,11 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from decodescope.core.rundir import DATA
 from decodescope.schema.records import HostOps, ProfileCapture, read_record
+from decodescope.trace.hostops import HOST_OPS_RECORD
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
 
-HOST_OPS_PATH = Path("data") / "profile" / "host_ops.json"
 # the baseline engine's own splitting ops where its log has no config line (vLLM 0.2x's attention ops)
 DEFAULT_SPLITTING = ("vllm::unified_attention_with_output", "vllm::unified_mla_attention_with_output",
                      "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update")
@@ -28,7 +29,7 @@ DEFAULT_SPLITTING = ("vllm::unified_attention_with_output", "vllm::unified_mla_a
 
 def read_host_ops(run_dir: Path) -> Optional[HostOps]:
     """04's un-graphed capture's figures; None where 04 did not take it (older runs, profile.host_ops_tokens 0)."""
-    path = Path(run_dir) / HOST_OPS_PATH
+    path = Path(run_dir) / DATA / HOST_OPS_RECORD
     return read_record(path, HostOps) if path.is_file() else None
 
 
