@@ -23,7 +23,7 @@ from decodescope.serving.sweep import (SweepConfig, arrival_offsets_s, build_pro
 TOKENS = 8
 ITL_S = 0.01
 STALL_S = 0.8  # an engine stall: over serving.metrics.STALL_MIN_MS and 50 ITLs
-HELD_ITL_S = 0.05  # the held server's pace: its burst's per-token gaps are held to 1% of it (the client's parsing)
+HELD_ITL_S = 0.05  # the held server's pace: its burst's per-token gaps are held to 5% of it (the client's parsing)
 
 
 def _chunk(text, usage=None):
@@ -206,10 +206,11 @@ def test_output_released_in_bursts_is_flagged(server, tmp_path):
     _, held = run_sweep(cfg, tmp_path / "held", progress=False)
     assert streamed["itl_coalesced_frac"].iloc[0] < COALESCED_FRAC_LIMIT
     assert held["itl_coalesced_frac"].iloc[0] > 0.5
-    # what a held stream looks like: the whole decode time in TTFT, almost nothing per token: under 1% of
-    # the pace the server decoded at. (At 10 ms a token that 1% is 100 us, which the client's own parsing
-    # of the burst reached on a loaded 2-core host: 108 us, then 124 us beside another pytest session.)
-    assert held["tpot_p50_us"].iloc[0] < 0.01 * HELD_ITL_S * 1e6
+    # what a held stream looks like: the whole decode time in TTFT, almost nothing per token: under 5% of
+    # the pace the server decoded at, where a stream that is not held reads about 100%. The per-token time
+    # left is the client's own parsing of the burst, which load stretches: 108 and 124 us on a loaded
+    # 2-core host, 611 us on CI beside two vLLM servers.
+    assert held["tpot_p50_us"].iloc[0] < 0.05 * HELD_ITL_S * 1e6
     assert held["ttft_p50_us"].iloc[0] > 0.9 * TOKENS * HELD_ITL_S * 1e6
     assert "warning" in coalesced_note(held) and "c=2" in coalesced_note(held)
     assert "warning" not in coalesced_note(streamed)
@@ -490,13 +491,16 @@ def test_no_descriptor_left_open(server):
                                    if os.path.exists(f"/proc/self/fd/{fd}"))
 
 
-def test_a_loop_closed_with_starts_waiting_frees_its_start_gate():
+def test_a_loop_closed_with_starts_waiting_frees_its_start_gate(monkeypatch):
     """Requests still waiting to start when their loop shuts down (asyncio.run cancels them) leave
     nothing that holds the loop: the gate is a weak dictionary's value keyed by its loop."""
     import gc
     import weakref
 
     from decodescope.serving import rawclient
+
+    # no refill while the five enter: on a loaded host enough time passed for one token (CI: 4 waited)
+    monkeypatch.setattr(rawclient, "START_RATE_PER_S", 1e-9)
 
     async def main():
         loop = asyncio.get_running_loop()
