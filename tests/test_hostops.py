@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from decodescope.schema.records import HostOps, read_record, write_record
+from decodescope.core.enginelog import EngineModes
 from decodescope.trace.hostops import host_op_costs, host_ops_wanted, outer_custom_ops, read_host_events
 
 FIXTURE = Path(__file__).parent / "fixtures" / "traces" / "vllm_gpu_h200_kimi_int4_c64"
@@ -78,8 +79,13 @@ def test_a_real_gpu_trace_prices_the_attention_its_piecewise_prefill_ran_on_the_
 
 
 def test_the_capture_is_taken_where_graphs_hide_ops_or_where_it_is_asked_for():
-    assert host_ops_wanted(False, "FULL_AND_PIECEWISE", True) == (True, "")
-    assert host_ops_wanted(False, None, False)[0]            # an attached server: no log, modes unknown
-    skip, why = host_ops_wanted(False, "NONE", True)         # vLLM CPU, or --enforce-eager
+    def modes(cudagraph_mode):
+        return EngineModes(vllm_version="0.26.0", cudagraph_mode=cudagraph_mode, compilation_mode=None,
+                           enforce_eager=None)
+
+    assert host_ops_wanted(False, modes("FULL_AND_PIECEWISE")) == (True, "")
+    assert host_ops_wanted(False, None)[0]                   # an attached server: no log, modes unknown
+    skip, why = host_ops_wanted(False, modes("NONE"))        # vLLM CPU, or --enforce-eager
     assert not skip and "no CUDA graphs" in why and "host_ops_tokens" in why
-    assert host_ops_wanted(True, "NONE", True)[0]
+    assert not host_ops_wanted(False, modes(None))[0]        # vLLM CPU's log names no graph mode
+    assert host_ops_wanted(True, modes("NONE"))[0]

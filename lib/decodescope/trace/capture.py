@@ -25,7 +25,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import pandas as pd
 
@@ -216,28 +216,7 @@ def itl_before_profiles(server, params, levels: list[int]) -> dict[int, Optional
     return out
 
 
-def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[int] = None,
-                    records_path: Optional[Path] = None, concurrency: Optional[int] = None,
-                    itl_before_profiles_us: Optional[float] = None) -> CaptureResult:
-    """Warm up, profile a decode workload at one concurrency, stop, and wait for the traces.
-    itl_before_profiles_us: this level's inter-token latency before the phase's first profile
-    (itl_before_profiles), the unprofiled step the profiler's cost is taken against."""
-    prof = params.profile
-    concurrency = concurrency or next(c for c in prof.concurrency if isinstance(c, int))
-    trace_dir = Path(trace_dir)
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    expected_ranks = expected_ranks or params.server.tensor_parallel
-    work = level_workload(server, params, concurrency)
-    work.warm_up(prof.warmup_requests)
-    scraper = Scraper(server.base_url, params.server.api_key)
-    # the server's processes, where /proc can see them: their CPU time and run-queue wait per step
-    local = getattr(server, "remote", None) is None and hasattr(server, "process_tree")
-    pids = server.process_tree() if local else []
-    # the last one's /proc figures are what is kept (host_cpu_per_step): the first is not read for them
-    unprofiled = [_engine_window(scraper, work.run, pids if last else ())[1] for last in (False, True)]
-    before = set(p for group in find_trace_files(trace_dir) for p in group)
-    problems: list[str] = []
-    t0 = time.monotonic()
+def _start_profile(server) -> None:
     try:
         server.start_profile()
     except ServerHTTPError as e:
@@ -248,14 +227,27 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     except ServerUnreachable:
         server.raise_if_dead("the profile (/start_profile)")
         raise
+
+
+def profiled_window(server, params, trace_dir: Path, expected_ranks: int, workload: Callable[[], tuple[list, Any]],
+                    what: str, records_path: Optional[Path] = None) -> tuple[Any, dict]:
+    """/start_profile, `workload()` (-> its request records and anything else), /stop_profile, then wait for
+    every rank's trace: (the workload's anything else, the CaptureResult fields of the window). The records
+    are written to records_path before the stop, so a server that fails there leaves them. A stop that never
+    completes is a problem, not an error: the ranks that arrived within a short wait are kept."""
+    prof = params.profile
+    before = set(p for group in find_trace_files(trace_dir) for p in group)
+    problems: list[str] = []
+    t0 = time.monotonic()
+    _start_profile(server)
     t1 = time.monotonic()
-    (records, _), profiled = _engine_window(scraper, work.run)
+    records, extra = workload()
     t2 = time.monotonic()
     df = records_frame(records)
     if records_path is not None:
         write_parquet_atomic(records_path, df)
     if df["error_class"].isin(SERVER_FAILURE_CLASSES).any():
-        server.raise_if_dead("the profiled workload")
+        server.raise_if_dead(what)
     try:
         server.stop_profile(timeout_s=prof.flush_timeout_s)
     except ServerHTTPError as e:
@@ -274,12 +266,40 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
                                    (lambda: server.raise_if_dead("the wait for the profiler's traces")))
     if len(ranks) < expected_ranks:
         problems.append(f"{len(ranks)} of {expected_ranks} rank traces arrived complete in {trace_dir}")
-    t4 = time.monotonic()
-    tables = sorted(trace_dir.glob("*profiler_out*"))
-    return CaptureResult(trace_dir=trace_dir, rank_files=ranks, frontend_files=front, tables=tables,
-                         requests_ok=int(df["ok"].sum()), requests_failed=int((~df["ok"]).sum()),
-                         start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2, flush_wait_s=t4 - t3,
-                         expected_ranks=expected_ranks, problems=problems, concurrency=concurrency,
+    fields = dict(trace_dir=trace_dir, rank_files=ranks, frontend_files=front,
+                  tables=sorted(trace_dir.glob("*profiler_out*")), requests_ok=int(df["ok"].sum()),
+                  requests_failed=int((~df["ok"]).sum()), start_profile_s=t1 - t0, workload_s=t2 - t1,
+                  stop_profile_s=t3 - t2, flush_wait_s=time.monotonic() - t3, expected_ranks=expected_ranks,
+                  problems=problems)
+    return extra, fields
+
+
+def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[int] = None,
+                    records_path: Optional[Path] = None, concurrency: Optional[int] = None,
+                    itl_before_profiles_us: Optional[float] = None) -> CaptureResult:
+    """Warm up, profile a decode workload at one concurrency, stop, and wait for the traces.
+    itl_before_profiles_us: this level's inter-token latency before the phase's first profile
+    (itl_before_profiles), the unprofiled step the profiler's cost is taken against."""
+    prof = params.profile
+    concurrency = concurrency or next(c for c in prof.concurrency if isinstance(c, int))
+    trace_dir = Path(trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    work = level_workload(server, params, concurrency)
+    work.warm_up(prof.warmup_requests)
+    scraper = Scraper(server.base_url, params.server.api_key)
+    # the server's processes, where /proc can see them: their CPU time and run-queue wait per step
+    local = getattr(server, "remote", None) is None and hasattr(server, "process_tree")
+    pids = server.process_tree() if local else []
+    # the last one's /proc figures are what is kept (host_cpu_per_step): the first is not read for them
+    unprofiled = [_engine_window(scraper, work.run, pids if last else ())[1] for last in (False, True)]
+
+    def profiled_run() -> tuple[list, EngineWindow]:
+        (records, _), window = _engine_window(scraper, work.run)
+        return records, window
+
+    profiled, fields = profiled_window(server, params, trace_dir, expected_ranks or params.server.tensor_parallel,
+                                       profiled_run, "the profiled workload", records_path)
+    return CaptureResult(**fields, concurrency=concurrency,
                          engine_itl_unprofiled_runs_us=[w.itl_us for w in unprofiled],
                          engine_itl_profiled_us=profiled.itl_us, host_cpu_per_step=unprofiled[-1].cpu,
                          profiler_event_cost_us=profiler_event_cost_us(),
@@ -287,8 +307,6 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
 
 
 HOST_OPS = "host_ops"   # traces/host_ops/: the un-graphed step's capture (its record: trace.hostops.HOST_OPS_RECORD)
-
-
 HOST_OPS_OUTPUT_TOKENS = 8   # a few decode steps after the prefill: their events per step price the profiler
 HOST_OPS_TOKENS = 1024       # profile.host_ops_tokens when not given: past vLLM's largest captured graph (512)
 
@@ -319,29 +337,10 @@ def capture_host_ops(server, params, trace_dir: Path) -> Optional[CaptureResult]
     # a fresh prompt for the warm-up and for the profiled request: a cached prefix would skip the prefill
     prompts = run_async(build_prompts(cfg, 2))
     run_async(run_level(cfg, 1, prompts[:1], n_requests=1, warmup=0))
-    before = set(p for group in find_trace_files(trace_dir) for p in group)
-    t0 = time.monotonic()
-    server.start_profile()
-    t1 = time.monotonic()
-    records, _ = run_async(run_level(cfg, 1, prompts[1:], n_requests=1, warmup=0))
-    t2 = time.monotonic()
-    df = records_frame(records)
-    if df["error_class"].isin(SERVER_FAILURE_CLASSES).any():
-        server.raise_if_dead("the un-graphed step's profiled request")
-    try:
-        server.stop_profile(timeout_s=params.profile.flush_timeout_s)
-    except ServerHTTPError as e:
-        server.raise_if_dead("the profile (/stop_profile)")
-        raise stop_profile_error(server, e.status, time.monotonic() - t2) from None
-    t3 = time.monotonic()
-    ranks, front = wait_for_traces(trace_dir, before, params.server.tensor_parallel, params.profile.flush_timeout_s,
-                                   check=lambda: server.raise_if_dead("the wait for the profiler's traces"))
-    return CaptureResult(trace_dir=trace_dir, rank_files=ranks, frontend_files=front,
-                         tables=sorted(trace_dir.glob("*profiler_out*")),
-                         requests_ok=int(df["ok"].sum()), requests_failed=int((~df["ok"]).sum()),
-                         start_profile_s=t1 - t0, workload_s=t2 - t1, stop_profile_s=t3 - t2,
-                         flush_wait_s=time.monotonic() - t3, expected_ranks=params.server.tensor_parallel,
-                         concurrency=1)
+    _, fields = profiled_window(server, params, trace_dir, params.server.tensor_parallel,
+                                lambda: run_async(run_level(cfg, 1, prompts[1:], n_requests=1, warmup=0)),
+                                "the un-graphed step's profiled request")
+    return CaptureResult(**fields, concurrency=1)
 
 
 def profiler_event_cost_us(n_ops: int = 20000, repeats: int = 3) -> Optional[float]:
@@ -488,8 +487,7 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[Cap
                 result.raise_if_incomplete()
             results.append(result)
         modes = last_engine_modes(ctx.run_dir / LOGS / "server.log")
-        wanted, why_not = host_ops_wanted(ctx.params.profile.host_ops_tokens is not None,
-                                          modes.cudagraph_mode if modes else None, modes is not None)
+        wanted, why_not = host_ops_wanted(ctx.params.profile.host_ops_tokens is not None, modes)
         print(f"profile: one request of {host_ops_prompt_tokens(ctx.params)} prompt tokens, past the largest CUDA "
               "graph: the host's cost of the ops graphs hide" if wanted else f"profile: {why_not}", flush=True)
         host = capture_host_ops(server, ctx.params, trace_dir) if wanted else None

@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from decodescope.core.enginelog import EngineModes
 from decodescope.schema.records_profile import HostOpRow, HostOps
 from decodescope.trace.analyze import steps_from_annotations
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
@@ -32,12 +33,12 @@ WAIT_CALL = re.compile(r"Synchronize|^cudaMemcpy$|^cudaMemcpyAsync$|^cuMemcpyDto
 LAUNCH_CALL = re.compile(r"LaunchKernel|GraphLaunch|^cuLaunch")
 
 
-def host_ops_wanted(asked: bool, cudagraph_mode: Optional[str], known: bool) -> tuple[bool, str]:
+def host_ops_wanted(asked: bool, modes: Optional[EngineModes]) -> tuple[bool, str]:
     """Whether 04 takes the un-graphed capture, and why not: it is taken where the engine runs CUDA graphs (its
-    log says so), where its modes are unknown (no log: an attached server), or where profile.host_ops_tokens
-    was set in the params (`asked`); an engine without graphs (vLLM CPU, --enforce-eager) hides no op from the
-    host, and its level traces hold every op's host cost already."""
-    if asked or not known or cudagraph_mode not in (None, "NONE"):
+    log says so), where its modes are unknown (None: no log, an attached server), or where
+    profile.host_ops_tokens was set in the params (`asked`); an engine without graphs (vLLM CPU,
+    --enforce-eager) hides no op from the host, and its level traces hold every op's host cost already."""
+    if asked or modes is None or modes.cudagraph_mode not in (None, "NONE"):
         return True, ""
     return False, ("the engine runs no CUDA graphs (its log): no op is hidden from the host, so 04 takes no "
                    "un-graphed capture (set profile.host_ops_tokens to take it anyway)")
