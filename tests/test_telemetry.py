@@ -222,7 +222,9 @@ def test_sweep_writes_telemetry_per_level_and_the_engines_tpot_from_its_histogra
 
 
 def test_gauges_are_averaged_over_the_samples_taken_while_the_measured_requests_ran(server, tmp_path):
-    cfg = _cfg(server.url, levels=[4], requests=16, warmup=0, interval_s=0.1)
+    # samples every 20 ms: at 0.1 s a level of ~0.35 s held ~3, and a loaded host could miss every one taken
+    # with all 4 running
+    cfg = _cfg(server.url, levels=[4], requests=16, warmup=0, interval_s=0.02)
     _, levels = run_sweep(cfg, tmp_path, progress=False)
     row = levels.iloc[0]
     assert row["server_running_max"] == 4
@@ -591,10 +593,15 @@ def test_a_process_cpu_time_and_run_queue_wait_are_read_per_step_from_proc():
 
     from decodescope.exec import procs
 
-    code = ("import os, sys, time\nos.sched_setaffinity(0, {0})\nprint('spinning', flush=True)\n"
-            "t = time.time()\nwhile time.time() - t < 3: pass")
-    kids = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    # The spinners run until killed (the finally below kills and reaps them): a spinner that ended itself after a
+    # fixed time could end inside the window on CI's loaded 2-core machine (the two starts' skew plus the
+    # window's oversleep), and the window would then read one process and too little CPU time.
+    code = ("import os\nos.sched_setaffinity(0, {0})\nprint('spinning', flush=True)\n"
+            "while True: pass")
+    kids: list[subprocess.Popen] = []
     try:
+        for _ in range(2):  # each one in kids as soon as it is started, so that the finally kills it
+            kids.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True))
         assert all(k.stdout.readline().strip() == "spinning" for k in kids)
         before, t0 = procs.cpu_schedstat([k.pid for k in kids] + [999_999_999]), time.monotonic()  # gone: left out
         time.sleep(1.0)

@@ -66,6 +66,7 @@ class _Stream:
         self.error_body = bytearray()
         self.kernel_stamp = False     # whether the last read's time is the kernel's receive stamp
         self.closed = False
+        self.done_seen = False        # the stream's own end, `data: [DONE]`: an end without it was a cut
 
     def start(self) -> None:
         self.loop.add_reader(self.sock.fileno(), self._on_readable)
@@ -164,6 +165,7 @@ class _Stream:
                 continue
             payload = event[5:].strip()
             if payload == b"[DONE]":
+                self.done_seen = True
                 continue
             if not (payload.startswith(b"{") and payload.endswith(b"}")):  # cheap check: no JSON decode
                 self._fail("malformed_stream", f"undecodable event {payload[:80]!r}")
@@ -222,8 +224,12 @@ class _Stream:
                 rec.error_text = f"HTTP {self.status}: {self.error_body[:500].decode(errors='replace')}"
             elif exc is not None or (self.chunked and self.raw):
                 rec.error_class, rec.error_text = "connection_reset", f"stream cut: {exc or 'incomplete chunk'}"
+            elif rec.n_out_usage is None and rec.first_chunk_ns is None and self.done_seen:
+                rec.error_class, rec.error_text = "malformed_stream", "stream ended ([DONE]) with no content chunk"
             elif rec.n_out_usage is None and rec.first_chunk_ns is None:
-                rec.error_class, rec.error_text = "malformed_stream", "stream ended with no content chunk"
+                # the server's socket closed after its response header and before any event: an API server
+                # killed mid-level ends its streams so (a resumed sweep measures such a level again)
+                rec.error_class, rec.error_text = "connection_reset", "stream cut after the response header"
             elif rec.n_out_usage is None:
                 rec.error_class, rec.error_text = "connection_reset", "stream ended before the usage record"
         if not self.done.done():
