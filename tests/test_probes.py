@@ -76,7 +76,9 @@ def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_size
     by = mine[mine["bytes"] == min(step_sizes)].groupby(["timing", "rank"])["time_us"].first()
     print(f"{engine} at", min(step_sizes), "B:", by.round(2).to_dict())
     assert by[("late_rank", 0)] == by[("late_rank", 1)]
-    assert by[("late_rank", 0)] < 1.5 * by[("back_to_back", 0)]   # a scheduler-slice stall (2.4-4.5 ms) is far more
+    # within 3x: a scheduler-slice stall (2.4-4.5 ms) is 12x and more of a gloo call, 800x of an shm one, while
+    # a loaded host moves the two clean figures against each other (1.2x under a full suite)
+    assert by[("late_rank", 0)] < 3 * by[("back_to_back", 0)]
     burst = ok[ok["part"] == "burst"]
     per_call = burst.groupby("communicator")["per_call_us"].median()
     print("burst per call (us):", per_call.round(1).to_dict())
