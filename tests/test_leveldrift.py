@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from decodescope.verdict import leveldrift
 from decodescope.verdict.verdict import level_reconcile
@@ -41,14 +42,17 @@ def test_a_miss_is_put_down_to_each_movement_measured_and_only_beyond_the_target
     # movements of 10% or less are not causes: the miss stays unexplained, and says so
     assert leveldrift.model_miss_causes(-0.25, 0.05, -0.09, 0.02, -0.2) == \
         "no movement of the step measured: the model misses"
-    assert "concurrency 1 and 8, where the engine's step moved +25% (mean)" in \
+    assert ("concurrency 1 and 8, where the engine's step moved +25% (weighed as the model weighs them) from 01; "
+            "against 01's step moved so, the model is +4.0%") in \
         leveldrift.model_miss_causes(0.30, None, 0.02, None, None, None, ([1, 8], 0.25))
 
 
 def test_an_unprofiled_level_takes_the_drift_of_the_profiled_levels_around_it():
     drifts = {1: 0.18, 8: 0.32, 16: -0.14}
-    assert leveldrift.bracketing_drift(drifts, 4) == ([1, 8], 0.25)
-    assert leveldrift.bracketing_drift(drifts, 64) == ([16], -0.14)
+    # as the step model interpolates its inputs at batch 4: 4/7 of level 1's, 3/7 of level 8's
+    assert leveldrift.bracketing_drift(drifts, 4) == ([1, 8], pytest.approx(0.18 * 4 / 7 + 0.32 * 3 / 7))
+    assert leveldrift.bracketing_drift(drifts, 64) == ([16], -0.14)   # outside them: held at the nearest
+    assert leveldrift.bracketing_drift({4: 0.2, 16: 0.0}, 1) == ([4], 0.2)
     assert leveldrift.bracketing_drift(drifts, 8) is None  # profiled: its own drift is read
     assert leveldrift.bracketing_drift({}, 4) is None
 

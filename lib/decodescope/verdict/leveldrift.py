@@ -43,14 +43,19 @@ def tpot_quarters(requests: pd.DataFrame) -> dict[int, tuple[float, float]]:
 
 def bracketing_drift(drifts: dict[int, float], level: int) -> Optional[tuple[list[int], float]]:
     """For a level 04 did not profile: the profiled levels just below and above it (one where it lies
-    outside them) and the mean of their 01-to-04 drift, which the model interpolated between carries;
-    None for a profiled level or when no level has a drift."""
+    outside them) and their 01-to-04 drift weighed as the step model weighs their inputs, linear between
+    the two (stepmodel._across_batches), the nearest one's alone outside them; None for a profiled level or
+    when no level has a drift."""
     if level in drifts or not drifts:
         return None
     below = [c for c in drifts if c < level]
     above = [c for c in drifts if c > level]
-    around = ([max(below)] if below else []) + ([min(above)] if above else [])
-    return around, sum(drifts[c] for c in around) / len(around)
+    if not below or not above:
+        nearest = max(below) if below else min(above)
+        return [nearest], drifts[nearest]
+    lo, hi = max(below), min(above)
+    w = (level - lo) / (hi - lo)
+    return [lo, hi], (1 - w) * drifts[lo] + w * drifts[hi]
 
 
 def model_miss_causes(model_error: Optional[float], host_drift: Optional[float], in_level_drift: Optional[float],
@@ -73,8 +78,10 @@ def model_miss_causes(model_error: Optional[float], host_drift: Optional[float],
         causes.append(f"the engine's step moved {100 * host_drift:+.0f}% between 01 and 04{same}")
     if around is not None and abs(around[1]) > MOVED:
         names = " and ".join(str(c) for c in around[0])
+        weighed = " (weighed as the model weighs them)" if len(around[0]) > 1 else ""
         causes.append(f"the model's inputs come from 04 at concurrency {names}, where the engine's step moved "
-                      f"{100 * around[1]:+.0f}% (mean) from 01")
+                      f"{100 * around[1]:+.0f}%{weighed} from 01; against 01's step moved so, the model is "
+                      f"{100 * ((1 + model_error) / (1 + around[1]) - 1):+.1f}%")
     if in_level_drift is not None and abs(in_level_drift) > MOVED and first_last_us:
         causes.append(f"the level's own TPOT moved {100 * in_level_drift:+.0f}% while it ran "
                       f"({first_last_us[0] / 1e3:.2f} ms in its first quarter, {first_last_us[1] / 1e3:.2f} ms "
