@@ -19,6 +19,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 import psutil
@@ -143,14 +144,22 @@ def leftovers(run_dir: Path) -> tuple[list[int], list[Path]]:
     return sorted(pids), procs.shm_files_of(idents)
 
 
-def left_after_teardown(run_dir: Path, timeout_s: float = 20) -> tuple[list[int], list[Path]]:
-    """What of the run is left once its teardown has had time to finish. Polled (as tests/test_integration_ssh.py
-    does) rather than looked at after a fixed 0.5 s: on CI's loaded 2-core machine the last processes of a
-    torn-down tree can take longer to be reaped. What is still there after timeout_s is left for good."""
+def settled(probe: Callable[[], tuple[list, ...]], timeout_s: float = 20) -> tuple[list, ...]:
+    """probe()'s lists of what a teardown left (processes, shm files) once all are empty, or as they are after
+    timeout_s, left for good. Polled rather than looked at after a fixed 0.5 s: on CI's loaded 2-core machine
+    the last processes of a torn-down tree can take longer to be reaped."""
     deadline = time.monotonic() + timeout_s
-    while leftovers(run_dir) != ([], []) and time.monotonic() < deadline:
+    left = probe()
+    while any(left) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return leftovers(run_dir)
+        left = probe()
+    return left
+
+
+def left_after_teardown(run_dir: Path) -> tuple[list[int], list[Path]]:
+    """What of the run is left here once its teardown has had time to finish."""
+    pids, shm = settled(lambda: leftovers(run_dir))
+    return pids, shm
 
 
 def assert_nothing_left(run_dir: Path) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from decodescope.exec import procs
 from decodescope.cli.main import EXIT_PHASE_FAILED
 from decodescope.exec.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV, SSH_RUN_ID_ENV
 from decodescope.schema.params import PHASES
-from tests.test_faults import Run, digests, manifest, record_fault, wait_until
+from tests.test_faults import Run, digests, manifest, record_fault, settled, wait_until
 from tests.test_host_ssh import SSHD, Sshd
 from tests.test_integration_vllm import _params
 
@@ -77,10 +77,8 @@ def shm_left(run_dir: Path) -> list[Path]:
 def left_after_teardown(run_dir: Path) -> tuple[list[int], list[Path]]:
     """What of the run is left on the host once its supervisor there has had time to tear down alone (after
     a dropped link it notices the drop itself)."""
-    deadline = time.monotonic() + 20
-    while (left_on_host(run_dir) or shm_left(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left_on_host(run_dir), shm_left(run_dir)
+    pids, shm = settled(lambda: (left_on_host(run_dir), shm_left(run_dir)))
+    return pids, shm
 
 
 def assert_nothing_left(run_dir: Path) -> tuple[int, int]:

@@ -224,12 +224,13 @@ class _Stream:
                 rec.error_text = f"HTTP {self.status}: {self.error_body[:500].decode(errors='replace')}"
             elif exc is not None or (self.chunked and self.raw):
                 rec.error_class, rec.error_text = "connection_reset", f"stream cut: {exc or 'incomplete chunk'}"
-            elif rec.n_out_usage is None and rec.first_chunk_ns is None and self.done_seen:
-                rec.error_class, rec.error_text = "malformed_stream", "stream ended ([DONE]) with no content chunk"
             elif rec.n_out_usage is None and rec.first_chunk_ns is None:
-                # the server's socket closed after its response header and before any event: an API server
-                # killed mid-level ends its streams so (a resumed sweep measures such a level again)
-                rec.error_class, rec.error_text = "connection_reset", "stream cut after the response header"
+                # without its [DONE] the server's socket closed after the response header and before any
+                # event: an API server killed mid-level ends its streams so (a resumed sweep measures such a
+                # level again)
+                rec.error_class, rec.error_text = (
+                    ("malformed_stream", "stream ended ([DONE]) with no content chunk") if self.done_seen else
+                    ("connection_reset", "stream cut after the response header"))
             elif rec.n_out_usage is None:
                 rec.error_class, rec.error_text = "connection_reset", "stream ended before the usage record"
         if not self.done.done():

@@ -18,8 +18,8 @@ from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
 from decodescope.schema.records import ProfileCapture, ProfileSummary, RunManifest, VariantEntry, read_record
 from decodescope.core.rundir import VARIANTS
-from decodescope.verdict.fixes import (EAGER_STEP, Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix, eager_fix,
-                                       expected_tokens_per_verify, level_tpot, profile_summaries)
+from decodescope.verdict.fixes import (EAGER_STEP, Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix,
+                                       eager_fix, expected_tokens_per_verify, level_tpot, profile_summaries)
 
 
 # ---- the variants (params.experiments), measured against their projections ----------------------------
