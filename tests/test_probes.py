@@ -73,12 +73,18 @@ def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_size
     # call by itself, each rank on the core the engine binds its worker to, so a typical back-to-back call waits
     # for no one either and the two are about one call on both paths (gloo, forced AVX2: late rank 158 us, back to
     # back 211 us, benchmarks/probe_placement.py; shm under a full suite: 2.92 and 2.44 us)
-    by = mine[mine["bytes"] == min(step_sizes)].groupby(["timing", "rank"])["time_us"].first()
-    print(f"{engine} at", min(step_sizes), "B:", by.round(2).to_dict())
-    assert by[("late_rank", 0)] == by[("late_rank", 1)]
-    # within 3x: a scheduler-slice stall (2.4-4.5 ms) is 12x and more of a gloo call, 800x of an shm one, while
-    # a loaded host moves the two clean figures against each other (1.2x under a full suite)
-    assert by[("late_rank", 0)] < 3 * by[("back_to_back", 0)]
+    by = mine[mine["bytes"] == min(step_sizes)].groupby(["timing", "rank"])[["time_us", "p10_us", "n", "calls"]].first()
+    print(f"{engine} at", min(step_sizes), "B:", by.round(2).to_dict("index"))
+    late, b2b = by.loc[("late_rank", 0)], by.loc[("back_to_back", 0)]
+    assert late.equals(by.loc[("late_rank", 1)])
+    # every timed call is one sample of the late rank's figures, as of back-to-back's: a stalled call is one of
+    # calls x iterations, not a share of one repetition's median of its few calls
+    assert late["n"] == late["calls"] * params.microbench.iterations
+    # its calls that no stall reached (p10) within 3x of back-to-back's: what the timing guarantees, the op is one
+    # call's own cost, the last rank's, not an early rank's that waits out the 100 us (40x of an shm call). Not
+    # the medians: a waiting rank sleeps, and a loaded host's scheduler wakes it behind other work 2-10 ms later
+    # in over half of either timing's calls at times (two busy loops: medians 0.1-9.9 ms, p10 64-139 us)
+    assert late["p10_us"] < 3 * b2b["p10_us"]
     burst = ok[ok["part"] == "burst"]
     per_call = burst.groupby("communicator")["per_call_us"].median()
     print("burst per call (us):", per_call.round(1).to_dict())

@@ -203,7 +203,8 @@ def late_rank(fn, calls: int, iters: int, warmup: int, world: int, rank: int,
     Python call around it (which a profiled step books to the host's time, not the collective). That
     is the collective's own cost when no one waits for it, as a profiled step's per-call least time
     over the ranks is. The other ranks spend the interval waiting inside each call. Every rank
-    returns the last rank's figures (the median call of each repetition)."""
+    returns the last rank's figures: every timed call's op, the repetitions pooled as back_to_back's on a CPU
+    (a stalled call is one sample of calls x iters, not a share of one repetition's median of 4 to 50 calls)."""
     last = rank == world - 1
     out: list[float] = []
     for i in range(warmup + iters):
@@ -220,7 +221,7 @@ def late_rank(fn, calls: int, iters: int, warmup: int, world: int, rank: int,
                     pass
                 fn()
         if i >= warmup:
-            out.append(_median_top_level_op_us(prof.events()))
+            out += _top_level_op_us(prof.events())
     box = [out]
     dist.broadcast_object_list(box, src=world - 1)
     return box[0]
@@ -243,15 +244,14 @@ def _read_between_calls(nbytes: int) -> None:
     _SCRATCH[0][:nbytes:64]  # a copy of every 64th byte: each line read once
 
 
-def _median_top_level_op_us(events) -> float:
-    """The median duration of the calls of the op that took the most time among the top-level ops
-    (one per call: the collective itself)."""
-    top = [e for e in events if e.cpu_parent is None]
+def _top_level_op_us(events) -> list[float]:
+    """The durations of the calls of the op that took the most time among the top-level ops (one per
+    call: the collective itself)."""
     by: dict[str, list[float]] = {}
-    for e in top:
-        by.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    durs = sorted(max(by.values(), key=sum))
-    return float(durs[len(durs) // 2])
+    for e in events:
+        if e.cpu_parent is None:
+            by.setdefault(e.name, []).append(float(e.time_range.elapsed_us()))
+    return max(by.values(), key=sum)
 
 
 def graph_of(fn, calls: int):
