@@ -35,7 +35,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 NO_TESTS = 5  # pytest's exit status when no test was selected
 HANDOFF_ENV = "DECODESCOPE_TEST_HANDOFF"
-FAULTS = ("test_faults.py", "test_host_ssh.py")
+FAULTS = ("test_faults.py", "test_attach.py", "test_host_ssh.py")
 BESIDE_SERVERS = ("test_integration_ssh.py",)
 ALONE = ("test_integration_vllm.py", "test_experiments_vllm.py", "test_probes.py",
          "test_stepmodel.py", "test_engine_comm.py", "test_serving_client.py", "test_telemetry.py")

@@ -694,8 +694,9 @@ def test_the_load_generator_runs_beside_the_server_and_its_levels_come_back(sshd
 
 def test_an_attached_servers_traces_come_back_from_every_node_and_stay_moved(sshd, tmp_path, session):
     """server.mode attach across nodes: each node's profiler directory (host.trace_dir) is copied into
-    traces/node<i>/ while the profile runs; a file is copied until it is whole, and once filed elsewhere
-    here (traces/c<N>/) it does not come back."""
+    traces/node<i>/ while the profile runs; a file appears there only whole (never the half written
+    first), a file there before the profile is not copied, and once filed elsewhere here (traces/c<N>/) a
+    file does not come back."""
     import gzip
 
     from decodescope.exec.host import node_traces
@@ -711,9 +712,13 @@ def test_an_attached_servers_traces_come_back_from_every_node_and_stay_moved(ssh
     session.append(host_for(params))
     trace_dir = run_dir / "traces"
     whole = gzip.compress(b'{"traceEvents": []}' * 1000)
+    (remote_traces / "earlier.pt.trace.json.gz").write_bytes(whole)  # another profile's, before this one
     with node_traces(params, trace_dir):
         (remote_traces / "rank0.pt.trace.json.gz").write_bytes(whole[: len(whole) // 2])  # still being written
-        time.sleep(1.0)
+        seen_partial = []
+        for _ in range(10):  # several syncs (0.3 s apart) while the file is half written
+            time.sleep(0.1)
+            seen_partial += [p for p in trace_dir.rglob("rank0*") if p.read_bytes() != whole]
         (remote_traces / "rank0.pt.trace.json.gz").write_bytes(whole)
         # a copy every 0.3 s over ssh: the whole file arrives within a few of them, later on a loaded host
         # (a fixed 1.5 s wait failed once under a full suite on two cores)
@@ -726,9 +731,10 @@ def test_an_attached_servers_traces_come_back_from_every_node_and_stay_moved(ssh
         filed = trace_dir / "c1"
         filed.mkdir()
         (trace_dir / "node0" / "rank0.pt.trace.json.gz").rename(filed / "rank0.pt.trace.json.gz")
-        time.sleep(1.0)
+    # the block's end syncs once more, after the move: a file it could bring back would be back now
     assert not (trace_dir / "node0" / "rank0.pt.trace.json.gz").exists()
     assert (filed / "rank0.pt.trace.json.gz").read_bytes() == whole
+    assert seen_partial == [] and not list(trace_dir.rglob("earlier*"))
 
 
 def test_start_for_params_on_an_ssh_host_pushes_the_model_and_records_the_link(sshd, tmp_path, session):

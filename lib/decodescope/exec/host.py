@@ -28,12 +28,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
+from decodescope.exec.attached import PROFILE_PHASE, check_attached
 from decodescope.exec.hostcore import RSYNC_TIMEOUT_S, LocalHost
 from decodescope.core.io import gzip_complete
 from decodescope.core.phases import HOST_PHASES
@@ -74,8 +76,9 @@ def node_hosts(params) -> list["LocalHost | SshHost"]:
 
 def preflight(params, resume: Optional[Path] = None, phases: Optional[Sequence[str]] = None) -> "LocalHost | SshHost":
     """Before a run makes anything: connect (one connection for the run), check the host's decodescope;
-    on --resume, copy back what finished there while the link was down. Raises HostError. Nothing is
-    done when none of `phases` runs anything on the host."""
+    on --resume, copy back what finished there while the link was down; an attached server's profiler and
+    trace directory checked for 04 (exec.attached.check_attached). Raises HostError (AttachError). Nothing
+    is done on the host when none of `phases` runs anything there."""
     host = host_for(params)
     if host.remote and (phases is None or set(phases) & set(HOST_PHASES)):
         host.connect()
@@ -84,6 +87,7 @@ def preflight(params, resume: Optional[Path] = None, phases: Optional[Sequence[s
         if resume is not None:
             host.pull(Path(resume), quiet=True, extra=["--exclude=/manifest.json", "--exclude=/params.yaml",
                                                        "--exclude=/notebooks/", "--exclude=/report.html"])
+    check_attached(params, host, list(phases) if phases is not None else [PROFILE_PHASE])
     return host
 
 
@@ -95,44 +99,78 @@ def mirror_move(params, paths: Sequence[Path], dest: Path) -> None:
         host.mirror_move(paths, dest)
 
 
+# the files already in a folder of a host, relative to it (run there, so the same code serves ssh and here)
+_LIST_FILES = ("import os, sys\nroot = sys.argv[1]\n"
+               "for d, _, fs in os.walk(root):\n"
+               "    for f in fs:\n        print(os.path.relpath(os.path.join(d, f), root))\n")
+SYNC_STAGING = ".trace_sync"  # beside traces/, so no reader of traces/ sees a file still arriving
+
+
+def _files_on(host, folder: str) -> set[str]:
+    r = host.run([host.python, "-c", _LIST_FILES, folder], timeout_s=60.0)
+    return set(r.stdout.split("\n")) - {""} if r.returncode == 0 else set()
+
+
+def _copy_new(host, folder: str, staging: Path, skip: set[str]) -> None:
+    """Every file of the host's `folder` not in `skip` into `staging` (over an earlier, partial copy)."""
+    staging.mkdir(parents=True, exist_ok=True)
+    if host.remote:
+        fd, excl = tempfile.mkstemp(suffix=".exclude")
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"/{name}\n" for name in sorted(skip)))
+        try:
+            host.pull_from(folder, staging, extra=[f"--exclude-from={excl}"])
+        finally:
+            os.unlink(excl)
+        return
+    for rel in sorted(_files_on(host, folder) - skip):
+        dest = staging / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # removed or rewritten while copied: the next sync copies it again
+            shutil.copyfile(Path(folder) / rel, dest)
+
+
 @contextlib.contextmanager
-def node_traces(params, trace_dir: Path):
-    """While an attached server is profiled: the traces its ranks write on the ssh host and on each of
-    host.nodes (in host.trace_dir there, its --profiler-config torch_profiler_dir) copied into
-    trace_dir/node<i>/ every host.sync_interval_s, and once more at the end. A file is copied again
-    until it is whole (a complete gzip stream, or a size that stopped changing), then never again, so
-    moving it here (traces/c<N>/) does not bring it back. Nothing for a launched server (its profiler
-    directory is the run's traces/) or a local host."""
-    if params.server.mode != "attach" or not params.host.trace_dir:
+def node_traces(params, trace_dir: Path, folder: Optional[str] = None):
+    """While an attached server is profiled: the traces its ranks write in `folder` (default host.trace_dir,
+    its --profiler-config torch_profiler_dir) on the host and on each of host.nodes, here or over ssh,
+    copied into trace_dir/node<i>/ every host.sync_interval_s and once more at the end.
+
+    Files already there when the block begins are not this run's and stay where they are. A new file is
+    copied into a staging folder beside traces/ until it is whole (a complete gzip stream, or a size
+    that stopped changing), then moved into traces/node<i>/ by the same thread that copies, and never
+    copied again. So a reader of traces/ never sees a partial file, and a file filed elsewhere
+    (traces/c<N>/) cannot come back. Nothing for a launched server: its profiler writes in traces/."""
+    folder = folder or params.host.trace_dir
+    if params.server.mode != "attach" or not folder:
         yield
         return
-    nodes = [(i, h) for i, h in enumerate(node_hosts(params)) if h.remote]
-    done: dict[int, set[str]] = {i: set() for i, _ in nodes}
+    trace_dir = Path(trace_dir)
+    nodes = list(enumerate(node_hosts(params)))
+    done = {i: _files_on(h, folder) for i, h in nodes}
     sizes: dict[Path, int] = {}
+    lock = threading.Lock()
     stop = threading.Event()
 
-    def pull_all() -> None:
-        for i, h in nodes:
-            local = Path(trace_dir) / f"node{i}"
-            local.mkdir(parents=True, exist_ok=True)
-            fd, excl = tempfile.mkstemp(suffix=".exclude")
-            with os.fdopen(fd, "w") as f:
-                f.write("".join(f"/{name}\n" for name in sorted(done[i])))
-            try:
-                h.pull_from(params.host.trace_dir, local, extra=[f"--exclude-from={excl}"])
-            finally:
-                os.unlink(excl)
-            for p in local.rglob("*"):
-                if p.is_file():
+    def sync_all() -> None:
+        with lock:
+            for i, h in nodes:
+                staging = trace_dir.parent / SYNC_STAGING / f"node{i}"
+                _copy_new(h, folder, staging, done[i])
+                for p in sorted(q for q in staging.rglob("*") if q.is_file()):
                     size = p.stat().st_size
                     whole = gzip_complete(p) if p.suffix == ".gz" else sizes.get(p) == size
                     sizes[p] = size
                     if whole:
-                        done[i].add(str(p.relative_to(local)))
+                        rel = p.relative_to(staging)
+                        dest = trace_dir / f"node{i}" / rel
+                        dest.parent.mkdir(parents=True, exist_ok=True)
+                        os.replace(p, dest)
+                        done[i].add(str(rel))
 
     def loop() -> None:
         while not stop.wait(float(params.host.sync_interval_s)):
-            pull_all()
+            sync_all()
     t = threading.Thread(target=loop, daemon=True)
     t.start()
     try:
@@ -140,7 +178,8 @@ def node_traces(params, trace_dir: Path):
     finally:
         stop.set()
         t.join(timeout=RSYNC_TIMEOUT_S)
-        pull_all()
+        sync_all()
+        shutil.rmtree(trace_dir.parent / SYNC_STAGING, ignore_errors=True)
 
 
 def close_all() -> None:

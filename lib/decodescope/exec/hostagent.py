@@ -7,6 +7,7 @@ process tree decodescope starts there.
     python -m decodescope.exec.hostagent port-free HOST PORT
     python -m decodescope.exec.hostagent http-rtt URL N
     python -m decodescope.exec.hostagent inventory '{"gpu": null, "peaks": {}}'
+    python -m decodescope.exec.hostagent server-tree PORT [STOP_FILE]   (decodescope.exec.servertree)
 
 `supervise` reads one JSON line from stdin (argv, env, cwd, log, token, grace_s, shm_globs, heartbeat
 timeout), starts argv in a new session with DECODESCOPE_RUN_TOKEN=token in its environment (so every
@@ -233,6 +234,11 @@ def main(argv=None) -> int:
 
         opts = json.loads(argv[0]) if argv else {}
         print(inventory(gpu_override=opts.get("gpu"), peak_overrides=opts.get("peaks")).model_dump_json())
+        return 0
+    if cmd == "server-tree":  # an attached server, read and never signalled
+        from decodescope.exec.servertree import inspect
+
+        print(json.dumps(inspect(int(argv[0]), argv[1] if len(argv) > 1 else None)))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

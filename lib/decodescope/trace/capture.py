@@ -21,6 +21,7 @@ behind included, as profiler_residue_us).
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -29,22 +30,18 @@ from typing import Any, Callable, Optional
 
 import pandas as pd
 
-from decodescope.exec.host import mirror_move, node_traces
-from decodescope.exec.server import ServerHTTPError, ServerUnreachable, log_tail, phase_server
+from decodescope.exec.host import mirror_move
+from decodescope.exec.server import ServerHTTPError, ServerUnreachable, log_tail
 from decodescope.serving.client import run_async
 from decodescope.serving.promtext import ENGINE_STEPS, HISTOGRAM_MEANS, Scraper, counter_delta, histogram_mean_between
 from decodescope.serving.telemetry import SETTLE_S
 from decodescope.serving.sweep import (SERVER_FAILURE_CLASSES, SweepConfig, build_prompts, records_frame, run_level,
                                        warmup_count)
-from decodescope.core.enginelog import last_engine_modes
-from decodescope.core.rundir import LOGS
-from decodescope.trace.hostops import host_ops_wanted
 from decodescope.trace.load import find_trace_files
 from decodescope.core.io import gzip_complete, write_parquet_atomic
 from decodescope.schema.params_schema import KNEE
 from decodescope.exec.procs import cpu_per_step, cpu_schedstat
-from decodescope.schema.recordbase import write_record
-from decodescope.schema.records import ProfileCapture, ProfileCaptures
+from decodescope.schema.records import ProfileCapture
 from decodescope.serving.metrics import knee
 
 
@@ -220,6 +217,11 @@ def _start_profile(server) -> None:
     try:
         server.start_profile()
     except ServerHTTPError as e:
+        if e.status == 409:  # vLLM: a profile is running already; stopping another's would lose its trace
+            raise CaptureError(f"POST {server.base_url}/start_profile answered HTTP 409: the server's profiler is "
+                               "running already (another client, or a run that ended without stopping it). A "
+                               "profile left running grows the workers' memory until it is stopped: stop it with "
+                               f"POST {server.base_url}/stop_profile, then run again") from None
         raise CaptureError(f"POST {server.base_url}/start_profile answered HTTP {e.status}: the server has no "
                            "profiler configured. Start it with --profiler-config "
                            "'{\"profiler\":\"torch\",\"torch_profiler_dir\":\"/abs/dir\"}' (or "
@@ -229,19 +231,38 @@ def _start_profile(server) -> None:
         raise
 
 
+def _stop_after_failure(server) -> None:
+    """A workload that failed (or was interrupted) inside a window: the profile is stopped all the same, as a
+    profile left running grows the workers' memory without bound. Its own failure is not the error to report."""
+    try:
+        server.stop_profile(timeout_s=float(STOP_AFTER_FAILURE_S))
+    except Exception:
+        pass
+
+
+# the stop after a failed workload: long enough for a small window's export, short beside Ctrl-C's patience
+STOP_AFTER_FAILURE_S = 120
+
+
 def profiled_window(server, params, trace_dir: Path, expected_ranks: int, workload: Callable[[], tuple[list, Any]],
-                    what: str, records_path: Optional[Path] = None) -> tuple[Any, dict]:
+                    what: str, records_path: Optional[Path] = None,
+                    arrival_timeout_s: Optional[float] = None) -> tuple[Any, dict]:
     """/start_profile, `workload()` (-> its request records and anything else), /stop_profile, then wait for
     every rank's trace: (the workload's anything else, the CaptureResult fields of the window). The records
     are written to records_path before the stop, so a server that fails there leaves them. A stop that never
-    completes is a problem, not an error: the ranks that arrived within a short wait are kept."""
+    completes is a problem, not an error: the ranks that arrived within a short wait are kept.
+    arrival_timeout_s: the wait for the traces once /stop_profile answered (default profile.flush_timeout_s)."""
     prof = params.profile
     before = set(p for group in find_trace_files(trace_dir) for p in group)
     problems: list[str] = []
     t0 = time.monotonic()
     _start_profile(server)
     t1 = time.monotonic()
-    records, extra = workload()
+    try:
+        records, extra = workload()
+    except BaseException:
+        _stop_after_failure(server)
+        raise
     t2 = time.monotonic()
     df = records_frame(records)
     if records_path is not None:
@@ -258,7 +279,7 @@ def profiled_window(server, params, trace_dir: Path, expected_ranks: int, worklo
         problems.append(f"{e} (profile.flush_timeout_s); the rank traces that arrived were analysed")
     t3 = time.monotonic()
     # after a /stop_profile that never completed, wait only briefly for files still being written
-    wait_s = min(prof.flush_timeout_s, 30.0) if problems else prof.flush_timeout_s
+    wait_s = min(prof.flush_timeout_s, 30.0) if problems else (arrival_timeout_s or prof.flush_timeout_s)
     ranks, front = wait_for_traces(trace_dir, before, expected_ranks, wait_s, partial_ok=bool(problems),
                                    # after a /stop_profile that failed the server may be stuck but alive:
                                    # then the short wait above is the limit, not its health
@@ -276,10 +297,12 @@ def profiled_window(server, params, trace_dir: Path, expected_ranks: int, worklo
 
 def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[int] = None,
                     records_path: Optional[Path] = None, concurrency: Optional[int] = None,
-                    itl_before_profiles_us: Optional[float] = None) -> CaptureResult:
+                    itl_before_profiles_us: Optional[float] = None, guard=None) -> CaptureResult:
     """Warm up, profile a decode workload at one concurrency, stop, and wait for the traces.
     itl_before_profiles_us: this level's inter-token latency before the phase's first profile
-    (itl_before_profiles), the unprofiled step the profiler's cost is taken against."""
+    (itl_before_profiles), the unprofiled step the profiler's cost is taken against. guard: an attached
+    server's (trace.attachprofile.AttachedProfiler), which plans the window from the workload's unprofiled
+    steps (fewer requests, or a refusal) and measures what it cost."""
     prof = params.profile
     concurrency = concurrency or next(c for c in prof.concurrency if isinstance(c, int))
     trace_dir = Path(trace_dir)
@@ -293,17 +316,27 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     # the last one's /proc figures are what is kept (host_cpu_per_step): the first is not read for them
     unprofiled = [_engine_window(scraper, work.run, pids if last else ())[1] for last in (False, True)]
 
+    if guard is not None:
+        # the slice starts after one request's time, unprofiled (its ITL x its tokens)
+        wave_s = (unprofiled[-1].itl_us or 0.0) * 1e-6 * prof.output_tokens
+        work.n_requests = guard.allowed_requests(level_dir_name(concurrency), work, trace_dir, wave_s)
+
     def profiled_run() -> tuple[list, EngineWindow]:
         (records, _), window = _engine_window(scraper, work.run)
         return records, window
 
-    profiled, fields = profiled_window(server, params, trace_dir, expected_ranks or params.server.tensor_parallel,
-                                       profiled_run, "the profiled workload", records_path)
-    return CaptureResult(**fields, concurrency=concurrency,
-                         engine_itl_unprofiled_runs_us=[w.itl_us for w in unprofiled],
-                         engine_itl_profiled_us=profiled.itl_us, host_cpu_per_step=unprofiled[-1].cpu,
-                         profiler_event_cost_us=profiler_event_cost_us(),
-                         engine_itl_before_profiles_us=itl_before_profiles_us)
+    with guard.watch() if guard is not None else contextlib.nullcontext() as watch:
+        profiled, fields = profiled_window(server, params, trace_dir, expected_ranks or params.server.tensor_parallel,
+                                           profiled_run, "the profiled workload", records_path,
+                                           guard.arrival_timeout_s if guard is not None else None)
+    result = CaptureResult(**fields, concurrency=concurrency,
+                           engine_itl_unprofiled_runs_us=[w.itl_us for w in unprofiled],
+                           engine_itl_profiled_us=profiled.itl_us, host_cpu_per_step=unprofiled[-1].cpu,
+                           profiler_event_cost_us=profiler_event_cost_us(),
+                           engine_itl_before_profiles_us=itl_before_profiles_us)
+    if guard is not None:
+        guard.measured(level_dir_name(concurrency), work.n_requests, profiled.steps, result, watch)
+    return result
 
 
 HOST_OPS = "host_ops"   # traces/host_ops/: the un-graphed step's capture (its record: trace.hostops.HOST_OPS_RECORD)
@@ -437,61 +470,12 @@ def level_dir_name(concurrency: int) -> str:
     return f"c{concurrency}"
 
 
-def _file_level(result: CaptureResult, trace_dir: Path, params=None, name: Optional[str] = None) -> CaptureResult:
-    """Move one capture's files into traces/c<N>/ (or traces/<name>/; an earlier capture there is replaced),
-    so each level is its own trace directory."""
-    dest = trace_dir / (name or level_dir_name(result.concurrency))
-    if params is not None:  # on an ssh host the same move there first, or copying traces/ back brings them back
-        mirror_move(params, [*result.rank_files, *result.frontend_files,
-                             *(p for p in result.tables if p.parent == trace_dir)], dest)
+def file_into(files: list[Path], dest: Path, params=None) -> list[Path]:
+    """Move a capture's files into `dest` (an earlier capture there is replaced); on an ssh host the same
+    move there first, or copying traces/ back would bring them back."""
+    if params is not None:
+        mirror_move(params, files, dest)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-
-    def move(paths: list[Path]) -> list[Path]:
-        return [Path(shutil.move(str(p), dest / p.name)) for p in paths]
-
-    result.rank_files = move(result.rank_files)
-    result.frontend_files = move(result.frontend_files)
-    result.tables = move([p for p in result.tables if p.parent == trace_dir])
-    result.trace_dir = dest
-    return result
-
-
-def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[CaptureResult]]:
-    """Profile every level of profile.concurrency through the run's server, launched with traces/ as
-    its profiler directory (or a server started here for this notebook alone, with the same
-    directory); each level's files end in traces/c<N>/ and its records in data/profile/c<N>/. A level
-    whose capture loses ranks is kept (its problems say so); one with no trace at all stops the phase. Then
-    the un-graphed step (capture_host_ops) into traces/host_ops/, returned third (None when not asked)."""
-    trace_dir = ctx.run_dir / "traces"
-    levels, notes = profile_levels(ctx.params, ctx.data("serving_levels.parquet"))
-    results = []
-
-    # node_traces: an attached server's traces on the ssh host(s) (host.trace_dir) copied into traces/node<i>/
-    with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server, node_traces(ctx.params, trace_dir):
-        if len(levels) > 1:
-            print(f"profile: concurrency {', '.join(map(str, levels[1:]))} unprofiled, before the first profile",
-                  flush=True)
-        before = itl_before_profiles(server, ctx.params, levels)
-        for i, c in enumerate(levels):
-            print(f"profile: concurrency {c} ({i + 1} of {len(levels)})", flush=True)
-            level_data = ctx.data_dir / "profile" / level_dir_name(c)
-            level_data.mkdir(parents=True, exist_ok=True)
-            result = capture_profile(server, ctx.params, trace_dir, concurrency=c,
-                                     records_path=level_data / "profile_requests.parquet",
-                                     itl_before_profiles_us=before.get(c))
-            result = _file_level(result, trace_dir, ctx.params)
-            write_record(level_data / "profile_capture.json", result.to_record())
-            if not result.rank_files:
-                result.raise_if_incomplete()
-            results.append(result)
-        modes = last_engine_modes(ctx.run_dir / LOGS / "server.log")
-        wanted, why_not = host_ops_wanted(ctx.params.profile.host_ops_tokens is not None, modes)
-        print(f"profile: one request of {host_ops_prompt_tokens(ctx.params)} prompt tokens, past the largest CUDA "
-              "graph: the host's cost of the ops graphs hide" if wanted else f"profile: {why_not}", flush=True)
-        host = capture_host_ops(server, ctx.params, trace_dir) if wanted else None
-        host = _file_level(host, trace_dir, ctx.params, HOST_OPS) if host is not None else None
-    write_record(ctx.data("profile_capture.json"), ProfileCaptures(levels=levels, notes=notes,
-                                                                    captures=[r.to_record() for r in results]))
-    return results, notes, host
+    return [Path(shutil.move(str(p), dest / Path(p).name)) for p in files]

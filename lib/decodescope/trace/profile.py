@@ -12,7 +12,8 @@ from decodescope.core.io import write_parquet_atomic
 from decodescope.core.stats import trimmed_mean
 from decodescope.schema.records import CallsWithWait, ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
 from decodescope.trace import analyze as an
-from decodescope.trace.capture import capture_for_phase, host_ops_prompt_tokens, level_dir_name
+from decodescope.trace.capture import host_ops_prompt_tokens, level_dir_name
+from decodescope.trace.capturephase import capture_for_phase
 from decodescope.trace.hostops import HOST_OPS_RECORD, host_op_costs, read_host_events
 from decodescope.trace.categorize import class_of, communicator_of
 from decodescope.trace.load import LoadedTraces, load_trace_dir
