@@ -268,7 +268,8 @@ def test_serving_level_rows_are_the_declared_columns_and_round_trip_through_parq
     req = _levels_requests()
     health = {"loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 0.4, "loop_lag_max_ms": 1.0, "client_cpu_pct": 20.0,
               "inflight_sampled_mean": 1.2, "engine_silence_ms": 1900.0, "engine_stall_ms": 1900.0}
-    telemetry = {c: "sw_power_cap" if c == "gpu_throttle_reasons" else 3 if c.startswith("telemetry_") else 1.5
+    text = {"gpu_throttle_reasons": "sw_power_cap", "server_spec_accepted_per_pos": "0.3370,0.2784"}
+    telemetry = {c: text[c] if c in text else 3 if c.startswith("telemetry_") else 1.5
                  for c in SERVING_LEVEL_COLUMNS if c.startswith(("server_", "gpu_", "telemetry_"))}
     rows = [level_summary(req.assign(repeat=0), lvl, {"ttft_ms": 100}, health, repeat=0, telemetry=telemetry)
             for lvl in (1, 2)]

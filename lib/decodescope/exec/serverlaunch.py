@@ -66,6 +66,11 @@ class LaunchSpec:
                 "host": self.host, "port": self.port, "api_key": "***redacted***" if self.api_key else None}
 
 
+# in an engine argument (a speculative config's "model"), the served model's own path: the target as its
+# own draft, where the path is made at run time (the embedded default's dummy-weights directory)
+SELF_MODEL = "@model"
+
+
 def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Optional[Path | str] = None,
                 profiler_style: str = "config", run_token: Optional[str] = None, host=None) -> LaunchSpec:
     """`host` (decodescope.exec.host) decides the default interpreter: this one here, host.python there."""
@@ -77,7 +82,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
             "--served-model-name", params.model.name, alias_for(run_token),
             "--host", s.bind_host, "--port", str(s.port),
             "--tensor-parallel-size", str(s.tensor_parallel)]
-    argv += engine_flags(s.engine_args)
+    argv += [a.replace(SELF_MODEL, model) if SELF_MODEL in a else a for a in engine_flags(s.engine_args)]
     if s.cpus:  # the API server and engine core stay there; workers bind their threads by their own setting
         argv = ["taskset", "-c", s.cpus] + argv
     env = dict(os.environ)

@@ -163,6 +163,9 @@ class WorkloadParams(_Section):
     request_rate: Optional[float] = Field(None, description="requests/s (open loop); None: closed loop at "
                                           "each concurrency level. The level is then the concurrency cap")
     burstiness: float = Field(1.0, description="gamma shape of inter-arrival times: 1 Poisson, <1 burstier")
+    temperature: Optional[Annotated[float, _at_least(0.0, "temperature must be")]] = Field(
+        None, description="sampling temperature sent with every request; None: the server's default (a "
+                          "speculative variant sets it: 0 accepts nearly every draft)")
     compare_with: list[str] = Field(default_factory=list, description="`vllm bench serve --save-result` JSON "
                                     "files to show beside our levels (relative to the params file)")
     slo: SloParams = Field(default_factory=SloParams)

@@ -221,6 +221,8 @@ class ServingLevel(_Model):
     server_queue_mean_us: Optional[float] = Field(None, description="time requests waited in the engine's queue")
     server_spec_acceptance_pct: Optional[float] = Field(None, description="accepted / draft tokens (spec decode)")
     server_spec_accept_len: Optional[float] = Field(None, description="1 + accepted tokens per draft")
+    server_spec_accepted_per_pos: Optional[str] = Field(None, description="accepted at each draft position / "
+                                                        "drafts, comma-separated in position order")
     server_api_cpu_pct: Optional[float] = Field(None, description="API server process CPU (process_cpu_seconds_total)")
     gpu_power_mean_w: Optional[float] = Field(None, description="NVML, per GPU, mean over GPUs and samples")
     gpu_power_max_w: Optional[float] = None

@@ -64,6 +64,7 @@ class RequestSpec:
     # Completions send the prompt's token ids (exact length, no tokenizing in the server) unless "text":
     # the form `vllm bench serve` sends, whose tokenizing in the API server is part of the TTFT it reads
     completions_prompt: str = "token_ids"
+    temperature: Optional[float] = None   # None: the server's default sampling
 
     def __post_init__(self):
         check_completions_prompt(self.completions_prompt)
@@ -117,11 +118,13 @@ async def make_prompts(base_url: str, model: str, n: int, input_tokens: int, see
 
 
 def request_body(spec: RequestSpec) -> tuple[str, dict]:
-    # No temperature: the server's default sampling, as `vllm bench serve` sends. Greedy decoding of
-    # random (dummy) weights can repeat one special token whose text is empty, and the server then
-    # sends nothing until the end.
+    # No temperature unless workload.temperature asks: the server's default sampling, as `vllm bench serve`
+    # sends. Greedy decoding of random (dummy) weights can repeat one special token whose text is empty, and
+    # the server then sends nothing until the end; a speculative variant sets it to steer acceptance.
     common = {"model": spec.model, "max_tokens": spec.max_tokens, "stream": True,
               "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if spec.temperature is not None:
+        common["temperature"] = spec.temperature
     if spec.endpoint == "chat":
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": spec.prompt_text}]}
     if spec.completions_prompt == "text":

@@ -54,6 +54,7 @@ class SweepConfig:
     telemetry_gpu: bool = True            # NVML on this host too (when the server is on it)
     repeats: int = 1                      # each level measured this many times (the sweep, again and again)
     completions_prompt: str = "token_ids"  # or "text" (serving.client.RequestSpec)
+    temperature: Optional[float] = None   # None: the server's default sampling
 
     def __post_init__(self):
         check_completions_prompt(self.completions_prompt)
@@ -67,7 +68,7 @@ class SweepConfig:
                    timeout_s=w.request_timeout_s, seed=w.seed, api_key=params.server.api_key,
                    slo=w.slo.model_dump(), request_rate=w.request_rate, burstiness=w.burstiness,
                    telemetry_interval_s=w.telemetry_interval_s, telemetry_gpu=_server_on_this_host(params),
-                   repeats=w.repeats)
+                   repeats=w.repeats, temperature=w.temperature)
 
 
 def _server_on_this_host(params) -> bool:
@@ -97,7 +98,7 @@ async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int],
     async def one(i: int, is_warmup: bool) -> RequestRecord:
         ids, text = next(prompt_cycle)
         spec = RequestSpec(cfg.endpoint, cfg.model, ids, text, cfg.output_tokens, cfg.timeout_s,
-                           cfg.completions_prompt)
+                           cfg.completions_prompt, cfg.temperature)
         rec = RequestRecord(level=level, index=i, warmup=is_warmup, send_ns=0)
         return await send_streaming_raw(cfg.base_url, spec, rec, cfg.api_key)
 

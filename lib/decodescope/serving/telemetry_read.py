@@ -92,6 +92,24 @@ def _delta(series, a: Optional[int], b: Optional[int]) -> float:
     return d if d >= 0 else float("nan")
 
 
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def spec_per_position(server, a: Optional[int], b: Optional[int], drafts: float) -> str:
+    """Each draft position's acceptance over the window (accepted at the position / drafts), as
+    comma-separated fractions in position order; '' where nothing was drafted or the server has no such
+    counter (decodescope.verdict.speculative reads it)."""
+    rows = server[server["metric"] == SPEC_PER_POS]
+    if not len(rows) or not drafts or drafts != drafts or drafts <= 0:
+        return ""
+    pos = rows.assign(position=rows["labels"].map(lambda t: json.loads(t).get("position")))
+    out = []
+    for p, grp in sorted(pos.groupby("position"), key=lambda kv: int(kv[0])):
+        d = _delta(grp.groupby("scrape")["value"].sum(), a, b)
+        out.append(f"{d / drafts:.4f}" if d == d else "nan")
+    return ",".join(out)
+
+
 def summarize(df) -> dict:
     """A level's summary (module docstring) from its telemetry rows; NaN where nothing was measured."""
     nan = float("nan")
@@ -137,6 +155,7 @@ def summarize(df) -> dict:
     accepted = _delta(_per_scrape(server, ("vllm:spec_decode_num_accepted_tokens_total",)), a, b)
     out["server_spec_acceptance_pct"] = 100.0 * accepted / draft_tokens if draft_tokens > 0 else nan
     out["server_spec_accept_len"] = 1.0 + accepted / drafts if drafts > 0 else nan
+    out["server_spec_accepted_per_pos"] = spec_per_position(server, a, b, drafts)
     cpu = _delta(_per_scrape(server, ("process_cpu_seconds_total",)), a, b)
     t = server.groupby("scrape")["t_s"].first()
     span = float(t[b] - t[a]) if a is not None and b != a else nan

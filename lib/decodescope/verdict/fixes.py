@@ -306,7 +306,8 @@ def fixes_at(inp: ModelInputs, batch: float, params) -> list[Fix]:
             tokens = expected_tokens_per_verify(k, alpha)
             out.append(Fix(f"speculative decoding k={k}, alpha={alpha:g}", verify, tokens, tp, [
                 f"verify step = the step model at batch {batch:g} x {k + 1}; {tokens:.2f} tokens per verify step "
-                "((1 - a^(k+1)) / (1 - a)); n-gram drafting, cost ~0"]))
+                "((1 - a^(k+1)) / (1 - a)); drafter assumed free (an n-gram's host time; a draft model's passes "
+                "are priced only where a variant measured one)"]))
     g = inp.predict(batch).components[0]
     half = sp.Component("gemm", g.us / 2, g.low_us / 2, g.high_us / 2, g.source, ["every GEMM twice as fast"])
     out.append(Fix("GEMMs 2x faster", _with_component(inp.predict(batch), half), 1.0, tp,

@@ -190,7 +190,9 @@ PREEMPTED = "workers preempted by the host's processes"
 OUTSIDE_GRAPH = "ops outside the CUDA graph, on the host"
 # a variant that schedules synchronously where the baseline overlapped its host's work between steps
 LOST_ASYNC = "host between steps, no longer overlapped"
-IN_STEP = ("idle in step", PREEMPTED, OUTSIDE_GRAPH, LOST_ASYNC)
+# speculative decoding's drafter: its passes run inside the engine's step, priced as whole steps already
+DRAFTER = "drafter's passes"
+IN_STEP = ("idle in step", PREEMPTED, OUTSIDE_GRAPH, LOST_ASYNC, DRAFTER)
 # Host parts are added after the lanes' overlap; the profiler's cost (taken off: DEDUCTED) and the rest of the profiled
 # period count in the period (TPOT, measured without a profiler) but not in the wall of a profiled step.
 HOST_PARTS = IN_STEP + ("between steps", PROFILER_COST, REST)

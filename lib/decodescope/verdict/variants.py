@@ -18,6 +18,7 @@ from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
 from decodescope.schema.records import ProfileCapture, ProfileSummary, RunManifest, VariantEntry, read_record
 from decodescope.core.rundir import VARIANTS
+from decodescope.verdict.speculative import drafter_of
 from decodescope.verdict.fixes import (EAGER_STEP, Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix,
                                        eager_fix, expected_tokens_per_verify, level_tpot, profile_summaries)
 
@@ -33,14 +34,22 @@ def _spec_config(engine_args: dict) -> Optional[dict]:
         return None
 
 
-def _acceptance(levels: pd.DataFrame) -> tuple[Optional[float], bool]:
-    """(per drafted token acceptance, anything drafted) from the variant's server telemetry (01):
-    vllm:spec_decode_num_accepted_tokens / num_draft_tokens over each level, median over levels."""
+def _acceptance(levels: pd.DataFrame) -> tuple[Optional[float], bool, Optional[float], str]:
+    """(per drafted token acceptance, anything drafted, tokens per verify step, acceptance per position) from
+    the variant's server telemetry (01), medians over its levels: vllm:spec_decode_num_accepted_tokens /
+    num_draft_tokens; 1 + accepted / drafts (what the positions' acceptance adds up to); each position's."""
     col = "server_spec_acceptance_pct"
     if col not in levels:
-        return None, False
+        return None, False, None, ""
     v = levels[col].dropna()
-    return (float(v.median()) / 100.0, True) if len(v) else (None, False)
+    if not len(v):
+        return None, False, None, ""
+    length = levels["server_spec_accept_len"].dropna() if "server_spec_accept_len" in levels else pd.Series([], dtype=float)
+    per_pos = (levels["server_spec_accepted_per_pos"].dropna() if "server_spec_accepted_per_pos" in levels
+               else pd.Series([], dtype=object))
+    pos = [[float(x) for x in str(p).split(",")] for p in per_pos if p]
+    median_pos = ",".join(f"{pd.Series(col).median():.3f}" for col in zip(*pos)) if pos else ""
+    return float(v.median()) / 100.0, True, float(length.median()) if len(length) else None, median_pos
 
 
 def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance: tuple,
@@ -55,13 +64,10 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
     spec = _spec_config(ea)
     if spec is not None:
         k = int(spec.get("num_speculative_tokens", 1))
-        alpha, drafted = acceptance
+        alpha, drafted, accept_len, per_pos = acceptance
         if alpha is None:
             return _synchronous(inp, nothing_drafted_fix(inp, batch, k), batch, lost_async), ""
-        tokens = expected_tokens_per_verify(k, min(alpha, 0.999))
-        return _synchronous(inp, Fix(f"speculative decoding k={k}, alpha={alpha:.2f} (measured)",
-                                     inp.predict(batch * (k + 1)), tokens, tp,
-                                     ["acceptance i.i.d. per drafted token; a draft at every step"]), batch, lost_async), ""
+        return _synchronous(inp, spec_fix(inp, batch, k, spec, alpha, accept_len, per_pos), batch, lost_async), ""
     if ea.get("enable-expert-parallel"):
         if inp.coll.empty or inp.coll[(inp.coll["part"] == "all_to_all") & (inp.coll["status"] == "ok")].empty:
             return None, "03 measured no all-to-all"
@@ -74,6 +80,34 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
     if ea.get("enforce-eager") is True and base_ea.get("enforce-eager") is not True:
         return eager_fix(inp, batch)
     return None, "no projection for this change"
+
+
+def spec_fix(inp: ModelInputs, batch: float, k: int, spec: dict, alpha: float, accept_len: Optional[float],
+             per_pos: str) -> Fix:
+    """Speculative decoding that drafted, priced whole (verdict.speculative): the verify step at batch x (k + 1),
+    the drafter's k passes where it is the target itself (each a decode step of the target at the batch), over
+    the tokens per verify step the server measured (1 + accepted / drafts), else the i.i.d. formula."""
+    drafter = drafter_of(spec, None)
+    verify = inp.predict(batch * (k + 1))
+    notes = [f"verify step = the step model at batch {batch:g} x {k + 1}"]
+    comps = list(verify.components)
+    if drafter == "self":
+        draft = inp.predict(batch)
+        comps.append(sp.Component(sm.DRAFTER, k * draft.wall_us, k * draft.wall_us, k * draft.wall_us,
+                                  "the step model at the batch (the target as its own draft)",
+                                  [f"{k} draft passes, each a decode step of the target at batch {batch:g}"]))
+        notes.append(f"drafter: the target itself, {k} x {draft.wall_us:,.0f} us a verify step")
+    else:
+        notes.append(f"drafter: {drafter}, its own cost not priced")
+    if accept_len:
+        tokens = accept_len
+        notes.append(f"{tokens:.2f} tokens a verify step, measured (1 + accepted / drafts"
+                     + (f"; per position {per_pos}" if per_pos else "") + ")")
+    else:
+        tokens = expected_tokens_per_verify(k, min(alpha, 0.999))
+        notes.append(f"{tokens:.2f} tokens a verify step from alpha {alpha:.2f} i.i.d. (positions not measured)")
+    return Fix(f"speculative decoding k={k}, {drafter} drafter, {tokens:.2f} tokens a verify step (measured)",
+               sm.StepPrediction(verify.batch, comps, verify.overlap), tokens, inp.tp, notes)
 
 
 def _synchronous(inp: ModelInputs, fix: Fix, batch: float, lost_async: bool) -> Fix:
