@@ -12,20 +12,72 @@
 #                          refused with it) must pass together in 64 MiB
 #   stash                  copy this call's pieces to $VB
 #   setup                  check and unpack the pieces; vLLM onto $SITE, the wheelhouse into $DS
-#   start PARAMS [ARGS..]  copy the tree to $REPO and start `decodescope run PARAMS ARGS` there
-#   queue 'PARAMS ARGS' .. the same for several runs, one after the other, in one background session
+#   start JOB              copy the tree to $REPO and start `decodescope run PARAMS ARGS` there
+#   queue 'JOB' ..         the same for several runs, one after the other, in one background session
 #   gputests [PYTEST ARGS] the gpu-marked tests, with vLLM and the wheelhouse on the path (log to $OUT)
-#   resume PARAMS          copy lib/, notebooks/ and params/ again and resume the last run
+#   resume 'JOB' ..        copy lib/, notebooks/ and params/ again and queue the jobs again, each with --resume
+#                          its params' latest run directory (phases and variants already ok are skipped; a job
+#                          with none starts afresh)
 #   poll SECONDS           wait until the run ends or SECONDS pass; print the log's tail (300 at most: a lent
 #                          machine was released under a 560 s poll, and its run's files with it)
 #   collect                tar the run directories into $OUT (pieces of at most 15 MiB; traces left out when
 #                          the whole would pass the tool's 8 files)
+# A JOB is '[VAR=VALUE ..] PARAMS [ARGS..]': the assignments go to decodescope's own environment, where 03's
+# probes run (server.env does not reach them), e.g. 'NCCL_P2P_DISABLE=1 params/h200x2-qwen3moe-pcie.yaml'.
+# CLIENT_CPUS=LIST in this script's environment runs decodescope under taskset -c LIST (the pinned params put
+# the server on the other half of the cores with server.cpus). start, queue and resume refuse while a run goes.
+#
+# Several GPUs (nvidia-h200-x2 / -x4 / -x8): the same steps; each start, queue, resume and poll call returns within
+# the tool's 10 minutes (the runs go on in the background), so the campaign is one queue call, polled, and after a
+# stop (a failed phase, a killed process) one resume call with the same jobs:
+#   CLIENT_CPUS=16-31 bash benchmarks/device/h200_campaign.sh queue params/h200x2-qwen3moe.yaml \
+#       'NCCL_P2P_DISABLE=1 params/h200x2-qwen3moe-pcie.yaml'
+#   bash benchmarks/device/h200_campaign.sh poll 300                         # again until "== finished"
+#   CLIENT_CPUS=16-31 bash benchmarks/device/h200_campaign.sh resume params/h200x2-qwen3moe.yaml \
+#       'NCCL_P2P_DISABLE=1 params/h200x2-qwen3moe-pcie.yaml'         # only after a stop
+#   x4: CLIENT_CPUS=32-63 .. queue params/h200x4-kimi-int4.yaml; x8: CLIENT_CPUS=64-127 .. queue
+#   params/h200x8-kimi-int4.yaml 'NCCL_P2P_DISABLE=1 params/h200x8-kimi-int4-pcie.yaml'. On a short lease, name
+#   the variants: 'params/h200x2-qwen3moe.yaml --variants pcie-like no-custom-ar' (a one-GPU campaign with three
+#   variants took 14-19 min; at tensor-parallel 2 with five, and the pcie run after it, expect more than one
+#   session's 30 min of device time). A fresh machine has none of this: resume works within one lease only
+#   (collect before it ends).
 set -u
 VB=/root/vb SITE=/tmp/site DS=/tmp/ds REPO=/root/ds-repo LOG=/root/ds-run.log QPID=/root/ds-queue.pid
 # --target puts the wheels' data files (nbconvert's templates) under $DS/share, where jupyter looks when told
 export PYTHONPATH=$REPO/lib:$DS:$SITE JUPYTER_PATH=$DS/share/jupyter VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the lent machines (the device tool's KINDS.md); kept set for everything started here
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 running() { pgrep -f "decodescope.cli.main run" >/dev/null || { [ -f $QPID ] && kill -0 "$(cat $QPID)" 2>/dev/null; }; }
-case "${1:?pack|stash|setup|start|resume|poll|collect}" in
+# job_line JOB [resume]: the shell line that runs JOB ('[VAR=VALUE ..] PARAMS [ARGS..]') in $REPO; with resume, with
+# --resume the latest run directory of PARAMS' run name, where there is one
+job_line() {
+  local words envs=() extra="" name last; read -ra words <<< "$1"
+  while [ ${#words[@]} -gt 0 ] && [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
+  [ ${#words[@]} -gt 0 ] || { echo "no PARAMS in job '$1'" >&2; return 1; }
+  if [ "${2:-}" = resume ]; then
+    name=$(cd $REPO && python3 -c 'import sys; from decodescope.schema.params import load_params
+print(load_params(sys.argv[1]).run_name)' "${words[0]}") || return 1
+    last=$(ls -d $REPO/outputs/*Z-"$name"/ 2>/dev/null | tail -1)
+    [ -n "$last" ] && extra=" --resume ${last%/}"
+  fi
+  echo "env ${envs[*]:-} ${CLIENT_CPUS:+taskset -c $CLIENT_CPUS }python3 -m decodescope.cli.main run ${words[*]}$extra"
+}
+# queue_jobs [resume] JOB..: the jobs one after the other in one background session, logged to $LOG
+queue_jobs() {
+  local how="" q=/root/ds-queue.sh line; [ "${1:-}" = resume ] && { how=resume; shift; }
+  [ $# -gt 0 ] || { echo "no JOB given"; return 1; }
+  running && { echo "a run is going: poll it (or end it) first"; return 1; }
+  rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
+  echo "cd $REPO" > $q
+  for job in "$@"; do
+    line=$(job_line "$job" $how) || return 1
+    echo "echo \"== queue: $line (\$(date -u +%T))\"; $line; echo \"== queue: exit \$? (\$(date -u +%T))\"" >> $q
+  done
+  [ -n "$how" ] || : > $LOG
+  setsid nohup bash $q >> $LOG 2>&1 < /dev/null & echo $! > $QPID
+  sleep 5; cat $q; tail -5 $LOG
+}
+case "${1:?pack|stash|setup|start|queue|gputests|resume|poll|collect}" in
 pack)
   set -e; rm -rf .gpu/stage .gpu/p? && mkdir -p .gpu/stage/wh
   cp "${2:?bundle parts dir}"/* .gpu/stage/ && cp "${3:?wheelhouse}"/*.whl .gpu/stage/wh/ && rm -f .gpu/stage/wh/decodescope-*.whl
@@ -41,26 +93,15 @@ setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $DS $VB/x/wh/*.whl
   rm -rf $REPO && mkdir -p $REPO && tar -C "$PWD" --exclude=./.gpu --exclude=./.venv -cf - . | tar -C $REPO -xf -
   cd $REPO && python3 -c "import torch, vllm, papermill, plotly, decodescope; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ;;
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m ;;
 start)
-  shift; rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
-  cd $REPO && setsid nohup python3 -m decodescope.cli.main run "$@" > $LOG 2>&1 < /dev/null &
-  sleep 5; cat $LOG ;;
+  shift; queue_jobs "$*" ;;
 queue)
-  shift; rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
-  : > $LOG; q=/root/ds-queue.sh; echo 'cd '$REPO > $q
-  for job in "$@"; do
-    echo "echo \"== queue: decodescope run $job (\$(date -u +%T))\"; python3 -m decodescope.cli.main run $job; echo \"== queue: exit \$? (\$(date -u +%T))\"" >> $q
-  done
-  setsid nohup bash $q >> $LOG 2>&1 < /dev/null & echo $! > $QPID
-  sleep 5; cat $q $LOG ;;
+  shift; queue_jobs "$@" ;;
 gputests)
   shift; cd $REPO && python3 -m pytest -p no:cacheprovider -m gpu -s -q "$@" 2>&1 | tee "$OUT/gputests.log" | tail -40 ;;
 resume)
-  rm -rf $REPO/lib $REPO/notebooks $REPO/params && cp -r lib notebooks params $REPO/
-  last=$(ls -d $REPO/outputs/*/ | tail -1)
-  cd $REPO && setsid nohup python3 -m decodescope.cli.main run "${2:?resume PARAMS}" --resume "$last" >> $LOG 2>&1 < /dev/null &
-  sleep 5; tail -5 $LOG ;;
+  shift; queue_jobs resume "$@" ;;
 poll)
   end=$((SECONDS + ${2:-60})); while running && [ $SECONDS -lt $end ]; do sleep 5; done
   running && echo "== still running" || echo "== finished"; tail -${3:-40} $LOG ;;
