@@ -89,3 +89,39 @@ def test_the_served_models_own_directory_replaces_at_model_in_a_speculative_conf
     config = argv[argv.index("--speculative-config") + 1]
     assert '"model":"/models/tiny"' in config.replace(" ", "") and SELF_MODEL not in config
     assert params.workload.temperature == 0.0
+
+
+# ---- the embedded default's self-draft variants, as measured (tests/fixtures/runs/vllm_cpu_spec_selfdraft:
+# `decodescope run params/experiments-spec.yaml`, 2026-12-05, its traces and notebooks left out) ----------
+SPEC_RUN = __import__("pathlib").Path(__file__).resolve().parent / "fixtures/runs/vllm_cpu_spec_selfdraft"
+
+
+@pytest.fixture(scope="module")
+def spec_rows():
+    from pathlib import Path
+
+    from decodescope.schema.params import load_params
+    from decodescope.verdict.verdict import verdict
+
+    repo = Path(__file__).resolve().parents[1]
+    rows = verdict(SPEC_RUN, load_params(repo / "params/experiments-spec.yaml")).variants
+    return [r if isinstance(r, dict) else r.model_dump() for r in rows]
+
+
+def test_the_self_draft_at_k3_is_projected_within_10_percent_at_every_level_at_both_samplings(spec_rows):
+    k3 = [r for r in spec_rows if r["variant"] in ("spec-self-k3", "spec-self-k3-greedy")]
+    assert sorted({r["level"] for r in k3}) == [1, 2, 4] and len(k3) == 6
+    for r in k3:
+        assert "self drafter" in r["projection"] and "drafter: the target itself" in r["notes"]
+        assert abs(r["projection_error_pct"]) <= 10.0, r
+    greedy = [r for r in k3 if r["variant"] == "spec-self-k3-greedy"]
+    assert all("4.00 tokens a verify step" in r["projection"] for r in greedy)   # temperature 0: every draft kept
+
+
+def test_the_best_k_projected_is_the_best_k_measured_at_every_level(spec_rows):
+    by = {(r["variant"], r["level"]): r for r in spec_rows}
+    for level in (1, 2, 4):
+        runs = {k: by[(f"spec-self-k{k}", level)] for k in (1, 3, 5)}
+        measured = min(runs, key=lambda k: runs[k]["tpot_p50_us"])
+        projected = min(runs, key=lambda k: runs[k]["projected_tpot_us"])
+        assert projected == measured, (level, {k: (r["tpot_p50_us"], r["projected_tpot_us"]) for k, r in runs.items()})

@@ -247,7 +247,10 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
             else:
                 split = None
             if inp is not None:
-                fix, why = variant_fix(inp, params, vparams, exp, b, acceptance, lost_async=bool(lost_async))
+                # the level's own acceptance where it drafted (sampling and batching move it), else the variant's
+                own = _acceptance(vlev[vlev["level"] == lv.level])
+                fix, why = variant_fix(inp, params, vparams, exp, b, own if own[0] is not None else acceptance,
+                                       lost_async=bool(lost_async))
                 if fix is None:
                     row["notes"] = why
                 else:
@@ -257,7 +260,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                     parts = {c.name for c in fix.prediction.components}
                     priced_sync = sm.LOST_ASYNC in parts
                     # a step priced with host time the baseline's graphs hid says how, in the row
-                    said = fix.assumptions if parts & {sm.OUTSIDE_GRAPH, sm.LOST_ASYNC, EAGER_STEP} else []
+                    said = fix.assumptions if parts & {sm.OUTSIDE_GRAPH, sm.LOST_ASYNC, EAGER_STEP, sm.DRAFTER} else []
                     row.update(projection=fix.name, projected_tpot_us=proj,
                                projected_low_us=lo / fix.tokens_per_step * scale,
                                projected_high_us=hi / fix.tokens_per_step * scale,
