@@ -8,6 +8,7 @@ works here and over ssh). It never restarts, stops or signals them.
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import uuid
 from pathlib import PurePosixPath
@@ -42,7 +43,7 @@ def read_server(host, port: int, stop_file: Optional[str] = None, timeout_s: flo
         return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else {"pid": None}
     except (OSError, ValueError, IndexError, HostError):
         return {"pid": None}
-    except Exception as e:  # subprocess.TimeoutExpired: a watch that outlived its window
+    except subprocess.TimeoutExpired as e:  # a watch that outlived its window
         return {"pid": None, "error": str(e)}
 
 

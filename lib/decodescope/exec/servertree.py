@@ -69,8 +69,8 @@ def profiler_settings(argv: list[str], environ: Optional[dict] = None) -> dict:
             i += 1 if "=" in arg else 2
             continue
         if arg.startswith(PROFILER_FLAG + "."):
-            key, _, text = arg[len(PROFILER_FLAG) + 1:].partition("=")
-            if not _ and i + 1 < len(argv):
+            key, sep, text = arg[len(PROFILER_FLAG) + 1:].partition("=")
+            if not sep and i + 1 < len(argv):
                 text, i = argv[i + 1], i + 1
             fields[key.replace("-", "_")] = _json_value(text)
         i += 1

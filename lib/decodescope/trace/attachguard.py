@@ -11,13 +11,15 @@ token and one of six tokens wrote the same 1.1 MB per rank (the steps were few n
 window of 8 requests of 512 tokens outgrew 20 GB in a worker. So the cost is read per second of profiled
 span at the level's own load:
 
+0. where the server's command line says stacks are on, nothing is profiled unless the host holds
+   STACK_WINDOW_EXPORT_BYTES a rank within MEMORY_SHARE of its available memory (stack_refusal);
 1. probe-1: one request of one output token, profiled (the smallest real window): bytes per second of
    span read most pessimistically (all of it per second), which bounds how long a slice may be;
 2. a slice of each level's own workload, profiled for `slice_seconds` (so that by probe-1's rate its
-   export stays within PROBE_MEMORY_SHARE of the available memory) and then stopped while the workload
-   finishes unprofiled: the level's trace bytes and output tokens per second of profiled span;
-3. the level's window: its steps (from its unprofiled run) over the slice's steps per second is its span;
-   the span at the slice's bytes per second is its trace; each rank's export is the trace times the largest
+   export stays within PROBE_MEMORY_SHARE of the available memory) once its first wave of requests has run,
+   then stopped while the workload finishes unprofiled: trace bytes and output tokens per second of span;
+3. the level's window: its output tokens over the slice's tokens per second is its span; the span at the
+   slice's bytes per second is its trace; each rank's export is the trace times the largest
    export ratio measured (at least EXPORT_PER_TRACE_BYTE, since a worker reuses memory an earlier export
    left it and then shows no growth). It runs whole when every rank's export fits in MEMORY_SHARE of the
    available memory and the traces in DISK_SHARE of the free disk, with fewer requests (at least one batch)

@@ -29,6 +29,7 @@ PROBES_DIR = "attach_probe"                  # traces/attach_probe/probe-<n>/
 # the server writes them somewhere other than host.trace_dir
 ARRIVAL_TIMEOUT_S = 60.0
 TOKENS = "vllm:generation_tokens_total"     # output tokens the engine generated
+WINDOW_PARTS = ("start_profile_s", "workload_s", "stop_profile_s", "flush_wait_s")   # /start_profile to traces whole
 _FREE_DISK = "import os, sys\nst = os.statvfs(sys.argv[1])\nprint(st.f_bavail * st.f_frsize)\n"
 
 
@@ -108,8 +109,7 @@ class AttachedProfiler:
         files = file_into(fields["rank_files"] + fields["frontend_files"], trace_dir / PROBES_DIR / label, self.params)
         return WindowCost(label=label, requests=requests, steps=float(steps), tokens=float(tokens), span_s=span_s,
                           trace_bytes=max((p.stat().st_size for p in files if p.name in rank_names), default=0),
-                          export_bytes=export_bytes(watch.reading), window_s=sum(
-                              fields[k] for k in ("start_profile_s", "workload_s", "stop_profile_s", "flush_wait_s")))
+                          export_bytes=export_bytes(watch.reading), window_s=sum(fields[k] for k in WINDOW_PARTS))
 
     def _slice(self, label: str, work, seconds: float, trace_dir: Path, wave_s: float) -> WindowCost:
         """The level's workload, profiled for `seconds` once its first wave of requests (wave_s) has run, and
@@ -149,11 +149,12 @@ class AttachedProfiler:
         even a slice) fits."""
         ratio = export_ratio(self.record.probes + self.record.slices + self.record.levels, self.ranks)
         tokens = float(work.n_requests * self.params.profile.output_tokens)
-        seconds = slice_seconds(self.record.probes[-1], self.ranks, self._mem_available(), ratio)
+        mem = self._mem_available()
+        seconds = slice_seconds(self.record.probes[-1], self.ranks, mem, ratio)
         if seconds <= 0:
             raise CaptureError(refusal_message(self.record, plan_window(
                 label, self.record.probes[-1], work.n_requests, tokens, work.concurrency, self.ranks, ratio,
-                self._mem_available(), self._disk_free()), self.ranks))
+                mem, self._disk_free()), self.ranks))
         cut = self._slice(label, work, seconds, trace_dir, wave_s)
         self.record.slices.append(cut)
         ratio = export_ratio(self.record.probes + self.record.slices + self.record.levels, self.ranks)
@@ -176,7 +177,7 @@ class AttachedProfiler:
             tokens=float(requests * self.params.profile.output_tokens),
             trace_bytes=max((Path(p).stat().st_size for p in result.rank_files), default=0),
             export_bytes=export_bytes(watch.reading), span_s=result.workload_s,
-            window_s=result.start_profile_s + result.workload_s + result.stop_profile_s + result.flush_wait_s))
+            window_s=sum(getattr(result, k) for k in WINDOW_PARTS)))
         self._save()
 
     def plan_host_ops(self, tokens: float) -> Optional[WindowPlan]:

@@ -301,8 +301,8 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
     """Warm up, profile a decode workload at one concurrency, stop, and wait for the traces.
     itl_before_profiles_us: this level's inter-token latency before the phase's first profile
     (itl_before_profiles), the unprofiled step the profiler's cost is taken against. guard: an attached
-    server's (trace.attachprofile.AttachedProfiler), which plans the window from the workload's unprofiled
-    steps (fewer requests, or a refusal) and measures what it cost."""
+    server's (trace.attachprofile.AttachedProfiler), which plans the window from a profiled slice of the same
+    workload (all of it, fewer requests, or a refusal) and measures what it cost."""
     prof = params.profile
     concurrency = concurrency or next(c for c in prof.concurrency if isinstance(c, int))
     trace_dir = Path(trace_dir)
