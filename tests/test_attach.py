@@ -7,6 +7,7 @@ it. The fault tests record their figures in the fault table (tests/test_faults.p
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from decodescope.cli.main import EXIT_BAD_INPUT, EXIT_PHASE_FAILED
+from decodescope.exec import procs
 from decodescope.exec.modeldir import resolve_model_dir
 from decodescope.schema.params import load_params
 from tests.browser import inspect_report
@@ -51,6 +53,8 @@ class UserServer:
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
+        self.identity: dict[int, float] = {}
+        self.shm: set[Path] = set()
         deadline = time.monotonic() + 600
         while not self.healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -58,6 +62,8 @@ class UserServer:
                 raise RuntimeError(f"the user's vLLM server did not start: {self.log.read_text()[-3000:]}")
             time.sleep(1.0)
         self.identity = self.processes()
+        # its shared memory (the shm all-reduce's, the message queues'): a killed server leaves it behind
+        self.shm = procs.mapped_shm_files(self.identity)
 
     @property
     def url(self) -> str:
@@ -87,14 +93,22 @@ class UserServer:
         assert self.processes() == self.identity
         assert self.healthy() and self.completes()
 
-    def stop(self) -> None:
-        with_kids = [self.proc.pid, *self.processes()]
-        for pid in with_kids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+    def kill(self) -> None:
+        """SIGKILL to every process of the server (its session), as an OOM killer or an operator would."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in self.processes():   # any that left the session
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
         self.proc.wait(timeout=60)
+
+    def stop(self) -> list[Path]:
+        """Killed, and its shared-memory files removed as its user would; the files still there after."""
+        self.kill()
+        procs.remove_shm(procs.shm_idents(self.shm), self.shm)
+        return sorted(p for p in self.shm if p.exists())
 
 
 def attach_params(tmp: Path, server: UserServer, name: str, trace_dir: str | None = None,
@@ -121,7 +135,7 @@ def quiet_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("attach")
     server = UserServer(tmp, 8811, tmp / "their-traces")
     yield server
-    server.stop()
+    assert server.stop() == []
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +221,7 @@ def test_attached_server_killed_mid_profile_fails_the_phase_and_keeps_the_run(qu
     wait_until(lambda: guard.is_file() and json.loads(guard.read_text())["plans"], 600, "04's first plan", run)
     kept = digests(_serving_files(run_dir))
     t_kill = time.monotonic()
-    quiet_server.stop()
+    quiet_server.kill()
     rc = run.wait(timeout=600)
     waited_s = time.monotonic() - t_kill
     phases = manifest(run_dir)["phases"]
@@ -236,7 +250,7 @@ def stack_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("attach-stack")
     server = UserServer(tmp, 8812, tmp / "their-traces", with_stack=True)
     yield server
-    server.stop()
+    assert server.stop() == []
 
 
 def test_the_guard_refuses_a_server_with_stacks_on_before_any_window_and_the_server_stays_healthy(stack_server,
@@ -278,7 +292,7 @@ def test_a_server_without_a_profiler_is_refused_before_any_workload(tmp_path):
         assert _requests_total(after) == _requests_total(before)
         server.assert_untouched()
     finally:
-        server.stop()
+        assert server.stop() == []
     record_fault("attached server's profiler never started (no --profiler-config)",
                  "refused at the run's preflight naming the flag to add, before any request or run directory; the "
                  "server untouched", rc=rc, results_lost="none (nothing started)", processes_left=0,
