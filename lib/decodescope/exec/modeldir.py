@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from decodescope.schema.params import Params
+from decodescope.schema.params import CONFIG_PLACEHOLDER, Params
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
 # Qwen-style chat template, so /v1/chat/completions works with the trained tokenizer.
@@ -109,6 +109,22 @@ def build_dummy_model_dir(config: dict, cache_root: Path, name: str) -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def placeholder_configs(engine_args: dict) -> list[str]:
+    """The config paths named as '@config:<path>' anywhere in the engine arguments' values."""
+    found = [m.group(1) for v in engine_args.values() for m in CONFIG_PLACEHOLDER.finditer(json.dumps(v))]
+    return list(dict.fromkeys(found))
+
+
+def placeholder_dirs(params: Params) -> dict[str, Path]:
+    """'@config:<path>' -> the dummy-weights model directory built from that config (cached like the
+    served model's, with the same trained tokenizer)."""
+    out = {}
+    for rel in placeholder_configs(params.server.engine_args):
+        config = json.loads(params.resolve(rel).read_text())
+        out[f"@config:{rel}"] = build_dummy_model_dir(config, params.output_root() / ".cache", Path(rel).stem)
+    return out
 
 
 def resolve_model_dir(params: Params) -> tuple[str, str]:

@@ -33,7 +33,7 @@ from decodescope.exec import procs
 from decodescope.exec.host import host_for
 from decodescope.exec.hostcore import loopback_for
 from decodescope.exec.locks import holder_info, port_lock
-from decodescope.exec.modeldir import resolve_model_dir
+from decodescope.exec.modeldir import placeholder_dirs, resolve_model_dir
 from decodescope.schema.params import Params
 from decodescope.schema.records import read_record, write_record
 from decodescope.schema.records_server import LinkMeasure, ServerInfo
@@ -450,11 +450,11 @@ def start_for_params(params: Params, run_dir: Path, profiler_dir: Optional[Path]
         model, tokenizer = resolve_model_dir(params)
         if host.remote and not params.model.path:  # the dummy-weights model dir built here goes there
             on_host = host.push(Path(model))
-            tokenizer = on_host if tokenizer == model else tokenizer
-            model = on_host
+            tokenizer, model = (on_host if tokenizer == model else tokenizer), on_host
+        dirs = {k: host.push(d) if host.remote else str(d) for k, d in placeholder_dirs(params).items()}
         spec = launch_spec(params, model, tokenizer,
                            profiler_dir=host.path(profiler_dir) if profiler_dir is not None else None,
-                           profiler_style=profiler_style_for(params, host), host=host)
+                           profiler_style=profiler_style_for(params, host), host=host, placeholders=dirs)
         server = VllmServer.launch(spec, Path(run_dir) / "logs" / "server.log", params.server.startup_timeout_s,
                                    run_dir=Path(run_dir), host=host,
                                    sync=(Path(profiler_dir),) if profiler_dir is not None else ())

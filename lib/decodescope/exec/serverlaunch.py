@@ -72,8 +72,10 @@ SELF_MODEL = "@model"
 
 
 def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Optional[Path | str] = None,
-                profiler_style: str = "config", run_token: Optional[str] = None, host=None) -> LaunchSpec:
-    """`host` (decodescope.exec.host) decides the default interpreter: this one here, host.python there."""
+                profiler_style: str = "config", run_token: Optional[str] = None, host=None,
+                placeholders: Optional[dict[str, str]] = None) -> LaunchSpec:
+    """`host` (decodescope.exec.host) decides the default interpreter: this one here, host.python there.
+    placeholders: '@config:<path>' in an engine argument -> the model directory built from it."""
     s = params.server
     python = s.python or (host.python if host is not None and host.remote else sys.executable)
     run_token = run_token or procs.new_run_token()
@@ -82,7 +84,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
             "--served-model-name", params.model.name, alias_for(run_token),
             "--host", s.bind_host, "--port", str(s.port),
             "--tensor-parallel-size", str(s.tensor_parallel)]
-    argv += [a.replace(SELF_MODEL, model) if SELF_MODEL in a else a for a in engine_flags(s.engine_args)]
+    argv += [_expand(a, model, placeholders or {}) for a in engine_flags(s.engine_args)]
     if s.cpus:  # the API server and engine core stay there; workers bind their threads by their own setting
         argv = ["taskset", "-c", s.cpus] + argv
     env = dict(os.environ)
@@ -99,6 +101,14 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
         env["VLLM_API_KEY"] = s.api_key  # argv is readable by every local user (ps); the environment is not
     return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
                       extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus)
+
+
+def _expand(arg: str, model: str, placeholders: dict[str, str]) -> str:
+    """An engine argument with its placeholders replaced by the directories they stand for."""
+    for key, path in sorted(placeholders.items(), key=lambda kv: -len(kv[0])):
+        arg = arg.replace(key, path)
+    # "@model:" never starts a '@config:' key, so the served model's own placeholder goes last
+    return arg.replace(SELF_MODEL, model) if SELF_MODEL in arg else arg
 
 
 def add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path | str,

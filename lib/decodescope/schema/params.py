@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -247,6 +248,7 @@ def _semantic_problems(raw: dict, path: Path) -> list[tuple[str, str]]:
         problems.append(("microbench.rdzv_endpoint", "host.nodes runs the probes on several hosts: give the "
                          "rendezvous endpoint every host reaches, host:port on the first host, e.g. 10.0.0.5:29400"))
 
+    problems += _placeholder_problems(raw, base)
     if server.get("mode") == "attach" and server.get("cpus"):
         problems.append(("server.cpus", "places a server decodescope starts; with server.mode: attach the server "
                          "runs where it was started: remove cpus, or use server.mode: launch"))
@@ -261,6 +263,27 @@ def _semantic_problems(raw: dict, path: Path) -> list[tuple[str, str]]:
         problem = _not_writable(out_path)
         if problem:
             problems.append(("run.output_dir", problem))
+    return problems
+
+
+# in an engine argument's value (a speculative config's "model"): a model directory built from an HF config
+CONFIG_PLACEHOLDER = re.compile(r"@config:([^\"'\\\s,}]+)")
+
+
+def _placeholder_problems(raw: dict, base: Path) -> list[tuple[str, str]]:
+    """Each '@config:<path>' in server.engine_args must name a readable HF config (the experiments' are
+    checked as each variant's merged params)."""
+    args = _section(raw, "server").get("engine_args")
+    problems = []
+    for m in CONFIG_PLACEHOLDER.finditer(json.dumps(args) if isinstance(args, dict) else ""):
+        cfg = Path(os.path.expanduser(m.group(1)))
+        cfg = cfg if cfg.is_absolute() else base / cfg
+        try:
+            json.loads(cfg.read_text())
+        except (OSError, ValueError) as e:
+            problems.append(("server.engine_args", f"'@config:{m.group(1)}' names {str(cfg)!r}, which is not a "
+                             f"readable JSON HF config ({type(e).__name__}); give a config.json relative to the "
+                             "params file"))
     return problems
 
 
