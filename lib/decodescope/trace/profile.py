@@ -14,6 +14,7 @@ from decodescope.schema.records import CallsWithWait, ProfileSummary, StepCatego
 from decodescope.trace import analyze as an
 from decodescope.trace.capture import host_ops_prompt_tokens, level_dir_name
 from decodescope.trace.capturephase import capture_for_phase
+from decodescope.trace.draftsteps import DRAFTER_STEPS, drafter_steps
 from decodescope.trace.hostops import HOST_OPS_RECORD, host_op_costs, read_host_events
 from decodescope.trace.categorize import class_of, communicator_of
 from decodescope.trace.load import LoadedTraces, load_trace_dir
@@ -225,7 +226,11 @@ def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
         loaded = load_trace_dir(cap.trace_dir)
         result = analyze_traces(loaded, ctx.params.model_config_dict(), ctx.params.server.tensor_parallel,
                                 batch=cap.concurrency)
-        summary = write_profile(result, ctx.data_dir / "profile" / level_dir_name(cap.concurrency), cap.concurrency)
+        level_dir = ctx.data_dir / "profile" / level_dir_name(cap.concurrency)
+        summary = write_profile(result, level_dir, cap.concurrency)
+        drafter = drafter_steps(result.ops, result.steps, result.step_kind, cap.concurrency)
+        if drafter is not None:  # a speculative step: its drafter's passes, for the verdict's pricing
+            write_record(level_dir / DRAFTER_STEPS, drafter)
         out.append(ProfiledLevel(cap, result, summary))
     write_profile(out[0].result, ctx.data_dir, out[0].capture.concurrency)
     return out, notes

@@ -1,0 +1,89 @@
+"""The drafter of a speculative step, read from a profiled level's ops on each rank.
+
+vLLM runs a speculative step as one verify pass of the target (the step's own annotation,
+`execute_context_...`) and then, outside that annotation, the drafter: the rejection sampler, then one
+model forward a draft token, each with its inputs before it and its logits' argmax after it. A forward is
+one call of the compiled model (`CompiledFxGraph` on vLLM CPU). The drafter ends where the worker's main
+lane goes idle for the engine's next schedule.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from decodescope.schema.records_spec import DrafterSteps
+
+DRAFTER_STEPS = "drafter_steps.json"  # in data/profile/c<N>/, where the level's steps had a drafter
+# one forward of a torch.compile'd model; vLLM CPU compiles the target and a draft model alike
+FORWARD = re.compile(r"CompiledFxGraph")
+# The idle gap that ends the drafter. On the embedded default (vLLM CPU, TP=2, 2 cores) the ops after the
+# last draft forward were at most 40 us apart, then the lane sat idle 920-1,480 us until the next step.
+DRAFTER_END_GAP_US = 200.0
+
+
+def _top_level(ops: pd.DataFrame) -> pd.DataFrame:
+    """The ops no other op on the same lane contains, in start order."""
+    o = ops.sort_values("ts_us")
+    end = (o["ts_us"] + o["dur_us"]).to_numpy()
+    reach = np.maximum.accumulate(np.concatenate([[-np.inf], end[:-1]]))
+    return o[o["ts_us"].to_numpy() >= reach]
+
+
+def _step_drafter(top: pd.DataFrame, end_us: float, next_us: float) -> Optional[dict]:
+    """One step's drafter from its lane's top-level ops between the step's end and the next step's start."""
+    w = top[(top["ts_us"] >= end_us) & (top["ts_us"] < next_us)]
+    fwd = w[w["name"].str.contains(FORWARD)]
+    if fwd.empty:
+        return None
+    starts = fwd["ts_us"].to_numpy()
+    last_end = float(starts[-1] + fwd["dur_us"].iloc[-1])
+    after = w[w["ts_us"] >= last_end]
+    stop = last_end
+    for ts, dur in zip(after["ts_us"], after["dur_us"]):
+        if ts - stop > DRAFTER_END_GAP_US:
+            break
+        stop = max(stop, float(ts + dur))
+    bounds = np.append(starts, stop)
+    return {"passes": len(starts), "lead_us": float(starts[0] - end_us), "pass_us": np.diff(bounds).tolist(),
+            "forward_us": fwd["dur_us"].tolist(), "drafter_us": stop - end_us, "between_us": float(next_us - stop)}
+
+
+def drafter_steps(ops: pd.DataFrame, steps: pd.DataFrame, kind: str = "decode",
+                  concurrency: Optional[int] = None) -> Optional[DrafterSteps]:
+    """The medians of every decode step's drafter, on the rank whose drafter took longest; None where no
+    step has a model forward after it (no speculative decoding, or a forward this reader does not know)."""
+    if ops.empty or steps.empty:
+        return None
+    best: Optional[DrafterSteps] = None
+    for rank, s in steps.sort_values("start_us").groupby("rank"):
+        mine = ops[ops["rank"] == rank]
+        lane = mine.loc[mine["name"].str.contains(FORWARD), "lane"]
+        if lane.empty:
+            continue
+        top = _top_level(mine[mine["lane"] == lane.mode().iloc[0]])
+        nxt = s["start_us"].shift(-1)
+        rows = [r for r in (_step_drafter(top, e, n) for e, n, k in zip(s["end_us"], nxt, s["kind"])
+                            if k == kind and pd.notna(n)) if r is not None]
+        if not rows:
+            continue
+        rec = _summary(rows, s[s["kind"] == kind]["wall_us"], int(rank), concurrency)
+        if best is None or rec.drafter_us > best.drafter_us:
+            best = rec
+    return best
+
+
+def _summary(rows: list[dict], verify_us: pd.Series, rank: int, concurrency: Optional[int]) -> DrafterSteps:
+    """Medians over a rank's steps; later passes pooled over positions 2..k."""
+    later = [p for r in rows for p in r["pass_us"][1:]]
+    return DrafterSteps(concurrency=concurrency, rank=rank, steps=len(rows),
+                        passes=int(np.median([r["passes"] for r in rows])),
+                        verify_us=float(verify_us.median()),
+                        lead_us=float(np.median([r["lead_us"] for r in rows])),
+                        first_pass_us=float(np.median([r["pass_us"][0] for r in rows])),
+                        next_pass_us=float(np.median(later)) if later else None,
+                        forward_us=float(np.median([f for r in rows for f in r["forward_us"]])),
+                        drafter_us=float(np.median([r["drafter_us"] for r in rows])),
+                        between_us=float(np.median([r["between_us"] for r in rows])))
