@@ -395,3 +395,22 @@ def variant_bars(variants: pd.DataFrame) -> go.Figure:
     fig.update_layout(barmode="group", title="Variants: measured TPOT against the baseline and the projection",
                       yaxis_title="TPOT p50 (ms)")
     return fig
+
+
+def spec_k_curves(spec_k: pd.DataFrame) -> go.Figure:
+    """Speculative decoding's TPOT against k, per drafter and level: the projection as a line, the variants
+    that ran a k as markers, the k projected best ringed."""
+    fig = go.Figure()
+    for (drafter, level), d in spec_k.sort_values("k").groupby(["drafter", "level"]):
+        name = f"{drafter} drafter, c={level}"
+        fig.add_trace(go.Scatter(x=d["k"], y=d["projected_tpot_us"] / 1e3, mode="lines", name=name + " (projected)",
+                                 legendgroup=name))
+        m = d[d["measured_tpot_us"].notna()]
+        fig.add_trace(go.Scatter(x=m["k"], y=m["measured_tpot_us"] / 1e3, mode="markers", name=name + " (measured)",
+                                 legendgroup=name, marker=dict(size=10, symbol="diamond")))
+        best = d[d["best_projected"]]
+        fig.add_trace(go.Scatter(x=best["k"], y=best["projected_tpot_us"] / 1e3, mode="markers", showlegend=False,
+                                 legendgroup=name, marker=dict(size=16, symbol="circle-open")))
+    fig.update_layout(title="Speculative decoding: TPOT against draft tokens k (ringed: the best k projected)",
+                      xaxis_title="draft tokens a verify step (k)", yaxis_title="TPOT (ms)")
+    return fig

@@ -11,6 +11,7 @@ from decodescope.exec.hardware import pairs_frame
 from decodescope.report.micro_view import measured_dtypes
 from decodescope.schema.records import (AttributionRow, CurveRow, FINDING_TOPICS, HostInventory, LevelReconcileRow,
                                         ProjectionRow, ReconcileRow, ReplayRow, VariantRow, Verdict, frame)
+from decodescope.schema.records_verdict import SpecKRow
 from decodescope.report import plots
 from decodescope.show.display import show, show_note, show_table
 from decodescope.verdict.verdict import LEVEL_TOLERANCE, NO_STEP_MODEL
@@ -136,6 +137,20 @@ def verdict_variants(v: Verdict) -> None:
     show(plots.variant_bars(df))
     show_table(df, caption="variants: measured (their 01) vs baseline and vs projection - verdict.json, "
                            "variants/<name>/data/serving_levels.parquet")
+
+
+def verdict_spec_k(v: Verdict) -> None:
+    """Speculative decoding at k = 1..5 for each drafter a profiled variant measured: projected and measured."""
+    if not v.spec_k:
+        show_note("*No drafter measured: profile a speculative variant (`profile: true`) that drafts.*")
+        return
+    df = frame(cast("list[BaseModel]", v.spec_k), SpecKRow)
+    show(plots.spec_k_curves(df))
+    best = df[df["best_projected"]]
+    show_note("Best k projected: " + "; ".join(f"{r.drafter} drafter at c={r.level}: k={r.k} "
+                                               f"({r.projected_tpot_us / 1e3:.2f} ms)" for r in best.itertuples()) + ".")
+    show_table(df, caption="speculative decoding across k - verdict.json (variants/<name>/data/profile/c<N>/"
+                           "drafter_steps.json, serving_levels.parquet)")
 
 
 def verdict_serving(v: Verdict) -> None:

@@ -172,6 +172,22 @@ class Finding(_Model):
     files: list[str] = Field(default_factory=list, description="run-directory paths of the files it reads")
 
 
+class SpecKRow(_Model):
+    """Speculative decoding at one k for a measured drafter, at one serving level (decodescope.verdict.speccurve)."""
+
+    drafter: str
+    level: int
+    k: int
+    projected_tpot_us: float
+    measured_tpot_us: Optional[float] = Field(None, description="the variant that ran this k, where one did")
+    drafter_us: float = Field(description="the drafter's time a verify step, measured in a profiled variant")
+    tokens_per_verify: float = Field(description="from the measured acceptance per position")
+    acceptance_from: str = Field(description="the variant whose acceptance per position it used")
+    drafter_from: str
+    variant: str = Field("", description="the variant that ran this k, else ''")
+    best_projected: bool = Field(description="the k the projection names best at this level")
+
+
 class Verdict(Record):
     """data/verdict.json (05_verdict): where a decode step's time goes and what would move it."""
 
@@ -190,6 +206,8 @@ class Verdict(Record):
     findings: list[Finding] = Field(default_factory=list, description="the verdict page, sentence by sentence")
     variants: list[VariantRow] = Field(default_factory=list, description="each variant measured against its projection")
     replay: list[ReplayRow] = Field(default_factory=list, description="the step replay against the step model")
+    spec_k: list[SpecKRow] = Field(default_factory=list, description="speculative decoding at k = 1..5 per measured "
+                                   "drafter and level, projected and measured")
     engine: str = Field("", description="the baseline's engine as its log (logs/server.log) states it: vLLM "
                         "version, CUDA graphs, torch.compile")
 

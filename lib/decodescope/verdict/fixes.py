@@ -220,6 +220,18 @@ class Fix:
     calibrate_at: Optional[float] = None
     calibrated: bool = True   # False: the model's own value (a step of another kind than the one measured)
     per_kernel: Optional[tuple[float, float]] = None  # an eager step's (kernels per step, between-steps us)
+    # a part of the period measured whole (a profiled drafter): the calibration, which corrects the model's
+    # own error at the level, leaves it as measured
+    measured_us: float = 0.0
+
+    def calibrated_us(self, period_us: float, scale: float) -> float:
+        """A period of this fix's prediction (value or band end) under the calibration `scale`."""
+        return (period_us - self.measured_us) * scale + self.measured_us
+
+    def tpot_us(self, period_us: float, scale: float) -> float:
+        """The same over the tokens a step yields (divided before scaling, as every fix was before)."""
+        return ((period_us - self.measured_us) / self.tokens_per_step * scale
+                + self.measured_us / self.tokens_per_step)
 
 
 EAGER_STEP = "eager step (host-paced walk)"
@@ -349,12 +361,13 @@ def served_batches(levels: Optional[pd.DataFrame]) -> dict[float, float]:
             if 0 < int(lv.requests) < int(lv.level)}
 
 
-def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame], captures: Optional[dict[int, ProfileCapture]] = None
-           ) -> tuple[list[dict], list[dict], list[dict]]:
+def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame], captures: Optional[dict[int, ProfileCapture]] = None,
+           more_fixes=None) -> tuple[list[dict], list[dict], list[dict]]:
     """TPOT vs output tokens/s per GPU: the measured sweep, the step model, and every fix, at each
     serving level (and profiled batch). A fix's TPOT is calibrated where the sweep measured the batch:
     the baseline's TPOT (baseline_tpot: 01's, with 04's start where it ran that level) x fix / base
     model, so the model's own error cancels; elsewhere it is the model's.
+    more_fixes(batch): fixes priced elsewhere (the measured drafters, verdict.speccurve).
     Returns (curve rows, step-model component rows, projection rows at the lowest level)."""
     tp = inp.tp
     measured = {}
@@ -377,18 +390,19 @@ def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame], captures: O
                      "tok_s_per_gpu": sb * 1e6 / base.period_us / tp, "model_us": base.period_us})
         comps += [{"batch": b, **r} for r in base.table().to_dict("records")]
         scale = calibration.get(b, base.period_us) / base.period_us
-        for f in fixes_at(inp, sb, params):
+        for f in fixes_at(inp, sb, params) + (more_fixes(sb) if more_fixes else []):
             flo, fhi = f.prediction.band_us
-            tpot = f.prediction.period_us / f.tokens_per_step * scale
-            row = {"fix": f.name, "batch": b, "tpot_us": tpot, "tpot_low_us": flo / f.tokens_per_step * scale,
-                   "tpot_high_us": fhi / f.tokens_per_step * scale,
+            tpot = f.tpot_us(f.prediction.period_us, scale)
+            row = {"fix": f.name, "batch": b, "tpot_us": tpot, "tpot_low_us": f.tpot_us(flo, scale),
+                   "tpot_high_us": f.tpot_us(fhi, scale),
                    "tok_s_per_gpu": b * 1e6 / tpot / f.gpus_per_replica, "model_us": f.prediction.period_us,
                    "calibrated": b in measured, "notes": "; ".join(f.assumptions)}
             rows.append(row)
             if b == lowest:
                 ref = calibration.get(b, base.period_us)  # the fix against the baseline it is calibrated by
-                proj.append({"fix": f.name, "step_us": f.prediction.period_us * scale, "low_us": flo * scale,
-                             "high_us": fhi * scale, "tokens_per_step": f.tokens_per_step, "tpot_us": tpot,
+                proj.append({"fix": f.name, "step_us": f.calibrated_us(f.prediction.period_us, scale),
+                             "low_us": f.calibrated_us(flo, scale), "high_us": f.calibrated_us(fhi, scale),
+                             "tokens_per_step": f.tokens_per_step, "tpot_us": tpot,
                              "tpot_low_us": row["tpot_low_us"], "tpot_high_us": row["tpot_high_us"],
                              "gain_pct": 100 * (tpot / ref - 1), "batch": b, "tok_s_per_gpu": row["tok_s_per_gpu"],
                              "gpus_per_replica": f.gpus_per_replica,

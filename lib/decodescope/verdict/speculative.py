@@ -17,7 +17,10 @@ tensor-parallel size) each is a decode step of the target at batch b, which the 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
+
+import numpy as np
 
 from decodescope.exec.serverlaunch import SELF_MODEL
 
@@ -46,22 +49,23 @@ def tokens_per_verify_at_k(per_position: Sequence[float], k: int) -> float:
     return tokens_per_verify(p)
 
 
-def spec_period_us(verify_us: float, draft_step_us: float, k: int) -> float:
-    """One verify step and its k draft passes, end to end."""
-    return verify_us + k * draft_step_us
+def spec_tpot_us(verify_us: float, drafter_us: float, tokens: float) -> float:
+    """Time per output token a request sees: one verify step and its drafter, over the tokens it yields."""
+    return (verify_us + drafter_us) / tokens
 
 
-def spec_tpot_us(verify_us: float, draft_step_us: float, k: int, tokens: float) -> float:
-    """Time per output token a request sees: the speculative period over the tokens it yields."""
-    return spec_period_us(verify_us, draft_step_us, k) / tokens
-
-
-def best_k(verify_us_at_k, draft_step_us: float, per_position: Sequence[float],
+def best_k(verify_us_at_k, drafter_us_at_k, per_position: Sequence[float],
            ks: Sequence[int] = (1, 2, 3, 4, 5)) -> tuple[int, dict[int, float]]:
     """(the k of least projected TPOT, TPOT per k) for the measured acceptance; verify_us_at_k(k) prices the
-    verify step of k draft tokens a request."""
-    tpot = {k: spec_tpot_us(verify_us_at_k(k), draft_step_us, k, tokens_per_verify_at_k(per_position, k)) for k in ks}
+    verify step of k draft tokens a request, drafter_us_at_k(k) the drafter's time a verify step."""
+    tpot = {k: spec_tpot_us(verify_us_at_k(k), drafter_us_at_k(k), tokens_per_verify_at_k(per_position, k))
+            for k in ks}
     return min(tpot, key=lambda k: tpot[k]), tpot
+
+
+def drafter_key(spec_config: dict) -> str:
+    """What makes two speculative configs the same drafter: the method and the draft model, not k."""
+    return f"{str(spec_config.get('method', '')).lower()}|{str(spec_config.get('model') or '').rstrip('/')}"
 
 
 def drafter_of(spec_config: dict, target_model: Optional[str]) -> str:
@@ -75,3 +79,49 @@ def drafter_of(spec_config: dict, target_model: Optional[str]) -> str:
     if method in ("ngram", "[ngram]"):
         return "ngram"
     return method or "unknown"
+
+
+@dataclass(frozen=True)
+class DrafterCost:
+    """A drafter's time per verify step as one profiled level of a speculative variant measured it (04's
+    drafter_steps.json), scaled to the unprofiled step: x the level's unprofiled over profiled inter-token
+    latency (its profile_capture.json), as the profiler slows each host op alike."""
+
+    variant: str
+    k: int
+    batch: float
+    lead_us: float
+    first_pass_us: float
+    next_pass_us: Optional[float]
+    scale: float
+
+    def at_k(self, k: int) -> float:
+        """lead + the first pass + (k - 1) later passes, unprofiled; a later pass costs the first where
+        this level ran one pass only."""
+        later = self.next_pass_us if self.next_pass_us is not None else self.first_pass_us
+        return self.scale * (self.lead_us + self.first_pass_us + (k - 1) * later)
+
+
+def drafter_us(costs: Sequence[DrafterCost], k: int, batch: float) -> tuple[float, str]:
+    """The drafter's time per verify step at k draft tokens and `batch`, from one variant's profiled levels:
+    linear in batch between them, held at the nearest one outside. costs: one variant's, any order."""
+    pts = sorted(costs, key=lambda c: c.batch)
+    xs, ys = [c.batch for c in pts], [c.at_k(k) for c in pts]
+    src = pts[0]
+    how = (f"drafter measured in {src.variant}'s profile (k={src.k}, levels "
+           + ", ".join(f"c{c.batch:g}" for c in pts)
+           + f"): rejection and inputs + first pass + {k - 1} later passes, x {src.scale:.2f} unprofiled")
+    if len(xs) == 1 or batch <= xs[0]:
+        return ys[0], how
+    if batch >= xs[-1]:
+        return ys[-1], how
+    return float(np.interp(batch, xs, ys)), how
+
+
+def nearest_drafter(sources: dict[str, list[DrafterCost]], own: str, k: int) -> Optional[list[DrafterCost]]:
+    """The measurements to price a variant's drafter by: its own profile's, else those of the variant of the
+    same drafter whose k is nearest (the passes are the same model's forwards at any k)."""
+    if sources.get(own):
+        return sources[own]
+    ranked = sorted((abs(c[0].k - k), name) for name, c in sources.items() if c)
+    return sources[ranked[0][1]] if ranked else None

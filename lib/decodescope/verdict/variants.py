@@ -17,10 +17,14 @@ from decodescope.exec.serverlaunch import dashed
 from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
 from decodescope.schema.records import ProfileCapture, ProfileSummary, RunManifest, VariantEntry, read_record
-from decodescope.core.rundir import VARIANTS
-from decodescope.verdict.speculative import drafter_of
+from decodescope.schema.records_spec import DrafterSteps
+from decodescope.trace.draftsteps import DRAFTER_STEPS
+from decodescope.core.rundir import DATA, VARIANTS
+from decodescope.trace.capture import level_dir_name
+from decodescope.verdict.speculative import DrafterCost, drafter_key, drafter_of, drafter_us, nearest_drafter
 from decodescope.verdict.fixes import (EAGER_STEP, Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix,
-                                       eager_fix, expected_tokens_per_verify, level_tpot, profile_summaries)
+                                       eager_fix, expected_tokens_per_verify, level_tpot, profile_captures,
+                                       profile_summaries)
 
 
 # ---- the variants (params.experiments), measured against their projections ----------------------------
@@ -52,10 +56,35 @@ def _acceptance(levels: pd.DataFrame) -> tuple[Optional[float], bool, Optional[f
     return float(v.median()) / 100.0, True, float(length.median()) if len(length) else None, median_pos
 
 
+def drafter_sources(run_dir: Path, params) -> dict[str, dict[str, list[DrafterCost]]]:
+    """drafter (speculative.drafter_key) -> profiled speculative variant -> the drafter's cost at each level
+    its 04 profiled (variants/<name>/data/profile/c<N>/drafter_steps.json, scaled by its capture)."""
+    out: dict[str, dict[str, list[DrafterCost]]] = {}
+    for exp in params.experiments:
+        spec = _spec_config(dashed(with_experiment(params, exp.name).server.engine_args)) if exp.profile else None
+        if spec is None:
+            continue
+        vdir = Path(run_dir) / VARIANTS / exp.name
+        costs = []
+        for level, cap in sorted(profile_captures(vdir).items()):
+            path = vdir / DATA / "profile" / level_dir_name(level) / DRAFTER_STEPS
+            if not path.is_file():
+                continue
+            m = read_record(path, DrafterSteps)
+            scale = (cap.engine_itl_unprofiled_us / cap.engine_itl_profiled_us
+                     if cap.engine_itl_unprofiled_us and cap.engine_itl_profiled_us else 1.0)
+            costs.append(DrafterCost(exp.name, int(spec.get("num_speculative_tokens", 1)), float(level), m.lead_us,
+                                     m.first_pass_us, m.next_pass_us, scale))
+        out.setdefault(drafter_key(spec), {})[exp.name] = costs
+    return out
+
+
 def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance: tuple,
-                lost_async: bool = False) -> tuple[Optional[Fix], str]:
+                lost_async: bool = False,
+                drafters: Optional[dict[str, dict[str, list[DrafterCost]]]] = None) -> tuple[Optional[Fix], str]:
     """The verdict's projection of what this variant changes, at `batch`; (None, why) when there is none.
-    lost_async: the variant's engine scheduled synchronously where the baseline's did not (their logs)."""
+    lost_async: the variant's engine scheduled synchronously where the baseline's did not (their logs).
+    drafters: drafter_sources, the drafters the run's profiled speculative variants measured."""
     ea, base_ea = dashed(vparams.server.engine_args), dashed(params.server.engine_args)
     tp, vtp = inp.tp, vparams.server.tensor_parallel
     if vtp != tp:
@@ -67,7 +96,9 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
         alpha, drafted, accept_len, per_pos = acceptance
         if alpha is None:
             return _synchronous(inp, nothing_drafted_fix(inp, batch, k), batch, lost_async), ""
-        return _synchronous(inp, spec_fix(inp, batch, k, spec, alpha, accept_len, per_pos), batch, lost_async), ""
+        measured = nearest_drafter((drafters or {}).get(drafter_key(spec), {}), exp.name, k)
+        return _synchronous(inp, spec_fix(inp, batch, k, spec, alpha, accept_len, per_pos, measured), batch,
+                            lost_async), ""
     if ea.get("enable-expert-parallel"):
         if inp.coll.empty or inp.coll[(inp.coll["part"] == "all_to_all") & (inp.coll["status"] == "ok")].empty:
             return None, "03 measured no all-to-all"
@@ -83,15 +114,20 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
 
 
 def spec_fix(inp: ModelInputs, batch: float, k: int, spec: dict, alpha: float, accept_len: Optional[float],
-             per_pos: str) -> Fix:
+             per_pos: str, measured: Optional[list[DrafterCost]] = None) -> Fix:
     """Speculative decoding that drafted, priced whole (verdict.speculative): the verify step at batch x (k + 1),
-    the drafter's k passes where it is the target itself (each a decode step of the target at the batch), over
-    the tokens per verify step the server measured (1 + accepted / drafts), else the i.i.d. formula."""
+    the drafter as a profiled variant of it measured it (rejection, inputs and k passes), else, where it is the
+    target itself, k decode steps of the target at the batch; over the tokens per verify step the server
+    measured (1 + accepted / drafts), else the i.i.d. formula."""
     drafter = drafter_of(spec, None)
     verify = inp.predict(batch * (k + 1))
     notes = [f"verify step = the step model at batch {batch:g} x {k + 1}"]
     comps = list(verify.components)
-    if drafter == "self":
+    if measured:
+        d_us, how = drafter_us(measured, k, batch)
+        comps.append(sp.Component(sm.DRAFTER, d_us, d_us, d_us, how, []))
+        notes.append(f"drafter: {drafter}, {d_us:,.0f} us a verify step, {how}")
+    elif drafter == "self":
         draft = inp.predict(batch)
         comps.append(sp.Component(sm.DRAFTER, k * draft.wall_us, k * draft.wall_us, k * draft.wall_us,
                                   "the step model at the batch (the target as its own draft)",
@@ -107,7 +143,8 @@ def spec_fix(inp: ModelInputs, batch: float, k: int, spec: dict, alpha: float, a
         tokens = expected_tokens_per_verify(k, min(alpha, 0.999))
         notes.append(f"{tokens:.2f} tokens a verify step from alpha {alpha:.2f} i.i.d. (positions not measured)")
     return Fix(f"speculative decoding k={k}, {drafter} drafter, {tokens:.2f} tokens a verify step (measured)",
-               sm.StepPrediction(verify.batch, comps, verify.overlap), tokens, inp.tp, notes)
+               sm.StepPrediction(verify.batch, comps, verify.overlap), tokens, inp.tp, notes,
+               measured_us=d_us if measured else 0.0)
 
 
 def _synchronous(inp: ModelInputs, fix: Fix, batch: float, lost_async: bool) -> Fix:
@@ -221,6 +258,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
              if levels is not None and "gpu_util_mean_pct" in levels.columns else {})
     base_modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
     base_profiles = profile_summaries(run_dir, params)
+    drafters = drafter_sources(run_dir, params)
     rows = []
     for exp in params.experiments:
         state = states.get(exp.name) or VariantEntry(status="not run")
@@ -250,20 +288,19 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                 # the level's own acceptance where it drafted (sampling and batching move it), else the variant's
                 own = _acceptance(vlev[vlev["level"] == lv.level])
                 fix, why = variant_fix(inp, params, vparams, exp, b, own if own[0] is not None else acceptance,
-                                       lost_async=bool(lost_async))
+                                       lost_async=bool(lost_async), drafters=drafters)
                 if fix is None:
                     row["notes"] = why
                 else:
                     scale, how = _calibration(inp, fix, b, calibration, base)
                     lo, hi = fix.prediction.band_us
-                    proj = fix.prediction.period_us / fix.tokens_per_step * scale
+                    proj = fix.tpot_us(fix.prediction.period_us, scale)
                     parts = {c.name for c in fix.prediction.components}
                     priced_sync = sm.LOST_ASYNC in parts
                     # a step priced with host time the baseline's graphs hid says how, in the row
                     said = fix.assumptions if parts & {sm.OUTSIDE_GRAPH, sm.LOST_ASYNC, EAGER_STEP, sm.DRAFTER} else []
                     row.update(projection=fix.name, projected_tpot_us=proj,
-                               projected_low_us=lo / fix.tokens_per_step * scale,
-                               projected_high_us=hi / fix.tokens_per_step * scale,
+                               projected_low_us=fix.tpot_us(lo, scale), projected_high_us=fix.tpot_us(hi, scale),
                                projection_error_pct=100 * (proj / tpot - 1),
                                notes=how + "".join(f"; {a}" for a in said)
                                + _implied_host_per_kernel(fix, tpot) + ("" if priced_sync else lost_async)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import pandas as pd
 
+from decodescope.schema.records_verdict import SpecKRow
 from decodescope.schema.records import (AttributionRow, Bottleneck, CurveRow, Finding, LevelReconcileRow,
                                         ProfileCapture, ProfileSummary, ProjectionRow, ReconcileRow, ReplayRow,
                                         ServingHeadline, ServingLevel, StepCategoryRow, VariantRow, Verdict, frame)
@@ -22,7 +23,8 @@ from decodescope.verdict.stepmodel import allreduce_wait_us
 from decodescope.trace import categorize
 from decodescope.verdict.fixes import (NO_STEP_MODEL as NO_STEP_MODEL, _engine_itls, _profile_summary, _read_parquet, curves, level_tpot, model_inputs,
                                        profile_captures, profile_summaries, served_batches)
-from decodescope.verdict.variants import replay_rows, variant_rows
+from decodescope.verdict.speccurve import measured_drafters, measured_spec_fixes, spec_k_rows
+from decodescope.verdict.variants import drafter_sources, replay_rows, variant_rows
 # re-exported: importers name these as verdict's
 from decodescope.verdict.findings import (LEVEL_TOLERANCE as LEVEL_TOLERANCE, NO_HELP_PCT as NO_HELP_PCT,
                                           RECONCILE_TOLERANCE as RECONCILE_TOLERANCE, findings)
@@ -303,7 +305,10 @@ def verdict(run_dir: Path, params) -> Verdict:
     inp = model_inputs(run_dir, params, summaries, captures)
     model: dict[float, tuple[float, float, float]] = {}
     if inp is not None:
-        curve_rows, comp_rows, proj_rows = curves(inp, params, levels, captures)
+        drafters = measured_drafters(run_dir, params, drafter_sources(run_dir, params)) if params.experiments else []
+        curve_rows, comp_rows, proj_rows = curves(inp, params, levels, captures,
+                                                  more_fixes=lambda b: measured_spec_fixes(inp, b, drafters))
+        out.spec_k = [SpecKRow.model_validate(r) for r in spec_k_rows(run_dir, params, inp, levels, captures, drafters)]
         out.curves = [CurveRow.model_validate(r) for r in curve_rows]
         out.step_model = comp_rows
         out.projections = [ProjectionRow.model_validate(r) for r in proj_rows]
