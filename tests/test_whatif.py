@@ -8,6 +8,7 @@ from decodescope.schema.params import load_params
 from decodescope.schema.records import ProfileSummary, StepMedians
 from decodescope.verdict import fixes
 from decodescope.verdict import stepmodel as sm
+from decodescope.verdict import stepparts as sp
 
 
 @pytest.mark.parametrize("k, alpha, tokens", [(3, 0.6, (1 - 0.6 ** 4) / 0.4), (3, 0.0, 1.0), (4, 1.0, 5.0),
@@ -128,7 +129,7 @@ def test_an_eager_step_is_the_host_issuing_the_profiled_kernels_at_02s_cost_per_
     fix, why = fixes.eager_fix(inp, 1.0)
     assert why == "" and not fix.calibrated
     base = inp.predict(1.0)
-    gpu_us = sum(c.us for c in base.components if c.name not in sm.HOST_PARTS) * base.overlap
+    gpu_us = sum(c.us for c in base.components if c.kind is sp.Kind.WORK) * base.overlap
     between = _part(base, "between steps")
     assert between == pytest.approx(1_000.0)
     # GPU time per kernel under the host's 20 us: the host sets the pace, and the last kernel ends the step

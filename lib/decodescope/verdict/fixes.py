@@ -128,7 +128,7 @@ class ModelInputs:
 
     def gpu_us(self, pred) -> tuple[float, float]:
         """(the step's GPU time, its attention part) in a prediction: its work components after the lanes' overlap."""
-        work = sum(c.us for c in pred.components if c.name not in sm.HOST_PARTS) * pred.overlap
+        work = sum(c.us for c in pred.components if c.kind is sp.Kind.WORK) * pred.overlap
         return work, sum(c.us for c in pred.components if c.name == "attention") * pred.overlap
 
     def host_costs_at(self, batch: float) -> Optional[tuple[float, dict[str, float]]]:
@@ -254,7 +254,7 @@ def eager_fix(inp: ModelInputs, batch: float) -> tuple[Optional[Fix], str]:
     gpu_us = inp.gpu_us(base)[0]
     n = int(round(s.kernels_per_step))
     between = next((c for c in base.components if c.name == "between steps"),
-                   sp.Component("between steps", 0.0, 0.0, 0.0, "none profiled"))
+                   sp.Component("between steps", 0.0, 0.0, 0.0, "none profiled", kind=sp.Kind.HOST_BETWEEN))
     if inp.host_ops is not None and inp.host_ops.ops:
         # the custom ops at their host cost in the baseline's un-graphed step, the other kernels at 02's
         walks = [graphless.eager_items(inp.host_ops, inp.per_event_us, n, host[c], gpu_us) for c in sp.HOST_COLUMNS]

@@ -93,7 +93,7 @@ def piecewise_component(items: list[tuple[float, float]], notes: list[str], gpu_
     return sm.Component(sm.OUTSIDE_GRAPH, us, us, us, f"host_ops.json (04's un-graphed step, {step_tokens} tokens)",
                         notes + [f"the walk ends at {end:,.0f} us against {gpu_us:,.0f} us of GPU time",
                                  f"the profiler's cost taken off per recorded event: {per_event_us or 0:,.2f} us "
-                                 f"({how_per_event})"])
+                                 f"({how_per_event})"], sp.Kind.HOST_IN_STEP)
 
 
 def lost_async_component(host_gap_us: Optional[float], gpu_idle_us: float, source: str) -> Optional[sm.Component]:
@@ -107,7 +107,8 @@ def lost_async_component(host_gap_us: Optional[float], gpu_idle_us: float, sourc
     us = max(host_gap_us - gpu_idle_us, 0.0)
     return sm.Component(sm.LOST_ASYNC, us, us, host_gap_us, source,
                         [f"the baseline's host time between steps, {host_gap_us:,.0f} us, which its async scheduling "
-                         f"overlapped with the GPU, less the {gpu_idle_us:,.0f} us its GPU sat idle a step"])
+                         f"overlapped with the GPU, less the {gpu_idle_us:,.0f} us its GPU sat idle a step"],
+                        sp.Kind.HOST_IN_STEP)
 
 
 def eager_items(host_ops: HostOps, per_event_us: Optional[float], kernels_per_step: int, call_us: float,

@@ -142,7 +142,7 @@ def measured_spec_fixes(inp: ModelInputs, batch: float, drafters: list[MeasuredD
             priced[k] = (verify, drafter, how, tokens_per_verify_at_k(d.at(batch), k))
         k = min(priced, key=lambda k: (priced[k][0].period_us + priced[k][1]) / priced[k][3])
         verify, drafter, how, tokens = priced[k]
-        comps = verify.components + [sp.Component(sm.DRAFTER, drafter, drafter, drafter, how, [])]
+        comps = verify.components + [sp.Component(sm.DRAFTER, drafter, drafter, drafter, how, [], sp.Kind.HOST_IN_STEP)]
         out.append(Fix(f"speculative decoding k={k}, {d.label} drafter (measured acceptance and drafter)",
                        sm.StepPrediction(verify.batch, comps, verify.overlap), tokens, inp.tp,
                        [f"the best k of 1..5 at this batch; verify step = the step model at batch {batch:g} x {k + 1}",

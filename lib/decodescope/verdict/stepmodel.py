@@ -13,7 +13,7 @@ import pandas as pd
 
 from decodescope.model import arch as archmod
 from decodescope.schema.records import ProfileCapture, StepCategoryRow, frame
-from decodescope.verdict.stepparts import Component, collective_component, gemm_component, latency_at, latency_curve
+from decodescope.verdict.stepparts import Component, Kind, collective_component, gemm_component, latency_at, latency_curve
 from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, WAIT_CATEGORIES, class_of
 from decodescope.verdict.stepsample import (StepSample, between_steps_at_freed_core, host_processes_get_a_core,
                                             ops_keep, ops_without_preemption)
@@ -158,9 +158,9 @@ class StepPrediction:
     overlap: float
 
     def _sum(self, attr: str, host: bool) -> float:
-        work = sum(getattr(c, attr) for c in self.components if c.name not in HOST_PARTS)
+        work = sum(getattr(c, attr) for c in self.components if c.kind is Kind.WORK)
         gaps = sum(_signed(c, attr) for c in self.components
-                   if c.name in HOST_PARTS and (host or c.name in IN_STEP))
+                   if c.kind is not Kind.WORK and (host or c.kind is Kind.HOST_IN_STEP))
         return work * self.overlap + gaps
 
     @property
@@ -190,24 +190,18 @@ PREEMPTED = "workers preempted by the host's processes"
 OUTSIDE_GRAPH = "ops outside the CUDA graph, on the host"
 # a variant that schedules synchronously where the baseline overlapped its host's work between steps
 LOST_ASYNC = "host between steps, no longer overlapped"
-# speculative decoding's drafter: its passes run inside the engine's step, priced as whole steps already
+# speculative decoding's drafter: its passes run inside the engine's step
 DRAFTER = "drafter's passes"
-IN_STEP = ("idle in step", PREEMPTED, OUTSIDE_GRAPH, LOST_ASYNC, DRAFTER)
-# Host parts are added after the lanes' overlap; the profiler's cost (taken off: DEDUCTED) and the rest of the profiled
-# period count in the period (TPOT, measured without a profiler) but not in the wall of a profiled step.
-HOST_PARTS = IN_STEP + ("between steps", PROFILER_COST, REST)
-
-
-# Components that are costs taken off the step (the profiler's own cost: 04 measured the profiled step): each
-# is a cost as measured, never below zero, subtracted where the components add up; its band's high end
-# takes the most off, so it bounds the step's low end
+# the names of deducted parts, for tables that carry names only (findings reads verdict.json's rows)
 DEDUCTED = (PROFILER_COST,)
+# A deducted component (the profiler's cost: 04 measured the profiled step) is a cost as measured, never below
+# zero, subtracted where the components add up; its band's high end takes the most off, so it bounds the low end
 _OPPOSITE = {"us": "us", "low_us": "high_us", "high_us": "low_us"}
 
 
 def _signed(c: "Component", attr: str) -> float:
     """A component's share of a sum: its value, or for a deducted one minus its value (the band reversed)."""
-    return -getattr(c, _OPPOSITE[attr]) if c.name in DEDUCTED else getattr(c, attr)
+    return -getattr(c, _OPPOSITE[attr]) if c.kind is Kind.DEDUCTED else getattr(c, attr)
 
 
 def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int,
@@ -270,15 +264,15 @@ def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfi
                              f"{host_cores} cores to the engine core and the API server")
                 v = lo = hi = 0.0
             comps.append(Component(PREEMPTED, v, lo, hi, _capture_sources(samples) +
-                                   " (workers' run-queue wait per step, /proc schedstat)", notes))
-        for name, get, over in (("idle in step", lambda s: s.idle_us - preempted(s), samples),
-                                ("between steps", between_steps_at_freed_core if freed else lambda s: s.between_us,
-                                 samples)):
-            v, lo, hi, notes = _across_batches(over, batch, get)
+                                   " (workers' run-queue wait per step, /proc schedstat)", notes, Kind.HOST_IN_STEP))
+        for name, kind, get in (("idle in step", Kind.HOST_IN_STEP, lambda s: s.idle_us - preempted(s)),
+                                ("between steps", Kind.HOST_BETWEEN,
+                                 between_steps_at_freed_core if freed else lambda s: s.between_us)):
+            v, lo, hi, notes = _across_batches(samples, batch, get)
             if freed and name == "between steps" and any(s.engine_cpu_us for s in samples):
                 notes.append(f"at tensor-parallel {tp} the engine core has a core of its own: between steps is "
                              "its own CPU time per step, not its wait for a core (04, /proc), where that is less")
-            comps.append(Component(name, v, lo, hi, src, notes))
+            comps.append(Component(name, v, lo, hi, src, notes, kind))
         overlap = _across_batches(samples, batch, lambda s: s.overlap)[0]
         comps.append(_rest(as_profiled, batch, comps, overlap, tp if world != tp else None, src))
         comps += _profiler_cost(samples, batch, comps, overlap)
@@ -318,12 +312,12 @@ def _rest(samples: list[StepSample], batch: float, comps: list[Component], overl
     TP=1 profile's step (x 1.72 and x 1.93 at batch 1 and 4)."""
     if other_tp is None:
         v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.rest_us)
-        return Component(REST, v, lo, hi, src, notes)
+        return Component(REST, v, lo, hi, src, notes, Kind.HOST_BETWEEN)
     share, lo_s, hi_s, notes = _across_batches(samples, batch, _rest_share)
-    parts_us = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps)
+    parts_us = sum(c.us * (overlap if c.kind is Kind.WORK else 1.0) for c in comps)
     notes.append(f"{share:.3f} of the step's parts ({parts_us:.0f} us at tensor-parallel {other_tp}), the rest's "
                  "share of the profiled parts")
-    return Component(REST, share * parts_us, lo_s * parts_us, hi_s * parts_us, src, notes)
+    return Component(REST, share * parts_us, lo_s * parts_us, hi_s * parts_us, src, notes, Kind.HOST_BETWEEN)
 
 
 def _rest_share(s: StepSample) -> float:
@@ -370,7 +364,7 @@ def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Componen
     measured = [s for s in samples if s.profiler_cost_us is not None and parts_us[id(s)] > 0]
     if not measured:
         return []
-    profiled = sum(c.us * (1.0 if c.name in HOST_PARTS else overlap) for c in comps
+    profiled = sum(c.us * (overlap if c.kind is Kind.WORK else 1.0) for c in comps
                    if c.name not in ("gemm", "collectives", WAIT, LOADED))
     # the cost as a share of what the profiler inflated, applied to these parts: where a fix shrinks
     # them (another tensor-parallel size), the profiler would have cost that step less too
@@ -383,7 +377,8 @@ def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Componen
         v, lo, hi = profiled, min(lo, profiled), min(hi, profiled)
     how = sorted({s.profiler_cost_how for s in measured})
     notes.append("a cost taken off the profiled parts (the unprofiled step is what TPOT measures)")
-    return [Component(PROFILER_COST, v, lo, hi, f"{_capture_sources(measured)} ({'; '.join(how)})", notes)]
+    return [Component(PROFILER_COST, v, lo, hi, f"{_capture_sources(measured)} ({'; '.join(how)})", notes,
+                      Kind.DEDUCTED)]
 
 
 def _profiled_parts_us(s: StepSample) -> float:

@@ -18,6 +18,7 @@ order, nothing else), the check of these two components against a measured whole
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 import numpy as np
@@ -44,6 +45,15 @@ def step_timings(wait_in_own_op: bool) -> tuple[str, ...]:
     return WAIT_INCLUDED_TIMINGS if wait_in_own_op else STEP_TIMINGS
 
 
+class Kind(Enum):
+    """How a component adds up in a step (stepmodel.StepPrediction)."""
+
+    WORK = "work on the critical rank"          # summed, then x the lanes' overlap (busy / summed)
+    HOST_IN_STEP = "host time in the step"      # added after the overlap: in the step's wall and its period
+    HOST_BETWEEN = "host time between steps"    # in the period (what TPOT measures), not in a profiled wall
+    DEDUCTED = "deducted"                       # a cost taken off the period (the profiler's own)
+
+
 @dataclass
 class Component:
     name: str
@@ -52,6 +62,7 @@ class Component:
     high_us: float
     source: str
     notes: list[str] = field(default_factory=list)
+    kind: Kind = Kind.WORK
 
 
 def _interp_batch(g: pd.DataFrame, batch: int, col: str) -> float:

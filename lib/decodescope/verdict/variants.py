@@ -125,13 +125,14 @@ def spec_fix(inp: ModelInputs, batch: float, k: int, spec: dict, alpha: float, a
     comps = list(verify.components)
     if measured:
         d_us, how = drafter_us(measured, k, batch)
-        comps.append(sp.Component(sm.DRAFTER, d_us, d_us, d_us, how, []))
+        comps.append(sp.Component(sm.DRAFTER, d_us, d_us, d_us, how, [], sp.Kind.HOST_IN_STEP))
         notes.append(f"drafter: {drafter}, {d_us:,.0f} us a verify step, {how}")
     elif drafter == "self":
         draft = inp.predict(batch)
         comps.append(sp.Component(sm.DRAFTER, k * draft.wall_us, k * draft.wall_us, k * draft.wall_us,
                                   "the step model at the batch (the target as its own draft)",
-                                  [f"{k} draft passes, each a decode step of the target at batch {batch:g}"]))
+                                  [f"{k} draft passes, each a decode step of the target at batch {batch:g}"],
+                                  sp.Kind.HOST_IN_STEP))
         notes.append(f"drafter: the target itself, {k} x {draft.wall_us:,.0f} us a verify step")
     else:
         notes.append(f"drafter: {drafter}, its own cost not priced")
