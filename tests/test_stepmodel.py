@@ -14,6 +14,7 @@ from decodescope.model import arch as archmod
 from decodescope.micro import bench as mb
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
+from decodescope.verdict import stepsample as ss
 from decodescope.schema.params import load_params
 from decodescope.schema.records import ProfileCapture
 from decodescope.schema.records_probe import read_probe_output, read_probe_rows
@@ -719,7 +720,7 @@ def test_preemption_beyond_the_idle_fell_in_ops_and_comes_off_them_where_a_core_
                  wall=1100.0, period=1600.0, between=300.0, idle=100.0)
     (sample,) = sm.step_samples({1: s}, 40.0, _caps({1: {"host_cpu_per_step": {"worker": {"runq_wait_us": 300.0}}}}))
     assert sample.rest_us == pytest.approx(1600.0 - 1000.0 - 100.0 - 300.0)
-    out = sm.ops_without_preemption(sample)
+    out = ss.ops_without_preemption(sample)
     assert out.classes_us["attention"] == pytest.approx(240.0) and out.classes_us["small ops"] == pytest.approx(160.0)
     at1 = sm.predict_step(gemm1, pd.DataFrame(), tiny, 1, 1, "", "", [sample], 40.0, measured_world=2,
                           attention_scale=2.0, host_cores=2)
@@ -737,9 +738,9 @@ def test_preemption_beyond_the_idle_fell_in_ops_and_comes_off_them_where_a_core_
         assert {c.name: c.us for c in kept.components}["small ops"] == pytest.approx(200.0)
     # waits in ops of their own (gloo) are sleep, not runnable: 200 of 500 runnable -> keep 0.6
     gloo = replace(sample, wait_own_op_us=500.0)
-    assert sm.ops_without_preemption(gloo).classes_us["attention"] == pytest.approx(180.0)
+    assert ss.ops_without_preemption(gloo).classes_us["attention"] == pytest.approx(180.0)
     # no wait past the idle: unchanged
-    assert sm.ops_without_preemption(replace(sample, preempted_us=100.0)) == replace(sample, preempted_us=100.0)
+    assert ss.ops_without_preemption(replace(sample, preempted_us=100.0)) == replace(sample, preempted_us=100.0)
 
 
 def test_the_share_of_ops_a_freed_core_keeps_is_taken_at_the_batch_not_level_by_level(tiny):
@@ -757,7 +758,7 @@ def test_the_share_of_ops_a_freed_core_keeps_is_taken_at_the_batch_not_level_by_
                  for c, att in ((1, 100.0), (2, 120.0))}
     samples = sm.step_samples(summaries, 40.0, _caps({c: {"host_cpu_per_step": {"worker": {"runq_wait_us": w}}}
                                                        for c, w in ((1, 340.0), (2, 510.0))}))
-    assert [sm.ops_keep(x) for x in samples] == [pytest.approx(0.7), pytest.approx(0.5)]
+    assert [ss.ops_keep(x) for x in samples] == [pytest.approx(0.7), pytest.approx(0.5)]
 
     def parts(batch):
         pred = sm.predict_step(gemm1, pd.DataFrame(), tiny, 1, batch, "", "", samples, 40.0, measured_world=2,
@@ -902,7 +903,7 @@ def test_at_a_tensor_parallel_size_that_frees_a_core_the_engine_core_stops_waiti
            "engine_itl_unprofiled_us": 2080.0, "profiler_step_cost_us": 520.0, "window_noise": 0.0}
     (sample,) = sm.step_samples({1: s}, 40.0, _caps({1: cap}))
     assert (sample.engine_cpu_us, sample.engine_wait_us) == (600.0, 3000.0)
-    assert sm.between_steps_at_freed_core(sample) == 600.0
+    assert ss.between_steps_at_freed_core(sample) == 600.0
     coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "vllm_shm",
                           "timing": "back_to_back", "inplace": True, "rank": 0, "bytes": n, "time_us": 1e-9,
                           "p10_us": 1e-9, "p90_us": 1e-9} for n in (256, 65536)])
@@ -917,9 +918,9 @@ def test_at_a_tensor_parallel_size_that_frees_a_core_the_engine_core_stops_waiti
     assert at1.period_us == pytest.approx(800.0)
     # a wait shorter than the gap leaves the rest of it: 1,500 - 300 = 1,200 (above the 600 of CPU)
     short = replace(sample, engine_wait_us=300.0)
-    assert sm.between_steps_at_freed_core(short) == 1200.0
+    assert ss.between_steps_at_freed_core(short) == 1200.0
     # no engine core figures (older captures): the gap is held as profiled
-    assert sm.between_steps_at_freed_core(replace(sample, engine_cpu_us=0.0)) == 1500.0
+    assert ss.between_steps_at_freed_core(replace(sample, engine_cpu_us=0.0)) == 1500.0
 
 
 def test_cpu_step_order_meets_each_op_where_the_step_does(monkeypatch):
@@ -966,3 +967,58 @@ def test_cpu_gemms_are_timed_in_step_order_and_the_model_prices_them_so():
                         "step_order_p10_us": 6.5, "step_order_p90_us": 8.0}])
     assert sp._gemm_time_columns(ok) == ("step_order", ("step_order_time_us", "step_order_p10_us", "step_order_p90_us"))
     assert sp._gemm_time_columns(ok.drop(columns=[c for c in ok if c.startswith("step_order")]))[0] == "cold_weights"
+
+
+# ---- StepModel: each part alone (the sums above are its predict) ------------------------------------
+def _model_inputs(tiny, samples, tp=2, **kw):
+    shapes = archmod.gemm_shapes(tiny, tp, 1)
+    gemm = pd.DataFrame([{"op": s.op, "batch": b, "dtype": "bf16", "status": "ok", "time_us": 10.0 * b}
+                         for s in shapes for b in (1, 4)])
+    coll = pd.DataFrame([{"part": "sweep", "status": "ok", "op": "all_reduce", "communicator": "vllm_shm",
+                          "timing": "back_to_back", "inplace": True, "rank": 0, "bytes": n, "time_us": 5.0,
+                          "p10_us": 4.0, "p90_us": 6.0} for n in (256, 65536)])
+    return sm.StepInputs(gemm, coll, tiny, tp, "vllm_shm", "back_to_back", samples, 40.0, **kw), sum(s.count for s in shapes)
+
+
+def test_each_part_of_the_step_model_prices_alone_and_predict_is_their_sum_in_order(tiny):
+    s1 = _summary(1, 1.0, {0: {"allreduce": 1.0, "attention": 100.0, "elementwise_other": 200.0}},
+                  2000.0, 3000.0, 1000.0, 500.0)
+    samples = sm.step_samples({1: s1}, 40.0)
+    inputs, n_gemm = _model_inputs(tiny, samples)
+    model = sm.StepModel(inputs)
+    assert model.gemms(2).us == pytest.approx(n_gemm * 20.0)
+    assert [c.name for c in model.collectives(2)] == ["collectives"]          # shm: no wait op of its own
+    assert model.rank_wait(2) == []                                           # no transfer measured: no wait
+    assert {c.name for c in model.profiled_ops(2)} == {"attention", "small ops"}
+    idle = model.host_in_step(2)
+    assert [(c.name, c.kind) for c in idle] == [("idle in step", sp.Kind.HOST_IN_STEP)] and idle[0].us == 500.0
+    between = model.between_steps(2)
+    assert between.kind is sp.Kind.HOST_BETWEEN and between.us == 1000.0
+    assert model.overlap(2) == 1.0
+    pred = model.predict(2)
+    assert [c.name for c in pred.components][:5] == ["gemm", "collectives", "attention", "small ops", "idle in step"]
+    assert pred.period_us == pytest.approx(sm.predict_step(inputs.gemm, inputs.coll, tiny, 2, 2, "vllm_shm",
+                                                           "back_to_back", samples, 40.0).period_us)
+    # a fix's collectives replace 03's; at tensor-parallel 1 there are none to price
+    fixed = sp.Component("collectives", 1.0, 1.0, 1.0, "given")
+    assert model.predict(2, collectives=fixed).components[1] is fixed
+    one, _ = _model_inputs(tiny, samples, tp=1, measured_world=2)
+    assert sm.StepModel(one).collectives(2) == []
+    # without a profile: the micro-benchmarks alone, on one lane
+    bare = sm.StepModel(_model_inputs(tiny, [])[0]).predict(2)
+    assert [c.name for c in bare.components] == ["gemm", "collectives"] and bare.overlap == 1.0
+
+
+def test_the_host_model_leaves_a_step_as_profiled_where_every_process_has_a_core(tiny):
+    """A GPU host: no run-queue wait, no gloo wait op, cores to spare: HostModel changes nothing."""
+    from decodescope.verdict.stepsample import HostModel
+
+    s = _summary(1, 1.0, {0: {"attention": 100.0}}, 1100.0, 2100.0, 1000.0, 1000.0)
+    (sample,) = sm.step_samples({1: s}, 40.0)
+    for host in (HostModel(None, 1, 2), HostModel(64, 1, 2), HostModel(2, 2, 2)):
+        assert host.as_run([sample]) == [sample] and host.ops_keep_at([sample], 1.0) == 1.0
+        assert host.between_us(sample) == sample.between_us and host.between_notes([sample]) == []
+        assert host.preempted([sample], 1.0, "src") is None
+        assert host.collectives_under_load([sample], 1.0, 10.0) is None
+    # 2 cores profiled at TP=2, priced at TP=1: a core is freed for the engine core and the API server
+    assert HostModel(2, 1, 2).frees_a_core and not HostModel(2, 2, 2).frees_a_core

@@ -1,7 +1,9 @@
-"""A decode step as measured components: the micro-benchmarks' GEMMs and collectives (decodescope.verdict.stepparts)
-and what only the profile (04) measures: attention and the small ops, the host's time in and between
-steps, the wait for the last rank, the profiler's own cost. `predict_step` prices one step at batch b,
-each component with the file it came from and a band from its measured spread.
+"""A decode step as measured components (docs/step_model.md): the micro-benchmarks' GEMMs and collectives
+(decodescope.verdict.stepparts) and what only the profile (04) measures: attention and the small ops, the
+host's time in and between steps, the wait for the last rank, the profiler's own cost. StepModel, built from
+StepInputs, prices each part in a method of its own and the whole step at batch b (predict), each component
+with the file it came from, a band from its measured spread and its kind (stepparts.Kind). A host with
+fewer cores than the server's processes is HostModel's (stepsample).
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from decodescope.model import arch as archmod
 from decodescope.schema.records import ProfileCapture, StepCategoryRow, frame
 from decodescope.verdict.stepparts import Component, Kind, collective_component, gemm_component, latency_at, latency_curve
 from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, WAIT_CATEGORIES, class_of
-from decodescope.verdict.stepsample import (StepSample, between_steps_at_freed_core, host_processes_get_a_core,
-                                            ops_keep, ops_without_preemption)
+from decodescope.verdict.stepsample import LOADED, PREEMPTED, HostModel, StepSample, across_levels, preempted_us
+
+__all__ = ["LOADED", "PREEMPTED", "StepInputs", "StepModel", "StepPrediction", "predict_step", "step_samples"]
 
 
 # ---- the whole step: what only the profile measures --------------------------------------------------
@@ -116,22 +119,6 @@ def step_samples(summaries: dict, context_tokens: float,
     return sorted(out, key=lambda x: x.batch)
 
 
-def _across_batches(samples: list[StepSample], batch: float, value) -> tuple[float, float, float, list[str]]:
-    """A profile-sourced value at `batch`: linear between the profiled batches, held at the nearest one
-    outside them (and said so). Band: the smallest and largest value at the profiled batches around it."""
-    xs = np.array([s.batch for s in samples])
-    ys = np.array([value(s) for s in samples])
-    notes = []
-    if len(xs) == 1 or batch <= xs[0] or batch >= xs[-1]:
-        if not (xs[0] <= batch <= xs[-1]):
-            notes.append(f"held at the nearest profiled batch ({xs[0] if batch < xs[0] else xs[-1]:g})")
-        v = float(ys[0] if batch <= xs[0] else ys[-1])
-        return v, float(ys.min()), float(ys.max()), notes
-    v = float(np.interp(batch, xs, ys))
-    i = int(np.searchsorted(xs, batch))
-    return v, float(min(ys[i - 1], ys[i])), float(max(ys[i - 1], ys[i])), notes
-
-
 def attention_component(samples: list[StepSample], batch: float, context_tokens: float) -> Component:
     """Attention (and KV-cache writes) from the profile, as a + c x (batch x context) through the
     profiled levels; one level: held at its value."""
@@ -183,9 +170,7 @@ class StepPrediction:
 
 PROFILER_COST = "profiler's own cost"
 WAIT = "all-reduce wait for the last rank"
-LOADED = "all-reduces slowed by the host's load"
 REST = "rest of the profiled period"
-PREEMPTED = "workers preempted by the host's processes"
 # a variant's ops that its CUDA graphs no longer cover, run by the host inside the step (verdict.graphless)
 OUTSIDE_GRAPH = "ops outside the CUDA graph, on the host"
 # a variant that schedules synchronously where the baseline overlapped its host's work between steps
@@ -204,81 +189,123 @@ def _signed(c: "Component", attr: str) -> float:
     return -getattr(c, _OPPOSITE[attr]) if c.kind is Kind.DEDUCTED else getattr(c, attr)
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What the step model is built from: 02's GEMMs (gemm, at gemm_source), 03's collectives (coll, through
+    `communicator` timed as `timing`, at world size measured_world, default tp), the architecture sharded at
+    tp, and 04's profiled levels (samples) at context_tokens. attention_scale: heads per rank against the
+    profiled size; host_cores: the host's cores (HostModel)."""
+
+    gemm: pd.DataFrame
+    coll: pd.DataFrame
+    arch: archmod.ArchConfig
+    tp: int
+    communicator: str
+    timing: str
+    samples: list[StepSample]
+    context_tokens: float
+    dtype: str = "bf16"
+    gemm_source: str = "gemm.parquet"
+    measured_world: Optional[int] = None
+    attention_scale: float = 1.0
+    host_cores: Optional[int] = None
+    weight_dtype: Optional[str] = None
+
+
+class StepModel:
+    """The decode step at a batch as measured components (predict), one method per part. The host's own
+    contention on a host with fewer cores than processes is HostModel's (stepsample)."""
+
+    def __init__(self, inputs: StepInputs):
+        self.x = inputs
+        self.world = inputs.measured_world or inputs.tp
+        self.host = HostModel(inputs.host_cores, inputs.tp, self.world)
+        # what the profiled levels would be with this host's contention (a freed core keeps less op time)
+        self.samples = self.host.as_run(inputs.samples)
+        self.source = "; ".join(s.source for s in inputs.samples)
+
+    def gemms(self, batch: int, skew: float = 0.0) -> Component:
+        """02's GEMMs of the step at `batch` (skew: the routing skew 04 measured, for the expert GEMMs)."""
+        x = self.x
+        return gemm_component(x.gemm, x.arch, x.tp, batch, x.dtype, source=x.gemm_source,
+                              weight_dtype=x.weight_dtype, skew=skew)
+
+    def collectives(self, batch: int) -> list[Component]:
+        """03's collectives at `batch` (none at tensor-parallel 1), with what a loaded host adds to them."""
+        x = self.x
+        if x.tp <= 1:
+            return []
+        priced = _priced_collectives(x.coll, x.arch, x.tp, batch, x.communicator, x.timing, x.dtype, self.world)
+        loaded = self.host.collectives_under_load(x.samples, batch, priced.us)
+        return [priced] + ([loaded] if loaded is not None else [])
+
+    def rank_wait(self, batch: int) -> list[Component]:
+        """The critical rank's wait for the last rank in its all-reduces (04), where it waited."""
+        x = self.x
+        if not (x.samples and x.tp > 1 and any(s.allreduce_wait_us for s in x.samples)):
+            return []
+        v, lo, hi, notes = across_levels(x.samples, batch, lambda s: s.allreduce_wait_us)
+        return [Component(WAIT, v, lo, hi, self.source + " (all-reduce time on the rank minus the transfer: "
+                          "least time over ranks per call)", notes)]
+
+    def profiled_ops(self, batch: int) -> list[Component]:
+        """Attention, small ops and framework time (04), as this host runs them."""
+        x = self.x
+        # preemption inside ops is contention a freed core removes, like the preemption in the idle: the op
+        # classes keep, at this batch, the share of their time that was not run-queue wait (ops_keep across
+        # the profiled levels). Scaled level by level before attention's fit through the levels, the levels'
+        # shares set its slope (a native campaign: 0.70 at batch 1, 0.54 at 2; TP=1's attention fell to 0 at 4).
+        return _profiled_ops(x.samples, batch, x.context_tokens, x.attention_scale,
+                             self.host.ops_keep_at(x.samples, batch), x.tp, self.source)
+
+    def host_in_step(self, batch: int) -> list[Component]:
+        """The host's time inside the step: the workers' preemption (HostModel), then the rest of the idle."""
+        preempted = self.host.preempted(self.samples, batch, _capture_sources(self.samples))
+        v, lo, hi, notes = across_levels(self.samples, batch, lambda s: s.idle_us - preempted_us(s))
+        return ([preempted] if preempted is not None else []) + [
+            Component("idle in step", v, lo, hi, self.source, notes, Kind.HOST_IN_STEP)]
+
+    def between_steps(self, batch: int) -> Component:
+        """The host's time between steps (04), as this host would spend it (HostModel.between_us)."""
+        v, lo, hi, notes = across_levels(self.samples, batch, self.host.between_us)
+        return Component("between steps", v, lo, hi, self.source, notes + self.host.between_notes(self.samples),
+                         Kind.HOST_BETWEEN)
+
+    def overlap(self, batch: int) -> float:
+        """The critical rank's lanes' overlap (busy / summed) at `batch`; 1 without a profile."""
+        return across_levels(self.samples, batch, lambda s: s.overlap)[0] if self.samples else 1.0
+
+    def rest(self, batch: int, comps: list[Component], overlap: float) -> Component:
+        """The rest of the profiled period (_rest), from the levels as profiled."""
+        return _rest(self.x.samples, batch, comps, overlap, self.x.tp if self.world != self.x.tp else None,
+                     self.source)
+
+    def profiler_cost(self, batch: int, comps: list[Component], overlap: float) -> list[Component]:
+        """The profiler's measured cost, taken off the parts it inflated (_profiler_cost)."""
+        return _profiler_cost(self.samples, batch, comps, overlap)
+
+    def predict(self, batch: int, collectives: Optional[Component] = None, skew: float = 0.0) -> StepPrediction:
+        """The step at `batch`: every part in order; `collectives` replaces 03's (a fix)."""
+        comps = [self.gemms(batch, skew)]
+        comps += [collectives] if collectives is not None else self.collectives(batch)
+        comps += self.rank_wait(batch)
+        if not self.x.samples:
+            return StepPrediction(float(batch), comps, 1.0)
+        comps += self.profiled_ops(batch) + self.host_in_step(batch)
+        comps.append(self.between_steps(batch))
+        overlap = self.overlap(batch)
+        comps.append(self.rest(batch, comps, overlap))
+        comps += self.profiler_cost(batch, comps, overlap)
+        return StepPrediction(float(batch), comps, overlap)
+
+
 def predict_step(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch: int,
                  communicator: str, timing: str, samples: list[StepSample], context_tokens: float,
-                 dtype: str = "bf16", gemm_source: str = "gemm.parquet", measured_world: Optional[int] = None,
-                 attention_scale: float = 1.0, collectives: Optional[Component] = None,
-                 host_cores: Optional[int] = None, weight_dtype: Optional[str] = None,
-                 skew: float = 0.0) -> StepPrediction:
-    """The decode step at `batch`: GEMMs (02) + collectives (03) + the ranks' wait for each other in
-    the all-reduces + attention, small ops and framework time (04, across the profiled levels) on the
-    critical rank, times its lane overlap (busy / summed), plus the host's time inside the step and
-    between steps (04), less what the profiler itself cost the step (04, measured).
-
-    At another tensor-parallel size than 03 measured (measured_world), the collectives are the measured
-    ones scaled by (tp - 1) / (world - 1), a ring's latency term, and labelled extrapolated; attention is
-    scaled by attention_scale (heads per rank). `collectives` replaces the priced collectives (a fix).
-    Where each all-reduce waits in an op of its own (gloo), what the profiled calls cost beyond 03's price is
-    a part of its own (collectives_under_load). The workers' run-queue wait (04: the host's other processes
-    holding their cores mid-step) is taken out of the idle in the step as its own part; at a tensor-parallel
-    size whose workers leave the host (host_cores) a core, it is priced at zero."""
-    comps = [gemm_component(gemm, arch, tp, batch, dtype, source=gemm_source, weight_dtype=weight_dtype, skew=skew)]
-    world = measured_world or tp
-    if collectives is not None:
-        comps.append(collectives)
-    elif tp > 1:
-        priced = _priced_collectives(coll, arch, tp, batch, communicator, timing, dtype, world)
-        comps.append(priced)
-        if samples and all(s.wait_own_op_us for s in samples):
-            comps.append(collectives_under_load(samples, batch, priced.us))
-    if samples and tp > 1 and any(s.allreduce_wait_us for s in samples):
-        v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.allreduce_wait_us)
-        comps.append(Component(WAIT, v, lo, hi, "; ".join(s.source for s in samples) + " (all-reduce time on the rank "
-                               "minus the transfer: least time over ranks per call)", notes))
-    freed = host_processes_get_a_core(tp, world, host_cores)
-    # preemption inside ops is contention the freed core removes, like the preemption in the idle: the op
-    # classes keep, at this batch, the share of their time that was not run-queue wait (ops_keep across the
-    # profiled levels). Scaled level by level before attention's fit through the levels, the levels' shares
-    # set its slope (a native campaign: 0.70 at batch 1, 0.54 at 2, and TP=1's attention fell to 0 at 4).
-    # The rest of the profiled period is taken from the samples as profiled (_rest).
-    as_profiled = samples
-    if samples:
-        src = "; ".join(s.source for s in samples)
-        comps += _profiled_ops(samples, batch, context_tokens, attention_scale,
-                               _across_batches(samples, batch, ops_keep)[0] if freed else 1.0, tp, src)
-        # the profiler's cost as a share of the parts it inflated, those parts as this tensor-parallel size
-        # keeps them
-        samples = [ops_without_preemption(s) for s in samples] if freed else samples
-
-        def preempted(s):
-            return min(s.preempted_us, s.idle_us)
-
-        if any(s.preempted_us for s in samples):
-            v, lo, hi, notes = _across_batches(samples, batch, preempted)
-            if any(s.preempted_us > s.idle_us for s in samples):
-                notes.append("capped at the idle in the step")
-            if freed:
-                # freed holds only with host_cores set (host_processes_get_a_core); None failed in `-` here anyway
-                assert host_cores is not None
-                notes.append(f"0 at tensor-parallel {tp}: its workers leave {host_cores - tp} of the host's "
-                             f"{host_cores} cores to the engine core and the API server")
-                v = lo = hi = 0.0
-            comps.append(Component(PREEMPTED, v, lo, hi, _capture_sources(samples) +
-                                   " (workers' run-queue wait per step, /proc schedstat)", notes, Kind.HOST_IN_STEP))
-        for name, kind, get in (("idle in step", Kind.HOST_IN_STEP, lambda s: s.idle_us - preempted(s)),
-                                ("between steps", Kind.HOST_BETWEEN,
-                                 between_steps_at_freed_core if freed else lambda s: s.between_us)):
-            v, lo, hi, notes = _across_batches(samples, batch, get)
-            if freed and name == "between steps" and any(s.engine_cpu_us for s in samples):
-                notes.append(f"at tensor-parallel {tp} the engine core has a core of its own: between steps is "
-                             "its own CPU time per step, not its wait for a core (04, /proc), where that is less")
-            comps.append(Component(name, v, lo, hi, src, notes, kind))
-        overlap = _across_batches(samples, batch, lambda s: s.overlap)[0]
-        comps.append(_rest(as_profiled, batch, comps, overlap, tp if world != tp else None, src))
-        comps += _profiler_cost(samples, batch, comps, overlap)
-    else:
-        overlap = 1.0
-    return StepPrediction(float(batch), comps, overlap)
+                 collectives: Optional[Component] = None, skew: float = 0.0, **inputs) -> StepPrediction:
+    """StepModel(StepInputs(...)).predict(batch) for callers holding the inputs loose; `inputs` are
+    StepInputs' optional fields."""
+    return StepModel(StepInputs(gemm, coll, arch, tp, communicator, timing, samples, context_tokens, **inputs)
+                     ).predict(batch, collectives, skew)
 
 
 def _profiled_ops(samples: list[StepSample], batch: float, context_tokens: float, attention_scale: float,
@@ -296,7 +323,7 @@ def _profiled_ops(samples: list[StepSample], batch: float, context_tokens: float
                        if attention_scale != 1.0 else []))
     out = [a]
     for cls in sorted({c for s in samples for c in s.classes_us} - set(MICRO_CLASSES) - {"attention"}):
-        v, lo, hi, notes = _across_batches(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
+        v, lo, hi, notes = across_levels(samples, batch, lambda s, c=cls: s.classes_us.get(c, 0.0))
         out.append(Component(cls, v * keep, lo * keep, hi * keep, src, notes + keep_note))
     return out
 
@@ -311,9 +338,9 @@ def _rest(samples: list[StepSample], batch: float, comps: list[Component], overl
     (benchmarks/tp1_projection_parts.py), and carried whole it was most of the projection's excess over the
     TP=1 profile's step (x 1.72 and x 1.93 at batch 1 and 4)."""
     if other_tp is None:
-        v, lo, hi, notes = _across_batches(samples, batch, lambda s: s.rest_us)
+        v, lo, hi, notes = across_levels(samples, batch, lambda s: s.rest_us)
         return Component(REST, v, lo, hi, src, notes, Kind.HOST_BETWEEN)
-    share, lo_s, hi_s, notes = _across_batches(samples, batch, _rest_share)
+    share, lo_s, hi_s, notes = across_levels(samples, batch, _rest_share)
     parts_us = sum(c.us * (overlap if c.kind is Kind.WORK else 1.0) for c in comps)
     notes.append(f"{share:.3f} of the step's parts ({parts_us:.0f} us at tensor-parallel {other_tp}), the rest's "
                  "share of the profiled parts")
@@ -338,24 +365,6 @@ def _priced_collectives(coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, b
         f"extrapolated from world size {world} to {tp}: x {f:.2f} ((n - 1) / (world - 1))"])
 
 
-def collectives_under_load(samples: list[StepSample], batch: float, priced_us: float) -> Component:
-    """Where each all-reduce waits in an op of its own (gloo), what the step's calls cost beyond 03's price
-    of them at `batch` (priced_us): the critical rank's communication ops per step, waits included, at the
-    profiled levels (linear in batch between them, as the other profile-sourced parts), less the price,
-    never below zero. A gloo call is three threads' hand-overs (the worker's, gloo's work thread, its TCP
-    loop), each waiting for a core; in the engine the engine core and the API server hold those cores too,
-    which 03's two ranks alone never meet (benchmarks/gloo_contention.py: 3.4-4.3x the run-queue wait a
-    call on 2 cores). The collectives then cost the step the larger of 03's price and what the profile
-    measured."""
-    paid, lo, hi, notes = _across_batches(samples, batch, lambda s: s.classes_us.get("communication", 0.0))
-    if paid < priced_us:
-        notes.append(f"0: the profiled calls ({paid:,.0f} us a step here) cost the step less than 03's price "
-                     f"({priced_us:,.0f} us)")
-    return Component(LOADED, max(0.0, paid - priced_us), max(0.0, lo - priced_us), max(0.0, hi - priced_us),
-                     "; ".join(s.source for s in samples) + " (the critical rank's all-reduce and wait ops per "
-                     "step, less 03's price of the calls)", notes)
-
-
 def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Component], overlap: float) -> list[Component]:
     """The profiler's measured cost at `batch` (across the profiled levels that measured it), as a share
     of the profile-sourced parts it inflated, taken off these parts in that share and never more than
@@ -368,9 +377,9 @@ def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Componen
                    if c.name not in ("gemm", "collectives", WAIT, LOADED))
     # the cost as a share of what the profiler inflated, applied to these parts: where a fix shrinks
     # them (another tensor-parallel size), the profiler would have cost that step less too
-    share, _, _, notes = _across_batches(measured, batch, lambda s: s.profiler_cost_us / parts_us[id(s)])
-    lo_share = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[0] / parts_us[id(s)])[1]
-    hi_share = _across_batches(measured, batch, lambda s: s.profiler_cost_band_us[1] / parts_us[id(s)])[2]
+    share, _, _, notes = across_levels(measured, batch, lambda s: s.profiler_cost_us / parts_us[id(s)])
+    lo_share = across_levels(measured, batch, lambda s: s.profiler_cost_band_us[0] / parts_us[id(s)])[1]
+    hi_share = across_levels(measured, batch, lambda s: s.profiler_cost_band_us[1] / parts_us[id(s)])[2]
     v, lo, hi = share * profiled, lo_share * profiled, hi_share * profiled
     if v > profiled:
         notes.append(f"capped at the profile-sourced parts ({profiled:.0f} us of {v:.0f})")

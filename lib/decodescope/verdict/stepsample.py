@@ -7,6 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
+
+from decodescope.verdict.stepparts import Component, Kind
+
+PREEMPTED = "workers preempted by the host's processes"
+LOADED = "all-reduces slowed by the host's load"
+
 
 @dataclass(frozen=True)
 class StepSample:
@@ -78,3 +85,101 @@ def host_processes_get_a_core(tp: int, measured_tp: int, host_cores: Optional[in
     core there (one each, as the CPU build binds them) and at tp they leave one to the engine core and
     the API server."""
     return host_cores is not None and host_cores > 0 and measured_tp >= host_cores > tp
+
+
+def across_levels(samples: list[StepSample], batch: float, value) -> tuple[float, float, float, list[str]]:
+    """A profile-sourced value at `batch`: linear between the profiled batches, held at the nearest one
+    outside them (and said so). Band: the smallest and largest value at the profiled batches around it."""
+    xs = np.array([s.batch for s in samples])
+    ys = np.array([value(s) for s in samples])
+    notes = []
+    if len(xs) == 1 or batch <= xs[0] or batch >= xs[-1]:
+        if not (xs[0] <= batch <= xs[-1]):
+            notes.append(f"held at the nearest profiled batch ({xs[0] if batch < xs[0] else xs[-1]:g})")
+        v = float(ys[0] if batch <= xs[0] else ys[-1])
+        return v, float(ys.min()), float(ys.max()), notes
+    v = float(np.interp(batch, xs, ys))
+    i = int(np.searchsorted(xs, batch))
+    return v, float(min(ys[i - 1], ys[i])), float(max(ys[i - 1], ys[i])), notes
+
+
+def preempted_us(s: StepSample) -> float:
+    """The workers' run-queue wait in a sample's step, never more than the idle it was measured in."""
+    return min(s.preempted_us, s.idle_us)
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """The host's contention where the server's processes outnumber its cores (the embedded default: two
+    workers, the engine core and the API server on 2 cores). On a host with a core per process, as a GPU
+    host has, 04 measures no preemption and no gloo wait op, and every method leaves the step as profiled.
+    cores: the host's cores; tp: the size priced; measured_tp: the size profiled."""
+
+    cores: Optional[int]
+    tp: int
+    measured_tp: int
+
+    @property
+    def frees_a_core(self) -> bool:
+        """Whether the size priced leaves the host's other processes a core the profiled size held."""
+        return host_processes_get_a_core(self.tp, self.measured_tp, self.cores)
+
+    def as_run(self, samples: list[StepSample]) -> list[StepSample]:
+        """The profiled levels with the op time a worker with a core of its own keeps (ops_without_preemption)."""
+        return [ops_without_preemption(s) for s in samples] if self.frees_a_core else samples
+
+    def ops_keep_at(self, samples: list[StepSample], batch: float) -> float:
+        """The share of op time kept at `batch` (ops_keep across the levels); 1 where no core is freed."""
+        return across_levels(samples, batch, ops_keep)[0] if self.frees_a_core and samples else 1.0
+
+    def between_us(self, s: StepSample) -> float:
+        """A level's time between steps: at a freed core the engine core's own need (between_steps_at_freed_core)."""
+        return between_steps_at_freed_core(s) if self.frees_a_core else s.between_us
+
+    def between_notes(self, samples: list[StepSample]) -> list[str]:
+        if self.frees_a_core and any(s.engine_cpu_us for s in samples):
+            return [f"at tensor-parallel {self.tp} the engine core has a core of its own: between steps is its own "
+                    "CPU time per step, not its wait for a core (04, /proc), where that is less"]
+        return []
+
+    def preempted(self, samples: list[StepSample], batch: float, source: str) -> Optional[Component]:
+        """The workers' run-queue wait per step (04), out of the idle in the step; 0 at a freed core; None
+        where 04 measured none."""
+        if not any(s.preempted_us for s in samples):
+            return None
+        v, lo, hi, notes = across_levels(samples, batch, preempted_us)
+        if any(s.preempted_us > s.idle_us for s in samples):
+            notes.append("capped at the idle in the step")
+        if self.frees_a_core:
+            assert self.cores is not None  # frees_a_core holds only with cores set
+            notes.append(f"0 at tensor-parallel {self.tp}: its workers leave {self.cores - self.tp} of the host's "
+                         f"{self.cores} cores to the engine core and the API server")
+            v = lo = hi = 0.0
+        return Component(PREEMPTED, v, lo, hi, source + " (workers' run-queue wait per step, /proc schedstat)",
+                         notes, Kind.HOST_IN_STEP)
+
+    def collectives_under_load(self, samples: list[StepSample], batch: float,
+                               priced_us: float) -> Optional[Component]:
+        """What gloo's calls cost the step beyond 03's price, where each waits in an op of its own on every
+        profiled level (collectives_under_load); None elsewhere."""
+        if not samples or not all(s.wait_own_op_us for s in samples):
+            return None
+        return collectives_under_load(samples, batch, priced_us)
+
+
+def collectives_under_load(samples: list[StepSample], batch: float, priced_us: float) -> Component:
+    """Where each all-reduce waits in an op of its own (gloo), what the step's calls cost beyond 03's price
+    of them at `batch` (priced_us): the critical rank's communication ops per step, waits included, at the
+    profiled levels (linear in batch between them, as the other profile-sourced parts), less the price,
+    never below zero. A gloo call is three threads' hand-overs (the worker's, gloo's work thread, its TCP
+    loop), each waiting for a core; in the engine the engine core and the API server hold those cores too,
+    which 03's two ranks alone never meet (benchmarks/gloo_contention.py: 3.4-4.3x the run-queue wait a
+    call on 2 cores). The collectives then cost the step the larger of 03's price and what the profile
+    measured."""
+    paid, lo, hi, notes = across_levels(samples, batch, lambda s: s.classes_us.get("communication", 0.0))
+    if paid < priced_us:
+        notes.append(f"0: the profiled calls ({paid:,.0f} us a step here) cost the step less than 03's price "
+                     f"({priced_us:,.0f} us)")
+    return Component(LOADED, max(0.0, paid - priced_us), max(0.0, lo - priced_us), max(0.0, hi - priced_us),
+                     "; ".join(s.source for s in samples) + " (the critical rank's all-reduce and wait ops per "
+                     "step, less 03's price of the calls)", notes)
