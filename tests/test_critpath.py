@@ -128,3 +128,19 @@ def test_a_replay_with_nothing_changed_takes_each_steps_wall_time():
     w = cp.windows.head(8)
     got = [replay_step(p, cp.links, a, b, np.ones(len(p))) for a, b in zip(w["start_us"], w["end_us"])]
     np.testing.assert_allclose(got, w["wall_us"].to_numpy(), rtol=1e-12, atol=1e-6)
+
+
+def test_analyze_trace_critical_path_writes_the_segments_and_the_shares(tmp_path, capsys):
+    from decodescope.cli.main import main
+
+    assert main(["analyze-trace", str(FIXTURES / "vllm_cpu_tp2_c4"), "--critical-path", "--out", str(tmp_path)]) == 0
+    import json
+
+    import pandas as pd
+
+    got = json.loads((tmp_path / "critical_path.json").read_text())
+    seg = pd.read_parquet(tmp_path / "critical_path.parquet")
+    assert got["step_kind"] == "decode" and got["ranks"] == [0, 1]
+    assert {r["category"] for r in got["shares"]} >= {"allreduce", "host"}
+    assert seg.groupby("step")["dur_us"].sum().gt(0).all()
+    assert "on the critical path beside its summed share" in capsys.readouterr().out
