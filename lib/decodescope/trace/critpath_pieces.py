@@ -129,7 +129,8 @@ def _assemble(parts: list) -> Labelled:
     rank, tid, s, e, row, name, cat = cols
     by = np.lexsort((s, tid, on_cpu, rank))
     rank, tid, s, e, row, name, cat, on_cpu = (a[by] for a in (rank, tid, s, e, row, name, cat, on_cpu))
-    lane = pd.factorize(pd.MultiIndex.from_arrays([rank, on_cpu, tid]))[0].astype(np.int64) if len(s) else rank
+    key = ((rank.astype(np.int64) * 2 + on_cpu.astype(np.int64)) << 40) | (tid.astype(np.int64) & ((1 << 40) - 1))
+    lane = np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1) if len(s) else rank
     n = len(s)
     pieces = Pieces(rank=rank, lane=lane, on_cpu=on_cpu.astype(bool), start=s.astype(float), end=e.astype(float),
                     launch=np.full(n, -1), group=np.full(n, -1))

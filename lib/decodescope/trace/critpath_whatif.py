@@ -22,23 +22,38 @@ def _lane_prev(p: Pieces) -> np.ndarray:
     return prev
 
 
-def replay_step(p: Pieces, ln: Links, w0: float, w1: float, scale: np.ndarray,
-                prev: np.ndarray | None = None) -> float:
-    """The step [w0, w1]'s wall time with each piece's duration times `scale` (per piece: 0 = free)."""
-    prev = _lane_prev(p) if prev is None else prev
+class _Flat:
+    """The pieces and their links as Python lists, made once for all the replays."""
+
+    def __init__(self, p: Pieces, ln: Links):
+        self.start, self.end = p.start.tolist(), p.end.tolist()
+        self.kind, self.pred, self.ready = ln.kind.tolist(), ln.pred.tolist(), ln.ready.tolist()
+        self.group, self.entry = p.group.tolist(), ln.entry.tolist()
+        self.lane_prev, self.launch = _lane_prev(p).tolist(), p.launch.tolist()
+
+
+def step_rows(p: Pieces, ln: Links, w0: float, w1: float) -> np.ndarray:
+    """The pieces of the step [w0, w1] in the order a replay takes them (a collective at its last entry)."""
     rows = np.flatnonzero((p.end > w0) & (p.start < w1))
+    key = np.where(ln.entry[rows] > p.start[rows], ln.entry[rows], p.start[rows])
+    return rows[np.lexsort((p.start[rows], key))]
+
+
+def replay_step(p: Pieces, ln: Links, w0: float, w1: float, scale: np.ndarray, flat: "_Flat | None" = None,
+                rows: "np.ndarray | None" = None) -> float:
+    """The step [w0, w1]'s wall time with each piece's duration times `scale` (per piece: 0 = free)."""
+    f = flat or _Flat(p, ln)
+    rows = step_rows(p, ln, w0, w1) if rows is None else rows
     if not len(rows):
         return w1 - w0
-    key = np.where(ln.entry[rows] > p.start[rows], ln.entry[rows], p.start[rows])
-    rows = rows[np.lexsort((p.start[rows], key))]
-    start, end = p.start.tolist(), p.end.tolist()
+    order = rows.tolist()
+    start, end, kind, pred, ready = f.start, f.end, f.kind, f.pred, f.ready
+    group, entry, lane_prev, launch = f.group, f.entry, f.lane_prev, f.launch
+    sc = dict(zip(order, scale[rows].tolist()))
     s_new: dict[int, float] = {}
     e_new: dict[int, float] = {}
-    kind, pred, ready = ln.kind.tolist(), ln.pred.tolist(), ln.ready.tolist()
-    group, entry, sc = p.group.tolist(), ln.entry.tolist(), scale.tolist()
-    lane_prev, launch = prev.tolist(), p.launch.tolist()
     members: dict[int, list[int]] = {}
-    for i in rows.tolist():
+    for i in order:
         if group[i] >= 0:
             members.setdefault(group[i], []).append(i)
 
@@ -56,7 +71,7 @@ def replay_step(p: Pieces, ln: Links, w0: float, w1: float, scale: np.ndarray,
             t = max(t, s_new.get(la, start[la]))
         return min(t, start[i])
 
-    for i in rows.tolist():
+    for i in order:
         if i in e_new:
             continue
         g = group[i]
@@ -72,17 +87,21 @@ def replay_step(p: Pieces, ln: Links, w0: float, w1: float, scale: np.ndarray,
             synced = entry[m] <= end[m]
             from_ = max(s_new[m], last_in) if synced else s_new[m]
             e_new[m] = from_ + (end[m] - max(start[m], entry[m] if synced else start[m])) * sc[m]
-    clipped = np.minimum(p.end[rows], w1)
-    tail = w1 - float(clipped.max())
-    return max(e_new[i] for i in rows.tolist()) + tail - w0
+    tail = w1 - float(np.minimum(p.end[rows], w1).max())
+    return max(e_new[i] for i in order) + tail - w0
 
 
 def bounds(p: Pieces, ln: Links, w0: np.ndarray, w1: np.ndarray, category: np.ndarray,
            categories: list[str], speedup: float = float("inf")) -> dict[str, np.ndarray]:
     """Per category: each step's wall time with that category's pieces `speedup` times faster (inf: free)."""
-    prev = _lane_prev(p)
+    flat = _Flat(p, ln)
+    rows = [step_rows(p, ln, a, b) for a, b in zip(w0.tolist(), w1.tolist())]
     out = {}
+    scale = np.ones(len(p))  # read only at each step's rows: set there, step by step
     for c in categories:
-        scale = np.where(category == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
-        out[c] = np.array([replay_step(p, ln, a, b, scale, prev) for a, b in zip(w0.tolist(), w1.tolist())])
+        walls = []
+        for a, b, r in zip(w0.tolist(), w1.tolist(), rows):
+            scale[r] = np.where(category[r] == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
+            walls.append(replay_step(p, ln, a, b, scale, flat, r))
+        out[c] = np.array(walls)
     return out
