@@ -25,3 +25,16 @@ def test_the_cpu_traces_critical_path_record_round_trips_with_shares_waits_and_b
     assert 0.9 < sum(r.path_share_median for r in rec.shares) < 1.1
     ar = next(r for r in rec.fix_bounds if r.category == "allreduce")
     assert 0.0 <= ar.gain_share_median <= 1.0 and ar.bound_wall_us_median <= ar.wall_us_median
+
+
+def test_04s_view_draws_the_median_steps_path_and_sets_wall_shares_beside_summed(tmp_path):
+    from decodescope.report.critpath_view import critical_path_view
+    from decodescope.trace.critpath_record import write_critical_path
+
+    loaded = load_trace_dir(FIXTURES / "vllm_cpu_tp2_c4")
+    result = analyze_traces(loaded)
+    cp = write_critical_path(loaded.events, result.ops, result.steps, tmp_path, 4)
+    why, fig, table = critical_path_view(cp, read_record(tmp_path / CRITICAL_PATH_RECORD, CriticalPathSummary))
+    assert "nearest the median" in why and fig is not None
+    assert any(t.name == "path: allreduce" for t in fig.data) and fig.data[0].name == "off the path"
+    assert list(table.columns[[1, 4]]) == ["wall share on the path %", "summed share of op time %"]
