@@ -60,3 +60,18 @@ class CriticalPathSummary(Record):
     shares: list[CritPathShareRow] = Field(default_factory=list)
     collective_waits: list[CritPathWaitRow] = Field(default_factory=list)
     fix_bounds: list[CritPathBoundRow] = Field(default_factory=list)
+
+
+class CritPathFixRow(_Model):
+    """data/verdict.json critical_path: a fix's bound on the critical path beside the step model's
+    projection of a fix of the same categories (decodescope.verdict.critpath_view)."""
+
+    concurrency: Optional[int] = Field(None, description="the profiled level the bound was measured at")
+    bound: str = Field(description="the bound's name: '<category> free'")
+    bound_gain_pct: float = Field(description="the most the fix buys: wall step saved, %, median over the steps")
+    bound_wall_us: float = Field(description="the step's wall time with the category free, median")
+    wall_us: float = Field(description="the replayed steps' measured wall time, median")
+    fix: Optional[str] = Field(None, description="the step model's projection of a fix of this category, if any")
+    projected_gain_pct: Optional[float] = Field(None, description="its TPOT saved, % (positive = faster)")
+    projection_batch: Optional[float] = Field(None, description="the batch the projection is priced at")
+    exceeds_bound: Optional[bool] = Field(None, description="the projection saves more than the path allows")
