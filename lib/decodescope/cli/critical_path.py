@@ -14,6 +14,7 @@ def critical_path_command(args, read_or_report) -> int:
     loaded = read_or_report(load_trace_dir, args, lambda r: r.events.empty)
     if loaded is None:
         return 2
+    # imported when the mode runs: analyze-trace starts without pandas (start-up budget, cli/main.py)
     import pandas as pd
 
     from decodescope.trace.analyze import find_steps, op_table
