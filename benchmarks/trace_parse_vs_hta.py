@@ -82,6 +82,28 @@ json.dump({"ready": ready, "device": ops.attrs["device"], "totals": totals, "cat
            "other_share": float(bd.loc[bd["category"].astype(str) == "other", "time_us"].sum() / bd["time_us"].sum())},
           open(sys.argv[2], "w"))
 """
+# the critical path (trace/critpath*.py) on the same table: what the table child builds, then each step's
+# path, the shares beside the summed ones and the bounds (up to 32 decode steps replayed per category)
+OURS_CRITPATH_CHILD = OURS_IMPORTS + """
+ready = time.time()
+import contextlib, json
+from decodescope.trace.parse import small_pages
+with small_pages():
+    loaded = load_trace_dir(sys.argv[1])
+    from decodescope.trace.analyze import op_table, category_breakdown, find_steps
+    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.trace.critpath_summary import attribution, fix_bounds
+    ops = op_table(loaded.events)
+    bd = category_breakdown(ops)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    shares = attribution(cp, ops)
+    fixes = fix_bounds(cp)
+    totals = {str(k): v for k, v in ops.groupby("name", observed=True)["dur_us"].sum().items()}
+json.dump({"ready": ready, "device": ops.attrs["device"], "totals": totals, "categories": len(bd),
+           "kept": int(len(loaded.events)), "steps": len(cp.windows), "segments": len(cp.segments),
+           "other_share": float(bd.loc[bd["category"].astype(str) == "other", "time_us"].sum() / bd["time_us"].sum())},
+          open(sys.argv[2], "w"))
+"""
 # `decodescope analyze-trace DIR --breakdown` (breakdown.py: reduced in C as read, no table), as a user runs it;
 # then its breakdown.json read back for the per-name check (a few hundred names: not timed apart).
 OURS_STREAM_IMPORTS = """
@@ -111,7 +133,8 @@ json.dump({"ready": ready, "device": b.device, "totals": totals, "categories": l
 """
 # what each of ours runs: (child, its imports before a byte is parsed, the command's own start-up argv)
 OURS = {"stream": (OURS_STREAM_CHILD, OURS_STREAM_IMPORTS, ["--breakdown"]),
-        "table": (OURS_CHILD, OURS_IMPORTS, [])}
+        "table": (OURS_CHILD, OURS_IMPORTS, []),
+        "critpath": (OURS_CRITPATH_CHILD, OURS_IMPORTS, ["--critical-path"])}
 # the command itself, up to where it would read the first file (a directory that is not there)
 CLI_STARTUP = """
 import sys
@@ -294,6 +317,20 @@ def bench(trace_dir: Path, hta_python: str | None, repeat: int, hta_repeat: int,
            "ours_mb_s": json_bytes / 1e6 / wall, "gunzip_s": _median(gz), "gunzip_mb_s": json_bytes / 1e6 / _median(gz),
            "x_of_gunzip": wall / _median(gz),
            "names_checked": len(ref), "names_mismatched": len(mismatched), "other_share": result["other_share"]}
+    if child is OURS_CRITPATH_CHILD:  # the table's breakdown beside it, timed the same way: the ratios
+        bruns = []
+        for _ in range(repeat):
+            row["load_1m"] = max(row["load_1m"], settle())
+            bruns.append(run_child(sys.executable, OURS_CHILD, [str(trace_dir), str(out_json) + ".b", lib]))
+        Path(str(out_json) + ".b").unlink(missing_ok=True)
+        bwall = _median([b["wall_s"] for b in bruns])
+        bmem = max(b["peak_tree_pss_mb"] for b in bruns)
+        row.update({"breakdown_wall_s": bwall, "breakdown_peak_tree_pss_mb": bmem, "critpath_x_time": wall / bwall,
+                    "critpath_x_memory": row["ours_peak_tree_pss_mb"] / bmem, "steps": result.get("steps"),
+                    "segments": result.get("segments")})
+        print(f"{trace_dir.name}: critical path {wall:.2f} s {row['ours_peak_tree_pss_mb']:.0f} MB | breakdown "
+              f"{bwall:.2f} s {bmem:.0f} MB | x {wall / bwall:.2f} time, {row['ours_peak_tree_pss_mb'] / bmem:.2f} "
+              "memory", flush=True)
     if hta_python:
         hruns = []
         for _ in range(hta_repeat):
@@ -368,7 +405,8 @@ def main() -> int:
     ap.add_argument("--lib", default=str(REPO / "lib"), help="import decodescope from here (to time another version)")
     ap.add_argument("--ours", choices=sorted(OURS), default="stream",
                     help="stream: `decodescope analyze-trace DIR --breakdown` (default); table: load_trace_dir + "
-                         "op_table + category_breakdown, the event table the full analysis builds")
+                         "op_table + category_breakdown, the event table the full analysis builds; critpath: "
+                         "the table's breakdown, then the critical paths, shares and bounds")
     ap.add_argument("--label", default="", help="a line saying what was measured, for the table file")
     ap.add_argument("--wait-load", type=float, help="before each timing, wait (1 min at most) for the 1-min load "
                     "average to fall below this")

@@ -24,6 +24,10 @@ def analyze_trace_command(args) -> int:
     from decodescope.trace.parse import small_pages
 
     with small_pages():  # for the whole command: its analyses allocate as much again as the parse
+        if getattr(args, "critical_path", False):
+            from decodescope.cli.critical_path import critical_path_command
+
+            return critical_path_command(args, _read_or_report)
         return _analyze(args)
 
 

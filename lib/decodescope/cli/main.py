@@ -231,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--breakdown", action="store_true",
                     help="time by category and by name only, reduced as the files are read: memory stays a few "
                          "chunks whatever the traces' size (writes breakdown.json)")
+    at.add_argument("--critical-path", action="store_true",
+                    help="each step's critical path across streams, threads and ranks: the wall step by category "
+                         "beside the summed shares, collective waits, what a fix could buy at most (writes "
+                         "critical_path.parquet and critical_path.json)")
+    at.add_argument("--speedup", type=float, default=float("inf"),
+                    help="with --critical-path: the bounds with a category this many times faster (default: free)")
     at.set_defaults(func=_cmd_analyze_trace)
 
     wh = sub.add_parser("wheelhouse", help="decodescope's wheel and the wheels it needs that a GPU host without a "

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, model_validator
 
 from decodescope.schema.recordbase import Record, _Model
+from decodescope.schema.records_critpath import CritPathFixRow
 
 
 # ---- verdict (data/verdict.json) -------------------------------------------------------------------
@@ -210,6 +211,9 @@ class Verdict(Record):
                                    "drafter and level, projected and measured")
     engine: str = Field("", description="the baseline's engine as its log (logs/server.log) states it: vLLM "
                         "version, CUDA graphs, torch.compile")
+    critical_path: list[CritPathFixRow] = Field(default_factory=list, description="each fix's bound on the "
+                                                "critical path beside the step model's projection (empty for runs "
+                                                "without data/profile/c<N>/critical_path.json)")
 
     @model_validator(mode="before")
     @classmethod

@@ -18,6 +18,8 @@ from decodescope.trace.draftsteps import DRAFTER_STEPS, drafter_steps
 from decodescope.trace.hostops import HOST_OPS_RECORD, host_op_costs, read_host_events
 from decodescope.trace.categorize import class_of, communicator_of
 from decodescope.trace.load import LoadedTraces, load_trace_dir
+from decodescope.trace.critpath_record import write_critical_path
+from decodescope.trace.critpath_table import CriticalPaths
 
 if TYPE_CHECKING:  # a type name only: capture (a phase) imports this module
     from decodescope.trace.capture import CaptureResult
@@ -210,6 +212,7 @@ class ProfiledLevel:
     capture: "CaptureResult"
     result: ProfileResult
     summary: ProfileSummary
+    critical_path: Optional[CriticalPaths] = None  # the level's paths (critical_path.json holds their summary)
 
 
 def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
@@ -232,6 +235,8 @@ def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
         if drafter is not None:  # a speculative step: its drafter's passes, for the verdict's pricing
             write_record(level_dir / DRAFTER_STEPS, drafter)
         out.append(ProfiledLevel(cap, result, summary))
+        out[-1].critical_path = write_critical_path(loaded.events, result.ops, result.steps, ctx.data_dir / "profile"
+                                                    / level_dir_name(cap.concurrency), cap.concurrency)
     write_profile(out[0].result, ctx.data_dir, out[0].capture.concurrency)
     return out, notes
 

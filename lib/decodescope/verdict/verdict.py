@@ -16,6 +16,7 @@ from decodescope.schema.records import (AttributionRow, Bottleneck, CurveRow, Fi
                                         ServingHeadline, ServingLevel, StepCategoryRow, VariantRow, Verdict, frame)
 from decodescope.model import arch as archmod
 from decodescope.verdict import leveldrift, stepmodel as sm, stepparts as sp
+from decodescope.verdict.critpath_view import critical_path_findings, critical_path_records, fix_rows
 from decodescope.exec.engine_comm import micro_communicator_for
 from decodescope.core.enginelog import last_engine_modes
 from decodescope.micro.bench import with_timing_columns
@@ -326,7 +327,10 @@ def verdict(run_dir: Path, params) -> Verdict:
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
     modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
     out.engine = modes.describe() if modes else ""
-    out.findings = [Finding.model_validate(f) for f in findings(out, summary, params.server.tensor_parallel)]
+    paths = critical_path_records(run_dir)
+    out.critical_path = fix_rows(paths, out.projections)
+    out.findings = [Finding.model_validate(f) for f in findings(out, summary, params.server.tensor_parallel)
+                    + critical_path_findings(paths, out.critical_path)]
     if levels is not None and not levels.empty:
         lv = [ServingLevel.model_validate(r) for r in levels.sort_values("level").to_dict("records")]
         out.serving = ServingHeadline(lowest_level=lv[0].level, tpot_p50_us=lv[0].tpot_p50_us,

@@ -1,0 +1,77 @@
+"""data/profile/c<N>/critical_path.json (04): the wall-clock decode step attributed by its critical path
+across lanes and ranks (decodescope.trace.critpath_summary), beside the summed shares; the collectives'
+waits named by the rank and work waited for; and what a fix of each category could buy at most.
+decodescope.schema.records says how records are versioned, read and written."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field
+
+from decodescope.schema.recordbase import Record, _Model
+
+CRITICAL_PATH_RECORD = "critical_path.json"
+
+
+class CritPathShareRow(_Model):
+    """One category: its share of the wall step on the critical path beside its summed share of op time
+    (trace.critpath_summary.attribution)."""
+
+    category: str = Field(description="the op's category, or a gap on the path: host, launch, idle")
+    path_share_median: float = Field(description="of the wall step, median over the steps")
+    path_share_p10: float
+    path_share_p90: float
+    path_us_median: float = Field(description="its time on the path per step, median")
+    summed_share_median: float = Field(description="its summed op time (all ranks) over all op time, median")
+
+
+class CritPathWaitRow(_Model):
+    """One collective category and the rank it waited for (trace.critpath_summary.collective_waits)."""
+
+    category: str
+    late_rank: int = Field(description="the rank that entered last: the one waited for")
+    late_work: str = Field(description="the category that rank ran just before it entered")
+    wait_us_per_step: float = Field(description="summed over the waiting ranks, median over the steps")
+    instances: int
+
+
+class CritPathBoundRow(_Model):
+    """One category's fix at its most (trace.critpath_summary.fix_bounds): the step replayed on the
+    trace's own dependencies with that category's pieces `speedup` times faster (inf: free)."""
+
+    category: str
+    wall_us_median: float = Field(description="the replayed steps' measured wall time, median")
+    bound_wall_us_median: float = Field(description="their wall time with the category sped up, median")
+    gain_share_median: float = Field(description="1 - bound / wall per step, median: the most the fix buys")
+    steps: int = Field(description="steps replayed")
+    speedup: float = Field(description="inf: the category free")
+
+
+class CriticalPathSummary(Record):
+    """data/profile/c<N>/critical_path.json: one profiled level's critical paths, summarised."""
+
+    concurrency: Optional[int] = Field(None, description="the profiled level")
+    device: str
+    ranks: list[int]
+    step_kind: str = Field(description="the steps summarised: decode where found, else all")
+    steps: int
+    wall_us_median: Optional[float] = Field(None, description="the steps' wall time, first rank's start to the "
+                                            "last rank's end; None without steps")
+    shares: list[CritPathShareRow] = Field(default_factory=list)
+    collective_waits: list[CritPathWaitRow] = Field(default_factory=list)
+    fix_bounds: list[CritPathBoundRow] = Field(default_factory=list)
+
+
+class CritPathFixRow(_Model):
+    """data/verdict.json critical_path: a fix's bound on the critical path beside the step model's
+    projection of a fix of the same categories (decodescope.verdict.critpath_view)."""
+
+    concurrency: Optional[int] = Field(None, description="the profiled level the bound was measured at")
+    bound: str = Field(description="the bound's name: '<category> free'")
+    bound_gain_pct: float = Field(description="the most the fix buys: wall step saved, %, median over the steps")
+    bound_wall_us: float = Field(description="the step's wall time with the category free, median")
+    wall_us: float = Field(description="the replayed steps' measured wall time, median")
+    fix: Optional[str] = Field(None, description="the step model's projection of a fix of this category, if any")
+    projected_gain_pct: Optional[float] = Field(None, description="its TPOT saved, % (positive = faster)")
+    projection_batch: Optional[float] = Field(None, description="the batch the projection is priced at")
+    exceeds_bound: Optional[bool] = Field(None, description="the projection saves more than the path allows")

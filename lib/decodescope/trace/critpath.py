@@ -1,0 +1,243 @@
+"""The critical path of each step across lanes and ranks, from plain arrays of pieces of work.
+
+A piece is one stretch of one op on one lane (a GPU stream or a CPU thread of a rank), the pieces of a
+lane never overlapping (critpath_pieces.py cuts nested CPU ops into them). A piece starts once its
+binding dependency is met: the piece before it on its lane, the CPU call that launched it (a GPU piece's
+correlation id, a CUDA graph's launch included), or a piece on another stream of its rank that ended just
+before it (a cross-stream wait: the traces record no stream in cudaStreamWaitEvent, so it is inferred
+only where nothing else explains the start). A collective ends on every rank only after its last rank
+has entered it: on an earlier rank, its time before that entry is waiting, and the path goes on from the
+last rank's entry.
+
+The path is walked back from the step's end; every move sets the time at which the next segment ends to
+where the last one began, so the segments (pieces, transfers, gaps) sum exactly to the step's wall time.
+Runs of pieces each bound by the piece before on its lane are taken as a whole (index ranges), so the
+walk's Python loop turns once per change of lane, not once per piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# binding dependency of a piece's start
+NONE, LANE, LAUNCH, CROSS = 0, 1, 2, 3
+# segment kinds
+OP, TRANSFER, HOST, LAUNCH_GAP, IDLE = 0, 1, 2, 3, 4
+SEGMENT_KINDS = ("op", "transfer", "host", "launch", "idle")
+CROSS_STREAM_US = 2.0  # a GPU piece starting this soon after another stream's piece ended waited for it
+
+
+@dataclass
+class Pieces:
+    """Pieces sorted by (rank, lane, start): their lane ids are unique across ranks; `launch` is the
+    position of the CPU piece that launched a GPU piece (-1: none); `group` numbers a collective
+    instance, the same on every rank (-1: not a collective)."""
+
+    rank: np.ndarray
+    lane: np.ndarray
+    on_cpu: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    launch: np.ndarray
+    group: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
+@dataclass
+class Links:
+    """What each piece's start waited for: `kind` (NONE, LANE, LAUNCH, CROSS), `pred` (the piece), `ready`
+    (when it allowed the start); for a collective, `entry` (its last rank's entry, its start elsewhere)
+    and `last` (the last rank's piece; -1 where this rank was the last)."""
+
+    kind: np.ndarray
+    pred: np.ndarray
+    ready: np.ndarray
+    entry: np.ndarray
+    last: np.ndarray
+    head: np.ndarray  # the nearest piece at or before each on its lane that is not bound by the one before
+
+
+def _lane_prev(p: Pieces) -> np.ndarray:
+    n = len(p)
+    prev = np.arange(-1, n - 1)
+    if n:
+        same = np.r_[False, (p.lane[1:] == p.lane[:-1]) & (p.rank[1:] == p.rank[:-1])]
+        prev[~same] = -1
+    return prev
+
+
+def _collective_entries(p: Pieces) -> tuple[np.ndarray, np.ndarray]:
+    """(entry, last): per piece, its instance's last entry over the ranks, and that rank's piece where
+    another rank was last (-1 otherwise)."""
+    entry = p.start.copy()
+    last = np.full(len(p), -1)
+    rows = np.flatnonzero(p.group >= 0)
+    if not len(rows):
+        return entry, last
+    g = p.group[rows]
+    order = np.lexsort((p.start[rows], g))  # by group, the last entry last
+    rows, g = rows[order], g[order]
+    tail = np.r_[g[1:] != g[:-1], True]
+    last_of = np.repeat(rows[tail], np.diff(np.r_[0, np.flatnonzero(tail) + 1]))
+    entry[rows] = p.start[last_of]
+    # where this rank's op ended before the last one entered, it did not wait for it (an async call)
+    waited = (entry[rows] > p.start[rows]) & (entry[rows] <= p.end[rows])
+    last[rows[waited]] = last_of[waited]
+    return entry, last
+
+
+def _cross_stream(p: Pieces, ready: np.ndarray) -> np.ndarray:
+    """Per GPU piece whose start nothing else explains: the piece of another stream of its rank that
+    ended latest, within CROSS_STREAM_US, before it started (-1: none)."""
+    out = np.full(len(p), -1)
+    gpu = np.flatnonzero(~p.on_cpu)
+    want = gpu[ready[gpu] < p.start[gpu] - CROSS_STREAM_US]
+    for r in np.unique(p.rank[want]):
+        mine = gpu[p.rank[gpu] == r]
+        by_end = mine[np.argsort(p.end[mine], kind="stable")]
+        w = want[p.rank[want] == r]
+        pos = np.searchsorted(p.end[by_end], p.start[w], side="right")
+        for back in (1, 2):  # the latest, or the one before where the latest is on the piece's own lane
+            cand = pos - back
+            ok = cand >= 0
+            piece = by_end[np.where(ok, cand, 0)]
+            ok &= (p.lane[piece] != p.lane[w]) & (p.end[piece] >= p.start[w] - CROSS_STREAM_US) & (out[w] < 0)
+            out[w[ok]] = piece[ok]
+    return out
+
+
+def link(p: Pieces) -> Links:
+    """Each piece's binding dependency, found with vector passes."""
+    n = len(p)
+    prev = _lane_prev(p)
+    r_lane = np.where(prev >= 0, p.end[np.clip(prev, 0, None)], -np.inf)
+    r_launch = np.where(p.launch >= 0, p.start[np.clip(p.launch, 0, None)], -np.inf)
+    kind = np.where(prev >= 0, LANE, NONE)
+    pred = prev.copy()
+    ready = r_lane.copy()
+    by_launch = r_launch > r_lane
+    kind[by_launch], pred[by_launch], ready[by_launch] = LAUNCH, p.launch[by_launch], r_launch[by_launch]
+    cross = _cross_stream(p, ready)
+    by_cross = cross >= 0
+    kind[by_cross], pred[by_cross] = CROSS, cross[by_cross]
+    ready[by_cross] = p.end[cross[by_cross]]
+    entry, last = _collective_entries(p)
+    plain = (kind == LANE) & (last < 0)
+    idx = np.arange(n)
+    head = np.maximum.accumulate(np.where(plain, -1, idx)) if n else idx
+    return Links(kind=kind, pred=pred, ready=np.minimum(ready, p.start), entry=entry, last=last, head=head)
+
+
+@dataclass
+class Walk:
+    """One step's path: `ranges` of pieces taken whole, (first, last, end of the last one's segment, start
+    of the first one's), and the other segments, (piece, kind, start, end): a gap names the piece whose
+    start it delayed."""
+
+    ranges: list
+    extra: list
+
+
+def walk_step(p: Pieces, ln: Links, w0: float, w1: float, terminal: int) -> Walk:
+    """The path of one step [w0, w1], back from `terminal` (the piece that ends the step)."""
+    walk = Walk([], [])
+    t = min(float(p.end[terminal]), w1)
+    if t < w1:
+        walk.extra.append((terminal, HOST if p.on_cpu[terminal] else IDLE, t, w1))
+    i = terminal
+    for _ in range(len(p) + 1):
+        j = _take_run(p, ln, walk, i, t, w0)
+        if j < 0:
+            return walk
+        while True:  # explain piece j's start; a launch call's own start in turn
+            s = float(p.start[j])
+            kind, pred = int(ln.kind[j]), int(ln.pred[j])
+            g0 = w0 if kind == NONE else max(min(float(ln.ready[j]), s), w0)
+            if s > g0:
+                gap = LAUNCH_GAP if kind == LAUNCH else (HOST if p.on_cpu[j] else IDLE)
+                walk.extra.append((j, gap, g0, s))
+            if kind == NONE or g0 <= w0:
+                return walk
+            if kind != LAUNCH:
+                break
+            j = pred
+        i, t = pred, g0
+    raise RuntimeError("critical path walk did not end: a dependency cycle in the pieces")
+
+
+def terminals(p: Pieces, w0: np.ndarray, w1: np.ndarray) -> np.ndarray:
+    """Per step window: the piece that ends it, the last to end by w1 (or one still running at w1);
+    -1 where no piece falls in the window."""
+    by_end = np.argsort(p.end, kind="stable")
+    pos = np.searchsorted(p.end[by_end], w1, side="right") - 1
+    out = np.where(pos >= 0, by_end[np.clip(pos, 0, None)], -1)
+    by_start = np.argsort(p.start, kind="stable")
+    run = by_start[np.clip(np.searchsorted(p.start[by_start], w1, side="left") - 1, 0, None)]
+    running = (p.start[run] < w1) & (p.end[run] > w1) & (p.start[run] >= w0)
+    out = np.where(running, run, out)
+    ok = out >= 0
+    ok[ok] &= p.end[out[ok]] > w0[ok]
+    return np.where(ok, out, -1)
+
+
+def walk_all(p: Pieces, w0: np.ndarray, w1: np.ndarray) -> tuple[Links, list[Walk]]:
+    """Each step window's path (an empty one where no piece falls in it)."""
+    ln = link(p)
+    ends = terminals(p, w0, w1)
+    walks = []
+    for a, b, t in zip(w0.tolist(), w1.tolist(), ends.tolist()):
+        walks.append(walk_step(p, ln, a, b, t) if t >= 0 else Walk([], [(-1, IDLE, a, b)]))
+    return ln, walks
+
+
+def _take_run(p: Pieces, ln: Links, walk: Walk, i: int, t: float, w0: float) -> int:
+    """Pieces head[i]..i onto the path (the segment of i ending at t); returns the piece whose start
+    explains the run's (the last rank's piece of a collective this rank entered early), or -1 where the
+    step starts inside the run."""
+    h = int(ln.head[i])
+    jump = ln.last[h] >= 0
+    lo = float(ln.entry[h]) if jump else float(p.start[h])
+    if lo > w0:
+        walk.ranges.append((h, i, t, lo))
+        return int(ln.last[h]) if jump else h
+    if i == h:
+        walk.ranges.append((h, i, t, w0))
+        return -1
+    ends = np.minimum(p.end[h:i], p.start[h + 1:i + 1])
+    a = h + int(np.searchsorted(ends, w0, side="right"))
+    if a > h and p.start[a] > w0:
+        walk.extra.append((a, HOST if p.on_cpu[a] else IDLE, w0, float(p.start[a])))
+    walk.ranges.append((a, i, t, max(w0, float(p.start[a])) if a > h else w0))
+    return -1
+
+
+def segments(p: Pieces, walks: list[Walk]) -> dict[str, np.ndarray]:
+    """Every step's segments as columns: step (position in `walks`), piece, kind, start_us, end_us;
+    zero-length segments left out."""
+    cols: dict[str, list] = {"step": [], "piece": [], "kind": [], "start_us": [], "end_us": []}
+    for k, w in enumerate(walks):
+        for a, i, t, lo in w.ranges:
+            idx = np.arange(a, i + 1)
+            seg_end = np.r_[np.minimum(p.end[a:i], p.start[a + 1:i + 1]), t]
+            seg_start = np.r_[lo, p.start[a + 1:i + 1]]
+            kind = np.where(p.group[idx] >= 0, TRANSFER, OP)
+            gap_kind = np.where(p.on_cpu[idx[1:]], HOST, IDLE)
+            for part in ((idx, kind, seg_start, seg_end), (idx[1:], gap_kind, seg_end[:-1], p.start[a + 1:i + 1])):
+                cols["step"].append(np.full(len(part[0]), k))
+                cols["piece"].append(part[0])
+                cols["kind"].append(part[1])
+                cols["start_us"].append(part[2])
+                cols["end_us"].append(part[3])
+        if w.extra:
+            e = np.array(w.extra, dtype=float).reshape(-1, 4)
+            cols["step"].append(np.full(len(e), k))
+            cols["piece"].append(e[:, 0].astype(np.int64))
+            cols["kind"].append(e[:, 1].astype(np.int64))
+            cols["start_us"].append(e[:, 2])
+            cols["end_us"].append(e[:, 3])
+    out = {c: (np.concatenate(v) if v else np.empty(0)) for c, v in cols.items()}
+    keep = out["end_us"] > out["start_us"]
+    return {c: v[keep] for c, v in out.items()}

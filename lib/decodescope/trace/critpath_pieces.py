@@ -1,0 +1,173 @@
+"""The trace table -> the pieces the critical path is walked over (critpath.Pieces), and their labels.
+
+GPU traces: each kernel, memcpy and memset is a piece on its stream; the kept CPU calls (launches, the
+communication ops) are cut into pieces on their thread, and a GPU piece links to the call that launched
+it by correlation id (a CUDA graph's kernels all carry its launch's). CPU traces: each thread's nested
+ops are cut at their children, so a piece is one stretch of an op's self time, except a collective, kept
+whole (what it calls is part of its transfer). A collective's k-th call of its category on every rank is
+one instance, as trace.analyze.collective_skew matches them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from decodescope.trace.categorize import default_rules
+from decodescope.trace.critpath import Pieces
+from decodescope.trace.nesting import parents_in_order, prev_in_thread
+
+CALL_CATS = ("cuda_runtime", "cuda_driver", "cpu_op")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "dispatch_combine", "other")
+LAUNCH_CATEGORY = "launch"  # a CUDA runtime or driver call on the path
+HOST_CATEGORY = "host"  # a CPU op of a GPU trace (a collective's enqueue) on the path
+
+
+def collective_categories() -> set[str]:
+    rules = default_rules()
+    return {c for kind in COLLECTIVES for c in rules.categories(collective=kind)}
+
+
+@dataclass
+class Labelled:
+    """The pieces, and per piece: its name, category, lane number (stream or thread id) and whether the
+    source row is a GPU op (`op` is its row in the op table, -1 for a CPU call of a GPU trace)."""
+
+    pieces: Pieces
+    name: np.ndarray
+    category: np.ndarray
+    lane_id: np.ndarray
+    op: np.ndarray
+
+
+def _parents(rank: np.ndarray, tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, parent): rows in (rank, thread, start, longest first) order, and each one's parent
+    position in that order (-1 at top level)."""
+    order = np.lexsort((-(end - ts), ts, tid, rank))
+    prev = prev_in_thread(len(ts), tid[order], rank[order]).astype(np.int64)
+    return order, parents_in_order(prev, ts[order], end[order]).astype(np.int64)
+
+
+def _inside(parent: np.ndarray, mark: np.ndarray) -> np.ndarray:
+    """Rows with a marked ancestor."""
+    out = np.zeros(len(parent), dtype=bool)
+    anc = parent.copy()
+    while (anc >= 0).any():
+        up = anc >= 0
+        out[up] |= mark[anc[up]]
+        anc[up] = parent[anc[up]]
+    return out
+
+
+def cut_nested(rank, tid, ts, end, whole=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Nested ops of each thread -> (row, start, end) of their self-time stretches, in (rank, thread,
+    start) order; rows marked `whole` are not cut and what they hold is dropped."""
+    order, parent = _parents(rank, tid, ts, end)
+    s, e = ts[order], end[order]
+    if whole is not None:
+        drop = _inside(parent, np.asarray(whole)[order])
+        keep = np.flatnonzero(~drop)
+        remap = np.full(len(order), -1)
+        remap[keep] = np.arange(len(keep))
+        order, s, e, parent = order[keep], s[keep], e[keep], parent[keep]
+        parent = np.where(parent >= 0, remap[np.clip(parent, 0, None)], -1)
+    has = parent >= 0
+    e = np.where(has, np.minimum(e, e[np.clip(parent, 0, None)]), e)  # a child ends inside its parent
+    # first stretch of each op: from its start to its first child's start (or its end)
+    first_child = np.full(len(s), np.inf)
+    np.minimum.at(first_child, parent[has], s[has])
+    head_end = np.minimum(first_child, e)
+    # after each child: its parent, from the child's end to the next sibling's start (or the parent's end)
+    kids = np.flatnonzero(has)
+    kids = kids[np.lexsort((s[kids], parent[kids]))]
+    nxt = np.r_[kids[1:], -1]
+    same = np.r_[parent[kids[1:]] == parent[kids[:-1]], False]
+    after_end = np.where(same, s[np.clip(nxt, 0, None)], e[parent[kids]])
+    rows = np.r_[np.arange(len(s)), parent[kids]]
+    starts = np.r_[s, e[kids]]
+    ends = np.r_[head_end, after_end]
+    ok = ends > starts
+    rows, starts, ends = rows[ok], starts[ok], ends[ok]
+    src = order[rows]
+    by = np.lexsort((starts, tid[src], rank[src]))
+    return src[by], starts[by], ends[by]
+
+
+def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
+    """The pieces of a trace table and its op table (trace.analyze.op_table)."""
+    gpu = ops.attrs.get("device") == "gpu"
+    coll = ops["category"].astype(str).isin(collective_categories()).to_numpy() & ops["counted"].to_numpy(bool)
+    rank, tid = ops["rank"].to_numpy(np.int64), ops["lane"].to_numpy(np.int64)
+    ts = ops["ts_us"].to_numpy(float)
+    end = ts + ops["dur_us"].to_numpy(float)
+    names = ops["name"].astype(str).to_numpy(object)
+    cats = ops["category"].astype(str).to_numpy(object)
+    if gpu:
+        row, s, e = np.arange(len(ops)), ts, end
+        calls = events[events["cat"].isin(CALL_CATS).to_numpy()]
+        c_rank, c_tid = calls["rank"].to_numpy(np.int64), calls["tid"].to_numpy(np.int64)
+        c_ts = calls["ts_us"].to_numpy(float)
+        c_row, c_s, c_e = cut_nested(c_rank, c_tid, c_ts, c_ts + calls["dur_us"].to_numpy(float))
+        c_name = calls["name"].astype(str).to_numpy(object)[c_row]
+        c_cat = np.where(calls["cat"].astype(str).to_numpy(object)[c_row] == "cpu_op", HOST_CATEGORY, LAUNCH_CATEGORY)
+        parts = [(rank, tid, s, e, row, names, cats, False),
+                 (c_rank[c_row], c_tid[c_row], c_s, c_e, -1 - c_row, c_name, c_cat, True)]
+    else:
+        row, s, e = cut_nested(rank, tid, ts, end, whole=coll)
+        parts = [(rank[row], tid[row], s, e, row, names[row], cats[row], True)]
+    lab = _assemble(parts)
+    lab.pieces.group[:] = _groups(lab, ops, coll)
+    if gpu:
+        lab.pieces.launch[:] = _launches(lab, ops, events)
+    return lab
+
+
+def _assemble(parts: list) -> Labelled:
+    cols = [np.concatenate([np.asarray(p[k]) for p in parts]) for k in range(7)]
+    on_cpu = np.concatenate([np.full(len(p[2]), p[7]) for p in parts])
+    rank, tid, s, e, row, name, cat = cols
+    by = np.lexsort((s, tid, on_cpu, rank))
+    rank, tid, s, e, row, name, cat, on_cpu = (a[by] for a in (rank, tid, s, e, row, name, cat, on_cpu))
+    key = ((rank.astype(np.int64) * 2 + on_cpu.astype(np.int64)) << 40) | (tid.astype(np.int64) & ((1 << 40) - 1))
+    lane = np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1) if len(s) else rank
+    n = len(s)
+    pieces = Pieces(rank=rank, lane=lane, on_cpu=on_cpu.astype(bool), start=s.astype(float), end=e.astype(float),
+                    launch=np.full(n, -1), group=np.full(n, -1))
+    return Labelled(pieces=pieces, name=name, category=cat, lane_id=tid, op=row.astype(np.int64))
+
+
+def _groups(lab: Labelled, ops: pd.DataFrame, coll: np.ndarray) -> np.ndarray:
+    """The collective instance of each piece (-1: none): the k-th call of its category on every rank."""
+    out = np.full(len(lab.op), -1)
+    p = lab.pieces
+    sel = np.flatnonzero((lab.op >= 0) & coll[np.clip(lab.op, 0, None)])
+    n_ranks = len(np.unique(p.rank))
+    if not len(sel) or n_ranks < 2:
+        return out
+    first = pd.DataFrame({"piece": sel, "op": lab.op[sel], "rank": p.rank[sel], "cat": lab.category[sel],
+                          "start": p.start[sel]}).drop_duplicates("op")  # an op's first piece
+    first = first.sort_values(["rank", "start"], kind="stable")
+    first["k"] = first.groupby(["rank", "cat"]).cumcount()
+    complete = first.groupby(["cat", "k"])["rank"].transform("nunique") == n_ranks
+    first = first[complete]
+    out[first["piece"].to_numpy()] = first.groupby(["cat", "k"]).ngroup().to_numpy()
+    return out
+
+
+def _launches(lab: Labelled, ops: pd.DataFrame, events: pd.DataFrame) -> np.ndarray:
+    """Each GPU piece's launching call piece (-1: none found), by rank and correlation id."""
+    p = lab.pieces
+    out = np.full(len(p), -1)
+    cpu = np.flatnonzero(lab.op < 0)
+    # a CPU piece's op is -1 - its row among the CALL_CATS rows; their correlation ids
+    corr_call = events.loc[events["cat"].isin(CALL_CATS).to_numpy(), "correlation"].to_numpy(np.int64)[-1 - lab.op[cpu]]
+    has = corr_call >= 0
+    call_at = pd.Series(cpu[has], index=pd.MultiIndex.from_arrays([p.rank[cpu][has], corr_call[has]]))
+    call_at = call_at[~call_at.index.duplicated()]  # a call cut into pieces: its first
+    gpu = np.flatnonzero(lab.op >= 0)
+    corr = ops["correlation"].to_numpy(np.int64)[lab.op[gpu]]
+    found = call_at.reindex(pd.MultiIndex.from_arrays([p.rank[gpu], corr])).to_numpy()
+    ok = ~np.isnan(found) & (corr >= 0)
+    out[gpu[ok]] = found[ok].astype(np.int64)
+    return out

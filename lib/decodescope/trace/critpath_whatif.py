@@ -1,0 +1,107 @@
+"""What a fix of one category could buy at most: a step replayed with that category's pieces shorter.
+
+Each piece starts once its dependencies allow: its binding one (critpath.link) plus the delay the trace
+shows after it (host time, launch latency: what the fix leaves alone), the others with no delay; a
+collective ends once its last rank has entered, plus its transfer. Replayed unchanged, a step takes
+exactly its wall time; with a category's pieces shortened, no piece can start later than it did, so the
+step's new wall time is the least a fix of that category leaves (the bound is on the trace's own
+dependencies: it cannot know what a fix would add).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from decodescope.trace.critpath import LANE, LAUNCH, NONE, Links, Pieces
+
+
+def _lane_prev(p: Pieces) -> np.ndarray:
+    prev = np.arange(-1, len(p) - 1)
+    if len(p):
+        same = np.r_[False, (p.lane[1:] == p.lane[:-1]) & (p.rank[1:] == p.rank[:-1])]
+        prev[~same] = -1
+    return prev
+
+
+class _Flat:
+    """The pieces and their links as Python lists, made once for all the replays."""
+
+    def __init__(self, p: Pieces, ln: Links):
+        self.start, self.end = p.start.tolist(), p.end.tolist()
+        self.kind, self.pred, self.ready = ln.kind.tolist(), ln.pred.tolist(), ln.ready.tolist()
+        self.group, self.entry = p.group.tolist(), ln.entry.tolist()
+        self.lane_prev, self.launch = _lane_prev(p).tolist(), p.launch.tolist()
+
+
+def step_rows(p: Pieces, ln: Links, w0: float, w1: float) -> np.ndarray:
+    """The pieces of the step [w0, w1] in the order a replay takes them (a collective at its last entry)."""
+    rows = np.flatnonzero((p.end > w0) & (p.start < w1))
+    key = np.where(ln.entry[rows] > p.start[rows], ln.entry[rows], p.start[rows])
+    return rows[np.lexsort((p.start[rows], key))]
+
+
+def replay_step(p: Pieces, ln: Links, w0: float, w1: float, scale: np.ndarray, flat: "_Flat | None" = None,
+                rows: "np.ndarray | None" = None) -> float:
+    """The step [w0, w1]'s wall time with each piece's duration times `scale` (per piece: 0 = free)."""
+    f = flat or _Flat(p, ln)
+    rows = step_rows(p, ln, w0, w1) if rows is None else rows
+    if not len(rows):
+        return w1 - w0
+    order = rows.tolist()
+    start, end, kind, pred, ready = f.start, f.end, f.kind, f.pred, f.ready
+    group, entry, lane_prev, launch = f.group, f.entry, f.lane_prev, f.launch
+    sc = dict(zip(order, scale[rows].tolist()))
+    s_new: dict[int, float] = {}
+    e_new: dict[int, float] = {}
+    members: dict[int, list[int]] = {}
+    for i in order:
+        if group[i] >= 0:
+            members.setdefault(group[i], []).append(i)
+
+    def begin(i: int) -> float:
+        k, j = kind[i], pred[i]
+        if k == NONE or j < 0:
+            t = start[i]
+        else:
+            base = s_new.get(j, start[j]) if k == LAUNCH else e_new.get(j, end[j])
+            t = base + max(0.0, start[i] - ready[i])
+        lp, la = lane_prev[i], launch[i]
+        if lp >= 0 and k != LANE:
+            t = max(t, e_new.get(lp, end[lp]))
+        if la >= 0 and k != LAUNCH:
+            t = max(t, s_new.get(la, start[la]))
+        return min(t, start[i])
+
+    for i in order:
+        if i in e_new:
+            continue
+        g = group[i]
+        if g < 0:
+            s_new[i] = begin(i)
+            e_new[i] = s_new[i] + (end[i] - start[i]) * sc[i]
+            continue
+        mem = members[g]
+        for m in mem:
+            s_new[m] = begin(m)
+        last_in = max(s_new[m] for m in mem)
+        for m in mem:
+            synced = entry[m] <= end[m]
+            from_ = max(s_new[m], last_in) if synced else s_new[m]
+            e_new[m] = from_ + (end[m] - max(start[m], entry[m] if synced else start[m])) * sc[m]
+    tail = w1 - float(np.minimum(p.end[rows], w1).max())
+    return max(e_new[i] for i in order) + tail - w0
+
+
+def bounds(p: Pieces, ln: Links, w0: np.ndarray, w1: np.ndarray, category: np.ndarray,
+           categories: list[str], speedup: float = float("inf")) -> dict[str, np.ndarray]:
+    """Per category: each step's wall time with that category's pieces `speedup` times faster (inf: free)."""
+    flat = _Flat(p, ln)
+    rows = [step_rows(p, ln, a, b) for a, b in zip(w0.tolist(), w1.tolist())]
+    out = {}
+    scale = np.ones(len(p))  # read only at each step's rows: set there, step by step
+    for c in categories:
+        walls = []
+        for a, b, r in zip(w0.tolist(), w1.tolist(), rows):
+            scale[r] = np.where(category[r] == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
+            walls.append(replay_step(p, ln, a, b, scale, flat, r))
+        out[c] = np.array(walls)
+    return out

@@ -1,0 +1,146 @@
+"""The critical path of a step: hand-built traces whose path is known, and the real traces' paths
+summing to their steps' wall times."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decodescope.trace.critpath import Pieces, segments, walk_all
+from decodescope.trace.critpath_whatif import bounds
+
+FIXTURES = Path(__file__).parent / "fixtures" / "traces"
+KINDS = ("op", "transfer", "host", "launch", "idle")
+
+
+def pieces(rows):
+    """rows: (rank, lane, on_cpu, start, end, launch, group), given in (rank, lane, start) order."""
+    a = np.array(rows, dtype=float).reshape(-1, 7)
+    return Pieces(rank=a[:, 0].astype(int), lane=a[:, 1].astype(int), on_cpu=a[:, 2].astype(bool),
+                  start=a[:, 3], end=a[:, 4], launch=a[:, 5].astype(int), group=a[:, 6].astype(int))
+
+
+def path(p, w0, w1):
+    """(piece or -1, kind, dur) of each segment of the one step [w0, w1], in time order."""
+    _, walks = walk_all(p, np.array([float(w0)]), np.array([float(w1)]))
+    seg = segments(p, walks)
+    order = np.argsort(seg["start_us"], kind="stable")
+    return [(int(seg["piece"][i]), KINDS[int(seg["kind"][i])], float(seg["end_us"][i] - seg["start_us"][i]))
+            for i in order]
+
+
+def test_a_late_rank_puts_its_work_and_then_the_transfer_on_the_path():
+    # rank 0: a short op, then an all-reduce it waits in; rank 1 (late): a long op, then the all-reduce
+    p = pieces([(0, 0, 1, 0, 10, -1, -1), (0, 0, 1, 10, 50, -1, 0),
+                (1, 1, 1, 0, 40, -1, -1), (1, 1, 1, 40, 50, -1, 0)])
+    got = path(p, 0, 50)
+    assert got == [(2, "op", 40.0), (1, "transfer", 10.0)] or got == [(2, "op", 40.0), (3, "transfer", 10.0)]
+    assert sum(d for _, _, d in got) == 50.0
+
+
+def test_four_ranks_the_path_goes_through_the_last_rank_to_enter():
+    rows = []
+    for r, late in enumerate((5, 7, 30, 6)):  # rank 2 enters last, at 30
+        rows += [(r, r, 1, 0, late, -1, -1), (r, r, 1, late, 34, -1, 0), (r, r, 1, 34, 40, -1, -1)]
+    p = pieces(rows)
+    got = path(p, 0, 40)
+    assert sum(d for _, _, d in got) == 40.0
+    assert (6, "op", 30.0) in got  # rank 2's op before its entry
+    assert [k for _, k, _ in got].count("transfer") == 1 and ("transfer", 4.0) in [(k, d) for _, k, d in got]
+
+
+def test_of_two_overlapping_streams_the_one_that_ends_the_step_is_the_path():
+    # CPU thread (lane 0) launches three kernels; stream 1: k0 [0,10], k1 [10,30]; stream 2: k2 [5,25]
+    p = pieces([(0, 0, 1, -6, -5, -1, -1), (0, 0, 1, -4, -3, -1, -1), (0, 0, 1, -2, -1, -1, -1),
+                (0, 1, 0, 0, 10, 0, -1), (0, 1, 0, 10, 30, 1, -1), (0, 2, 0, 5, 25, 2, -1)])
+    got = path(p, 0, 30)
+    assert got == [(3, "op", 10.0), (4, "op", 20.0)]
+
+
+def test_a_host_bound_gap_is_the_launch_and_the_host_before_it():
+    # k0 [0,5] launched at -5; the host launches k1 only at 15 (call [15,18]); k1 runs [20,25]
+    p = pieces([(0, 0, 1, -5, -3, -1, -1), (0, 0, 1, 15, 18, -1, -1),
+                (0, 1, 0, 0, 5, 0, -1), (0, 1, 0, 20, 25, 1, -1)])
+    got = path(p, 0, 25)
+    assert got == [(1, "host", 15.0), (3, "launch", 5.0), (3, "op", 5.0)]
+
+
+def test_a_graph_launch_path_is_the_graphs_kernels_and_gaps():
+    # one cudaGraphLaunch [0,3]; its kernels [4,10], [11,20] on one stream; the step is the GPU's span
+    p = pieces([(0, 0, 1, 0, 3, -1, -1), (0, 1, 0, 4, 10, 0, -1), (0, 1, 0, 11, 20, 0, -1)])
+    got = path(p, 4, 20)
+    assert got == [(1, "op", 6.0), (2, "idle", 1.0), (2, "op", 9.0)]
+
+
+def test_a_free_all_reduce_buys_at_most_the_late_ranks_transfer():
+    p = pieces([(0, 0, 1, 0, 10, -1, -1), (0, 0, 1, 10, 50, -1, 0),
+                (1, 1, 1, 0, 40, -1, -1), (1, 1, 1, 40, 50, -1, 0)])
+    cat = np.array(["x", "allreduce", "y", "allreduce"], dtype=object)
+    from decodescope.trace.critpath import link
+
+    got = bounds(p, link(p), np.array([0.0]), np.array([50.0]), cat, ["allreduce", "y", "x"])
+    assert got["allreduce"][0] == 40.0  # rank 1's op still bounds the step
+    assert got["y"][0] == 20.0  # the late op free: rank 0's op, then the transfer
+    assert got["x"][0] == 50.0  # the early rank's op is off the path: nothing to gain
+
+
+@pytest.mark.parametrize("trace", ["vllm_cpu_tp2_c4", "h200x2_step_replay_graph", "vllm_gpu_h200_c16",
+                                   "vllm_gpu_h200_kimi_int4_c64", "vllm_gpu_h200_kimi_int4_10l_host_ops"])
+def test_every_steps_path_sums_to_its_wall_time_on_the_real_traces(trace):
+    from decodescope.trace.analyze import find_steps, op_table
+    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.trace.load import load_trace_dir
+
+    loaded = load_trace_dir(FIXTURES / trace)
+    ops = op_table(loaded.events)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    assert len(cp.windows) > 0
+    total = cp.segments.groupby("step")["dur_us"].sum().reindex(cp.windows["step"]).fillna(0.0).to_numpy()
+    np.testing.assert_allclose(total, cp.windows["wall_us"].to_numpy(), rtol=1e-9, atol=1e-6)
+
+
+def test_on_one_gpu_with_cuda_graphs_a_decode_steps_path_is_kernels_and_gaps():
+    from decodescope.trace.analyze import find_steps, op_table
+    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.trace.load import load_trace_dir
+
+    loaded = load_trace_dir(FIXTURES / "vllm_gpu_h200_c16")
+    ops = op_table(loaded.events)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    seg = cp.segments[cp.segments["step_kind"] == "decode"]
+    ops_on = seg[seg["segment"].isin(["op", "transfer"])]
+    # on the host side only the launches (and the time between them) are on the path
+    assert set(ops_on.loc[ops_on["on_cpu"], "category"].astype(str)) <= {"launch", "host"}
+    assert set(seg["segment"].astype(str)) <= {"op", "idle", "launch", "host"}
+    kernels = ops_on.loc[~ops_on["on_cpu"], "dur_us"].sum()
+    assert kernels > 0.8 * seg["dur_us"].sum()
+
+
+def test_a_replay_with_nothing_changed_takes_each_steps_wall_time():
+    from decodescope.trace.analyze import find_steps, op_table
+    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.trace.critpath_whatif import replay_step
+    from decodescope.trace.load import load_trace_dir
+
+    loaded = load_trace_dir(FIXTURES / "vllm_cpu_tp2_c4")
+    ops = op_table(loaded.events)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    p = cp.labelled.pieces
+    w = cp.windows.head(8)
+    got = [replay_step(p, cp.links, a, b, np.ones(len(p))) for a, b in zip(w["start_us"], w["end_us"])]
+    np.testing.assert_allclose(got, w["wall_us"].to_numpy(), rtol=1e-12, atol=1e-6)
+
+
+def test_analyze_trace_critical_path_writes_the_segments_and_the_shares(tmp_path, capsys):
+    from decodescope.cli.main import main
+
+    assert main(["analyze-trace", str(FIXTURES / "vllm_cpu_tp2_c4"), "--critical-path", "--out", str(tmp_path)]) == 0
+    import json
+
+    import pandas as pd
+
+    got = json.loads((tmp_path / "critical_path.json").read_text())
+    seg = pd.read_parquet(tmp_path / "critical_path.parquet")
+    assert got["step_kind"] == "decode" and got["ranks"] == [0, 1]
+    assert {r["category"] for r in got["shares"]} >= {"allreduce", "host"}
+    assert seg.groupby("step")["dur_us"].sum().gt(0).all()
+    assert "on the critical path beside its summed share" in capsys.readouterr().out
