@@ -219,3 +219,21 @@ def test_a_drafters_cost_is_its_lead_first_pass_and_later_passes_unprofiled():
     assert nearest_drafter(sources, "v-k1", 5) == [one]          # a variant's own profile first
     assert nearest_drafter(sources, "v-k5", 5) == [c1, c4]       # else the profiled k nearest
     assert nearest_drafter({}, "v-k5", 5) is None
+
+
+def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
+    """Issue 43 item 6, prepared: draft-model variants on the GPU engine, the drafters profiled."""
+    from pathlib import Path
+
+    from decodescope.exec.modeldir import placeholder_configs
+    from decodescope.schema.params import load_params, with_experiment
+
+    params = load_params(Path(__file__).resolve().parents[1] / "params/h200-qwen3moe-spec.yaml")
+    assert params.hardware.gpu == "H200" and params.server.tensor_parallel == 1
+    names = {e.name: e for e in params.experiments}
+    assert {"spec-self-k1", "spec-self-k3", "spec-self-k5", "spec-draft2l-k3"} <= {n for n, e in names.items()
+                                                                                   if e.profile}
+    assert with_experiment(params, "spec-self-k3-greedy").workload.temperature == 0.0
+    draft = with_experiment(params, "spec-draft2l-k3")
+    (cfg,) = placeholder_configs(draft.server.engine_args)
+    assert params.resolve(cfg).is_file() and '"num_hidden_layers": 2' in params.resolve(cfg).read_text()
