@@ -81,8 +81,8 @@ def engine_allreduce(has_gpu: Optional[bool] = None) -> EngineAllReduce:
                                    "small messages where peers reach each other, pynccl otherwise); 04's profile "
                                    "names the one the step ran")
 
-    # torch: probes.collectives imports it; the analysis side imports this module without it
-    from decodescope.probes.collectives import vllm_cpu_extension
+    # torch: probes.communicators imports it; the analysis side imports this module without it
+    from decodescope.probes.communicators import vllm_cpu_extension
 
     ext = vllm_cpu_extension()
     try:
