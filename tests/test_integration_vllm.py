@@ -13,6 +13,7 @@ import pytest
 from decodescope.schema.params import load_params
 from decodescope.exec.server import ServerError, port_is_free, start_for_params
 from tests.browser import inspect_report
+from tests.test_logging import progress_lines_in
 
 pytestmark = pytest.mark.integration
 DECODESCOPE = [sys.executable, "-m", "decodescope.cli.main"]
@@ -320,6 +321,16 @@ def test_report_draws_every_figure_offline(e2e):
     # the verdict is the front page: it comes right after the header
     text = seen["text"]
     assert text.index("05_verdict · Verdict") < text.index("00_host · Host inventory")
+
+
+def test_no_progress_line_reaches_the_report_or_an_executed_notebook(e2e):
+    """Progress is logged to logs/decodescope.log, not into a cell's output (tests/test_logging.py)."""
+    assert progress_lines_in(e2e["report"].read_text()) == []
+    for nb in sorted((e2e["run_dir"] / "notebooks").glob("*.ipynb")):
+        assert progress_lines_in(nb.read_text()) == [], nb.name
+    kept = (e2e["run_dir"] / "logs" / "decodescope.log").read_text()
+    assert "decodescope.trace.capturephase: profile: concurrency" in kept
+    assert "decodescope.serving.sweep: serving sweep: level" in kept
 
 
 # Ctrl-C once the server is up, with SIGINT ignored as a background job starts: covered by

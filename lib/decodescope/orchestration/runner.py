@@ -31,7 +31,7 @@ from decodescope.report.html import build_report
 from decodescope.report import index as run_index
 from decodescope.core.rundir import ensure_layout, make_run_dir
 from decodescope.exec.server import hold_port, release_port, write_server_info
-from decodescope.orchestration.progress import Progress
+from decodescope.orchestration.progress import Progress, run_logging
 from decodescope.orchestration.runmanifest import Manifest, ResultsWriteError, RunError, set_fields, utc_now
 from decodescope.schema.records import PhaseEntry, RunManifest, ServerLaunch, ServerState, Teardown, VariantEntry
 
@@ -177,7 +177,8 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
         if needs_port:
             hold_port(params.server.port, run_dir)  # the holder line now names the run directory
         try:
-            return _run_locked(params, selected, run_dir, resume, notebook_dir, on_server)
+            with run_logging(run_dir):
+                return _run_locked(params, selected, run_dir, resume, notebook_dir, on_server)
         finally:
             dir_lock.release()
     finally:
@@ -447,7 +448,7 @@ def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
     try:
         run_index.build_index(output_dir)  # through the module: a test stands a failing one in
     except OSError as e:
-        progress.note(f"warning: could not rebuild {output_dir / 'index.html'}: {e}")
+        progress.warn(f"could not rebuild {output_dir / 'index.html'}: {e}")
 
 
 def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str],

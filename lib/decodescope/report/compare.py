@@ -28,9 +28,9 @@ rebuilds the output folder's index.html. Every string from files goes through re
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -57,6 +57,8 @@ from decodescope.report.compare_tables import (MAX_ROWS, SERVING_METRICS, catego
                                                serving_differences, serving_levels, step_differences, throughput_figure,
                                                versions_diff, wide_table)
 from decodescope.report.compare_tables import MISSING as MISSING
+
+log = logging.getLogger(__name__)
 
 
 # ---- the page --------------------------------------------------------------------------------------
@@ -283,5 +285,5 @@ def build_compare(specs: Sequence[str], out: Optional[Path] = None) -> Path:
         try:
             build_index(root)
         except OSError as e:
-            warnings.warn(f"could not rebuild {root / 'index.html'}: {e}", stacklevel=2)
+            log.warning("could not rebuild %s: %s", root / "index.html", e)
     return path

@@ -7,6 +7,7 @@ their files go, and what is written for the phase (data/profile_capture.json).
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +25,7 @@ from decodescope.trace.capture import (HOST_OPS, HOST_OPS_OUTPUT_TOKENS, Capture
 from decodescope.trace.hostops import host_ops_wanted
 
 PHASE = "04_profile"
+log = logging.getLogger(__name__)
 
 
 def _file_level(result: CaptureResult, trace_dir: Path, params=None, name: Optional[str] = None) -> CaptureResult:
@@ -74,12 +76,11 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[Cap
 
     with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server:
         if len(levels) > 1:
-            print(f"profile: concurrency {', '.join(map(str, levels[1:]))} unprofiled, before the first profile",
-                  flush=True)
+            log.info("profile: concurrency %s unprofiled, before the first profile", ", ".join(map(str, levels[1:])))
         before = itl_before_profiles(server, ctx.params, levels)
         with _attached_guard(ctx, server, trace_dir) as guard:
             for i, c in enumerate(levels):
-                print(f"profile: concurrency {c} ({i + 1} of {len(levels)})", flush=True)
+                log.info("profile: concurrency %s (%d of %d)", c, i + 1, len(levels))
                 level_data = ctx.data_dir / "profile" / level_dir_name(c)
                 level_data.mkdir(parents=True, exist_ok=True)
                 result = capture_profile(server, ctx.params, trace_dir, concurrency=c,
@@ -108,7 +109,7 @@ def _host_ops(ctx, server, trace_dir: Path, guard: Optional[AttachedProfiler], n
         if refused is not None:
             wanted, why_not = False, f"the un-graphed step's capture left out: {refused.decision}"
             notes.append(why_not)
-    print(f"profile: one request of {host_ops_prompt_tokens(ctx.params)} prompt tokens, past the largest CUDA "
-          "graph: the host's cost of the ops graphs hide" if wanted else f"profile: {why_not}", flush=True)
+    log.info(f"profile: one request of {host_ops_prompt_tokens(ctx.params)} prompt tokens, past the largest CUDA "
+             "graph: the host's cost of the ops graphs hide" if wanted else f"profile: {why_not}")
     host = capture_host_ops(server, ctx.params, trace_dir) if wanted else None
     return _file_level(host, trace_dir, ctx.params, HOST_OPS) if host is not None else None
