@@ -388,7 +388,8 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
     TTFT 7-16 ms lower and TPOT 12-14% higher in some rounds, E2E within 1%; a CI run failed on it). (That our level metrics follow vLLM's definitions exactly
     is checked on shared records above; accuracy against ground truth is benchmarks/loadgen_fidelity.py.)"""
     from decodescope.exec.modeldir import resolve_model_dir
-    from decodescope.serving.compare import load_vllm_bench_requests, run_vllm_bench_serve
+    from decodescope.serving.compare import run_vllm_bench_serve
+    from tests.vllm_bench import load_vllm_bench_requests
     from decodescope.serving.metrics import coalesced_fraction
 
     # The clients are what is compared, so the server is made steady: tensor-parallel 1 on core 0 (at

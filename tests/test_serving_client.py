@@ -256,7 +256,7 @@ def test_knee_is_where_throughput_stops_growing():
 
 
 def test_vllm_bench_per_request_rows_keep_their_own_start_times(tmp_path):
-    from decodescope.serving.compare import load_vllm_bench_requests
+    from tests.vllm_bench import load_vllm_bench_requests
 
     doc = {"ttfts": [0.01, 0.0, 0.02], "latencies": [0.1, 0.0, 0.3], "itls": [[0.03] * 3, [], [0.09] * 3],
            "output_lens": [4, 0, 4], "start_times": [5.0, 6.0, 7.0]}
@@ -283,7 +283,7 @@ def test_tpot_is_vllm_bench_serves_definition_with_its_edge_cases():
 
 
 def test_both_tpot_paths_agree_on_a_one_token_request(tmp_path):
-    from decodescope.serving.compare import load_vllm_bench_requests
+    from tests.vllm_bench import load_vllm_bench_requests
 
     doc = {"ttfts": [0.01, 0.02], "latencies": [0.1, 0.02], "itls": [[0.03] * 3, []], "output_lens": [4, 1]}
     path = tmp_path / "bench.json"

@@ -125,7 +125,3 @@ def eager_items(host_ops: HostOps, per_event_us: Optional[float], kernels_per_st
     notes.append(f"{rest} more kernels at {call_us:.1f} us each (02's bare call)")
     return items, notes
 
-
-def eager_component(items: list[tuple[float, float]], notes: list[str], source: str) -> sm.Component:
-    end = sp.eager_walk(items)[0]
-    return sm.Component("eager step (host-paced walk)", end, end, end, source, notes)
