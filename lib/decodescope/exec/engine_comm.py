@@ -19,15 +19,12 @@ from pathlib import Path
 from typing import Optional
 
 # the switch itself needs the standard library only (the tests' conftest applies it on any host, a GPU image
-# without pydantic included); re-exported here, beside the detection it steers
-from decodescope.core.cpupath import (AVX2_ENV as AVX2_ENV, AVX2_ONLY_DIR as AVX2_ONLY_DIR,
-                                      CPU_PATH_ENV as CPU_PATH_ENV, CPU_PATHS as CPU_PATHS,
-                                      CpuPathError as CpuPathError, apply_cpu_path as apply_cpu_path,
-                                      apply_cpu_path_here as apply_cpu_path_here, cpu_path as cpu_path,
-                                      force_avx2_in_process as force_avx2_in_process)
+# without pydantic included); re-exported here (__all__), beside the detection it steers
+from decodescope.core.cpupath import (AVX2_ENV, AVX2_ONLY_DIR, CPU_PATH_ENV, CPU_PATHS, CpuPathError, apply_cpu_path,
+                                      apply_cpu_path_here, cpu_path, force_avx2_in_process)
 from decodescope.schema.records import EngineAllReduce, HostInventory, RecordError, read_record
 
-# the micro-benchmark's name (probes/collectives.py) of each CPU path's all-reduce
+# the micro-benchmark's name (probes/communicators.py) of each CPU path's all-reduce
 CPU_COMMUNICATOR = {"shm": "vllm_shm", "gloo": "torch_gloo"}
 # vLLM's GPU device communicators, by the module that holds each (vllm/distributed/device_communicators)
 GPU_COMMUNICATORS = {"custom_all_reduce": "custom all-reduce", "symm_mem": "symmetric memory",
@@ -166,3 +163,9 @@ def verdict_note(rec: Optional[EngineAllReduce], reconcile: list) -> str:
     pieces = [p for p in pieces if p.startswith("all-reduce")]
     return (f"The engine's all-reduce path (00): {describe(rec)}. The reconciliation pairs "
             f"{'; '.join(pieces) or 'no all-reduce row'}.")
+
+
+__all__ = ["apply_cpu_path", "apply_cpu_path_here", "AVX2_ENV", "AVX2_ONLY_DIR", "collectives_note",
+           "CPU_COMMUNICATOR", "cpu_path", "CPU_PATH_ENV", "CPU_PATHS", "CpuPathError", "describe",
+           "engine_allreduce", "force_avx2_in_process", "GPU_COMMUNICATORS", "gpu_communicators",
+           "micro_communicator_for", "profile_note", "recorded", "verdict_note"]

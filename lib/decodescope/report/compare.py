@@ -47,16 +47,15 @@ from decodescope.show.escape import html_text
 from decodescope.report.html import notebook_html
 from decodescope.report.index import COMPARE_DIR, build_index
 from decodescope.report.compare_sources import Source, _read_table, load_sources
-# re-exported: the CLI, notebook 06 and the tests name them as report.compare's
-from decodescope.report.compare_sources import (CompareError as CompareError, VARIANTS as VARIANTS,
-                                                default_runs as default_runs, resolve as resolve)
+# re-exported (__all__): the CLI, notebook 06 and the tests name them as report.compare's
+from decodescope.report.compare_sources import VARIANTS, CompareError, default_runs, resolve
 from decodescope.report.compare_tables import (MAX_ROWS, SERVING_METRICS, category_delta_figure, category_differences,
                                                category_figure, collectives_frame, gemm_frame, gemm_keys,
                                                micro_delta_figure, pair_differences, params_diff, pareto_figure,
                                                phases_table, profile_summaries, runs_table, serving_bands,
                                                serving_differences, serving_levels, step_differences, throughput_figure,
                                                versions_diff, wide_table)
-from decodescope.report.compare_tables import MISSING as MISSING
+from decodescope.report.compare_tables import MISSING
 
 log = logging.getLogger(__name__)
 
@@ -287,3 +286,7 @@ def build_compare(specs: Sequence[str], out: Optional[Path] = None) -> Path:
         except OSError as e:
             log.warning("could not rebuild %s: %s", root / "index.html", e)
     return path
+
+
+__all__ = ["Block", "blocks_notebook", "build_compare", "CALLS_NOTE", "CompareError", "comparison_blocks",
+           "default_out", "default_runs", "MISSING", "resolve", "show_blocks", "VARIANTS", "write_compare"]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import pandas as pd
 import yaml
 
 from decodescope.core.phases import PHASE_OF
 from decodescope.report.index import default_output_dir, read_manifest, run_dirs
-from decodescope.schema.views import ManifestView
+from decodescope.schema.views import ManifestView, key_path
 
 
 VARIANTS = "variants"
@@ -85,7 +85,7 @@ class Source:
 
     @property
     def tensor_parallel(self) -> Optional[int]:
-        tp = _get(self.params, "server", "tensor_parallel")
+        tp = key_path(self.params, "server", "tensor_parallel")
         try:
             return int(tp) if tp is not None and int(tp) >= 1 else None
         except (TypeError, ValueError):
@@ -95,12 +95,6 @@ class Source:
         phase = PHASE_OF.get(name)
         status = f" ({phase}: {self.phase_status(phase)})" if phase else ""
         return f"{self.name} {problem}{status}."
-
-
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        d = d.get(k) if isinstance(d, dict) else None
-    return d
 
 
 def _read_yaml(path: Path) -> Optional[dict]:

@@ -23,7 +23,7 @@ import pandas as pd
 
 from decodescope.core.io import write_text_atomic
 from decodescope.schema.recordbase import RecordError
-from decodescope.schema.views import HostView, ManifestView, VerdictView, read_view
+from decodescope.schema.views import HostView, ManifestView, VerdictView, key_path, read_view
 from decodescope.show.escape import html_text
 from decodescope.report.status import status_colour
 from decodescope.core.resources import source_checkout
@@ -146,12 +146,6 @@ def read_manifest(run_dir: Path) -> Optional[ManifestView]:
         return ManifestView()
 
 
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        d = d.get(k) if isinstance(d, dict) else None
-    return d
-
-
 def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
@@ -192,7 +186,7 @@ def run_row(run_dir: Path) -> Optional[dict]:
     report = run_dir / "report.html"
     return {"run_id": _text(manifest.run_id) or run_dir.name, "dir": run_dir.name,
             "params_name": _text(manifest.params_name),
-            "model": _text(_get(manifest.params, "model", "name")),
+            "model": _text(key_path(manifest.params, "model", "name")),
             "host": host_text(run_dir, manifest),
             "status": _text(manifest.status) or ("unreadable manifest" if manifest == ManifestView() else "unknown"),
             "created": _text(manifest.created),

@@ -33,6 +33,14 @@ class View(_Part):
 V = TypeVar("V", bound=View)
 
 
+def key_path(tree: Any, *keys: str) -> Any:
+    """The value under keys in a key tree (a run's params or versions as recorded); None where a key is
+    missing or a level is not a mapping."""
+    for k in keys:
+        tree = tree.get(k) if isinstance(tree, dict) else None
+    return tree
+
+
 class ManifestView(View):
     """manifest.json: the run's identity and status, its params and versions as key trees, its phases'
     and variants' entries as the runner wrote them."""

@@ -15,7 +15,8 @@ from decodescope.trace import analyze as an
 from decodescope.trace.capture import host_ops_prompt_tokens, level_dir_name
 from decodescope.trace.capturephase import capture_for_phase
 from decodescope.trace.hostops import HOST_OPS_RECORD, host_op_costs, read_host_events
-from decodescope.trace.categorize import class_of, communicator_of
+from decodescope.trace.categorize import communicator_of
+from decodescope.trace.classtime import class_time_per_step
 from decodescope.trace.load import LoadedTraces, load_trace_dir
 
 if TYPE_CHECKING:  # a type name only: capture (a phase) imports this module
@@ -242,8 +243,7 @@ def growth_table(levels: list[ProfiledLevel]) -> pd.DataFrame:
                "summed_us": ps.summed_us_median, "busy_us": ps.busy_us_median}
         cats = frame(lv.summary.per_step_categories, StepCategoryRow)
         if not cats.empty:
-            by = (cats.assign(cls=cats["category"].map(class_of)).groupby(["rank", "cls"])["time_per_step_us"].sum()
-                  .groupby("cls").median())
+            by = class_time_per_step(cats).groupby("cls").median()
             row.update({f"{c}_us": float(v) for c, v in by.items()})
         rows.append(row)
     return pd.DataFrame(rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace as dc_replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import pandas as pd
 
@@ -19,6 +19,8 @@ from decodescope.exec.engine_comm import micro_communicator_for
 from decodescope.micro.bench import GEMM_WHATIF_TP
 from decodescope.schema.params_schema import KNEE
 
+T = TypeVar("T")
+
 
 def expected_tokens_per_verify(k: int, alpha: float) -> float:
     """Speculative decoding with k draft tokens and per-token acceptance alpha (i.i.d.): expected tokens
@@ -28,6 +30,12 @@ def expected_tokens_per_verify(k: int, alpha: float) -> float:
     if alpha == 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def nearest_batch(items: Iterable[T], batch: float, batch_of: Callable[[T], Any] = lambda x: x) -> T:
+    """The item whose batch (batch_of(item); the item itself by default) is nearest `batch`; of two as
+    near, the lower."""
+    return min(items, key=lambda x: (abs(batch_of(x) - batch), batch_of(x)))
 
 
 def _read_parquet(run_dir: Path, name: str) -> Optional[pd.DataFrame]:
@@ -123,7 +131,7 @@ class ModelInputs:
         time the GPU sat idle per step period (the period less its busy time), and where they come from."""
         if not self.host_gaps:
             return None, 0.0, ""
-        b, gap_us, idle_us = min(self.host_gaps, key=lambda g: (abs(g[0] - batch), g[0]))
+        b, gap_us, idle_us = nearest_batch(self.host_gaps, batch, lambda g: g[0])
         return gap_us, idle_us, f"profile_summary.json host_between_steps_us_median, period less busy (04, batch {b:g})"
 
     def gpu_us(self, pred) -> tuple[float, float]:
@@ -138,7 +146,7 @@ class ModelInputs:
         if "host_time_us" not in g or g["host_time_us"].dropna().empty:
             return None
         g = g.dropna(subset=["host_time_us"])
-        nb = min(set(g["batch"]), key=lambda b: (abs(b - batch), b))
+        nb = nearest_batch(set(g["batch"]), batch)
         return float(nb), {c: float(g.loc[g["batch"] == nb, c].median()) for c in sp.HOST_COLUMNS}
 
     def call_us(self, batch: float) -> Optional[float]:
@@ -236,7 +244,7 @@ def eager_fix(inp: ModelInputs, batch: float) -> tuple[Optional[Fix], str]:
     counted = [s for s in inp.samples if s.kernels_per_step >= 1]
     if not counted:
         return None, "04 counted no kernels per step"
-    s = min(counted, key=lambda x: (abs(x.batch - batch), x.batch))
+    s = nearest_batch(counted, batch, lambda x: x.batch)
     nb, host = costs
     base = inp.predict(batch)
     gpu_us = inp.gpu_us(base)[0]

@@ -20,27 +20,17 @@ from decodescope.core.enginelog import last_engine_modes
 from decodescope.micro.bench import with_timing_columns
 from decodescope.verdict.stepmodel import allreduce_wait_us
 from decodescope.trace import categorize
-from decodescope.verdict.fixes import (NO_STEP_MODEL as NO_STEP_MODEL, _engine_itls, _profile_summary, _read_parquet, curves, level_tpot, model_inputs,
-                                       profile_captures, profile_summaries, served_batches)
-from decodescope.verdict.variants import replay_rows, variant_rows
-# re-exported: importers name these as verdict's
-from decodescope.verdict.findings import (LEVEL_TOLERANCE as LEVEL_TOLERANCE, NO_HELP_PCT as NO_HELP_PCT,
-                                          RECONCILE_TOLERANCE as RECONCILE_TOLERANCE, findings)
-# re-exported: importers name these as verdict's
-from decodescope.verdict.fixes import ModelInputs as ModelInputs, baseline_tpot as baseline_tpot
-# re-exported: importers name these as verdict's
-from decodescope.verdict.variants import gpu_host_split as gpu_host_split
-
-
-def class_of(category: str) -> str:
-    """A category's verdict class, as params/kernel_categories.yaml names it (`other` for unmatched names)."""
-    return categorize.class_of(category)
+from decodescope.trace.classtime import class_time_per_step
+from decodescope.verdict.fixes import (NO_STEP_MODEL, ModelInputs, _engine_itls, _profile_summary, _read_parquet,
+                                       baseline_tpot, curves, level_tpot, model_inputs, profile_captures,
+                                       profile_summaries, served_batches)
+from decodescope.verdict.findings import LEVEL_TOLERANCE, NO_HELP_PCT, RECONCILE_TOLERANCE, findings
+from decodescope.verdict.variants import gpu_host_split, replay_rows, variant_rows
 
 
 def step_attribution(per_step_categories: pd.DataFrame) -> pd.DataFrame:
     """Per rank and class: median time per decode step and its share of the summed time."""
-    df = per_step_categories.assign(cls=per_step_categories["category"].astype(str).map(class_of))
-    g = df.groupby(["rank", "cls"])["time_per_step_us"].sum().reset_index()
+    g = class_time_per_step(per_step_categories).reset_index()
     g["share"] = g["time_per_step_us"] / g.groupby("rank")["time_per_step_us"].transform("sum")
     return g
 
@@ -70,10 +60,9 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
     observed_ar = observed_gemm = observed_wait = None
     if not per_step.empty:
         assert summary is not None  # per_step has rows only from a summary's per_step_categories
-        att = per_step.assign(cls=per_step["category"].map(class_of))
-        by_rank = att.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
+        by_rank = class_time_per_step(per_step).unstack(fill_value=0.0)
         # the rank that arrives last at each all-reduce waits least: its time is closest to the transfer
-        ar_by_rank = att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
+        ar_by_rank = per_step[per_step["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
         # none in the profile (one GPU: a step issues none): nothing to set 03 against, no row
         observed_ar = float(ar_by_rank.min()) if not ar_by_rank.empty else None
         transfer = summary.allreduce_transfer_us_per_step
@@ -330,3 +319,8 @@ def verdict(run_dir: Path, params) -> Verdict:
                                                            default=float("nan")),
                                       source="serving_levels.parquet (01_serving)")
     return out
+
+
+__all__ = ["allreduce_reconcile_row", "baseline_tpot", "bottleneck", "gpu_host_split", "level_reconcile",
+           "LEVEL_TOLERANCE", "ModelInputs", "nearest", "NO_HELP_PCT", "NO_STEP_MODEL", "reconcile",
+           "RECONCILE_TOLERANCE", "step_attribution", "verdict"]
