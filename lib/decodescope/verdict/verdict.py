@@ -21,6 +21,7 @@ from decodescope.micro.bench import with_timing_columns
 from decodescope.verdict.stepmodel import allreduce_wait_us
 from decodescope.trace import categorize
 from decodescope.trace.classtime import class_time_per_step
+from decodescope.schema.rundata import COLLECTIVES, GEMM, SERVING_LEVELS, SERVING_REQUESTS
 from decodescope.verdict.fixes import (NO_STEP_MODEL, ModelInputs, _engine_itls, _profile_summary, _read_parquet,
                                        baseline_tpot, curves, level_tpot, model_inputs, profile_captures,
                                        profile_summaries, served_batches)
@@ -74,7 +75,7 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
             observed_wait = allreduce_wait_us(per_step, ar_by_rank.idxmin(), transfer)
             observed_ar = float(transfer)
         observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
-    coll = _read_parquet(run_dir, "collectives.parquet")
+    coll = _read_parquet(run_dir, COLLECTIVES)
     if coll is not None and not coll.empty and observed_ar is not None:
         rows.append(allreduce_reconcile_row(coll, summary, observed_ar, profile_batch, arch, tp, observed_wait))
     return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
@@ -92,7 +93,7 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
     paid = ar_by_rank + wait
     rank = paid.idxmin()
     observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
-    coll = _read_parquet(run_dir, "collectives.parquet")
+    coll = _read_parquet(run_dir, COLLECTIVES)
     calls = summary.allreduce_with_wait
     if coll is None or coll.empty:
         return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
@@ -134,7 +135,7 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
 
 def _with_gemm_row(run_dir: Path, rows: list, profile_batch: int, observed_gemm: Optional[float],
                    weight_dtype: Optional[str] = None, arch=None, tp: int = 1) -> pd.DataFrame:
-    gemm = _read_parquet(run_dir, "gemm.parquet")
+    gemm = _read_parquet(run_dir, GEMM)
     if gemm is not None and not gemm.empty:
         ok = gemm[gemm["status"] == "ok"]
         dtype = "bf16" if "bf16" in set(ok["dtype"]) else ok["dtype"].iloc[0]
@@ -267,7 +268,7 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
 def verdict(run_dir: Path, params) -> Verdict:
     run_dir = Path(run_dir)
     summary = _profile_summary(run_dir)
-    levels = _read_parquet(run_dir, "serving_levels.parquet")
+    levels = _read_parquet(run_dir, SERVING_LEVELS)
     out = Verdict()
     if summary and summary.per_step_categories:
         per_step = frame(summary.per_step_categories, StepCategoryRow)
@@ -304,7 +305,7 @@ def verdict(run_dir: Path, params) -> Verdict:
         out.sources["projections"] = NO_STEP_MODEL
     if levels is not None and not levels.empty:
         out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(
-            levels, summaries, model, captures, _read_parquet(run_dir, "serving_requests.parquet"))]
+            levels, summaries, model, captures, _read_parquet(run_dir, SERVING_REQUESTS))]
     if params.experiments:
         out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels, captures)]
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
