@@ -16,6 +16,7 @@ from decodescope.schema.params import OVERRIDES_ENV, Params, load_params, with_e
 # schema checks with it (1.2 s of every phase notebook's first cell)
 from decodescope.core.logsetup import LOG_FILE, log_only_to_file
 from decodescope.core.rundir import DATA, LOGS, ensure_layout, make_run_dir
+from decodescope.schema.rundata import RunDir
 
 
 @dataclass
@@ -24,11 +25,16 @@ class PhaseContext:
     run_dir: Path
 
     @property
+    def run(self) -> RunDir:
+        """The run directory's files, read through their records (schema.rundata)."""
+        return RunDir(self.run_dir)
+
+    @property
     def data_dir(self) -> Path:
-        return self.run_dir / DATA
+        return self.run.data
 
     def data(self, name: str) -> Path:
-        return self.data_dir / name
+        return self.run.file(name)
 
     def source(self, name: str) -> str:
         """'where this number came from' line for captions."""

@@ -12,6 +12,7 @@ import yaml
 
 from decodescope.core.phases import PHASE_OF
 from decodescope.report.index import default_output_dir, read_manifest, run_dirs
+from decodescope.schema.rundata import RunDir
 from decodescope.schema.views import ManifestView, key_path
 
 
@@ -134,14 +135,14 @@ def resolve(spec: str, letter: str = "A") -> Source:
     params = _read_yaml(run_dir / "params.yaml")
     if params is None:
         params, params_from = manifest.params, "manifest.json"
-    data_dir = run_dir / "data"
+    data_dir = RunDir(run_dir).data
     if variant is not None:
         vdir = run_dir / VARIANTS / variant
         if not _PLAIN_NAME.match(variant) or variant in (".", "..") or not vdir.is_dir():
             found = sorted(p.name for p in (run_dir / VARIANTS).glob("*") if p.is_dir()) \
                 if (run_dir / VARIANTS).is_dir() else []
             raise CompareError(vdir, f"no such variant of this run; its variants: {found or 'none'}")
-        data_dir = vdir / "data" if (vdir / "data").is_dir() else vdir
+        data_dir = RunDir(vdir).data if RunDir(vdir).data.is_dir() else vdir
         own_params = _read_yaml(vdir / "params.yaml")
         if own_params is not None:
             params, params_from = own_params, f"{VARIANTS}/{variant}/params.yaml"

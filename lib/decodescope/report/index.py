@@ -23,6 +23,7 @@ import pandas as pd
 
 from decodescope.core.io import write_text_atomic
 from decodescope.schema.recordbase import RecordError
+from decodescope.schema.rundata import HOST, VERDICT, RunDir
 from decodescope.schema.views import HostView, ManifestView, VerdictView, key_path, read_view
 from decodescope.show.escape import html_text
 from decodescope.report.status import status_colour
@@ -74,10 +75,11 @@ def _number(value: Any) -> Optional[float]:
 
 
 def _serving_headline(run_dir: Path) -> tuple[Optional[float], Optional[float], Optional[int]]:
-    path = run_dir / "data" / "serving_levels.parquet"
     try:
-        levels = pd.read_parquet(path)
-    except Exception:  # missing, cut short, not parquet: the numbers are shown as missing
+        levels = RunDir(run_dir).serving_levels()
+    except Exception:  # cut short, not parquet: the numbers are shown as missing
+        levels = None
+    if levels is None:
         return None, None, None
     if "repeat" in levels.columns and "level" in levels.columns:  # repeated levels: the median per level
         levels = levels.groupby("level", as_index=False).median(numeric_only=True)
@@ -96,7 +98,7 @@ def _verdict_bottleneck(run_dir: Path) -> tuple[Optional[str], Optional[float], 
     """(class, share, the serving headline) from data/verdict.json, a verdict of any version
     (decodescope.schema.views)."""
     try:
-        v = read_view(run_dir / "data" / "verdict.json", VerdictView)
+        v = read_view(RunDir(run_dir).file(VERDICT), VerdictView)
     except RecordError:
         v = None
     if v is None or v.bottleneck is None:
@@ -153,7 +155,7 @@ def _text(value: Any) -> str:
 def host_text(run_dir: Path, manifest: ManifestView) -> str:
     """Hostname and GPUs ('2x NVIDIA H200', or 'no GPU') from the manifest and data/host.json."""
     try:
-        inv = read_view(Path(run_dir) / "data" / "host.json", HostView) or HostView()
+        inv = read_view(RunDir(run_dir).file(HOST), HostView) or HostView()
     except RecordError:
         inv = HostView()
     hostname = manifest.host.get("hostname") or (inv.cpu.hostname if inv.cpu else None)

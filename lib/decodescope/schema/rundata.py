@@ -16,6 +16,7 @@ from decodescope.core.rundir import DATA, VARIANTS
 from decodescope.schema.recordbase import Record, read_record
 from decodescope.schema.records import (HostInventory, HostOps, ProfileCapture, ProfileCaptures, ProfileSummary,
                                         RunManifest)
+from decodescope.schema.records_server import LinkMeasure, ServerInfo
 
 R = TypeVar("R", bound=Record)
 Name = Union[str, Path]   # a file's name under data/, or its path below data/
@@ -30,6 +31,13 @@ PROFILE_CAPTURES = "profile_capture.json"        # 04_profile: the levels profil
 PROFILE_SUMMARY = "profile_summary.json"         # 04_profile: the first level's summary (and each level's)
 PROFILE_LEVELS = "profile"                       # 04_profile: profile/c<N>/, one folder per profiled level
 VERDICT = "verdict.json"                         # 05_verdict
+SERVER_INFO = "server.json"                      # the runner: how a phase reaches the run's server
+LINK = "link.json"                               # the runner: what an ssh tunnel adds to a round trip
+
+
+def level_dir_name(concurrency: int) -> str:
+    """A profiled level's folder name, under data/profile/ and under traces/: c<N>."""
+    return f"c{concurrency}"
 
 
 class RunDir:
@@ -46,9 +54,13 @@ class RunDir:
         """A phase's file under data/ (a name such as `HOST`, or a path below data/)."""
         return self.data / name
 
+    def level_dir(self, concurrency: int) -> Path:
+        """One profiled level's folder: data/profile/c<N>/."""
+        return self.data / PROFILE_LEVELS / level_dir_name(concurrency)
+
     def level_file(self, concurrency: int, name: str) -> Path:
         """A file of one profiled level: data/profile/c<N>/<name>."""
-        return self.data / PROFILE_LEVELS / f"c{concurrency}" / name
+        return self.level_dir(concurrency) / name
 
     def variant(self, name: str) -> "RunDir":
         return RunDir(self.path / VARIANTS / name)
@@ -111,6 +123,12 @@ class RunDir:
             if path.is_file():
                 out[c] = read_record(path, ProfileSummary)
         return out
+
+    def server_info(self) -> Optional[ServerInfo]:
+        return self.record(SERVER_INFO, ServerInfo)
+
+    def link(self) -> Optional[LinkMeasure]:
+        return self.record(LINK, LinkMeasure)
 
     def host_ops(self, name: Name) -> Optional[HostOps]:
         """04's un-graphed step's host ops (name: trace.hostops.HOST_OPS_RECORD)."""

@@ -24,6 +24,7 @@ from decodescope.exec.host import host_for
 from decodescope.exec.hostcore import LinkDropped
 from decodescope.schema.records import read_record
 from decodescope.schema.records_server import LinkMeasure
+from decodescope.schema.rundata import LINK
 from decodescope.exec.server import log_tail
 from decodescope.serving.sweep import SweepConfig, combine, run_sweep
 from decodescope.serving.telemetry_read import TELEMETRY_DIR
@@ -75,7 +76,7 @@ def _ms(value: Optional[float]) -> str:
 
 def link_note(data_dir: Path, params) -> str:
     """What the network between this client and the server adds to the figures ('' for a local host)."""
-    path = Path(data_dir) / "link.json"
+    path = Path(data_dir) / LINK
     if not path.is_file():
         return ""
     link = read_record(path, LinkMeasure)

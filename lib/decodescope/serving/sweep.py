@@ -30,6 +30,7 @@ from decodescope.serving.metrics import engine_silence_ms, level_stall_ms, level
 from decodescope.serving.telemetry import NoTelemetry, Telemetry
 from decodescope.serving.telemetry_read import level_telemetry
 from decodescope.core.stats import band
+from decodescope.schema.rundata import SERVING_LEVELS, SERVING_REQUESTS
 
 log = logging.getLogger(__name__)
 
@@ -234,11 +235,11 @@ def combine(data_dir: Path, slo: Optional[dict]) -> tuple[pd.DataFrame, pd.DataF
         rows.append(level_summary(req, level, slo, health, repeat=rep if repeated else None,
                                   telemetry=level_telemetry(data_dir, level, rep)))
     levels = pd.DataFrame(rows)
-    write_parquet_atomic(data_dir / "serving_requests.parquet", req)
+    write_parquet_atomic(data_dir / SERVING_REQUESTS, req)
     if repeated:
         write_parquet_atomic(data_dir / "serving_levels_repeats.parquet", levels)
         levels = merge_repeats(levels)
-    write_parquet_atomic(data_dir / "serving_levels.parquet", levels)
+    write_parquet_atomic(data_dir / SERVING_LEVELS, levels)
     return req, levels
 
 

@@ -18,6 +18,7 @@ from decodescope.exec.host import host_for, node_traces
 from decodescope.exec.server import ServerDied, phase_server
 from decodescope.schema.recordbase import write_record
 from decodescope.schema.records import ProfileCaptures
+from decodescope.schema.rundata import RunDir
 from decodescope.trace.attachprofile import AttachedProfiler
 from decodescope.trace.capture import (HOST_OPS, HOST_OPS_OUTPUT_TOKENS, CaptureResult, capture_host_ops,
                                        capture_profile, file_into, host_ops_prompt_tokens, itl_before_profiles,
@@ -71,7 +72,7 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[Cap
     the un-graphed step (capture_host_ops) into traces/host_ops/, returned third (None when not asked).
     An attached server is profiled only in windows its host can afford (trace.attachguard)."""
     trace_dir = ctx.run_dir / "traces"
-    levels, notes = profile_levels(ctx.params, ctx.data("serving_levels.parquet"))
+    levels, notes = profile_levels(ctx.params, RunDir(ctx.run_dir))
     results = []
 
     with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server:
@@ -81,7 +82,7 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[Cap
         with _attached_guard(ctx, server, trace_dir) as guard:
             for i, c in enumerate(levels):
                 log.info("profile: concurrency %s (%d of %d)", c, i + 1, len(levels))
-                level_data = ctx.data_dir / "profile" / level_dir_name(c)
+                level_data = RunDir(ctx.run_dir).level_dir(c)
                 level_data.mkdir(parents=True, exist_ok=True)
                 result = capture_profile(server, ctx.params, trace_dir, concurrency=c,
                                          records_path=level_data / "profile_requests.parquet",

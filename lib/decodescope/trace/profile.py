@@ -11,8 +11,9 @@ from decodescope.model import arch as archmod
 from decodescope.core.io import write_parquet_atomic
 from decodescope.core.stats import trimmed_mean
 from decodescope.schema.records import CallsWithWait, ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
+from decodescope.schema.rundata import PROFILE_SUMMARY, RunDir
 from decodescope.trace import analyze as an
-from decodescope.trace.capture import host_ops_prompt_tokens, level_dir_name
+from decodescope.trace.capture import host_ops_prompt_tokens
 from decodescope.trace.capturephase import capture_for_phase
 from decodescope.trace.hostops import HOST_OPS_RECORD, host_op_costs, read_host_events
 from decodescope.trace.categorize import communicator_of
@@ -201,7 +202,7 @@ def write_profile(result: ProfileResult, data_dir: Path, concurrency: Optional[i
     write_parquet_atomic(data_dir / "kernels.parquet", kernels)
     write_parquet_atomic(data_dir / "profile_steps.parquet", result.steps)
     summary = result.summary().model_copy(update={"concurrency": concurrency})
-    write_record(data_dir / "profile_summary.json", summary)
+    write_record(data_dir / PROFILE_SUMMARY, summary)
     return summary
 
 
@@ -219,16 +220,16 @@ def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
     data/profile/host_ops.json."""
     captures, notes, host = capture_for_phase(ctx)
     if host is not None and host.rank_files:
-        write_record(ctx.data_dir / HOST_OPS_RECORD,
+        write_record(RunDir(ctx.run_dir).file(HOST_OPS_RECORD),
                      host_op_costs(read_host_events(host.rank_files[0]), host_ops_prompt_tokens(ctx.params)))
     out = []
     for cap in captures:
         loaded = load_trace_dir(cap.trace_dir)
         result = analyze_traces(loaded, ctx.params.model_config_dict(), ctx.params.server.tensor_parallel,
                                 batch=cap.concurrency)
-        summary = write_profile(result, ctx.data_dir / "profile" / level_dir_name(cap.concurrency), cap.concurrency)
+        summary = write_profile(result, RunDir(ctx.run_dir).level_dir(cap.concurrency), cap.concurrency)
         out.append(ProfiledLevel(cap, result, summary))
-    write_profile(out[0].result, ctx.data_dir, out[0].capture.concurrency)
+    write_profile(out[0].result, RunDir(ctx.run_dir).data, out[0].capture.concurrency)
     return out, notes
 
 
