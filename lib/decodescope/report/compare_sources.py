@@ -13,7 +13,7 @@ import yaml
 from decodescope.core.phases import PHASE_OF
 from decodescope.report.index import default_output_dir, read_manifest, run_dirs
 from decodescope.schema.rundata import RunDir
-from decodescope.schema.views import ManifestView, key_path
+from decodescope.schema.views import EntryView, ManifestView, key_path
 
 
 VARIANTS = "variants"
@@ -62,7 +62,7 @@ class Source:
             return str(self.data_dir / name)
 
     @property
-    def variant_entry(self) -> Optional[dict]:
+    def variant_entry(self) -> Optional[EntryView]:
         """The run manifest's record of this variant (manifest.json `variants`), None for a run."""
         return self.manifest.variants.get(self.variant) if self.variant else None
 
@@ -70,18 +70,18 @@ class Source:
         """The phase's status in the manifest; for a variant, the variant's status for the phases a
         variant runs (01, and 04 when it asked for a profile), else 'not run for a variant'."""
         if self.variant is not None:
-            entry = self.variant_entry or {}
-            runs = {"01_serving"} | ({"04_profile"} if (entry.get("params") or {}).get("profile") else set())
+            entry = self.variant_entry or EntryView()
+            runs = {"01_serving"} | ({"04_profile"} if (entry.params or {}).get("profile") else set())
             if phase not in runs:
                 return "not run for a variant"
-            return f"variant {entry.get('status', 'not in the manifest')}"
+            return f"variant {_status_or(entry, 'not in the manifest')}"
         info = self.manifest.phases.get(phase)
-        return str(info.get("status", "pending")) if info is not None else "not in the manifest"
+        return _status_or(info, "pending") if info is not None else "not in the manifest"
 
     @property
     def status(self) -> str:
         if self.variant is not None:
-            return str((self.variant_entry or {}).get("status", "not in the manifest"))
+            return _status_or(self.variant_entry or EntryView(), "not in the manifest")
         return "" if self.manifest.status is None else self.manifest.status
 
     @property
@@ -96,6 +96,11 @@ class Source:
         phase = PHASE_OF.get(name)
         status = f" ({phase}: {self.phase_status(phase)})" if phase else ""
         return f"{self.name} {problem}{status}."
+
+
+def _status_or(entry: EntryView, unset: str) -> str:
+    """An entry's status; `unset` where the manifest gives it none (as a key left out)."""
+    return str(entry.status) if "status" in entry.model_fields_set else unset
 
 
 def _read_yaml(path: Path) -> Optional[dict]:

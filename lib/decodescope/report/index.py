@@ -24,7 +24,7 @@ import pandas as pd
 from decodescope.core.io import write_text_atomic
 from decodescope.schema.recordbase import RecordError
 from decodescope.schema.rundata import HOST, VERDICT, RunDir
-from decodescope.schema.views import HostView, ManifestView, VerdictView, key_path, read_view
+from decodescope.schema.views import HostView, ManifestView, ServingHeadlineView, VerdictView, key_path, read_view
 from decodescope.show.escape import html_text
 from decodescope.report.status import status_colour
 from decodescope.core.resources import source_checkout
@@ -94,7 +94,7 @@ def _serving_headline(run_dir: Path) -> tuple[Optional[float], Optional[float], 
     return peak, tpot, level
 
 
-def _verdict_bottleneck(run_dir: Path) -> tuple[Optional[str], Optional[float], Optional[dict]]:
+def _verdict_bottleneck(run_dir: Path) -> tuple[Optional[str], Optional[float], Optional[ServingHeadlineView]]:
     """(class, share, the serving headline) from data/verdict.json, a verdict of any version
     (decodescope.schema.views)."""
     try:
@@ -113,12 +113,12 @@ def headline(run_dir: Path) -> Headline:
     run_dir = Path(run_dir)
     peak, tpot, level = _serving_headline(run_dir)
     cls, share, serving = _verdict_bottleneck(run_dir)
-    if serving:
+    if serving is not None:
         if peak is None:
-            peak = _number(serving.get("max_output_tok_s"))
+            peak = _number(serving.max_output_tok_s)
         if tpot is None:
-            tpot = _number(serving.get("tpot_p50_us"))
-            lvl = _number(serving.get("lowest_level"))
+            tpot = _number(serving.tpot_p50_us)
+            lvl = _number(serving.lowest_level)
             level = None if tpot is None or lvl is None else int(lvl)
     return Headline(peak_output_tok_s=peak, tpot_p50_us=tpot, tpot_level=level, bottleneck=cls,
                     bottleneck_share=share if cls is not None else None)
@@ -158,7 +158,7 @@ def host_text(run_dir: Path, manifest: ManifestView) -> str:
         inv = read_view(RunDir(run_dir).file(HOST), HostView) or HostView()
     except RecordError:
         inv = HostView()
-    hostname = manifest.host.get("hostname") or (inv.cpu.hostname if inv.cpu else None)
+    hostname = manifest.host.hostname or (inv.cpu.hostname if inv.cpu else None)
     names = Counter(g.name for g in inv.gpus)
     if names:
         devices = ", ".join(f"{n}x {name}" for name, n in names.items())
