@@ -16,7 +16,8 @@ from decodescope.core.io import write_json_atomic, write_parquet_atomic
 from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE
 from decodescope.schema.records import LATENCY_FIT_COLUMNS, CollectivesFit, LatencyFit, Peaks, write_record
 from decodescope.schema.records_probe import read_probe_output, read_probe_rows
-from decodescope.schema.rundata import RunDir
+from decodescope.schema.phasecontext import PhaseContext
+from decodescope.schema.rundata import COLLECTIVES, GEMM, RunDir
 from decodescope.exec.server import log_tail
 
 
@@ -388,13 +389,30 @@ def latency_fit(sweep: pd.DataFrame) -> pd.DataFrame:
 
 
 def save_gemm(df: pd.DataFrame, data_dir: Path) -> None:
-    write_parquet_atomic(Path(data_dir) / "gemm.parquet", df)
+    write_parquet_atomic(Path(data_dir) / GEMM, df)
 
 
 def save_collectives(df: pd.DataFrame, fit: pd.DataFrame, data_dir: Path) -> None:
-    write_parquet_atomic(Path(data_dir) / "collectives.parquet", df)
+    write_parquet_atomic(Path(data_dir) / COLLECTIVES, df)
     write_record(Path(data_dir) / "collectives_fit.json",
                  CollectivesFit(fits=[LatencyFit.model_validate(r) for r in fit.to_dict("records")]))
+
+
+# ---- the phases: each measures, writes its records and returns them ------------------------------------
+def gemm_for_phase(ctx: PhaseContext) -> pd.DataFrame:
+    """02_gemm: the GEMM probe on the run's host; data/gemm.parquet written and returned."""
+    gemm = run_gemm_probe(ctx.params, ctx.run_dir)
+    save_gemm(gemm, ctx.data_dir)
+    return gemm
+
+
+def collectives_for_phase(ctx: PhaseContext) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """03_collectives: the collective probe and its latency fit; data/collectives.parquet and
+    data/collectives_fit.json written, both returned."""
+    coll = run_collectives_probe(ctx.params, ctx.run_dir)
+    fit = latency_fit(coll)
+    save_collectives(coll, fit, ctx.data_dir)
+    return coll, fit
 
 
 def replay_table(step_rows: list[dict]) -> pd.DataFrame:

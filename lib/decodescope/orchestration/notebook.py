@@ -8,37 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-from decodescope.schema.params import OVERRIDES_ENV, Params, load_params, with_experiment, with_overrides
+from decodescope.schema.params import OVERRIDES_ENV, load_params, with_experiment, with_overrides
 # not through decodescope.orchestration.runner: a phase's kernel would import papermill and nbformat's
 # schema checks with it (1.2 s of every phase notebook's first cell)
 from decodescope.core.logsetup import LOG_FILE, log_only_to_file
-from decodescope.core.rundir import DATA, LOGS, ensure_layout, make_run_dir
-from decodescope.schema.rundata import RunDir
-
-
-@dataclass
-class PhaseContext:
-    params: Params
-    run_dir: Path
-
-    @property
-    def run(self) -> RunDir:
-        """The run directory's files, read through their records (schema.rundata)."""
-        return RunDir(self.run_dir)
-
-    @property
-    def data_dir(self) -> Path:
-        return self.run.data
-
-    def data(self, name: str) -> Path:
-        return self.run.file(name)
-
-    def source(self, name: str) -> str:
-        """'where this number came from' line for captions."""
-        return f"{self.run_dir.name}/{DATA}/{name} (params: {self.params.run_name})"
+from decodescope.core.rundir import LOGS, ensure_layout, make_run_dir
+# re-exported (__all__): the notebooks and the tests name PhaseContext as this module's
+from decodescope.schema.phasecontext import PhaseContext
 
 
 def open_phase(params_path: str, run_dir: str = "", variant: str = "") -> PhaseContext:
@@ -69,3 +47,6 @@ def _in_kernel() -> bool:
     except ImportError:
         return False
     return getattr(get_ipython(), "kernel", None) is not None
+
+
+__all__ = ["PhaseContext", "open_phase"]

@@ -23,6 +23,7 @@ import pandas as pd
 from decodescope.exec.host import host_for
 from decodescope.exec.hostcore import LinkDropped
 from decodescope.schema.records import read_record
+from decodescope.schema.phasecontext import PhaseContext
 from decodescope.schema.records_server import LinkMeasure
 from decodescope.schema.rundata import LINK
 from decodescope.exec.server import log_tail
@@ -40,7 +41,7 @@ def url_on_host(params) -> str:
     return f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::', '') else bind}:{params.server.port}"
 
 
-def sweep_on_host(ctx, server) -> tuple[pd.DataFrame, pd.DataFrame]:
+def sweep_on_host(ctx: PhaseContext, server) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The phase's sweep run by the load generator on the server's host; levels already finished here are
     skipped there too (they are copied there first), each finished level comes back as it is written."""
     params = ctx.params

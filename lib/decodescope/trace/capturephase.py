@@ -17,6 +17,7 @@ from decodescope.exec.attached import check_attached, trace_dir_on_host
 from decodescope.exec.host import host_for, node_traces
 from decodescope.exec.server import ServerDied, phase_server
 from decodescope.schema.recordbase import write_record
+from decodescope.schema.phasecontext import PhaseContext
 from decodescope.schema.records import ProfileCaptures
 from decodescope.schema.rundata import RunDir
 from decodescope.trace.attachprofile import AttachedProfiler
@@ -42,7 +43,7 @@ def _file_level(result: CaptureResult, trace_dir: Path, params=None, name: Optio
 
 
 @contextlib.contextmanager
-def _attached_guard(ctx, server, trace_dir: Path):
+def _attached_guard(ctx: PhaseContext, server, trace_dir: Path):
     """For an attached server: its profiler read (exec.attached.check_attached), its traces copied in from
     where it writes them, the probe windows run; yields the guard (None for a launched server). A server
     that dies under a profile is reported with what the guard measured before."""
@@ -64,7 +65,7 @@ def _attached_guard(ctx, server, trace_dir: Path):
                              "never signals a server it attached to") from None
 
 
-def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[CaptureResult]]:
+def capture_for_phase(ctx: PhaseContext) -> tuple[list[CaptureResult], list[str], Optional[CaptureResult]]:
     """Profile every level of profile.concurrency through the run's server, launched with traces/ as
     its profiler directory (or a server started here for this notebook alone, with the same
     directory); each level's files end in traces/c<N>/ and its records in data/profile/c<N>/. A level
@@ -101,7 +102,7 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[Cap
     return results, notes, host
 
 
-def _host_ops(ctx, server, trace_dir: Path, guard: Optional[AttachedProfiler], notes: list[str]) -> Optional[CaptureResult]:
+def _host_ops(ctx: PhaseContext, server, trace_dir: Path, guard: Optional[AttachedProfiler], notes: list[str]) -> Optional[CaptureResult]:
     """The un-graphed step's capture where the engine's modes ask for it (and an attached host affords it)."""
     modes = last_engine_modes(ctx.run_dir / LOGS / "server.log")
     wanted, why_not = host_ops_wanted(ctx.params.profile.host_ops_tokens is not None, modes)

@@ -11,6 +11,7 @@ from decodescope.model import arch as archmod
 from decodescope.core.io import write_parquet_atomic
 from decodescope.core.stats import trimmed_mean
 from decodescope.schema.records import CallsWithWait, ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
+from decodescope.schema.phasecontext import PhaseContext
 from decodescope.schema.rundata import PROFILE_SUMMARY, RunDir
 from decodescope.trace import analyze as an
 from decodescope.trace.capture import host_ops_prompt_tokens
@@ -213,7 +214,7 @@ class ProfiledLevel:
     summary: ProfileSummary
 
 
-def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
+def profile_for_phase(ctx: PhaseContext) -> tuple[list[ProfiledLevel], list[str]]:
     """04_profile's work: capture every level of profile.concurrency, analyse each level's traces and
     write its files to data/profile/c<N>/; the first level is also written to data/ (the detailed
     sections of 04 and the verdict's reconciliation read it there); the un-graphed step's custom ops to
