@@ -4,7 +4,6 @@ import math
 import pytest
 import yaml
 
-from decodescope.verdict import verdict
 from decodescope.trace import categorize as cz
 from decodescope.trace.analyze import category_breakdown, op_table
 from decodescope.trace.breakdown import breakdown_dir
@@ -261,7 +260,7 @@ def test_at_least_thirty_new_collective_names_each_with_a_source():
 def test_collective_category_and_class(name, device, category, cls, source):
     got = categorize_name(name, device)
     assert got == category, f"{name} ({source})"
-    assert verdict.class_of(got) == cls
+    assert cz.class_of(got) == cls
 
 
 @pytest.mark.parametrize("name", ["cudaStreamWaitEvent", "aten::wait", "cudaEventSynchronize"])
@@ -282,11 +281,11 @@ def test_every_category_in_the_rules_file_has_a_verdict_class():
     for device in ("gpu", "cpu"):
         for i, rule in enumerate(_raw_rules()[device]):
             assert rule.get("class") in cz.VERDICT_CLASSES, f"{device}[{i}] {rule.get('category')}: no class"
-            assert verdict.class_of(rule["category"]) == rule["class"]
+            assert cz.class_of(rule["category"]) == rule["class"]
 
 
 def test_other_stays_visible_as_its_own_class():
-    assert verdict.class_of(OTHER) == OTHER
+    assert cz.class_of(OTHER) == OTHER
     assert cz.category_classes()[OTHER] == OTHER
 
 

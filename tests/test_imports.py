@@ -278,6 +278,7 @@ def test_the_analysis_side_imports_without_torch():
 
     code = ("import importlib, pkgutil, sys, decodescope\n"
             "probes = ('decodescope.probes.gemm', 'decodescope.probes.gemm_kernels', 'decodescope.probes.collectives', 'decodescope.probes.step',\n"
+            "          'decodescope.probes.communicators',\n"
             "          'decodescope._avx2_only.sitecustomize')\n"
             "for m in pkgutil.walk_packages(decodescope.__path__, 'decodescope.'):\n"
             "    if m.name not in probes:\n"

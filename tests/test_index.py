@@ -10,7 +10,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_outp
 
 from decodescope.core.io import write_parquet_atomic
 from decodescope.orchestration.progress import Progress
-from decodescope.schema.records import Bottleneck, RunManifest, Verdict, write_record
+from decodescope.schema.records import Bottleneck, RunManifest, Verdict, read_record, write_record
 from decodescope.report.index import (MISSING, build_index, collect_rows, compare_pages, headline,
                                       headline_html, render_index)
 
@@ -128,18 +128,16 @@ def test_cli_index_writes_the_page(outputs, capsys):
     assert main(["index", str(outputs / "nowhere")]) == 2
 
 
-def test_an_index_failure_only_warns(tmp_path, monkeypatch):
-    import io
-
+def test_an_index_failure_only_warns(tmp_path, monkeypatch, caplog):
     from decodescope.orchestration import runner
     import decodescope.report.index as index
 
     def fail(output_dir):
         raise PermissionError(13, "Permission denied", str(output_dir / "index.html"))
     monkeypatch.setattr(index, "build_index", fail)
-    out = io.StringIO()
-    runner._rebuild_index(tmp_path, Progress(1, stream=out))   # returns: the run is not failed
-    assert "warning: could not rebuild" in out.getvalue() and "Permission denied" in out.getvalue()
+    runner._rebuild_index(tmp_path, Progress(1))   # returns: the run is not failed
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "could not rebuild" in warned[0] and "Permission denied" in warned[0]
 
 
 # ---- the report ------------------------------------------------------------------------------------
@@ -161,8 +159,7 @@ def test_report_drops_stderr_streams_and_shows_headline_numbers(outputs):
 
     run_dir = outputs / "20260101T000000Z-alpha"
     _executed_notebook(run_dir / "notebooks" / "01_serving.ipynb")
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    nb = combined_notebook(run_dir, manifest)
+    nb = combined_notebook(run_dir, read_record(run_dir / "manifest.json", RunManifest))
     outputs_shown = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert [o.get("name") for o in outputs_shown if o.output_type == "stream"] == ["stdout"]
     assert any(o.output_type == "display_data" for o in outputs_shown)
@@ -172,7 +169,7 @@ def test_report_drops_stderr_streams_and_shows_headline_numbers(outputs):
     assert "900.0 tok/s" in header and "concurrency 1: 4.00 ms" in header and "communication" in header
     assert "48%" in header
     empty = combined_notebook(outputs / "20260102T000000Z-beta",
-                              json.loads((outputs / "20260102T000000Z-beta" / "manifest.json").read_text()))
+                              read_record(outputs / "20260102T000000Z-beta" / "manifest.json", RunManifest))
     assert empty.cells[0].source.count(MISSING) == 3
 
 

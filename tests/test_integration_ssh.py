@@ -28,7 +28,7 @@ from decodescope.exec import procs
 from decodescope.cli.main import EXIT_PHASE_FAILED
 from decodescope.exec.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV, SSH_RUN_ID_ENV
 from decodescope.schema.params import PHASES
-from tests.test_faults import Run, digests, manifest, record_fault, settled, wait_until
+from tests.test_faults import Run, digests, manifest, record_fault, settled, shm_files_of, wait_until
 from tests.test_host_ssh import SSHD, Sshd
 from tests.test_integration_vllm import _params
 
@@ -71,7 +71,7 @@ def left_on_host(run_dir: Path) -> list[int]:
 
 def shm_left(run_dir: Path) -> list[Path]:
     m = manifest(run_dir)
-    return procs.shm_files_of(procs.shm_idents(Path(f) for s in m.get("servers", []) for f in s.get("shm_files", [])))
+    return shm_files_of(procs.shm_idents(Path(f) for s in m.get("servers", []) for f in s.get("shm_files", [])))
 
 
 def left_after_teardown(run_dir: Path) -> tuple[list[int], list[Path]]:

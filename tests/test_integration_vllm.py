@@ -13,6 +13,7 @@ import pytest
 from decodescope.schema.params import load_params
 from decodescope.exec.server import ServerError, port_is_free, start_for_params
 from tests.browser import inspect_report
+from tests.test_logging import progress_lines_in
 
 pytestmark = pytest.mark.integration
 DECODESCOPE = [sys.executable, "-m", "decodescope.cli.main"]
@@ -322,6 +323,16 @@ def test_report_draws_every_figure_offline(e2e):
     assert text.index("05_verdict · Verdict") < text.index("00_host · Host inventory")
 
 
+def test_no_progress_line_reaches_the_report_or_an_executed_notebook(e2e):
+    """Progress is logged to logs/decodescope.log, not into a cell's output (tests/test_logging.py)."""
+    assert progress_lines_in(e2e["report"].read_text()) == []
+    for nb in sorted((e2e["run_dir"] / "notebooks").glob("*.ipynb")):
+        assert progress_lines_in(nb.read_text()) == [], nb.name
+    kept = (e2e["run_dir"] / "logs" / "decodescope.log").read_text()
+    assert "decodescope.trace.capturephase: profile: concurrency" in kept
+    assert "decodescope.serving.sweep: serving sweep: level" in kept
+
+
 # Ctrl-C once the server is up, with SIGINT ignored as a background job starts: covered by
 # test_faults.py::test_ctrl_c_in_every_phase_keeps_what_finished_and_leaves_nothing_running, whose runs
 # start so and are interrupted in each phase, the serving and profile phases with their server up.
@@ -377,7 +388,8 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
     TTFT 7-16 ms lower and TPOT 12-14% higher in some rounds, E2E within 1%; a CI run failed on it). (That our level metrics follow vLLM's definitions exactly
     is checked on shared records above; accuracy against ground truth is benchmarks/loadgen_fidelity.py.)"""
     from decodescope.exec.modeldir import resolve_model_dir
-    from decodescope.serving.compare import load_vllm_bench_requests, run_vllm_bench_serve
+    from decodescope.serving.compare import run_vllm_bench_serve
+    from tests.vllm_bench import load_vllm_bench_requests
     from decodescope.serving.metrics import coalesced_fraction
 
     # The clients are what is compared, so the server is made steady: tensor-parallel 1 on core 0 (at

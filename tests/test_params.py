@@ -355,24 +355,27 @@ def test_profile_concurrency_is_a_list_of_levels_or_knee(write_params, tmp_path,
 def test_knee_resolves_against_the_serving_levels(write_params, tmp_path):
     import pandas as pd
 
+    from decodescope.schema.rundata import SERVING_LEVELS, RunDir
     from decodescope.trace.capture import profile_levels
 
     doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
     doc["profile"] = {"concurrency": [1, "knee"]}
     p = load_params(write_params(yaml.safe_dump(doc)))
-    lv = tmp_path / "levels.parquet"
+    run = RunDir(tmp_path)
+    lv = run.file(SERVING_LEVELS)
+    lv.parent.mkdir()
     # throughput +80%, +5%: the knee is 2 (the level after which it grows < 10%)
     pd.DataFrame({"level": [1, 2, 4], "output_throughput_tok_s": [100.0, 180.0, 189.0]}).to_parquet(lv)
-    assert profile_levels(p, lv)[0] == [1, 2]
+    assert profile_levels(p, run)[0] == [1, 2]
     # still growing: the highest level
     pd.DataFrame({"level": [1, 2, 4], "output_throughput_tok_s": [100.0, 180.0, 300.0]}).to_parquet(lv)
-    assert profile_levels(p, lv)[0] == [1, 4]
+    assert profile_levels(p, run)[0] == [1, 4]
     # the knee is 1, already listed: the next level up, and the note says so
     pd.DataFrame({"level": [1, 2, 4], "output_throughput_tok_s": [100.0, 101.0, 102.0]}).to_parquet(lv)
-    levels, notes = profile_levels(p, lv)
+    levels, notes = profile_levels(p, run)
     assert levels == [1, 2] and "profiled already" in notes[0]
     # no sweep: the knee is left out, with a note
-    levels, notes = profile_levels(p, tmp_path / "absent.parquet")
+    levels, notes = profile_levels(p, RunDir(tmp_path / "absent"))
     assert levels == [1] and "01_serving did not run" in notes[0]
 
 

@@ -118,7 +118,7 @@ def test_roles_come_from_the_process_tree_where_vllm_could_not_name_its_processe
         assert len(by_role.get("resource tracker", [])) >= 1, roles       # spawn starts one beside the root
         assert set(roles) == set(tree)
         # named processes keep the name's role, wherever they sit
-        assert procs.process_role("VLLM::EngineCor") == "engine core" and procs.process_role("python3") == "api server"
+        assert procs.named_role("VLLM::EngineCor") == "engine core" and procs.named_role("python3") is None
     finally:
         os.killpg(root.pid, signal.SIGKILL)
         root.wait()

@@ -242,30 +242,6 @@ def test_output_released_in_bursts_is_flagged(server, tmp_path):
     assert "warning" not in coalesced_note(streamed)
 
 
-def test_sweep_progress_is_plain_lines_with_elapsed_and_time_left():
-    import io
-
-    from decodescope.serving.sweep import SweepProgress
-
-    t = iter([0.0, 0.0, 4.0, 4.0, 9.0, 9.0, 11.0])
-    out = io.StringIO()
-    p = SweepProgress([1, 2, 4], stream=out, clock=lambda: next(t))
-    for level in (1, 2, 4):
-        p.start(level)
-        p.end(level)
-    lines = out.getvalue().splitlines()
-    assert lines == ["serving sweep: 3 level(s) to measure: concurrency 1, 2, 4",
-                     "serving sweep: level 1/3 (concurrency 1) done in 4.0 s, elapsed 4.0 s, about 8 s left",
-                     "serving sweep: level 2/3 (concurrency 2) done in 5.0 s, elapsed 9.0 s, about 4 s left",
-                     "serving sweep: level 3/3 (concurrency 4) done in 2.0 s, elapsed 11.0 s, done"]
-    assert "\r" not in out.getvalue()   # no progress bar redrawn in place
-    quiet = io.StringIO()
-    q = SweepProgress([1], stream=quiet, enabled=False)
-    q.start(1)
-    q.end(1)
-    assert quiet.getvalue() == ""
-
-
 def test_open_loop_arrivals_have_the_requested_rate():
     offsets = arrival_offsets_s(2000, rate=50.0, burstiness=1.0, seed=1)
     assert offsets[0] == 0 and len(offsets) == 2000
@@ -280,7 +256,7 @@ def test_knee_is_where_throughput_stops_growing():
 
 
 def test_vllm_bench_per_request_rows_keep_their_own_start_times(tmp_path):
-    from decodescope.serving.compare import load_vllm_bench_requests
+    from tests.vllm_bench import load_vllm_bench_requests
 
     doc = {"ttfts": [0.01, 0.0, 0.02], "latencies": [0.1, 0.0, 0.3], "itls": [[0.03] * 3, [], [0.09] * 3],
            "output_lens": [4, 0, 4], "start_times": [5.0, 6.0, 7.0]}
@@ -307,7 +283,7 @@ def test_tpot_is_vllm_bench_serves_definition_with_its_edge_cases():
 
 
 def test_both_tpot_paths_agree_on_a_one_token_request(tmp_path):
-    from decodescope.serving.compare import load_vllm_bench_requests
+    from tests.vllm_bench import load_vllm_bench_requests
 
     doc = {"ttfts": [0.01, 0.02], "latencies": [0.1, 0.02], "itls": [[0.03] * 3, []], "output_lens": [4, 1]}
     path = tmp_path / "bench.json"

@@ -616,4 +616,4 @@ def test_a_process_cpu_time_and_run_queue_wait_are_read_per_step_from_proc():
     step_us = window_us / 1000
     assert 0.7 * step_us <= p["api server"]["cpu_us"] + p["api server"]["runq_wait_us"] <= 1.3 * step_us, p
     assert p["api server"]["cpu_us"] > 0 and p["api server"]["runq_wait_us"] >= 0.2 * step_us, p
-    assert procs.process_role("VLLM::Worker_TP0") == "worker" and procs.process_role("VLLM::EngineCore") == "engine core"
+    assert procs.named_role("VLLM::Worker_TP0") == "worker" and procs.named_role("VLLM::EngineCore") == "engine core"

@@ -8,7 +8,7 @@ import pytest
 
 from decodescope.schema.recordbase import RecordError
 from decodescope.schema.records import Bottleneck, RunManifest, Verdict, write_record
-from decodescope.schema.views import HostView, ManifestView, ProfileSummaryView, VerdictView, read_view, view_of
+from decodescope.schema.views import EntryView, HostView, ManifestView, ProfileSummaryView, VerdictView, read_view, view_of
 
 REPORT = Path(__file__).parent.parent / "lib" / "decodescope" / "report"
 
@@ -20,16 +20,17 @@ def test_a_manifest_of_another_version_is_read_for_the_keys_the_index_uses(tmp_p
                              "a_key_of_that_version": [1, 2]}))
     v = read_view(p, ManifestView)
     assert (v.schema_version, v.run_id, v.status, v.params["model"]["name"]) == (0, "old", "ok", "m")
-    assert v.phases == {"01_serving": {"status": "ok"}} and v.variants == {}
+    assert v.phases == {"01_serving": EntryView(status="ok")} and v.variants == {}
 
 
 def test_a_key_of_the_wrong_type_is_left_at_its_default_and_the_rest_is_kept():
     v = view_of({"run_id": "r", "status": 7, "phases": ["not", "a", "dict"], "host": {"hostname": "box"}},
                 ManifestView)
-    assert (v.run_id, v.status, v.phases, v.host) == ("r", None, {}, {"hostname": "box"})
+    assert (v.run_id, v.status, v.phases, v.host.hostname) == ("r", None, {}, "box")
     # a nested view at fault drops its top-level key
-    assert view_of({"bottleneck": {"class": "communication", "share": "most"}, "serving": {"a": 1}},
-                   VerdictView).model_dump() == {"schema_version": None, "bottleneck": None, "serving": {"a": 1}}
+    assert view_of({"bottleneck": {"class": "communication", "share": "most"}, "serving": {"tpot_p50_us": 4e3}},
+                   VerdictView).model_dump() == {"schema_version": None, "bottleneck": None, "serving": {
+                       "max_output_tok_s": None, "tpot_p50_us": 4e3, "lowest_level": None}}
     h = view_of({"gpus": [{"name": "NVIDIA H200"}, {"name": "NVIDIA H200", "uuid": "x"}], "has_gpu": True},
                 HostView)
     assert [g.name for g in h.gpus] == ["NVIDIA H200"] * 2 and h.cpu is None

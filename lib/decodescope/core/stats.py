@@ -54,10 +54,6 @@ class Band:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    @property
-    def has_band(self) -> bool:
-        return self.low is not None
-
 
 @dataclass(frozen=True)
 class Difference:

@@ -16,18 +16,16 @@ from __future__ import annotations
 import importlib.util
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 # the switch itself needs the standard library only (the tests' conftest applies it on any host, a GPU image
-# without pydantic included); re-exported here, beside the detection it steers
-from decodescope.core.cpupath import (AVX2_ENV as AVX2_ENV, AVX2_ONLY_DIR as AVX2_ONLY_DIR,
-                                      CPU_PATH_ENV as CPU_PATH_ENV, CPU_PATHS as CPU_PATHS,
-                                      CpuPathError as CpuPathError, apply_cpu_path as apply_cpu_path,
-                                      apply_cpu_path_here as apply_cpu_path_here, cpu_path as cpu_path,
-                                      force_avx2_in_process as force_avx2_in_process)
-from decodescope.schema.records import EngineAllReduce, HostInventory, RecordError, read_record
+# without pydantic included); re-exported here (__all__), beside the detection it steers
+from decodescope.core.cpupath import (AVX2_ENV, AVX2_ONLY_DIR, CPU_PATH_ENV, CPU_PATHS, CpuPathError, apply_cpu_path,
+                                      apply_cpu_path_here, cpu_path, force_avx2_in_process)
+from decodescope.schema.records import EngineAllReduce, HostInventory, ReconcileRow, RecordError, read_record
+from decodescope.schema.rundata import HOST
 
-# the micro-benchmark's name (probes/collectives.py) of each CPU path's all-reduce
+# the micro-benchmark's name (probes/communicators.py) of each CPU path's all-reduce
 CPU_COMMUNICATOR = {"shm": "vllm_shm", "gloo": "torch_gloo"}
 # vLLM's GPU device communicators, by the module that holds each (vllm/distributed/device_communicators)
 GPU_COMMUNICATORS = {"custom_all_reduce": "custom all-reduce", "symm_mem": "symmetric memory",
@@ -81,8 +79,8 @@ def engine_allreduce(has_gpu: Optional[bool] = None) -> EngineAllReduce:
                                    "small messages where peers reach each other, pynccl otherwise); 04's profile "
                                    "names the one the step ran")
 
-    # torch: probes.collectives imports it; the analysis side imports this module without it
-    from decodescope.probes.collectives import vllm_cpu_extension
+    # torch: probes.communicators imports it; the analysis side imports this module without it
+    from decodescope.probes.communicators import vllm_cpu_extension
 
     ext = vllm_cpu_extension()
     try:
@@ -123,7 +121,7 @@ def describe(rec: Optional[EngineAllReduce]) -> str:
 def recorded(data_dir: Path) -> Optional[EngineAllReduce]:
     """The engine's all-reduce path from the run's data/host.json (None where 00 did not record it)."""
     try:
-        return read_record(Path(data_dir) / "host.json", HostInventory).engine_allreduce
+        return read_record(Path(data_dir) / HOST, HostInventory).engine_allreduce
     except (OSError, RecordError):
         return None
 
@@ -160,9 +158,15 @@ def profile_note(rec: Optional[EngineAllReduce], seen: dict) -> str:
     return line
 
 
-def verdict_note(rec: Optional[EngineAllReduce], reconcile: list) -> str:
+def verdict_note(rec: Optional[EngineAllReduce], reconcile: Sequence[ReconcileRow]) -> str:
     """05: which communicator the all-reduce rows pair, and the path 00 recorded."""
-    pieces = [str(getattr(r, "piece", "")) for r in reconcile]
+    pieces = [r.piece for r in reconcile]
     pieces = [p for p in pieces if p.startswith("all-reduce")]
     return (f"The engine's all-reduce path (00): {describe(rec)}. The reconciliation pairs "
             f"{'; '.join(pieces) or 'no all-reduce row'}.")
+
+
+__all__ = ["apply_cpu_path", "apply_cpu_path_here", "AVX2_ENV", "AVX2_ONLY_DIR", "collectives_note",
+           "CPU_COMMUNICATOR", "cpu_path", "CPU_PATH_ENV", "CPU_PATHS", "CpuPathError", "describe",
+           "engine_allreduce", "force_avx2_in_process", "GPU_COMMUNICATORS", "gpu_communicators",
+           "micro_communicator_for", "profile_note", "recorded", "verdict_note"]

@@ -254,26 +254,12 @@ def remove_shm(idents: Iterable[str], files: Iterable[Path] = ()) -> list[Path]:
     return removed
 
 
-def shm_files_of(idents: Iterable[str]) -> list[Path]:
-    idents = set(idents)
-    if not idents:
-        return []
-    try:
-        return sorted(p for p in SHM_DIR.iterdir() if any(i in p.name for i in idents))
-    except OSError:
-        return []
-
-
 # vLLM names its processes (setproctitle): the engine core and the workers; the API server keeps its own.
 _ROLES = (("VLLM::Worker", "worker"), ("VLLM::EngineCor", "engine core"))
 
 
-def process_role(comm: str) -> str:
-    """A vLLM server process's part, from its name: worker, engine core, or api server (the rest)."""
-    return _named_role(comm) or "api server"
-
-
-def _named_role(comm: str) -> Optional[str]:
+def named_role(comm: str) -> Optional[str]:
+    """A vLLM server process's part from the name vLLM gives it (worker, engine core); None for the rest."""
     return next((role for prefix, role in _ROLES if comm.startswith(prefix)), None)
 
 
@@ -289,7 +275,7 @@ def _tree_entry(pid: int) -> Optional[tuple[str, int, str]]:
 
 
 def process_roles(pids: Iterable[int]) -> dict[int, str]:
-    """pid -> its part in a vLLM server: by the name vLLM gives it (process_role) where it has one, else by
+    """pid -> its part in a vLLM server: by the name vLLM gives it (named_role) where it has one, else by
     its place in the tree: where vLLM cannot name its processes (no setproctitle: the GPU bundle) the engine
     core and the workers keep the interpreter's name, and would all read 'api server'. The tree's root is
     the API server, a child of it the engine core, anything below that a worker; multiprocessing's
@@ -304,7 +290,7 @@ def process_roles(pids: Iterable[int]) -> dict[int, str]:
 
     out = {}
     for pid, (comm, _, cmd) in tree.items():
-        out[pid] = (_named_role(comm) or ("resource tracker" if "multiprocessing.resource_tracker" in cmd else
+        out[pid] = (named_role(comm) or ("resource tracker" if "multiprocessing.resource_tracker" in cmd else
                               ("api server", "engine core", "worker")[min(depth(pid), 2)]))
     return out
 

@@ -35,8 +35,9 @@ from decodescope.exec.hostcore import loopback_for
 from decodescope.exec.locks import holder_info, port_lock
 from decodescope.exec.modeldir import placeholder_dirs, resolve_model_dir
 from decodescope.schema.params import Params
-from decodescope.schema.records import read_record, write_record
+from decodescope.schema.records import write_record
 from decodescope.schema.records_server import LinkMeasure, ServerInfo
+from decodescope.schema.rundata import LINK, SERVER_INFO, RunDir
 from decodescope.exec.serverlaunch import (HOST_ENV_KEYS, LaunchSpec, add_profiler, alias_for, launch_spec,
                                            profiler_style_for)
 
@@ -409,20 +410,12 @@ def stop_all() -> None:
 atexit.register(stop_all)
 
 
-def server_info_path(run_dir: Path) -> Path:
-    return Path(run_dir) / "data" / "server.json"
-
-
-def link_path(run_dir: Path) -> Path:
-    return Path(run_dir) / "data" / "link.json"
-
-
 def write_server_info(run_dir: Path, server: VllmServer, params: Params) -> None:
     """What later phases (and a kernel in JupyterLab) need to reach the run's server."""
     if server.link is not None:
         # the tunnel's measured cost, beside the numbers of whichever run directory uses this server
-        write_record(link_path(run_dir), server.link)
-    write_record(server_info_path(run_dir), ServerInfo(
+        write_record(RunDir(run_dir).file(LINK), server.link)
+    write_record(RunDir(run_dir).file(SERVER_INFO), ServerInfo(
         base_url=server.base_url,
         model=params.model.name,
         owned=server.proc is not None,
@@ -486,8 +479,7 @@ def server_from_info(info: ServerInfo, api_key: Optional[str]) -> VllmServer:
 def phase_server(params: Params, run_dir: Path, profiler_dir: Optional[Path] = None) -> Iterator[VllmServer]:
     """The run's server when the runner started one (a dead one fails the phase: server_died); else,
     for a notebook run by itself in JupyterLab, one started for this phase alone and stopped after it."""
-    path = server_info_path(run_dir)
-    info = read_record(path, ServerInfo) if path.is_file() else None
+    info = RunDir(run_dir).server_info()
     if info is not None and info.owner_pid != os.getpid() and _pid_alive(info.owner_pid):
         server = server_from_info(info, params.server.api_key)
         server.raise_if_dead("the start of this phase")

@@ -115,10 +115,6 @@ class SshHost:
                           stdin=subprocess.DEVNULL, timeout=15)
         return r.returncode == 0
 
-    @property
-    def owns_master(self) -> bool:
-        return self._master is not None and self._master.poll() is None
-
     def connect(self) -> "SshHost":
         """The run's connection (this process's, or the run's ControlMaster that it inherited), and the
         host's decodescope checked: same version as here, run directories' folder writable."""

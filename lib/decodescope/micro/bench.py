@@ -14,9 +14,10 @@ from decodescope.exec.hardware import resolve_peaks
 from decodescope.exec.host import host_for, node_hosts
 from decodescope.core.io import write_json_atomic, write_parquet_atomic
 from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE
-from decodescope.schema.records import (LATENCY_FIT_COLUMNS, CollectivesFit, HostInventory, LatencyFit, Peaks,
-                                        read_record, write_record)
+from decodescope.schema.records import LATENCY_FIT_COLUMNS, CollectivesFit, LatencyFit, Peaks, write_record
 from decodescope.schema.records_probe import read_probe_output, read_probe_rows
+from decodescope.schema.phasecontext import PhaseContext
+from decodescope.schema.rundata import COLLECTIVES, GEMM, RunDir
 from decodescope.exec.server import log_tail
 
 
@@ -65,7 +66,7 @@ def collectives_plan(params, dtype: str = "bf16") -> dict:
             "all_to_all": [{"tokens_per_gpu": x["tokens_per_gpu"], "dispatch_bytes": x["dispatch_bytes"]} for x in a2a]}
 
 
-# shared-memory segments of vLLM's shm all-reduce, named after the probe's run token (probes/collectives.py)
+# shared-memory segments of vLLM's shm all-reduce, named after the probe's run token (probes/communicators.py)
 PROBE_SHM_GLOBS = ("decodescope-probe-{token12}*",)
 
 
@@ -82,7 +83,7 @@ def _run(argv: list[str], log_path: Path, timeout_s: float, host, env: Optional[
 
 
 def run_gemm_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.DataFrame:
-    data = run_dir / "data"
+    data = RunDir(run_dir).data
     plan = gemm_plan(params)
     shapes_path = data / "gemm_shapes.json"
     write_json_atomic(shapes_path, plan)
@@ -130,8 +131,7 @@ def rank_cpus(params) -> Optional[str]:
 def peaks_for(run_dir: Path, params) -> Optional[Peaks]:
     """Peaks from the host phase's file (GPU datasheet or the measured CPU matmul), else from the params;
     None when nothing is known."""
-    host_path = run_dir / "data" / "host.json"
-    host = read_record(host_path, HostInventory) if host_path.is_file() else None
+    host = RunDir(run_dir).host()
     peaks = (host.peaks if host else None) or resolve_peaks(params.hardware.gpu, params.hardware.peaks.model_dump())
     if peaks is None and host is not None and host.cpu_matmul:
         best = {m.dtype: m.gflops / 1e3 for m in host.cpu_matmul}
@@ -233,7 +233,7 @@ def gemm_per_step(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def run_collectives_probe(params, run_dir: Path, device: Optional[str] = None) -> pd.DataFrame:
-    data = run_dir / "data"
+    data = RunDir(run_dir).data
     plan_path = data / "collectives_plan.json"
     write_json_atomic(plan_path, collectives_plan(params))
     out_dir = data / "collectives_ranks"
@@ -261,7 +261,7 @@ def step_plan(params, dtype: str = "bf16") -> dict:
 def run_step_replay(params, run_dir: Path, device: Optional[str] = None) -> pd.DataFrame:
     """The decode step's skeleton replayed on the tensor-parallel ranks (GEMMs and collectives in model
     order, nothing else): per (batch, variant, mode) the slowest rank's median (replay_table)."""
-    data = run_dir / "data"
+    data = RunDir(run_dir).data
     plan_path = data / "step_plan.json"
     dtype = "bf16" if "bf16" in params.microbench.dtypes else params.microbench.dtypes[0]
     write_json_atomic(plan_path, step_plan(params, dtype))
@@ -389,13 +389,30 @@ def latency_fit(sweep: pd.DataFrame) -> pd.DataFrame:
 
 
 def save_gemm(df: pd.DataFrame, data_dir: Path) -> None:
-    write_parquet_atomic(Path(data_dir) / "gemm.parquet", df)
+    write_parquet_atomic(Path(data_dir) / GEMM, df)
 
 
 def save_collectives(df: pd.DataFrame, fit: pd.DataFrame, data_dir: Path) -> None:
-    write_parquet_atomic(Path(data_dir) / "collectives.parquet", df)
+    write_parquet_atomic(Path(data_dir) / COLLECTIVES, df)
     write_record(Path(data_dir) / "collectives_fit.json",
                  CollectivesFit(fits=[LatencyFit.model_validate(r) for r in fit.to_dict("records")]))
+
+
+# ---- the phases: each measures, writes its records and returns them ------------------------------------
+def gemm_for_phase(ctx: PhaseContext) -> pd.DataFrame:
+    """02_gemm: the GEMM probe on the run's host; data/gemm.parquet written and returned."""
+    gemm = run_gemm_probe(ctx.params, ctx.run_dir)
+    save_gemm(gemm, ctx.data_dir)
+    return gemm
+
+
+def collectives_for_phase(ctx: PhaseContext) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """03_collectives: the collective probe and its latency fit; data/collectives.parquet and
+    data/collectives_fit.json written, both returned."""
+    coll = run_collectives_probe(ctx.params, ctx.run_dir)
+    fit = latency_fit(coll)
+    save_collectives(coll, fit, ctx.data_dir)
+    return coll, fit
 
 
 def replay_table(step_rows: list[dict]) -> pd.DataFrame:

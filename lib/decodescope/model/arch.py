@@ -128,11 +128,6 @@ def schedule_frame(calls: list[CollectiveCall]) -> pd.DataFrame:
                         columns=["op", "where", "count", "msg_bytes", "dtype"])
 
 
-def layer_all_reduces_per_step(arch: ArchConfig, tp: int) -> int:
-    """The all-reduces that decoder layers issue per step: the mission's '61 layers x 2 = 122'."""
-    return 0 if tp <= 1 else 2 * arch.num_layers
-
-
 def expected_all_reduces_per_step(arch: ArchConfig, tp: int) -> int:
     return sum(c.count for c in collective_schedule(arch, tp) if c.op == "all_reduce")
 
@@ -243,10 +238,6 @@ def kv_cache_bytes_per_step(arch: ArchConfig, tp: int, batch: int, context: int,
     else:
         per_token_layer = 2 * max(1, arch.num_key_value_heads // tp) * arch.head_dim * elt
     return float(per_token_layer * arch.num_layers * context * batch)
-
-
-def flops_per_step(shapes: list[GemmShape]) -> int:
-    return sum(s.flops for s in shapes)
 
 
 def all_to_all_bytes(arch: ArchConfig, ep: int, tokens_per_gpu: int, dtype: str = "bf16") -> dict:

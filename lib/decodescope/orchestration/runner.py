@@ -31,7 +31,7 @@ from decodescope.report.html import build_report
 from decodescope.report import index as run_index
 from decodescope.core.rundir import ensure_layout, make_run_dir
 from decodescope.exec.server import hold_port, release_port, write_server_info
-from decodescope.orchestration.progress import Progress
+from decodescope.orchestration.progress import Progress, run_logging
 from decodescope.orchestration.runmanifest import Manifest, ResultsWriteError, RunError, set_fields, utc_now
 from decodescope.schema.records import PhaseEntry, RunManifest, ServerLaunch, ServerState, Teardown, VariantEntry
 
@@ -91,7 +91,7 @@ def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Pa
                   variant: str = "") -> Path:
     out = run_dir / "notebooks" / f"{phase}.ipynb"
     try:
-        _execute(pm, phase, run_dir, params_path, notebook_dir, out, variant)
+        _execute(phase, run_dir, params_path, notebook_dir, out, variant)
     except KeyboardInterrupt:
         # the kernel died with the interrupt; nbclient's pending cell task then reports DeadKernelError
         # through asyncio's "exception was never retrieved" log when it is collected: not news to anyone
@@ -102,7 +102,7 @@ def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Pa
     return out
 
 
-def _execute(pm, phase: str, run_dir: Path, params_path: Path, notebook_dir: Path, out: Path,
+def _execute(phase: str, run_dir: Path, params_path: Path, notebook_dir: Path, out: Path,
              variant: str = "") -> None:
     parameters = {"params_path": str(params_path), "run_dir": str(run_dir)}
     if variant:
@@ -177,7 +177,8 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
         if needs_port:
             hold_port(params.server.port, run_dir)  # the holder line now names the run directory
         try:
-            return _run_locked(params, selected, run_dir, resume, notebook_dir, on_server)
+            with run_logging(run_dir):
+                return _run_locked(params, selected, run_dir, resume, notebook_dir, on_server)
         finally:
             dir_lock.release()
     finally:
@@ -344,7 +345,7 @@ class _PhaseLoop:
         if self.server is not None and self.server.proc is not None:
             self.progress.note("stopping the vLLM server and its workers ...")
             _stop_server(self.server, manifest)
-        _reap_strays(self.run_dir.name, None, manifest, None)
+        _reap_strays(self.run_dir.name, None, manifest)
         ok = all(manifest.phase(p).status == "ok" for p in self.selected)
         manifest.record.status = "interrupted" if interrupted else "failed" if write_error or not ok else "ok"
         if write_error:
@@ -367,7 +368,7 @@ def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_
         raise
     except Exception as e:  # a failed phase is recorded and the run goes on
         error = _short_error(e)
-    _reap_strays(os.environ.get(RUN_ID_ENV, run_dir.name), server, manifest, None, entry)
+    _reap_strays(os.environ.get(RUN_ID_ENV, run_dir.name), server, manifest, entry)
     if phase in SERVER_PHASES and server is not None:
         reason = server.dead_reason()
         if reason:
@@ -447,11 +448,10 @@ def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
     try:
         run_index.build_index(output_dir)  # through the module: a test stands a failing one in
     except OSError as e:
-        progress.note(f"warning: could not rebuild {output_dir / 'index.html'}: {e}")
+        progress.warn(f"could not rebuild {output_dir / 'index.html'}: {e}")
 
 
-def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str],
-                 entry: PhaseEntry | VariantEntry | None = None) -> None:
+def _reap_strays(run_id: str, server, manifest: Manifest, entry: PhaseEntry | VariantEntry | None = None) -> None:
     """A phase's kernel is gone when the phase ends; anything it started (a probe, a torchrun rank, a
     server of its own) that is still alive would outlive the run, and is stopped here. The run's own
     server is kept."""
@@ -459,8 +459,7 @@ def _reap_strays(run_id: str, server, manifest: Manifest, phase: Optional[str],
     strays = [p for p in procs.run_processes(run_id, env_name=RUN_ID_ENV) if p not in keep]
     if strays:
         procs.terminate_pids(strays)
-        held: PhaseEntry | VariantEntry | RunManifest = (entry if entry is not None else manifest.phase(phase) if phase
-                                                         else manifest.record)
+        held: PhaseEntry | VariantEntry | RunManifest = entry if entry is not None else manifest.record
         held.stray_processes_stopped = len(strays) + (held.stray_processes_stopped or 0)
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import sys
 import time
 from typing import Callable, Optional
 
@@ -33,7 +33,10 @@ from decodescope.probes.gemm_kernels import (MARLIN_GROUP, TORCH_DTYPES, EngineK
                                              cpu_engine_kernel, make_gemm, marlin_moe_call)
 from decodescope.probes.timing import HostRef, host_issue_us, median_spread
 from decodescope.exec.procs import parse_cpulist
+from decodescope.core.logsetup import run_program
 from decodescope.core.probefile import write_probe_output
+
+log = logging.getLogger(__name__)
 
 HOST_ISSUE_CALLS = 32  # calls issued back to back per repetition of the host-cost timing
 
@@ -340,9 +343,9 @@ def main(argv=None) -> int:
         rows.append(measure(shape, device, args.iters, args.warmup, flush, graph=not args.no_graph))
         write_probe_output(args.out, "gemm", rows)
         r = rows[-1]
-        print(f"[{i}/{len(shapes)}] {shape['op']} b={shape.get('batch')} {shape['dtype']} {shape['m']}x{shape['n']}x{shape['k']}: "
-              + (f"{r['time_us']:.2f} us, {r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s" if r["status"] == "ok"
-                 else f"skipped ({r['skip_reason'][:80]})"), file=sys.stderr, flush=True)
+        log.info(f"[{i}/{len(shapes)}] {shape['op']} b={shape.get('batch')} {shape['dtype']} {shape['m']}x{shape['n']}x{shape['k']}: "
+                 + (f"{r['time_us']:.2f} us, {r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s" if r["status"] == "ok"
+                    else f"skipped ({r['skip_reason'][:80]})"))
     if device.type == "cpu":
         # a second column, for the step model: the step's GEMMs in its order, after a pause
         for (batch, dtype, _), idx in step_groups(shapes).items():
@@ -354,9 +357,9 @@ def main(argv=None) -> int:
                     row["method"] += (f"; step_order: the step's GEMMs layer by layer (each layer its own "
                                       f"weights), each pass after a {STEP_PAUSE_S * 1e3:g} ms pause, per call")
             write_probe_output(args.out, "gemm", rows)
-            print(f"step order b={batch} {dtype}: done", file=sys.stderr, flush=True)
+            log.info("step order b=%s %s: done", batch, dtype)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import logging
 import os
 import shutil
 import sys
@@ -35,11 +36,14 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from decodescope.probes.collectives import (Communicator, Timer, _elems, graph_of, init_ranks, torch_communicator,
-                                            vllm_shm_or_why)
+from decodescope.probes.collectives import Timer, _elems, graph_of, init_ranks
+from decodescope.probes.communicators import Communicator, torch_communicator, vllm_shm_or_why
 from decodescope.probes.gemm_kernels import TORCH_DTYPES, cpu_engine_kernel, make_gemm
 from decodescope.probes.timing import HostRef, median_spread
+from decodescope.core.logsetup import run_program
 from decodescope.core.probefile import write_probe_output
+
+log = logging.getLogger(__name__)
 
 VARIANTS = ("full", "gemm_only", "comm_only")
 
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         write_probe_output(out, "step", rows, meta)
         if rank == 0:
-            print(f"batch {step['batch']}: done", file=sys.stderr, flush=True)
+            log.info("batch %s: done", step["batch"])
     if comm.cleanup:
         comm.cleanup()
     dist.barrier()
@@ -228,4 +232,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main)

@@ -28,9 +28,9 @@ rebuilds the output folder's index.html. Every string from files goes through re
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -47,16 +47,17 @@ from decodescope.show.escape import html_text
 from decodescope.report.html import notebook_html
 from decodescope.report.index import COMPARE_DIR, build_index
 from decodescope.report.compare_sources import Source, _read_table, load_sources
-# re-exported: the CLI, notebook 06 and the tests name them as report.compare's
-from decodescope.report.compare_sources import (CompareError as CompareError, VARIANTS as VARIANTS,
-                                                default_runs as default_runs, resolve as resolve)
+# re-exported (__all__): the CLI, notebook 06 and the tests name them as report.compare's
+from decodescope.report.compare_sources import VARIANTS, CompareError, default_runs, resolve
 from decodescope.report.compare_tables import (MAX_ROWS, SERVING_METRICS, category_delta_figure, category_differences,
                                                category_figure, collectives_frame, gemm_frame, gemm_keys,
                                                micro_delta_figure, pair_differences, params_diff, pareto_figure,
                                                phases_table, profile_summaries, runs_table, serving_bands,
                                                serving_differences, serving_levels, step_differences, throughput_figure,
                                                versions_diff, wide_table)
-from decodescope.report.compare_tables import MISSING as MISSING
+from decodescope.report.compare_tables import MISSING
+
+log = logging.getLogger(__name__)
 
 
 # ---- the page --------------------------------------------------------------------------------------
@@ -283,5 +284,9 @@ def build_compare(specs: Sequence[str], out: Optional[Path] = None) -> Path:
         try:
             build_index(root)
         except OSError as e:
-            warnings.warn(f"could not rebuild {root / 'index.html'}: {e}", stacklevel=2)
+            log.warning("could not rebuild %s: %s", root / "index.html", e)
     return path
+
+
+__all__ = ["Block", "blocks_notebook", "build_compare", "CALLS_NOTE", "CompareError", "comparison_blocks",
+           "default_out", "default_runs", "MISSING", "resolve", "show_blocks", "VARIANTS", "write_compare"]

@@ -5,14 +5,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import pandas as pd
 import yaml
 
 from decodescope.core.phases import PHASE_OF
 from decodescope.report.index import default_output_dir, read_manifest, run_dirs
-from decodescope.schema.views import ManifestView
+from decodescope.schema.rundata import RunDir
+from decodescope.schema.views import EntryView, ManifestView, key_path
 
 
 VARIANTS = "variants"
@@ -61,7 +62,7 @@ class Source:
             return str(self.data_dir / name)
 
     @property
-    def variant_entry(self) -> Optional[dict]:
+    def variant_entry(self) -> Optional[EntryView]:
         """The run manifest's record of this variant (manifest.json `variants`), None for a run."""
         return self.manifest.variants.get(self.variant) if self.variant else None
 
@@ -69,23 +70,23 @@ class Source:
         """The phase's status in the manifest; for a variant, the variant's status for the phases a
         variant runs (01, and 04 when it asked for a profile), else 'not run for a variant'."""
         if self.variant is not None:
-            entry = self.variant_entry or {}
-            runs = {"01_serving"} | ({"04_profile"} if (entry.get("params") or {}).get("profile") else set())
+            entry = self.variant_entry or EntryView()
+            runs = {"01_serving"} | ({"04_profile"} if (entry.params or {}).get("profile") else set())
             if phase not in runs:
                 return "not run for a variant"
-            return f"variant {entry.get('status', 'not in the manifest')}"
+            return f"variant {_status_or(entry, 'not in the manifest')}"
         info = self.manifest.phases.get(phase)
-        return str(info.get("status", "pending")) if info is not None else "not in the manifest"
+        return _status_or(info, "pending") if info is not None else "not in the manifest"
 
     @property
     def status(self) -> str:
         if self.variant is not None:
-            return str((self.variant_entry or {}).get("status", "not in the manifest"))
+            return _status_or(self.variant_entry or EntryView(), "not in the manifest")
         return "" if self.manifest.status is None else self.manifest.status
 
     @property
     def tensor_parallel(self) -> Optional[int]:
-        tp = _get(self.params, "server", "tensor_parallel")
+        tp = key_path(self.params, "server", "tensor_parallel")
         try:
             return int(tp) if tp is not None and int(tp) >= 1 else None
         except (TypeError, ValueError):
@@ -97,10 +98,9 @@ class Source:
         return f"{self.name} {problem}{status}."
 
 
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        d = d.get(k) if isinstance(d, dict) else None
-    return d
+def _status_or(entry: EntryView, unset: str) -> str:
+    """An entry's status; `unset` where the manifest gives it none (as a key left out)."""
+    return str(entry.status) if "status" in entry.model_fields_set else unset
 
 
 def _read_yaml(path: Path) -> Optional[dict]:
@@ -140,14 +140,14 @@ def resolve(spec: str, letter: str = "A") -> Source:
     params = _read_yaml(run_dir / "params.yaml")
     if params is None:
         params, params_from = manifest.params, "manifest.json"
-    data_dir = run_dir / "data"
+    data_dir = RunDir(run_dir).data
     if variant is not None:
         vdir = run_dir / VARIANTS / variant
         if not _PLAIN_NAME.match(variant) or variant in (".", "..") or not vdir.is_dir():
             found = sorted(p.name for p in (run_dir / VARIANTS).glob("*") if p.is_dir()) \
                 if (run_dir / VARIANTS).is_dir() else []
             raise CompareError(vdir, f"no such variant of this run; its variants: {found or 'none'}")
-        data_dir = vdir / "data" if (vdir / "data").is_dir() else vdir
+        data_dir = RunDir(vdir).data if RunDir(vdir).data.is_dir() else vdir
         own_params = _read_yaml(vdir / "params.yaml")
         if own_params is not None:
             params, params_from = own_params, f"{VARIANTS}/{variant}/params.yaml"

@@ -19,7 +19,8 @@ from decodescope.trace.categorize import class_of
 from decodescope.schema.params import flatten_dotted
 from decodescope.schema.recordbase import RecordError, frame
 from decodescope.schema.views import ProfileSummaryView, StepCategoryView, read_view
-from decodescope.report.compare_sources import Source, _get, _read_table
+from decodescope.report.compare_sources import Source, _read_table
+from decodescope.schema.views import key_path
 
 MISSING = "–"
 MAX_ROWS = 400
@@ -122,7 +123,7 @@ def runs_table(sources: list[Source], out_dir: Optional[Path] = None) -> pd.Data
         h = headline(s.data_dir.parent) if s.data_dir.name == "data" else None
         rows.append({"": s.letter, "run": s.run_dir.name, "variant": s.variant or "",
                      "params": s.manifest.params_name or "",
-                     "model": str(_get(s.params, "model", "name") or ""),
+                     "model": str(key_path(s.params, "model", "name") or ""),
                      "TP (GPUs)": s.tensor_parallel if s.tensor_parallel is not None else MISSING,
                      "status": s.status, "created": s.manifest.created or "",
                      "peak output tok/s": h.peak_text() if h else MISSING,

@@ -12,6 +12,8 @@ from plotly.offline import get_plotlyjs
 
 from decodescope.core.io import write_text_atomic
 from decodescope.schema.records import RunManifest, read_record
+from decodescope.schema.rundata import MANIFEST
+from decodescope.schema.views import key_path
 from decodescope.core.phases import PHASE_TITLES, PHASES
 from decodescope.show.escape import html_text
 from decodescope.report.index import headline_html
@@ -27,34 +29,34 @@ def _status_badge(status: str) -> str:
             f'padding:1px 8px;border-radius:8px;font-size:90%">{html_text(status)}</span>')
 
 
-def header_html(manifest: dict, run_dir: Optional[Path] = None) -> str:
+def header_html(manifest: RunManifest, run_dir: Optional[Path] = None) -> str:
     """The report's header: run, params, model, status, the headline numbers (read from run_dir's data
     files, as the output folder's index reads them; '–' where a file is missing) and the phases."""
     rows = []
-    for phase, info in manifest.get("phases", {}).items():
-        err = info.get("error") or ""
-        dur = info.get("duration_s")
+    for phase, info in manifest.phases.items():
+        err = info.error or ""
+        dur = info.duration_s
         rows.append(
             f"<tr><td><a href='#phase-{html_text(phase)}'>{html_text(phase)}</a></td><td>{html_text(PHASE_TITLES.get(phase, phase))}</td>"
-            f"<td>{_status_badge(info.get('status', 'pending'))}</td>"
+            f"<td>{_status_badge(info.status)}</td>"
             f"<td>{'' if dur is None else f'{dur:.1f} s'}</td>"
             f"<td><code>{html_text(err.splitlines()[0][:300]) if err else ''}</code></td></tr>")
-    server = manifest.get("server") or {}
+    server = manifest.server
     server_line = ""
-    if server:
-        start = server.get("start_s")
-        server_line = (f"<p>Server: {html_text(str(server.get('status', '')))} "
-                       f"{html_text(str(server.get('base_url', '')))}"
+    if server is not None and server.model_fields_set:
+        start = server.start_s
+        server_line = (f"<p>Server: {html_text(server.status or '')} "
+                       f"{html_text(server.base_url or '')}"
                        f"{'' if start is None else f', healthy after {start:.1f} s'}</p>")
     return f"""
 <div id="ds-header" class="ds-header">
 <h1>decodescope report</h1>
-<p><b>Run</b> <code>{html_text(manifest.get('run_id', ''))}</code> &middot;
-<b>params</b> <code>{html_text(manifest.get('params_name', ''))}</code> &middot;
-<b>model</b> <code>{html_text(((manifest.get('params') or {}).get('model') or {}).get('name', ''))}</code> &middot;
-<b>created</b> {html_text(manifest.get('created', ''))} &middot;
-<b>commit</b> <code>{html_text(str(manifest.get('git_commit')))}</code> &middot;
-<b>run status</b> {_status_badge(manifest.get('status', 'unknown'))}</p>
+<p><b>Run</b> <code>{html_text(manifest.run_id)}</code> &middot;
+<b>params</b> <code>{html_text(manifest.params_name)}</code> &middot;
+<b>model</b> <code>{html_text(str(key_path(manifest.params, 'model', 'name') or ''))}</code> &middot;
+<b>created</b> {html_text(manifest.created)} &middot;
+<b>commit</b> <code>{html_text(str(manifest.git_commit))}</code> &middot;
+<b>run status</b> {_status_badge(manifest.status)}</p>
 {headline_html(run_dir) if run_dir is not None else ''}
 {server_line}
 <table class="ds-phases"><thead><tr><th>phase</th><th>what</th><th>status</th><th>time</th><th>error</th></tr></thead>
@@ -89,35 +91,35 @@ def _executed_cells(nb_path: Path) -> list:
             if not {"parameters", "injected-parameters"} & set(c.metadata.get("tags", []))]
 
 
-def combined_notebook(run_dir: Path, manifest: dict) -> nbformat.NotebookNode:
+def combined_notebook(run_dir: Path, manifest: RunManifest) -> nbformat.NotebookNode:
     cells = [nbformat.v4.new_markdown_cell(header_html(manifest, run_dir))]
     # the verdict is the report's front page: right after the header
-    ordered = [p for p in PHASES if p in manifest.get("phases", {})]
+    ordered = [p for p in PHASES if p in manifest.phases]
     ordered = sorted(ordered, key=lambda p: p != "05_verdict")
     for phase in ordered:
-        info = manifest["phases"][phase]
-        status = info.get("status", "pending")
+        info = manifest.phases[phase]
+        status = info.status
         cells.append(nbformat.v4.new_markdown_cell(
             f"<h2 id='phase-{html_text(phase)}'>{html_text(phase)} &middot; {html_text(PHASE_TITLES.get(phase, phase))} "
             f"{_status_badge(status)}</h2>"))
         if status == "failed":
-            cells.append(nbformat.v4.new_markdown_cell(_failed_box(info.get("error"))))
+            cells.append(nbformat.v4.new_markdown_cell(_failed_box(info.error or "")))
         nb_path = run_dir / "notebooks" / f"{phase}.ipynb"
         if nb_path.is_file() and status in ("ok", "failed"):
             cells += _executed_cells(nb_path)
         elif status in ("pending", "skipped"):
             cells.append(nbformat.v4.new_markdown_cell(f"*Not run ({status}).*"))
-    for name, info in (manifest.get("variants") or {}).items():
-        status = info.get("status", "pending")
+    for name, entry in manifest.variants.items():
+        status = entry.status
         cells.append(nbformat.v4.new_markdown_cell(
             f"<h2 id='variant-{html_text(name)}'>variant {html_text(name)} {_status_badge(status)}</h2>"))
         if status == "failed":
-            cells.append(nbformat.v4.new_markdown_cell(_failed_box(info.get("error"))))
+            cells.append(nbformat.v4.new_markdown_cell(_failed_box(entry.error or "")))
         for nb_path in sorted((run_dir / "variants" / name / "notebooks").glob("*.ipynb")):
             cells.append(nbformat.v4.new_markdown_cell(f"<h3>{html_text(name)} &middot; {html_text(nb_path.stem)}</h3>"))
             cells += _executed_cells(nb_path)
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["title"] = f"decodescope {manifest.get('run_id', '')}"
+    nb.metadata["title"] = f"decodescope {manifest.run_id}"
     return nb
 
 
@@ -139,7 +141,7 @@ def notebook_html(nb: nbformat.NotebookNode) -> str:
 
 def build_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
-    manifest = read_record(run_dir / "manifest.json", RunManifest).to_json_dict()
+    manifest = read_record(run_dir / MANIFEST, RunManifest)
     out = run_dir / "report.html"
     write_text_atomic(out, notebook_html(combined_notebook(run_dir, manifest)))
     return out

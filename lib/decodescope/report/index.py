@@ -23,7 +23,8 @@ import pandas as pd
 
 from decodescope.core.io import write_text_atomic
 from decodescope.schema.recordbase import RecordError
-from decodescope.schema.views import HostView, ManifestView, VerdictView, read_view
+from decodescope.schema.rundata import HOST, VERDICT, RunDir
+from decodescope.schema.views import HostView, ManifestView, ServingHeadlineView, VerdictView, key_path, read_view
 from decodescope.show.escape import html_text
 from decodescope.report.status import status_colour
 from decodescope.core.resources import source_checkout
@@ -74,10 +75,11 @@ def _number(value: Any) -> Optional[float]:
 
 
 def _serving_headline(run_dir: Path) -> tuple[Optional[float], Optional[float], Optional[int]]:
-    path = run_dir / "data" / "serving_levels.parquet"
     try:
-        levels = pd.read_parquet(path)
-    except Exception:  # missing, cut short, not parquet: the numbers are shown as missing
+        levels = RunDir(run_dir).serving_levels()
+    except Exception:  # cut short, not parquet: the numbers are shown as missing
+        levels = None
+    if levels is None:
         return None, None, None
     if "repeat" in levels.columns and "level" in levels.columns:  # repeated levels: the median per level
         levels = levels.groupby("level", as_index=False).median(numeric_only=True)
@@ -92,11 +94,11 @@ def _serving_headline(run_dir: Path) -> tuple[Optional[float], Optional[float], 
     return peak, tpot, level
 
 
-def _verdict_bottleneck(run_dir: Path) -> tuple[Optional[str], Optional[float], Optional[dict]]:
+def _verdict_bottleneck(run_dir: Path) -> tuple[Optional[str], Optional[float], Optional[ServingHeadlineView]]:
     """(class, share, the serving headline) from data/verdict.json, a verdict of any version
     (decodescope.schema.views)."""
     try:
-        v = read_view(run_dir / "data" / "verdict.json", VerdictView)
+        v = read_view(RunDir(run_dir).file(VERDICT), VerdictView)
     except RecordError:
         v = None
     if v is None or v.bottleneck is None:
@@ -111,12 +113,12 @@ def headline(run_dir: Path) -> Headline:
     run_dir = Path(run_dir)
     peak, tpot, level = _serving_headline(run_dir)
     cls, share, serving = _verdict_bottleneck(run_dir)
-    if serving:
+    if serving is not None:
         if peak is None:
-            peak = _number(serving.get("max_output_tok_s"))
+            peak = _number(serving.max_output_tok_s)
         if tpot is None:
-            tpot = _number(serving.get("tpot_p50_us"))
-            lvl = _number(serving.get("lowest_level"))
+            tpot = _number(serving.tpot_p50_us)
+            lvl = _number(serving.lowest_level)
             level = None if tpot is None or lvl is None else int(lvl)
     return Headline(peak_output_tok_s=peak, tpot_p50_us=tpot, tpot_level=level, bottleneck=cls,
                     bottleneck_share=share if cls is not None else None)
@@ -146,12 +148,6 @@ def read_manifest(run_dir: Path) -> Optional[ManifestView]:
         return ManifestView()
 
 
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        d = d.get(k) if isinstance(d, dict) else None
-    return d
-
-
 def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
@@ -159,10 +155,10 @@ def _text(value: Any) -> str:
 def host_text(run_dir: Path, manifest: ManifestView) -> str:
     """Hostname and GPUs ('2x NVIDIA H200', or 'no GPU') from the manifest and data/host.json."""
     try:
-        inv = read_view(Path(run_dir) / "data" / "host.json", HostView) or HostView()
+        inv = read_view(RunDir(run_dir).file(HOST), HostView) or HostView()
     except RecordError:
         inv = HostView()
-    hostname = manifest.host.get("hostname") or (inv.cpu.hostname if inv.cpu else None)
+    hostname = manifest.host.hostname or (inv.cpu.hostname if inv.cpu else None)
     names = Counter(g.name for g in inv.gpus)
     if names:
         devices = ", ".join(f"{n}x {name}" for name, n in names.items())
@@ -192,7 +188,7 @@ def run_row(run_dir: Path) -> Optional[dict]:
     report = run_dir / "report.html"
     return {"run_id": _text(manifest.run_id) or run_dir.name, "dir": run_dir.name,
             "params_name": _text(manifest.params_name),
-            "model": _text(_get(manifest.params, "model", "name")),
+            "model": _text(key_path(manifest.params, "model", "name")),
             "host": host_text(run_dir, manifest),
             "status": _text(manifest.status) or ("unreadable manifest" if manifest == ManifestView() else "unknown"),
             "created": _text(manifest.created),

@@ -19,8 +19,8 @@ from decodescope.model.arch import normalize_config
 from decodescope.core.phases import PHASES, SERVER_PHASES
 from decodescope.schema.params_schema import (REDACTED, SECRET_KEY_PATTERN, Params, ParamsError, _repo_root_of,
                                               check_run_name)
-# re-exported: the tests name HostParams as params's
-from decodescope.schema.params_schema import HostParams as HostParams
+# re-exported (__all__): the tests name HostParams as params's
+from decodescope.schema.params_schema import HostParams
 
 
 # Who reads each key: phases, or RUNNER (the runner itself, whatever phases run). The longest dotted
@@ -451,3 +451,8 @@ def flatten_dotted(d: Any, prefix: str = "") -> dict[str, str]:
         return out
     value = json.dumps(d, default=str) if isinstance(d, (list, tuple)) else ("null" if d is None else str(d))
     return {prefix[:-1]: value}
+
+
+__all__ = ["dump_yaml", "flatten_dotted", "HostParams", "load_params", "OVERRIDES_ENV", "params_as_dict", "READERS",
+           "readers_of", "redact", "RETIRED_KEYS", "RUNNER", "schema_keys", "unread_keys", "with_experiment",
+           "with_overrides"]

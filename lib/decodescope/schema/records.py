@@ -33,21 +33,14 @@ from typing import Any, Optional
 from pydantic import ConfigDict, Field
 
 from decodescope.schema.recordbase import Record, _Model, _OpenModel, columns_of
-# re-exported: the phases, the report and the tests name every record as records'
-from decodescope.schema.recordbase import (RecordError as RecordError, frame as frame, read_record as read_record,
-                                           write_record as write_record)
-from decodescope.schema.records_profile import (BreakdownRow as BreakdownRow, CallsWithWait as CallsWithWait,
-                                                CollectiveWaitRow as CollectiveWaitRow, StepMedians as StepMedians,
-                                                HostOpRow as HostOpRow, HostOps as HostOps,
-                                                ExpectedVsObservedRow as ExpectedVsObservedRow,
-                                                ScheduleRow as ScheduleRow, StepCategoryRow as StepCategoryRow,
-                                                TopUnknownRow as TopUnknownRow)
-from decodescope.schema.records_verdict import (AttributionRow as AttributionRow, Bottleneck as Bottleneck,
-                                                CurveRow as CurveRow, FINDING_TOPICS as FINDING_TOPICS,
-                                                Finding as Finding, LevelReconcileRow as LevelReconcileRow,
-                                                ProjectionRow as ProjectionRow, ReconcileRow as ReconcileRow,
-                                                ReplayRow as ReplayRow, ServingHeadline as ServingHeadline,
-                                                VariantRow as VariantRow, Verdict as Verdict)
+# re-exported (__all__): the phases, the report and the tests name every record as records'
+from decodescope.schema.recordbase import RecordError, frame, read_record, write_record
+from decodescope.schema.records_profile import (BreakdownRow, CallsWithWait, CollectiveWaitRow, ExpectedVsObservedRow,
+                                                HostOpRow, HostOps, ScheduleRow, StepCategoryRow, StepMedians,
+                                                TopUnknownRow)
+from decodescope.schema.records_verdict import (FINDING_TOPICS, AttributionRow, Bottleneck, CurveRow, Finding,
+                                                LevelReconcileRow, ProjectionRow, ReconcileRow, ReplayRow,
+                                                ServingHeadline, VariantRow, Verdict)
 
 
 # ---- peaks -----------------------------------------------------------------------------------------
@@ -489,3 +482,14 @@ class RunManifest(Record):
 
     def to_json_dict(self) -> dict:
         return {"schema_version": self.schema_version, **self.model_dump(by_alias=True, exclude_unset=True)}
+
+
+__all__ = ["AttributionRow", "Bottleneck", "BreakdownRow", "CallsWithWait", "CollectivesFit", "CollectiveWaitRow",
+           "CpuInfo", "CpuMatmul", "CurveRow", "EngineAllReduce", "ExpectedVsObservedRow", "Finding",
+           "FINDING_TOPICS", "frame", "GpuInfo", "HostInventory", "HostOpRow", "HostOps", "LATENCY_FIT_COLUMNS",
+           "LatencyFit", "LevelReconcileRow", "ManifestHost", "ParamsChange", "Peaks", "PhaseEntry", "ProfileCapture",
+           "ProfileCaptures", "ProfileSummary", "ProjectionRow", "read_record", "ReconcileRow", "RecordError",
+           "ReplayRow", "RoleCpu", "RunManifest", "ScheduleRow", "ServerLaunch", "ServerState",
+           "SERVING_LEVEL_COLUMNS", "ServingHeadline", "ServingLevel", "StepCategoryRow", "StepMedians", "Teardown",
+           "TELEMETRY_COLUMNS", "TelemetrySample", "TOPOLOGY_PAIR_COLUMNS", "TopologyPair", "TopUnknownRow",
+           "VariantEntry", "VariantRow", "Verdict", "write_record"]

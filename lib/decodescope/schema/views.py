@@ -33,6 +33,25 @@ class View(_Part):
 V = TypeVar("V", bound=View)
 
 
+def key_path(tree: Any, *keys: str) -> Any:
+    """The value under keys in a key tree (a run's params or versions as recorded); None where a key is
+    missing or a level is not a mapping."""
+    for k in keys:
+        tree = tree.get(k) if isinstance(tree, dict) else None
+    return tree
+
+
+class ManifestHostView(_Part):
+    hostname: Optional[str] = None
+
+
+class EntryView(_Part):
+    """A phase's or a variant's entry in manifest.json: its status, and a variant's params."""
+
+    status: Optional[str] = None
+    params: Optional[dict[str, Any]] = None
+
+
 class ManifestView(View):
     """manifest.json: the run's identity and status, its params and versions as key trees, its phases'
     and variants' entries as the runner wrote them."""
@@ -42,11 +61,11 @@ class ManifestView(View):
     status: Optional[str] = None
     created: Optional[str] = None
     git_commit: Optional[str] = None
-    host: dict[str, Any] = Field(default_factory=dict)
+    host: ManifestHostView = Field(default_factory=ManifestHostView)
     params: dict[str, Any] = Field(default_factory=dict)
     versions: dict[str, Any] = Field(default_factory=dict)
-    phases: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    phases: dict[str, EntryView] = Field(default_factory=dict)
+    variants: dict[str, EntryView] = Field(default_factory=dict)
 
 
 class BottleneckView(_Part):
@@ -54,11 +73,17 @@ class BottleneckView(_Part):
     share: Optional[float] = None
 
 
+class ServingHeadlineView(_Part):
+    max_output_tok_s: Optional[float] = None
+    tpot_p50_us: Optional[float] = None
+    lowest_level: Optional[float] = None
+
+
 class VerdictView(View):
     """data/verdict.json: the bottleneck and the serving headline."""
 
     bottleneck: Optional[BottleneckView] = None
-    serving: Optional[dict[str, Any]] = None
+    serving: Optional[ServingHeadlineView] = None
 
 
 class GpuNameView(_Part):

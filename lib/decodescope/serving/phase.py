@@ -5,11 +5,12 @@ from __future__ import annotations
 import pandas as pd
 
 from decodescope.exec.server import phase_server
+from decodescope.schema.phasecontext import PhaseContext
 from decodescope.serving.remote import sweep_on_host
 from decodescope.serving.sweep import SweepConfig, run_sweep
 
 
-def sweep_for_phase(ctx, progress=True) -> tuple[pd.DataFrame, pd.DataFrame]:
+def sweep_for_phase(ctx: PhaseContext, progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The phase's sweep against the run's server (or one started for this notebook alone)."""
     with phase_server(ctx.params, ctx.run_dir) as server:
         server.raise_if_dead("the start of the serving sweep")

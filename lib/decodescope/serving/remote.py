@@ -23,7 +23,9 @@ import pandas as pd
 from decodescope.exec.host import host_for
 from decodescope.exec.hostcore import LinkDropped
 from decodescope.schema.records import read_record
+from decodescope.schema.phasecontext import PhaseContext
 from decodescope.schema.records_server import LinkMeasure
+from decodescope.schema.rundata import LINK
 from decodescope.exec.server import log_tail
 from decodescope.serving.sweep import SweepConfig, combine, run_sweep
 from decodescope.serving.telemetry_read import TELEMETRY_DIR
@@ -39,7 +41,7 @@ def url_on_host(params) -> str:
     return f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::', '') else bind}:{params.server.port}"
 
 
-def sweep_on_host(ctx, server) -> tuple[pd.DataFrame, pd.DataFrame]:
+def sweep_on_host(ctx: PhaseContext, server) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The phase's sweep run by the load generator on the server's host; levels already finished here are
     skipped there too (they are copied there first), each finished level comes back as it is written."""
     params = ctx.params
@@ -75,7 +77,7 @@ def _ms(value: Optional[float]) -> str:
 
 def link_note(data_dir: Path, params) -> str:
     """What the network between this client and the server adds to the figures ('' for a local host)."""
-    path = Path(data_dir) / "link.json"
+    path = Path(data_dir) / LINK
     if not path.is_file():
         return ""
     link = read_record(path, LinkMeasure)

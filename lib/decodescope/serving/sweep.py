@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import random
 import sys
@@ -29,6 +30,9 @@ from decodescope.serving.metrics import engine_silence_ms, level_stall_ms, level
 from decodescope.serving.telemetry import NoTelemetry, Telemetry
 from decodescope.serving.telemetry_read import level_telemetry
 from decodescope.core.stats import band
+from decodescope.schema.rundata import SERVING_LEVELS, SERVING_REQUESTS
+
+log = logging.getLogger(__name__)
 
 REQUEST_COLUMNS = ["level", "index", "warmup", "ok", "error_class", "error_text", "send_ns", "first_chunk_ns",
                    "end_ns", "chunk_ns", "n_out_usage", "n_out_chunks", "n_in_usage", "n_in_sent", "connect_us"]
@@ -231,11 +235,11 @@ def combine(data_dir: Path, slo: Optional[dict]) -> tuple[pd.DataFrame, pd.DataF
         rows.append(level_summary(req, level, slo, health, repeat=rep if repeated else None,
                                   telemetry=level_telemetry(data_dir, level, rep)))
     levels = pd.DataFrame(rows)
-    write_parquet_atomic(data_dir / "serving_requests.parquet", req)
+    write_parquet_atomic(data_dir / SERVING_REQUESTS, req)
     if repeated:
         write_parquet_atomic(data_dir / "serving_levels_repeats.parquet", levels)
         levels = merge_repeats(levels)
-    write_parquet_atomic(data_dir / "serving_levels.parquet", levels)
+    write_parquet_atomic(data_dir / SERVING_LEVELS, levels)
     return req, levels
 
 
@@ -243,11 +247,11 @@ _CONSOLE: Optional[TextIO] = None
 
 
 def console() -> TextIO:
-    """Where progress goes: the process's real stderr. In a notebook kernel that is the kernel's log
-    (logs/kernel_<phase>.log, where the runner sends it), not a cell's output, so it stays out of the
-    notebook and the report. ipykernel points file descriptor 2 (sys.__stderr__) at a pipe whose text
-    it copies into the cell's output as well as to the real stderr, so inside a kernel this writes to
-    the kernel's copy of the real stderr descriptor directly."""
+    """Where a child process's stderr goes (the telemetry sampler's): the process's real stderr. In a
+    notebook kernel that is the kernel's log (logs/kernel_<phase>.log, where the runner sends it), not a
+    cell's output, so it stays out of the notebook and the report. ipykernel points file descriptor 2
+    (sys.__stderr__) at a pipe whose text it copies into the cell's output as well as to the real stderr,
+    so inside a kernel this returns the kernel's copy of the real stderr descriptor."""
     global _CONSOLE
     fd = getattr(sys.stderr, "_original_stdstream_copy", None)
     if not isinstance(fd, int):
@@ -261,25 +265,20 @@ def console() -> TextIO:
 
 
 class SweepProgress:
-    """One plain line per finished level with its time, the time so far and an estimate of what is left
+    """One plain log line per finished level with its time, the time so far and an estimate of what is left
     (the mean time of a finished level times the levels to go)."""
 
-    def __init__(self, levels: list, stream: Optional[TextIO] = None, enabled: bool = True,
-                 clock: Callable[[], float] = time.monotonic, repeats: int = 1):
+    def __init__(self, levels: list, enabled: bool = True, clock: Callable[[], float] = time.monotonic,
+                 repeats: int = 1):
         # levels: concurrency levels, or (level, repeat) pairs when each level is repeated
-        self.levels, self.stream, self.enabled, self.clock = levels, stream, enabled, clock
+        self.levels, self.enabled, self.clock = levels, enabled, clock
         self.repeats = repeats
         self.t0 = self.t_level = clock()
         self.done = 0
 
     def _print(self, line: str) -> None:
-        if not self.enabled:
-            return
-        stream = self.stream or console()
-        try:
-            print(line, file=stream, flush=True)
-        except (OSError, ValueError):  # a closed or full log must not stop a measurement
-            pass
+        if self.enabled:
+            log.info(line)
 
     def start(self, level: int) -> None:
         self.t_level = self.clock()
@@ -306,7 +305,7 @@ def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
               check_server: Optional[Callable[[str], None]] = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every level not already on disk (or on disk but failed because the server did). Each level is
     written as it finishes; then `check_server(during)` raises if the server died, so a sweep never
-    goes on measuring a dead server. Progress lines go to the console (`console()`), not the notebook."""
+    goes on measuring a dead server. Progress lines are log records (decodescope.core.logsetup), never cell output."""
     data_dir = Path(data_dir)
     todo = levels_to_measure(cfg.levels, data_dir, cfg.repeats)
     n_prompts = max(cfg.requests_per_level + cfg.warmup_requests, 1)
@@ -347,26 +346,17 @@ def _measure_level(cfg: SweepConfig, level: int, rep: int, prompts, tel) -> pd.D
 
 def telemetry_for(cfg: SweepConfig, data_dir: Path):
     """The sweep's telemetry sampler (serving.telemetry), or the stand-in that samples nothing when
-    `telemetry_interval_s` is 0. Its problems go to the console; the sweep never stops for them."""
+    `telemetry_interval_s` is 0. Its problems are logged as warnings; the sweep never stops for them."""
     if not cfg.telemetry_interval_s:
         return NoTelemetry(data_dir)
-
-    def log(line: str) -> None:
-        try:
-            print(line, file=console(), flush=True)
-        except (OSError, ValueError):
-            pass
     return Telemetry(cfg.base_url, data_dir, interval_s=cfg.telemetry_interval_s, api_key=cfg.api_key,
-                     gpu=cfg.telemetry_gpu, log=log, stderr=console())
+                     gpu=cfg.telemetry_gpu, log=log.warning, stderr=console())
 
 
 def _reader_note(text: str) -> None:
-    """A warning the report's reader needs: a note in the notebook when running in a kernel (stderr
-    stays out of the report), and a line on the console either way."""
-    try:
-        print(f"warning: {text}", file=console(), flush=True)
-    except (OSError, ValueError):
-        pass
+    """A warning the report's reader needs: a note in the notebook when running in a kernel, and a
+    logged warning either way."""
+    log.warning(text)
     try:
         # IPython: a note for a notebook's reader, only where IPython runs
         from IPython import get_ipython

@@ -241,10 +241,6 @@ def serve(stdin, stdout) -> int:
 
 
 # ---- the parent (the sweep's side) -----------------------------------------------------------------
-class TelemetryError(RuntimeError):
-    pass
-
-
 class Telemetry:
     """The sampling child for one sweep. `with Telemetry(...) as tel:` then, per level,
     `with tel.level(c):` (marking the measured start with `tel.mark()`); every failure of the child is a

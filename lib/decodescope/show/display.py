@@ -28,8 +28,7 @@ def show(fig) -> None:
         display(figure_bundle(fig), raw=True)
 
 
-def show_table(df: pd.DataFrame, caption: Optional[str] = None, float_format: str = "{:,.3f}",
-               max_rows: int = 60) -> None:
+def show_table(df: pd.DataFrame, caption: Optional[str] = None, max_rows: int = 60) -> None:
     """A styled table; the caption says where the numbers came from. Cells, headers and caption are
     escaped: they hold names from params, traces and logs."""
     display(HTML(table_html(df, caption, max_rows)))

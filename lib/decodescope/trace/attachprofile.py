@@ -16,6 +16,7 @@ from typing import Optional
 from decodescope.exec.attached import TreeWatch, read_server, server_port
 from decodescope.schema.recordbase import write_record
 from decodescope.schema.records_attach import AttachGuard, WindowCost, WindowPlan
+from decodescope.schema.rundata import RunDir
 from decodescope.serving.client import run_async
 from decodescope.serving.promtext import ENGINE_STEPS, Scraper, counter_delta
 from decodescope.serving.sweep import SweepConfig, build_prompts, run_level
@@ -54,7 +55,7 @@ class AttachedProfiler:
 
     @property
     def path(self) -> Path:
-        return self.run_dir / "data" / GUARD_RECORD
+        return RunDir(self.run_dir).file(GUARD_RECORD)
 
     def _save(self) -> None:
         write_record(self.path, self.record)

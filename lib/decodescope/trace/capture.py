@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import pandas as pd
 
 from decodescope.exec.host import mirror_move
 from decodescope.exec.server import ServerHTTPError, ServerUnreachable, log_tail
@@ -42,6 +41,7 @@ from decodescope.core.io import gzip_complete, write_parquet_atomic
 from decodescope.schema.params_schema import KNEE
 from decodescope.exec.procs import cpu_per_step, cpu_schedstat
 from decodescope.schema.records import ProfileCapture
+from decodescope.schema.rundata import RunDir, level_dir_name
 from decodescope.serving.metrics import knee
 
 
@@ -435,17 +435,18 @@ def stop_profile_error(server, http_code: int, waited_s: float) -> CaptureError:
                         "cause: keep profile.requests small and profile.with_stack false); " + where)
 
 
-def profile_levels(params, serving_levels_path: Optional[Path]) -> tuple[list[int], list[str]]:
-    """profile.concurrency resolved against 01's levels: ('knee' -> 01's knee, or its highest level
-    when throughput still grows), duplicates dropped, in the order given; and notes on what changed."""
+def profile_levels(params, run: RunDir) -> tuple[list[int], list[str]]:
+    """profile.concurrency resolved against 01's levels (the run's serving_levels.parquet): ('knee' ->
+    01's knee, or its highest level when throughput still grows), duplicates dropped, in the order given;
+    and notes on what changed."""
     out: list[int] = []
     notes: list[str] = []
     for c in params.profile.concurrency:
         if c == KNEE:
-            if serving_levels_path is None or not Path(serving_levels_path).is_file():
+            lv = run.serving_levels()
+            if lv is None:
                 notes.append("profile.concurrency 'knee' left out: 01_serving did not run")
                 continue
-            lv = pd.read_parquet(serving_levels_path)
             lv = lv[lv["output_throughput_tok_s"].notna()] if "output_throughput_tok_s" in lv else lv.iloc[0:0]
             if lv.empty:
                 notes.append("profile.concurrency 'knee' left out: 01 measured no throughput")
@@ -464,10 +465,6 @@ def profile_levels(params, serving_levels_path: Optional[Path]) -> tuple[list[in
         raise CaptureError("profile.concurrency resolves to no level: " + "; ".join(notes)
                            + ". Give an integer level, e.g. [1, knee]")
     return out, notes
-
-
-def level_dir_name(concurrency: int) -> str:
-    return f"c{concurrency}"
 
 
 def file_into(files: list[Path], dest: Path, params=None) -> list[Path]:

@@ -7,6 +7,7 @@ their files go, and what is written for the phase (data/profile_capture.json).
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +17,9 @@ from decodescope.exec.attached import check_attached, trace_dir_on_host
 from decodescope.exec.host import host_for, node_traces
 from decodescope.exec.server import ServerDied, phase_server
 from decodescope.schema.recordbase import write_record
+from decodescope.schema.phasecontext import PhaseContext
 from decodescope.schema.records import ProfileCaptures
+from decodescope.schema.rundata import RunDir
 from decodescope.trace.attachprofile import AttachedProfiler
 from decodescope.trace.capture import (HOST_OPS, HOST_OPS_OUTPUT_TOKENS, CaptureResult, capture_host_ops,
                                        capture_profile, file_into, host_ops_prompt_tokens, itl_before_profiles,
@@ -24,6 +27,7 @@ from decodescope.trace.capture import (HOST_OPS, HOST_OPS_OUTPUT_TOKENS, Capture
 from decodescope.trace.hostops import host_ops_wanted
 
 PHASE = "04_profile"
+log = logging.getLogger(__name__)
 
 
 def _file_level(result: CaptureResult, trace_dir: Path, params=None, name: Optional[str] = None) -> CaptureResult:
@@ -39,7 +43,7 @@ def _file_level(result: CaptureResult, trace_dir: Path, params=None, name: Optio
 
 
 @contextlib.contextmanager
-def _attached_guard(ctx, server, trace_dir: Path):
+def _attached_guard(ctx: PhaseContext, server, trace_dir: Path):
     """For an attached server: its profiler read (exec.attached.check_attached), its traces copied in from
     where it writes them, the probe windows run; yields the guard (None for a launched server). A server
     that dies under a profile is reported with what the guard measured before."""
@@ -61,7 +65,7 @@ def _attached_guard(ctx, server, trace_dir: Path):
                              "never signals a server it attached to") from None
 
 
-def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[CaptureResult]]:
+def capture_for_phase(ctx: PhaseContext) -> tuple[list[CaptureResult], list[str], Optional[CaptureResult]]:
     """Profile every level of profile.concurrency through the run's server, launched with traces/ as
     its profiler directory (or a server started here for this notebook alone, with the same
     directory); each level's files end in traces/c<N>/ and its records in data/profile/c<N>/. A level
@@ -69,18 +73,17 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[Cap
     the un-graphed step (capture_host_ops) into traces/host_ops/, returned third (None when not asked).
     An attached server is profiled only in windows its host can afford (trace.attachguard)."""
     trace_dir = ctx.run_dir / "traces"
-    levels, notes = profile_levels(ctx.params, ctx.data("serving_levels.parquet"))
+    levels, notes = profile_levels(ctx.params, RunDir(ctx.run_dir))
     results = []
 
     with phase_server(ctx.params, ctx.run_dir, profiler_dir=trace_dir) as server:
         if len(levels) > 1:
-            print(f"profile: concurrency {', '.join(map(str, levels[1:]))} unprofiled, before the first profile",
-                  flush=True)
+            log.info("profile: concurrency %s unprofiled, before the first profile", ", ".join(map(str, levels[1:])))
         before = itl_before_profiles(server, ctx.params, levels)
         with _attached_guard(ctx, server, trace_dir) as guard:
             for i, c in enumerate(levels):
-                print(f"profile: concurrency {c} ({i + 1} of {len(levels)})", flush=True)
-                level_data = ctx.data_dir / "profile" / level_dir_name(c)
+                log.info("profile: concurrency %s (%d of %d)", c, i + 1, len(levels))
+                level_data = RunDir(ctx.run_dir).level_dir(c)
                 level_data.mkdir(parents=True, exist_ok=True)
                 result = capture_profile(server, ctx.params, trace_dir, concurrency=c,
                                          records_path=level_data / "profile_requests.parquet",
@@ -99,7 +102,7 @@ def capture_for_phase(ctx) -> tuple[list[CaptureResult], list[str], Optional[Cap
     return results, notes, host
 
 
-def _host_ops(ctx, server, trace_dir: Path, guard: Optional[AttachedProfiler], notes: list[str]) -> Optional[CaptureResult]:
+def _host_ops(ctx: PhaseContext, server, trace_dir: Path, guard: Optional[AttachedProfiler], notes: list[str]) -> Optional[CaptureResult]:
     """The un-graphed step's capture where the engine's modes ask for it (and an attached host affords it)."""
     modes = last_engine_modes(ctx.run_dir / LOGS / "server.log")
     wanted, why_not = host_ops_wanted(ctx.params.profile.host_ops_tokens is not None, modes)
@@ -108,7 +111,7 @@ def _host_ops(ctx, server, trace_dir: Path, guard: Optional[AttachedProfiler], n
         if refused is not None:
             wanted, why_not = False, f"the un-graphed step's capture left out: {refused.decision}"
             notes.append(why_not)
-    print(f"profile: one request of {host_ops_prompt_tokens(ctx.params)} prompt tokens, past the largest CUDA "
-          "graph: the host's cost of the ops graphs hide" if wanted else f"profile: {why_not}", flush=True)
+    log.info(f"profile: one request of {host_ops_prompt_tokens(ctx.params)} prompt tokens, past the largest CUDA "
+             "graph: the host's cost of the ops graphs hide" if wanted else f"profile: {why_not}")
     host = capture_host_ops(server, ctx.params, trace_dir) if wanted else None
     return _file_level(host, trace_dir, ctx.params, HOST_OPS) if host is not None else None

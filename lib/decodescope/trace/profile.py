@@ -11,12 +11,15 @@ from decodescope.model import arch as archmod
 from decodescope.core.io import write_parquet_atomic
 from decodescope.core.stats import trimmed_mean
 from decodescope.schema.records import CallsWithWait, ProfileSummary, StepCategoryRow, StepMedians, frame, write_record
+from decodescope.schema.phasecontext import PhaseContext
+from decodescope.schema.rundata import PROFILE_SUMMARY, RunDir
 from decodescope.trace import analyze as an
-from decodescope.trace.capture import host_ops_prompt_tokens, level_dir_name
+from decodescope.trace.capture import host_ops_prompt_tokens
 from decodescope.trace.capturephase import capture_for_phase
 from decodescope.trace.draftsteps import DRAFTER_STEPS, drafter_steps
 from decodescope.trace.hostops import HOST_OPS_RECORD, host_op_costs, read_host_events
-from decodescope.trace.categorize import class_of, communicator_of
+from decodescope.trace.categorize import communicator_of
+from decodescope.trace.classtime import class_time_per_step
 from decodescope.trace.load import LoadedTraces, load_trace_dir
 from decodescope.trace.critpath_record import write_critical_path
 from decodescope.trace.critpath_table import CriticalPaths
@@ -203,7 +206,7 @@ def write_profile(result: ProfileResult, data_dir: Path, concurrency: Optional[i
     write_parquet_atomic(data_dir / "kernels.parquet", kernels)
     write_parquet_atomic(data_dir / "profile_steps.parquet", result.steps)
     summary = result.summary().model_copy(update={"concurrency": concurrency})
-    write_record(data_dir / "profile_summary.json", summary)
+    write_record(data_dir / PROFILE_SUMMARY, summary)
     return summary
 
 
@@ -215,29 +218,29 @@ class ProfiledLevel:
     critical_path: Optional[CriticalPaths] = None  # the level's paths (critical_path.json holds their summary)
 
 
-def profile_for_phase(ctx) -> tuple[list[ProfiledLevel], list[str]]:
+def profile_for_phase(ctx: PhaseContext) -> tuple[list[ProfiledLevel], list[str]]:
     """04_profile's work: capture every level of profile.concurrency, analyse each level's traces and
     write its files to data/profile/c<N>/; the first level is also written to data/ (the detailed
     sections of 04 and the verdict's reconciliation read it there); the un-graphed step's custom ops to
     data/profile/host_ops.json."""
     captures, notes, host = capture_for_phase(ctx)
     if host is not None and host.rank_files:
-        write_record(ctx.data_dir / HOST_OPS_RECORD,
+        write_record(RunDir(ctx.run_dir).file(HOST_OPS_RECORD),
                      host_op_costs(read_host_events(host.rank_files[0]), host_ops_prompt_tokens(ctx.params)))
     out = []
     for cap in captures:
         loaded = load_trace_dir(cap.trace_dir)
         result = analyze_traces(loaded, ctx.params.model_config_dict(), ctx.params.server.tensor_parallel,
                                 batch=cap.concurrency)
-        level_dir = ctx.data_dir / "profile" / level_dir_name(cap.concurrency)
+        level_dir = RunDir(ctx.run_dir).level_dir(cap.concurrency)
         summary = write_profile(result, level_dir, cap.concurrency)
         drafter = drafter_steps(result.ops, result.steps, result.step_kind, cap.concurrency)
         if drafter is not None:  # a speculative step: its drafter's passes, for the verdict's pricing
             write_record(level_dir / DRAFTER_STEPS, drafter)
         out.append(ProfiledLevel(cap, result, summary))
-        out[-1].critical_path = write_critical_path(loaded.events, result.ops, result.steps, ctx.data_dir / "profile"
-                                                    / level_dir_name(cap.concurrency), cap.concurrency)
-    write_profile(out[0].result, ctx.data_dir, out[0].capture.concurrency)
+        out[-1].critical_path = write_critical_path(loaded.events, result.ops, result.steps, level_dir,
+                                                    cap.concurrency)
+    write_profile(out[0].result, RunDir(ctx.run_dir).data, out[0].capture.concurrency)
     return out, notes
 
 
@@ -252,8 +255,7 @@ def growth_table(levels: list[ProfiledLevel]) -> pd.DataFrame:
                "summed_us": ps.summed_us_median, "busy_us": ps.busy_us_median}
         cats = frame(lv.summary.per_step_categories, StepCategoryRow)
         if not cats.empty:
-            by = (cats.assign(cls=cats["category"].map(class_of)).groupby(["rank", "cls"])["time_per_step_us"].sum()
-                  .groupby("cls").median())
+            by = class_time_per_step(cats).groupby("cls").median()
             row.update({f"{c}_us": float(v) for c, v in by.items()})
         rows.append(row)
     return pd.DataFrame(rows)

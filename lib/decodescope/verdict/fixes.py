@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace as dc_replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import pandas as pd
 
 from decodescope.core.enginelog import last_engine_modes
-from decodescope.schema.records import HostInventory, HostOps, ProfileCapture, ProfileSummary, read_record
+from decodescope.schema.records import HostOps, ProfileCapture, ProfileSummary
+from decodescope.schema.rundata import COLLECTIVES, GEMM, RunDir
 from decodescope.model import arch as archmod
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import graphless
@@ -18,6 +19,8 @@ from decodescope.verdict import stepparts as sp
 from decodescope.exec.engine_comm import micro_communicator_for
 from decodescope.micro.bench import GEMM_WHATIF_TP
 from decodescope.schema.params_schema import KNEE
+
+T = TypeVar("T")
 
 
 def expected_tokens_per_verify(k: int, alpha: float) -> float:
@@ -30,15 +33,20 @@ def expected_tokens_per_verify(k: int, alpha: float) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def nearest_batch(items: Iterable[T], batch: float, batch_of: Callable[[T], Any] = lambda x: x) -> T:
+    """The item whose batch (batch_of(item); the item itself by default) is nearest `batch`; of two as
+    near, the lower."""
+    return min(items, key=lambda x: (abs(batch_of(x) - batch), batch_of(x)))
+
+
 def _read_parquet(run_dir: Path, name: str) -> Optional[pd.DataFrame]:
-    p = Path(run_dir) / "data" / name
-    return pd.read_parquet(p) if p.is_file() else None
+    """A table under the run's data/ (schema.rundata.RunDir.table); None when absent."""
+    return RunDir(run_dir).table(name)
 
 
 def _profile_summary(run_dir: Path) -> Optional[ProfileSummary]:
     """04_profile's summary; None when the phase did not run, RecordError when it cannot be read."""
-    p = Path(run_dir) / "data" / "profile_summary.json"
-    return read_record(p, ProfileSummary) if p.is_file() else None
+    return RunDir(run_dir).profile_summary()
 
 
 COALESCED_LIMIT = 0.5   # above this share of coalesced token gaps, client TPOT describes delivery, not steps
@@ -58,12 +66,9 @@ def level_tpot(lv) -> tuple[float, str]:
 
 # ---- the step model at every level, and the fixes as curves --------------------------------------------
 def profile_summaries(run_dir: Path, params) -> dict[int, ProfileSummary]:
-    """Every profiled level's summary (data/profile/c<N>/), or the one in data/ for a run profiled at
-    one level before levels existed."""
-    out = {}
-    for p in sorted((Path(run_dir) / "data" / "profile").glob("c*/profile_summary.json")):
-        s = read_record(p, ProfileSummary)
-        out[int(s.concurrency or p.parent.name[1:])] = s
+    """Every profiled level's summary (the levels of data/profile_capture.json), or the one in data/ for
+    a run profiled at one level before levels existed."""
+    out = RunDir(run_dir).level_summaries()
     if not out:
         only = _profile_summary(run_dir)
         if only is not None:
@@ -85,17 +90,13 @@ def _engine_itls(lv, captures: Optional[dict[int, ProfileCapture]]) -> tuple[Opt
 
 def host_cores(run_dir: Path) -> Optional[int]:
     """The logical CPU cores of the host the server ran on (host.json), when recorded."""
-    path = Path(run_dir) / "data" / "host.json"
-    return read_record(path, HostInventory).cpu.logical_cores if path.is_file() else None
+    host = RunDir(run_dir).host()
+    return host.cpu.logical_cores if host is not None else None
 
 
 def profile_captures(run_dir: Path) -> dict[int, ProfileCapture]:
-    """Concurrency -> each profiled level's profile_capture.json."""
-    out = {}
-    for p in sorted((Path(run_dir) / "data" / "profile").glob("c*/profile_capture.json")):
-        cap = read_record(p, ProfileCapture)
-        out[int(cap.concurrency or p.parent.name[1:])] = cap
-    return out
+    """Concurrency -> each profiled level's capture (data/profile_capture.json)."""
+    return RunDir(run_dir).level_captures()
 
 
 @dataclass
@@ -123,7 +124,7 @@ class ModelInputs:
         time the GPU sat idle per step period (the period less its busy time), and where they come from."""
         if not self.host_gaps:
             return None, 0.0, ""
-        b, gap_us, idle_us = min(self.host_gaps, key=lambda g: (abs(g[0] - batch), g[0]))
+        b, gap_us, idle_us = nearest_batch(self.host_gaps, batch, lambda g: g[0])
         return gap_us, idle_us, f"profile_summary.json host_between_steps_us_median, period less busy (04, batch {b:g})"
 
     def gpu_us(self, pred) -> tuple[float, float]:
@@ -138,7 +139,7 @@ class ModelInputs:
         if "host_time_us" not in g or g["host_time_us"].dropna().empty:
             return None
         g = g.dropna(subset=["host_time_us"])
-        nb = min(set(g["batch"]), key=lambda b: (abs(b - batch), b))
+        nb = nearest_batch(set(g["batch"]), batch)
         return float(nb), {c: float(g.loc[g["batch"] == nb, c].median()) for c in sp.HOST_COLUMNS}
 
     def call_us(self, batch: float) -> Optional[float]:
@@ -176,7 +177,7 @@ def model_inputs(run_dir: Path, params, summaries: dict[int, ProfileSummary],
                  captures: dict[int, ProfileCapture]) -> Optional[ModelInputs]:
     """What the step model needs from 02, 03 and 04 (captures: profile_captures); None when 02 or 03
     did not run, or 03 did not measure an all-reduce the model can use."""
-    gemm, coll = _read_parquet(run_dir, "gemm.parquet"), _read_parquet(run_dir, "collectives.parquet")
+    gemm, coll = _read_parquet(run_dir, GEMM), _read_parquet(run_dir, COLLECTIVES)
     tp = params.server.tensor_parallel
     if gemm is None or gemm.empty or ((coll is None or coll.empty) and tp > 1):
         return None
@@ -248,7 +249,7 @@ def eager_fix(inp: ModelInputs, batch: float) -> tuple[Optional[Fix], str]:
     counted = [s for s in inp.samples if s.kernels_per_step >= 1]
     if not counted:
         return None, "04 counted no kernels per step"
-    s = min(counted, key=lambda x: (abs(x.batch - batch), x.batch))
+    s = nearest_batch(counted, batch, lambda x: x.batch)
     nb, host = costs
     base = inp.predict(batch)
     gpu_us = inp.gpu_us(base)[0]

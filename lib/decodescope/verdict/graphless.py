@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from decodescope.core.rundir import DATA
-from decodescope.schema.records import HostOps, ProfileCapture, read_record
+from decodescope.schema.records import HostOps, ProfileCapture
+from decodescope.schema.rundata import RunDir
 from decodescope.trace.hostops import HOST_OPS_RECORD
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
@@ -29,8 +29,7 @@ DEFAULT_SPLITTING = ("vllm::unified_attention_with_output", "vllm::unified_mla_a
 
 def read_host_ops(run_dir: Path) -> Optional[HostOps]:
     """04's un-graphed capture's figures; None where 04 did not take it (older runs, profile.host_ops_tokens 0)."""
-    path = Path(run_dir) / DATA / HOST_OPS_RECORD
-    return read_record(path, HostOps) if path.is_file() else None
+    return RunDir(run_dir).host_ops(HOST_OPS_RECORD)
 
 
 def profiler_us_per_event(host_ops: Optional[HostOps], captures: dict[int, ProfileCapture]) -> tuple[Optional[float], str]:
@@ -126,7 +125,3 @@ def eager_items(host_ops: HostOps, per_event_us: Optional[float], kernels_per_st
     notes.append(f"{rest} more kernels at {call_us:.1f} us each (02's bare call)")
     return items, notes
 
-
-def eager_component(items: list[tuple[float, float]], notes: list[str], source: str) -> sm.Component:
-    end = sp.eager_walk(items)[0]
-    return sm.Component("eager step (host-paced walk)", end, end, end, source, notes)

@@ -15,10 +15,10 @@ from typing import Optional
 
 import pandas as pd
 
-from decodescope.core.rundir import VARIANTS
+from decodescope.schema.rundata import RunDir
 from decodescope.exec.serverlaunch import dashed
 from decodescope.schema.params import with_experiment
-from decodescope.verdict.fixes import Fix, ModelInputs, _read_parquet, baseline_tpot, level_tpot
+from decodescope.verdict.fixes import Fix, ModelInputs, baseline_tpot, level_tpot
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
 from decodescope.verdict.speculative import (DrafterCost, drafter_key, drafter_of, drafter_us, nearest_drafter,
@@ -63,7 +63,7 @@ def measured_drafters(run_dir: Path, params, sources: dict[str, dict[str, list[D
             spec = _spec(params, exp.name)
             if spec is None or drafter_key(spec) != key or with_experiment(params, exp.name).workload.temperature is not None:
                 continue
-            lev = _read_parquet(Path(run_dir) / VARIANTS / exp.name, "serving_levels.parquet")
+            lev = RunDir(run_dir).variant(exp.name).serving_levels()
             if lev is None or "server_spec_accepted_per_pos" not in lev:
                 continue
             acc = {float(r.level): [float(x) for x in str(r.server_spec_accepted_per_pos).split(",")]
@@ -118,7 +118,7 @@ def spec_k_rows(run_dir: Path, params, inp: ModelInputs, levels: Optional[pd.Dat
                 row = {"drafter": d.label, "level": int(b), "k": k, "projected_tpot_us": tpot, "drafter_us": drafter,
                        "tokens_per_verify": tokens_per_verify_at_k(d.at(b), k), "acceptance_from": d.acceptance_from,
                        "drafter_from": how, "variant": own or ""}
-                vlev = _read_parquet(Path(run_dir) / VARIANTS / own, "serving_levels.parquet") if own else None
+                vlev = RunDir(run_dir).variant(own).serving_levels() if own else None
                 hit = vlev[vlev["level"] == lv.level] if vlev is not None else None
                 if hit is not None and not hit.empty:
                     row["measured_tpot_us"] = level_tpot(next(hit.itertuples()))[0]

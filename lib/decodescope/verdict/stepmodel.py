@@ -16,7 +16,8 @@ import pandas as pd
 from decodescope.model import arch as archmod
 from decodescope.schema.records import ProfileCapture, StepCategoryRow, frame
 from decodescope.verdict.stepparts import Component, Kind, collective_component, gemm_component, latency_at, latency_curve
-from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, WAIT_CATEGORIES, class_of
+from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, WAIT_CATEGORIES
+from decodescope.trace.classtime import class_time_per_step
 from decodescope.verdict.stepsample import LOADED, PREEMPTED, HostModel, StepSample, across_levels, preempted_us
 
 __all__ = ["LOADED", "PREEMPTED", "StepInputs", "StepModel", "StepPrediction", "predict_step", "step_samples"]
@@ -89,8 +90,7 @@ def step_samples(summaries: dict, context_tokens: float,
         ps = s.per_step
         if cats.empty or not ps.wall_us_median:
             continue
-        cats["cls"] = cats["category"].map(class_of)
-        by = cats.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
+        by = class_time_per_step(cats).unstack(fill_value=0.0)
         rank = by["communication"].idxmin() if "communication" in by else by.index[0]
         cap = ProfileCapture.of(captures, conc)
         cost, band, how = profiler_cost(cap, cats, rank)

@@ -16,15 +16,13 @@ from decodescope.core.enginelog import last_engine_modes
 from decodescope.exec.serverlaunch import dashed
 from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
-from decodescope.schema.records import ProfileCapture, ProfileSummary, RunManifest, VariantEntry, read_record
+from decodescope.schema.records import ProfileCapture, ProfileSummary, VariantEntry, read_record
 from decodescope.schema.records_spec import DrafterSteps
 from decodescope.trace.draftsteps import DRAFTER_STEPS
-from decodescope.core.rundir import DATA, VARIANTS
-from decodescope.trace.capture import level_dir_name
+from decodescope.schema.rundata import RunDir
 from decodescope.verdict.speculative import DrafterCost, drafter_key, drafter_of, drafter_us, nearest_drafter
 from decodescope.verdict.fixes import (EAGER_STEP, Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix,
-                                       eager_fix, expected_tokens_per_verify, level_tpot, profile_captures,
-                                       profile_summaries)
+                                       eager_fix, expected_tokens_per_verify, level_tpot, profile_summaries)
 
 
 # ---- the variants (params.experiments), measured against their projections ----------------------------
@@ -64,10 +62,10 @@ def drafter_sources(run_dir: Path, params) -> dict[str, dict[str, list[DrafterCo
         spec = _spec_config(dashed(with_experiment(params, exp.name).server.engine_args)) if exp.profile else None
         if spec is None:
             continue
-        vdir = Path(run_dir) / VARIANTS / exp.name
+        vdir = RunDir(run_dir).variant(exp.name)
         costs = []
-        for level, cap in sorted(profile_captures(vdir).items()):
-            path = vdir / DATA / "profile" / level_dir_name(level) / DRAFTER_STEPS
+        for level, cap in sorted(vdir.level_captures().items()):
+            path = vdir.level_file(level, DRAFTER_STEPS)
             if not path.is_file():
                 continue
             m = read_record(path, DrafterSteps)
@@ -251,8 +249,9 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                  captures: Optional[dict[int, ProfileCapture]] = None) -> list[dict]:
     """Per variant and serving level: its TPOT against the baseline's (01) and against its projection
     (calibrated like the fixes: the baseline's TPOT, baseline_tpot, x fix / base model)."""
-    manifest_path = Path(run_dir) / "manifest.json"
-    states = read_record(manifest_path, RunManifest).variants if manifest_path.is_file() else {}
+    run = RunDir(run_dir)
+    manifest = run.manifest()
+    states = manifest.variants if manifest is not None else {}
     base = {int(r.level): level_tpot(r)[0] for r in levels.itertuples()} if levels is not None else {}
     calibration = {int(k): v for k, v in baseline_tpot(levels, captures).items()}
     utils = ({int(r.level): r.gpu_util_mean_pct for r in levels.itertuples()}
@@ -263,7 +262,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
     rows = []
     for exp in params.experiments:
         state = states.get(exp.name) or VariantEntry(status="not run")
-        vlev = _read_parquet(Path(run_dir) / VARIANTS / exp.name, "serving_levels.parquet")
+        vlev = run.variant(exp.name).serving_levels()
         status = state.status
         if vlev is None or vlev.empty:
             rows.append({"variant": exp.name, "status": status if status != "ok" else "failed",
@@ -271,9 +270,9 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
             continue
         vparams = with_experiment(params, exp.name)
         acceptance = _acceptance(vlev)
-        modes = last_engine_modes(Path(run_dir) / VARIANTS / exp.name / "logs" / "server.log")
+        modes = last_engine_modes(run.variant(exp.name).path / "logs" / "server.log")
         lost_async = _lost_async_scheduling(base_modes, modes)
-        own_profiles = profile_summaries(Path(run_dir) / VARIANTS / exp.name, vparams) if exp.profile else {}
+        own_profiles = profile_summaries(run.variant(exp.name).path, vparams) if exp.profile else {}
         for lv in vlev.sort_values("level").itertuples():
             b, (tpot, basis) = float(lv.level), level_tpot(lv)
             row = {"variant": exp.name, "status": status, "error": state.error.splitlines()[0][:300]

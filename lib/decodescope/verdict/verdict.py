@@ -22,28 +22,19 @@ from decodescope.core.enginelog import last_engine_modes
 from decodescope.micro.bench import with_timing_columns
 from decodescope.verdict.stepmodel import allreduce_wait_us
 from decodescope.trace import categorize
-from decodescope.verdict.fixes import (NO_STEP_MODEL as NO_STEP_MODEL, _engine_itls, _profile_summary, _read_parquet, curves, level_tpot, model_inputs,
-                                       profile_captures, profile_summaries, served_batches)
+from decodescope.trace.classtime import class_time_per_step
+from decodescope.schema.rundata import COLLECTIVES, GEMM, SERVING_LEVELS, SERVING_REQUESTS
+from decodescope.verdict.fixes import (NO_STEP_MODEL, ModelInputs, _engine_itls, _profile_summary, _read_parquet,
+                                       baseline_tpot, curves, level_tpot, model_inputs, profile_captures,
+                                       profile_summaries, served_batches)
+from decodescope.verdict.findings import LEVEL_TOLERANCE, NO_HELP_PCT, RECONCILE_TOLERANCE, findings
 from decodescope.verdict.speccurve import measured_drafters, measured_spec_fixes, spec_k_rows
-from decodescope.verdict.variants import drafter_sources, replay_rows, variant_rows
-# re-exported: importers name these as verdict's
-from decodescope.verdict.findings import (LEVEL_TOLERANCE as LEVEL_TOLERANCE, NO_HELP_PCT as NO_HELP_PCT,
-                                          RECONCILE_TOLERANCE as RECONCILE_TOLERANCE, findings)
-# re-exported: importers name these as verdict's
-from decodescope.verdict.fixes import ModelInputs as ModelInputs, baseline_tpot as baseline_tpot
-# re-exported: importers name these as verdict's
-from decodescope.verdict.variants import gpu_host_split as gpu_host_split
-
-
-def class_of(category: str) -> str:
-    """A category's verdict class, as params/kernel_categories.yaml names it (`other` for unmatched names)."""
-    return categorize.class_of(category)
+from decodescope.verdict.variants import drafter_sources, gpu_host_split, replay_rows, variant_rows
 
 
 def step_attribution(per_step_categories: pd.DataFrame) -> pd.DataFrame:
     """Per rank and class: median time per decode step and its share of the summed time."""
-    df = per_step_categories.assign(cls=per_step_categories["category"].astype(str).map(class_of))
-    g = df.groupby(["rank", "cls"])["time_per_step_us"].sum().reset_index()
+    g = class_time_per_step(per_step_categories).reset_index()
     g["share"] = g["time_per_step_us"] / g.groupby("rank")["time_per_step_us"].transform("sum")
     return g
 
@@ -73,10 +64,9 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
     observed_ar = observed_gemm = observed_wait = None
     if not per_step.empty:
         assert summary is not None  # per_step has rows only from a summary's per_step_categories
-        att = per_step.assign(cls=per_step["category"].map(class_of))
-        by_rank = att.groupby(["rank", "cls"])["time_per_step_us"].sum().unstack(fill_value=0.0)
+        by_rank = class_time_per_step(per_step).unstack(fill_value=0.0)
         # the rank that arrives last at each all-reduce waits least: its time is closest to the transfer
-        ar_by_rank = att[att["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
+        ar_by_rank = per_step[per_step["category"].isin(categorize.ALLREDUCE_CATEGORIES)].groupby("rank")["time_per_step_us"].sum()
         # none in the profile (one GPU: a step issues none): nothing to set 03 against, no row
         observed_ar = float(ar_by_rank.min()) if not ar_by_rank.empty else None
         transfer = summary.allreduce_transfer_us_per_step
@@ -88,7 +78,7 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
             observed_wait = allreduce_wait_us(per_step, ar_by_rank.idxmin(), transfer)
             observed_ar = float(transfer)
         observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
-    coll = _read_parquet(run_dir, "collectives.parquet")
+    coll = _read_parquet(run_dir, COLLECTIVES)
     if coll is not None and not coll.empty and observed_ar is not None:
         rows.append(allreduce_reconcile_row(coll, summary, observed_ar, profile_batch, arch, tp, observed_wait))
     return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
@@ -106,7 +96,7 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
     paid = ar_by_rank + wait
     rank = paid.idxmin()
     observed_gemm = float(by_rank.get("gemm", pd.Series([0.0])).median())
-    coll = _read_parquet(run_dir, "collectives.parquet")
+    coll = _read_parquet(run_dir, COLLECTIVES)
     calls = summary.allreduce_with_wait
     if coll is None or coll.empty:
         return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
@@ -148,7 +138,7 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
 
 def _with_gemm_row(run_dir: Path, rows: list, profile_batch: int, observed_gemm: Optional[float],
                    weight_dtype: Optional[str] = None, arch=None, tp: int = 1) -> pd.DataFrame:
-    gemm = _read_parquet(run_dir, "gemm.parquet")
+    gemm = _read_parquet(run_dir, GEMM)
     if gemm is not None and not gemm.empty:
         ok = gemm[gemm["status"] == "ok"]
         dtype = "bf16" if "bf16" in set(ok["dtype"]) else ok["dtype"].iloc[0]
@@ -281,7 +271,7 @@ def level_reconcile(levels: pd.DataFrame, summaries: dict[int, ProfileSummary],
 def verdict(run_dir: Path, params) -> Verdict:
     run_dir = Path(run_dir)
     summary = _profile_summary(run_dir)
-    levels = _read_parquet(run_dir, "serving_levels.parquet")
+    levels = _read_parquet(run_dir, SERVING_LEVELS)
     out = Verdict()
     if summary and summary.per_step_categories:
         per_step = frame(summary.per_step_categories, StepCategoryRow)
@@ -321,7 +311,7 @@ def verdict(run_dir: Path, params) -> Verdict:
         out.sources["projections"] = NO_STEP_MODEL
     if levels is not None and not levels.empty:
         out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(
-            levels, summaries, model, captures, _read_parquet(run_dir, "serving_requests.parquet"))]
+            levels, summaries, model, captures, _read_parquet(run_dir, SERVING_REQUESTS))]
     if params.experiments:
         out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels, captures)]
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
@@ -339,3 +329,8 @@ def verdict(run_dir: Path, params) -> Verdict:
                                                            default=float("nan")),
                                       source="serving_levels.parquet (01_serving)")
     return out
+
+
+__all__ = ["allreduce_reconcile_row", "baseline_tpot", "bottleneck", "gpu_host_split", "level_reconcile",
+           "LEVEL_TOLERANCE", "ModelInputs", "nearest", "NO_HELP_PCT", "NO_STEP_MODEL", "reconcile",
+           "RECONCILE_TOLERANCE", "step_attribution", "verdict"]
