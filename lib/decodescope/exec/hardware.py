@@ -21,6 +21,9 @@ import psutil
 
 from decodescope.exec import engine_comm
 from decodescope.exec.host import host_for
+from decodescope.schema.phasecontext import PhaseContext
+from decodescope.schema.rundata import HOST
+from decodescope.schema.recordbase import write_record
 from decodescope.schema.records import (TOPOLOGY_PAIR_COLUMNS, CpuInfo, CpuMatmul, GpuInfo, HostInventory, Peaks,
                                         TopologyPair)
 
@@ -300,3 +303,10 @@ def host_headline(inv: HostInventory) -> str:
             f"driver {inv.gpus[0].driver}, CUDA {inv.versions.get('cuda')}, "
             f"NCCL {inv.versions.get('nccl')}; CPU {cpu.model} ({cpu.numa_nodes} NUMA node(s)); "
             f"{engine_comm.describe(inv.engine_allreduce)}.")
+
+
+def host_for_phase(ctx: PhaseContext) -> HostInventory:
+    """00_host's work: the run's host inventory (inventory_for), written to data/host.json and returned."""
+    inv = inventory_for(ctx.params)
+    write_record(ctx.run.file(HOST), inv)
+    return inv

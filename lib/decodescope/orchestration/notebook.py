@@ -7,10 +7,9 @@ makes its own run directory (`<stamp>-<name>-interactive`) so it runs alone.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from decodescope.schema.params import OVERRIDES_ENV, load_params, with_experiment, with_overrides
+from decodescope.schema.params import load_params, with_experiment, with_overrides
 # not through decodescope.orchestration.runner: a phase's kernel would import papermill and nbformat's
 # schema checks with it (1.2 s of every phase notebook's first cell)
 from decodescope.core.logsetup import LOG_FILE, log_only_to_file
@@ -19,12 +18,12 @@ from decodescope.core.rundir import LOGS, ensure_layout, make_run_dir
 from decodescope.schema.phasecontext import PhaseContext
 
 
-def open_phase(params_path: str, run_dir: str = "", variant: str = "") -> PhaseContext:
+def open_phase(params_path: str, run_dir: str = "", variant: str = "", overrides: str = "") -> PhaseContext:
     """variant: a name from params.experiments; the phase then runs with that variant's settings (its
-    run directory is the run's variants/<name>/)."""
+    run directory is the run's variants/<name>/). overrides: the command line's params overrides as JSON
+    ({dotted key: value}), a papermill parameter the runner sets for every phase."""
     params = load_params(params_path)
-    overrides = os.environ.get(OVERRIDES_ENV)
-    if overrides:  # the command line's, set by the runner for every phase
+    if overrides:
         params = with_overrides(params, json.loads(overrides))
     if variant:
         params = with_experiment(params, variant)

@@ -24,7 +24,7 @@ from decodescope.exec.host import close_all as close_hosts, preflight
 from decodescope.exec.hostcore import RUN_ID_ENV
 from decodescope.core.io import write_text_atomic
 from decodescope.exec.locks import LockHeld, holder_info, run_dir_lock
-from decodescope.schema.params import (OVERRIDES_ENV, Params, dump_yaml, load_params, params_as_dict, redact,
+from decodescope.schema.params import (Params, dump_yaml, load_params, params_as_dict, redact,
                                        with_experiment, with_overrides)
 from decodescope.core.phases import PHASES, SERVER_PHASES, execution_order
 from decodescope.report.html import build_report
@@ -88,10 +88,10 @@ def sigterm_as_interrupt():
 
 
 def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Path = NOTEBOOK_DIR,
-                  variant: str = "") -> Path:
+                  variant: str = "", overrides: Optional[dict] = None) -> Path:
     out = run_dir / "notebooks" / f"{phase}.ipynb"
     try:
-        _execute(phase, run_dir, params_path, notebook_dir, out, variant)
+        _execute(phase, run_dir, params_path, notebook_dir, out, variant, overrides or {})
     except KeyboardInterrupt:
         # the kernel died with the interrupt; nbclient's pending cell task then reports DeadKernelError
         # through asyncio's "exception was never retrieved" log when it is collected: not news to anyone
@@ -103,10 +103,12 @@ def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Pa
 
 
 def _execute(phase: str, run_dir: Path, params_path: Path, notebook_dir: Path, out: Path,
-             variant: str = "") -> None:
+             variant: str = "", overrides: Optional[dict] = None) -> None:
     parameters = {"params_path": str(params_path), "run_dir": str(run_dir)}
     if variant:
         parameters["variant"] = variant
+    if overrides:  # the command line's params overrides (--set), as JSON: open_phase applies them
+        parameters["overrides"] = json.dumps(overrides)
     pm.execute_notebook(str(notebook_for(phase, notebook_dir)), str(out), parameters=parameters,
                         kernel_name="python3", progress_bar=False, log_output=False,
                         cwd=str(notebook_dir), request_save_on_cell_execute=True,
@@ -151,10 +153,6 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
     if resume and not overrides and (Path(resume) / "manifest.json").is_file():
         overrides = Manifest.load(Path(resume)).record.overrides  # as the run began
     params = with_overrides(params, overrides or {})
-    if overrides:
-        os.environ[OVERRIDES_ENV] = json.dumps(overrides)  # every phase's kernel applies them too
-    else:
-        os.environ.pop(OVERRIDES_ENV, None)
     selected = select_phases(params, phases, notebook_dir)
     needs_port = params.server.mode == "launch" and any(p in SERVER_PHASES for p in selected)
 
@@ -178,7 +176,7 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
             hold_port(params.server.port, run_dir)  # the holder line now names the run directory
         try:
             with run_logging(run_dir):
-                return _run_locked(params, selected, run_dir, resume, notebook_dir, on_server)
+                return _run_locked(params, selected, run_dir, resume, notebook_dir, on_server, overrides or {})
         finally:
             dir_lock.release()
     finally:
@@ -188,11 +186,11 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
 
 
 def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path],
-                notebook_dir: Path, on_server: Optional[Callable]) -> tuple[Path, bool]:
+                notebook_dir: Path, on_server: Optional[Callable], overrides: dict) -> tuple[Path, bool]:
     # every process of this run (kernels, probes, servers) inherits the run id: tests and operators can
     # find them all by walking /proc
     os.environ[RUN_ID_ENV] = run_dir.name
-    manifest = _open_manifest(params, selected, run_dir, resume)
+    manifest = _open_manifest(params, selected, run_dir, resume, overrides)
     progress = Progress(len(selected))
     progress.note(f"decodescope run {run_dir}")
     for change in (c for c in manifest.record.params_changes if resume and c.resumed == manifest.record.resumed[-1]):
@@ -223,7 +221,8 @@ def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Opti
     return run_dir, ok
 
 
-def _open_manifest(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path]) -> Manifest:
+def _open_manifest(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path],
+                   overrides: dict) -> Manifest:
     """The run's manifest, created or (on --resume) reopened with the selected phases, its disk reserve
     taken, and the params as run written beside it."""
     if resume:
@@ -237,8 +236,8 @@ def _open_manifest(params: Params, selected: list[str], run_dir: Path, resume: O
     else:
         manifest = Manifest.create(run_dir, params, selected)
 
-        if os.environ.get(OVERRIDES_ENV):
-            manifest.record.overrides = json.loads(os.environ[OVERRIDES_ENV])
+        if overrides:  # each phase's notebook gets them as a papermill parameter (execute_phase)
+            manifest.record.overrides = overrides
             manifest.save()
     manifest.reserve_space()
     run_params_path = run_dir / "params.yaml"
@@ -363,7 +362,7 @@ def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_
     error: Optional[str] = None
     nb = run_dir / "notebooks" / f"{phase}.ipynb"
     try:
-        nb = execute_phase(phase, run_dir, notebook_params, notebook_dir, variant)
+        nb = execute_phase(phase, run_dir, notebook_params, notebook_dir, variant, manifest.record.overrides)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # a failed phase is recorded and the run goes on

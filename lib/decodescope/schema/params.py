@@ -340,7 +340,6 @@ def load_params(path: str | Path) -> Params:
     return params
 
 
-OVERRIDES_ENV = "DECODESCOPE_OVERRIDES"  # JSON {dotted key: value}: the command line's, for every phase
 
 
 def with_overrides(params: Params, overrides: dict) -> Params:
@@ -453,6 +452,6 @@ def flatten_dotted(d: Any, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: value}
 
 
-__all__ = ["dump_yaml", "flatten_dotted", "HostParams", "load_params", "OVERRIDES_ENV", "params_as_dict", "READERS",
+__all__ = ["dump_yaml", "flatten_dotted", "HostParams", "load_params", "params_as_dict", "READERS",
            "readers_of", "redact", "RETIRED_KEYS", "RUNNER", "schema_keys", "unread_keys", "with_experiment",
            "with_overrides"]

@@ -23,7 +23,9 @@ from decodescope.micro.bench import with_timing_columns
 from decodescope.verdict.stepmodel import allreduce_wait_us
 from decodescope.trace import categorize
 from decodescope.trace.classtime import class_time_per_step
-from decodescope.schema.rundata import COLLECTIVES, GEMM, SERVING_LEVELS, SERVING_REQUESTS
+from decodescope.schema.phasecontext import PhaseContext
+from decodescope.schema.recordbase import write_record
+from decodescope.schema.rundata import COLLECTIVES, GEMM, SERVING_LEVELS, SERVING_REQUESTS, VERDICT
 from decodescope.verdict.fixes import (NO_STEP_MODEL, ModelInputs, _engine_itls, _profile_summary, _read_parquet,
                                        baseline_tpot, curves, level_tpot, model_inputs, profile_captures,
                                        profile_summaries, served_batches)
@@ -331,6 +333,13 @@ def verdict(run_dir: Path, params) -> Verdict:
     return out
 
 
+def verdict_for_phase(ctx: PhaseContext) -> Verdict:
+    """05_verdict's work: the verdict from the run's files, written to data/verdict.json and returned."""
+    out = verdict(ctx.run_dir, ctx.params)
+    write_record(ctx.run.file(VERDICT), out)
+    return out
+
+
 __all__ = ["allreduce_reconcile_row", "baseline_tpot", "bottleneck", "gpu_host_split", "level_reconcile",
            "LEVEL_TOLERANCE", "ModelInputs", "nearest", "NO_HELP_PCT", "NO_STEP_MODEL", "reconcile",
-           "RECONCILE_TOLERANCE", "step_attribution", "verdict"]
+           "RECONCILE_TOLERANCE", "step_attribution", "verdict", "verdict_for_phase"]
