@@ -41,6 +41,14 @@ class Labelled:
     op: np.ndarray
 
 
+def strings(col: pd.Series) -> np.ndarray:
+    """A column's values as an object array of str, as .astype(str) gives them, but sharing one str per
+    distinct value (a categorical's categories) rather than making one per row."""
+    c = col if isinstance(col.dtype, pd.CategoricalDtype) else col.astype("category")
+    labels = np.array([str(v) for v in c.cat.categories] + ["nan"], dtype=object)  # code -1: a missing value
+    return labels[c.cat.codes.to_numpy()]
+
+
 def _parents(rank: np.ndarray, tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(order, parent): rows in (rank, thread, start, longest first) order, and each one's parent
     position in that order (-1 at top level)."""
@@ -97,20 +105,19 @@ def cut_nested(rank, tid, ts, end, whole=None) -> tuple[np.ndarray, np.ndarray, 
 def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
     """The pieces of a trace table and its op table (trace.analyze.op_table)."""
     gpu = ops.attrs.get("device") == "gpu"
-    coll = ops["category"].astype(str).isin(collective_categories()).to_numpy() & ops["counted"].to_numpy(bool)
+    coll = ops["category"].isin(collective_categories()).to_numpy() & ops["counted"].to_numpy(bool)
     rank, tid = ops["rank"].to_numpy(np.int64), ops["lane"].to_numpy(np.int64)
     ts = ops["ts_us"].to_numpy(float)
     end = ts + ops["dur_us"].to_numpy(float)
-    names = ops["name"].astype(str).to_numpy(object)
-    cats = ops["category"].astype(str).to_numpy(object)
+    names, cats = strings(ops["name"]), strings(ops["category"])
     if gpu:
         row, s, e = np.arange(len(ops)), ts, end
         calls = events[events["cat"].isin(CALL_CATS).to_numpy()]
         c_rank, c_tid = calls["rank"].to_numpy(np.int64), calls["tid"].to_numpy(np.int64)
         c_ts = calls["ts_us"].to_numpy(float)
         c_row, c_s, c_e = cut_nested(c_rank, c_tid, c_ts, c_ts + calls["dur_us"].to_numpy(float))
-        c_name = calls["name"].astype(str).to_numpy(object)[c_row]
-        c_cat = np.where(calls["cat"].astype(str).to_numpy(object)[c_row] == "cpu_op", HOST_CATEGORY, LAUNCH_CATEGORY)
+        c_name = strings(calls["name"])[c_row]
+        c_cat = np.where(strings(calls["cat"])[c_row] == "cpu_op", HOST_CATEGORY, LAUNCH_CATEGORY)
         parts = [(rank, tid, s, e, row, names, cats, False),
                  (c_rank[c_row], c_tid[c_row], c_s, c_e, -1 - c_row, c_name, c_cat, True)]
     else:
