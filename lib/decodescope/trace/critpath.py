@@ -214,30 +214,39 @@ def _take_run(p: Pieces, ln: Links, walk: Walk, i: int, t: float, w0: float) -> 
     return -1
 
 
+def _range_segments(p: Pieces, walks: list[Walk]) -> list[np.ndarray]:
+    """The ranges' segments, all at once: [step, piece, kind, start, end], each piece's own and the gap
+    before it (the first piece of a range has none)."""
+    rs = [(k, *r) for k, w in enumerate(walks) for r in w.ranges]
+    if not rs:
+        return [np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0), np.empty(0)]
+    step, a, i = (np.array([r[c] for r in rs], dtype=np.int64) for c in range(3))
+    t, lo = (np.array([r[c] for r in rs], dtype=float) for c in (3, 4))
+    n = i - a + 1
+    of = np.repeat(np.arange(len(rs)), n)
+    idx = a[of] + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    first, last = idx == a[of], idx == i[of]
+    nxt = np.minimum(idx + 1, len(p) - 1)
+    seg_end = np.where(last, t[of], np.minimum(p.end[idx], p.start[nxt]))
+    seg_start = np.where(first, lo[of], p.start[idx])
+    kind = np.where(p.group[idx] >= 0, TRANSFER, OP)
+    g = idx[~first]  # the gap before each piece after a range's first: from the one before's end
+    gap_start = np.minimum(p.end[g - 1], p.start[g])
+    return [np.r_[step[of], step[of][~first]], np.r_[idx, g], np.r_[kind, np.where(p.on_cpu[g], HOST, IDLE)],
+            np.r_[seg_start, gap_start], np.r_[seg_end, p.start[g]]]
+
+
 def segments(p: Pieces, walks: list[Walk]) -> dict[str, np.ndarray]:
     """Every step's segments as columns: step (position in `walks`), piece, kind, start_us, end_us;
     zero-length segments left out."""
-    cols: dict[str, list] = {"step": [], "piece": [], "kind": [], "start_us": [], "end_us": []}
-    for k, w in enumerate(walks):
-        for a, i, t, lo in w.ranges:
-            idx = np.arange(a, i + 1)
-            seg_end = np.r_[np.minimum(p.end[a:i], p.start[a + 1:i + 1]), t]
-            seg_start = np.r_[lo, p.start[a + 1:i + 1]]
-            kind = np.where(p.group[idx] >= 0, TRANSFER, OP)
-            gap_kind = np.where(p.on_cpu[idx[1:]], HOST, IDLE)
-            for part in ((idx, kind, seg_start, seg_end), (idx[1:], gap_kind, seg_end[:-1], p.start[a + 1:i + 1])):
-                cols["step"].append(np.full(len(part[0]), k))
-                cols["piece"].append(part[0])
-                cols["kind"].append(part[1])
-                cols["start_us"].append(part[2])
-                cols["end_us"].append(part[3])
-        if w.extra:
-            e = np.array(w.extra, dtype=float).reshape(-1, 4)
-            cols["step"].append(np.full(len(e), k))
-            cols["piece"].append(e[:, 0].astype(np.int64))
-            cols["kind"].append(e[:, 1].astype(np.int64))
-            cols["start_us"].append(e[:, 2])
-            cols["end_us"].append(e[:, 3])
-    out = {c: (np.concatenate(v) if v else np.empty(0)) for c, v in cols.items()}
+    names = ["step", "piece", "kind", "start_us", "end_us"]
+    cols = {c: [v] for c, v in zip(names, _range_segments(p, walks))}
+    extra = [(k, *x) for k, w in enumerate(walks) for x in w.extra]
+    if extra:
+        e = np.array(extra, dtype=float).reshape(-1, 5)
+        for c, v in zip(names, (e[:, 0].astype(np.int64), e[:, 1].astype(np.int64), e[:, 2].astype(np.int64),
+                                e[:, 3], e[:, 4])):
+            cols[c].append(v)
+    out = {c: np.concatenate(v) for c, v in cols.items()}
     keep = out["end_us"] > out["start_us"]
     return {c: v[keep] for c, v in out.items()}
