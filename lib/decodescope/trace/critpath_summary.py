@@ -87,7 +87,8 @@ def fix_bounds(cp: CriticalPaths, kind: str = "decode", speedup: float = float("
     if len(w) > max_steps:
         w = w.iloc[np.linspace(0, len(w) - 1, max_steps).round().astype(int)]
     lab = cp.labelled
-    on_path = set(cp.segments.loc[cp.segments["segment"].isin(["op", "transfer"]), "category"].astype(str))
+    on_ops = cp.segments["segment"].isin(["op", "transfer"]).to_numpy()
+    on_path = {str(c) for c in cp.segments.loc[on_ops, "category"].unique()}  # not a str per segment
     cats = categories if categories is not None else sorted(on_path - {"launch", "host"})
     walls = w["wall_us"].to_numpy()
     got = bounds(lab.pieces, cp.links, w["start_us"].to_numpy(), w["end_us"].to_numpy(), lab.category, cats, speedup)
