@@ -128,7 +128,9 @@ def link(p: Pieces) -> Links:
     plain = (kind == LANE) & (last < 0)
     idx = np.arange(n)
     head = np.maximum.accumulate(np.where(plain, -1, idx)) if n else idx
-    return Links(kind=kind, pred=pred, ready=np.minimum(ready, p.start), entry=entry, last=last, head=head)
+    pos = np.int32 if n < 2**31 else np.int64  # positions of pieces: half the memory where they fit
+    return Links(kind=kind.astype(np.int8), pred=pred.astype(pos), ready=np.minimum(ready, p.start), entry=entry,
+                 last=last.astype(pos), head=head.astype(pos))
 
 
 @dataclass
