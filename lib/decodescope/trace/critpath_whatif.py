@@ -143,14 +143,13 @@ def bounds(p: Pieces, ln: Links, w0: np.ndarray, w1: np.ndarray, category: np.nd
     lib = library()
     fast = _CReplay(lib, p, ln) if lib is not None else None
     flat = _Flat(p, ln) if fast is None else None
-    rows = [step_rows(p, ln, a, b) for a, b in zip(w0.tolist(), w1.tolist())]
-    chains = [member_chains(p, r) for r in rows] if fast is not None else [()] * len(rows)
-    out = {}
+    walls: dict[str, list[float]] = {c: [] for c in categories}
     scale = np.ones(len(p))  # read only at each step's rows: set there, step by step
-    for c in categories:
-        walls = []
-        for a, b, r, ch in zip(w0.tolist(), w1.tolist(), rows, chains):
-            scale[r] = np.where(category[r] == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
-            walls.append(fast(r, ch, scale, a, b) if fast is not None else replay_step(p, ln, a, b, scale, flat, r))
-        out[c] = np.array(walls)
-    return out
+    for a, b in zip(w0.tolist(), w1.tolist()):  # one step's rows held at a time
+        r = step_rows(p, ln, a, b)
+        ch = member_chains(p, r) if fast is not None else ()
+        cat = category[r]
+        for c in categories:
+            scale[r] = np.where(cat == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
+            walls[c].append(fast(r, ch, scale, a, b) if fast is not None else replay_step(p, ln, a, b, scale, flat, r))
+    return {c: np.array(v) for c, v in walls.items()}
