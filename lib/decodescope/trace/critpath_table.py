@@ -77,5 +77,9 @@ def _label(seg: dict, lab: Labelled, windows: pd.DataFrame) -> pd.DataFrame:
 
 
 def _categorical(values: np.ndarray) -> pd.Categorical:
-    """Strings as a categorical column, as .astype("category") makes it of a str column."""
-    return pd.Categorical(pd.array(values, dtype="str") if len(values) else values)
+    """An object array of str as the categorical .astype("category") makes of a str column (its categories
+    sorted, of str dtype), factorized from the objects as they are: no str column made on the way."""
+    if not len(values):
+        return pd.Categorical(values)
+    codes, uniques = pd.factorize(values, sort=True)
+    return pd.Categorical.from_codes(codes, categories=pd.Index(uniques, dtype="str"))
