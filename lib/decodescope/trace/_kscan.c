@@ -551,3 +551,63 @@ void kr_pairs(const kred *r, int32_t *child, int32_t *parent, int64_t *count) {
         k++;
     }
 }
+
+/* ---- the critical path's what-if replay (critpath_whatif.py: replay_step, the same arithmetic in the same
+   order, so the two agree to the bit). Indices are global piece positions; `order` holds the step's pieces
+   in replay order, and per position in it `first`/`next` chain the members of its collective instance (in
+   order; -1: none). s_new/e_new hold every piece's start/end on entry and are left so; `done` all zero. */
+static inline double cp_begin(int64_t i, const double *start, const int64_t *kind, const int64_t *pred,
+                              const double *ready, const int64_t *lane_prev, const int64_t *launch,
+                              const double *s_new, const double *e_new) {
+    int64_t k = kind[i], j = pred[i];
+    double t;
+    if (k == 0 || j < 0) {
+        t = start[i];
+    } else {
+        double d = start[i] - ready[i];
+        t = (k == 2 ? s_new[j] : e_new[j]) + (d > 0.0 ? d : 0.0);
+    }
+    if (lane_prev[i] >= 0 && k != 1 && e_new[lane_prev[i]] > t) t = e_new[lane_prev[i]];
+    if (launch[i] >= 0 && k != 2 && s_new[launch[i]] > t) t = s_new[launch[i]];
+    return start[i] < t ? start[i] : t;
+}
+
+double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const int64_t *next,
+                 const double *start, const double *end, const int64_t *kind, const int64_t *pred,
+                 const double *ready, const int64_t *group, const double *entry, const int64_t *lane_prev,
+                 const int64_t *launch, const double *scale, double *s_new, double *e_new, uint8_t *done) {
+#define CP_BEGIN(i) cp_begin(i, start, kind, pred, ready, lane_prev, launch, s_new, e_new)
+    for (int64_t k = 0; k < n; k++) {
+        int64_t i = order[k];
+        if (done[i]) continue;
+        if (group[i] < 0) {
+            s_new[i] = CP_BEGIN(i);
+            e_new[i] = s_new[i] + (end[i] - start[i]) * scale[i];
+            done[i] = 1;
+            continue;
+        }
+        for (int64_t m = first[k]; m >= 0; m = next[m]) s_new[order[m]] = CP_BEGIN(order[m]);
+        double last_in = s_new[order[first[k]]];
+        for (int64_t m = next[first[k]]; m >= 0; m = next[m])
+            if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
+        for (int64_t m = first[k]; m >= 0; m = next[m]) {
+            int64_t g = order[m];
+            int synced = entry[g] <= end[g];
+            double from = synced && last_in > s_new[g] ? last_in : s_new[g];
+            double from_op = synced && entry[g] > start[g] ? entry[g] : start[g];
+            e_new[g] = from + (end[g] - from_op) * scale[g];
+            done[g] = 1;
+        }
+    }
+#undef CP_BEGIN
+    double mx = e_new[order[0]];
+    for (int64_t k = 1; k < n; k++)
+        if (e_new[order[k]] > mx) mx = e_new[order[k]];
+    for (int64_t k = 0; k < n; k++) {  /* as found, for the next replay */
+        int64_t i = order[k];
+        s_new[i] = start[i];
+        e_new[i] = end[i];
+        done[i] = 0;
+    }
+    return mx;
+}

@@ -110,25 +110,28 @@ def _cross_stream(p: Pieces, ready: np.ndarray) -> np.ndarray:
 
 
 def link(p: Pieces) -> Links:
-    """Each piece's binding dependency, found with vector passes."""
+    """Each piece's binding dependency, found with vector passes (each temporary let go once used: the
+    peak of memory is a few columns of the pieces, not a dozen)."""
     n = len(p)
-    prev = _lane_prev(p)
-    r_lane = np.where(prev >= 0, p.end[np.clip(prev, 0, None)], -np.inf)
+    pos = np.int32 if n < 2**31 else np.int64  # positions of pieces: half the memory where they fit
+    pred = _lane_prev(p)
+    ready = np.where(pred >= 0, p.end[np.clip(pred, 0, None)], -np.inf)
+    kind = np.where(pred >= 0, LANE, NONE).astype(np.int8)
     r_launch = np.where(p.launch >= 0, p.start[np.clip(p.launch, 0, None)], -np.inf)
-    kind = np.where(prev >= 0, LANE, NONE)
-    pred = prev.copy()
-    ready = r_lane.copy()
-    by_launch = r_launch > r_lane
+    by_launch = r_launch > ready
     kind[by_launch], pred[by_launch], ready[by_launch] = LAUNCH, p.launch[by_launch], r_launch[by_launch]
+    del r_launch, by_launch
     cross = _cross_stream(p, ready)
     by_cross = cross >= 0
     kind[by_cross], pred[by_cross] = CROSS, cross[by_cross]
     ready[by_cross] = p.end[cross[by_cross]]
+    del cross, by_cross
     entry, last = _collective_entries(p)
     plain = (kind == LANE) & (last < 0)
-    idx = np.arange(n)
-    head = np.maximum.accumulate(np.where(plain, -1, idx)) if n else idx
-    return Links(kind=kind, pred=pred, ready=np.minimum(ready, p.start), entry=entry, last=last, head=head)
+    head = np.maximum.accumulate(np.where(plain, -1, np.arange(n, dtype=pos))) if n else np.arange(n, dtype=pos)
+    del plain
+    np.minimum(ready, p.start, out=ready)
+    return Links(kind=kind, pred=pred.astype(pos), ready=ready, entry=entry, last=last.astype(pos), head=head)
 
 
 @dataclass
@@ -214,30 +217,39 @@ def _take_run(p: Pieces, ln: Links, walk: Walk, i: int, t: float, w0: float) -> 
     return -1
 
 
+def _range_segments(p: Pieces, walks: list[Walk]) -> list[list[np.ndarray]]:
+    """The ranges' segments, all at once, as two parts of [step, piece, kind, start, end]: each piece's own,
+    and the gap before it (the first piece of a range has none)."""
+    rs = [(k, *r) for k, w in enumerate(walks) for r in w.ranges]
+    if not rs:
+        return []
+    step, a, i = (np.array([r[c] for r in rs], dtype=np.int64) for c in range(3))
+    t, lo = (np.array([r[c] for r in rs], dtype=float) for c in (3, 4))
+    n = i - a + 1
+    of = np.repeat(np.arange(len(rs)), n)
+    idx = a[of] + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    first, last = idx == a[of], idx == i[of]
+    seg_end = np.where(last, t[of], np.minimum(p.end[idx], p.start[np.minimum(idx + 1, len(p) - 1)]))
+    del last
+    own = [step[of], idx, np.where(p.group[idx] >= 0, TRANSFER, OP), np.where(first, lo[of], p.start[idx]), seg_end]
+    del of
+    g = idx[~first]  # the gap before each piece after a range's first: from the one before's end
+    gap = [own[0][~first], g, np.where(p.on_cpu[g], HOST, IDLE), np.minimum(p.end[g - 1], p.start[g]), p.start[g]]
+    return [own, gap]
+
+
 def segments(p: Pieces, walks: list[Walk]) -> dict[str, np.ndarray]:
     """Every step's segments as columns: step (position in `walks`), piece, kind, start_us, end_us;
-    zero-length segments left out."""
-    cols: dict[str, list] = {"step": [], "piece": [], "kind": [], "start_us": [], "end_us": []}
-    for k, w in enumerate(walks):
-        for a, i, t, lo in w.ranges:
-            idx = np.arange(a, i + 1)
-            seg_end = np.r_[np.minimum(p.end[a:i], p.start[a + 1:i + 1]), t]
-            seg_start = np.r_[lo, p.start[a + 1:i + 1]]
-            kind = np.where(p.group[idx] >= 0, TRANSFER, OP)
-            gap_kind = np.where(p.on_cpu[idx[1:]], HOST, IDLE)
-            for part in ((idx, kind, seg_start, seg_end), (idx[1:], gap_kind, seg_end[:-1], p.start[a + 1:i + 1])):
-                cols["step"].append(np.full(len(part[0]), k))
-                cols["piece"].append(part[0])
-                cols["kind"].append(part[1])
-                cols["start_us"].append(part[2])
-                cols["end_us"].append(part[3])
-        if w.extra:
-            e = np.array(w.extra, dtype=float).reshape(-1, 4)
-            cols["step"].append(np.full(len(e), k))
-            cols["piece"].append(e[:, 0].astype(np.int64))
-            cols["kind"].append(e[:, 1].astype(np.int64))
-            cols["start_us"].append(e[:, 2])
-            cols["end_us"].append(e[:, 3])
-    out = {c: (np.concatenate(v) if v else np.empty(0)) for c, v in cols.items()}
-    keep = out["end_us"] > out["start_us"]
-    return {c: v[keep] for c, v in out.items()}
+    zero-length segments left out (each part filtered before the parts are joined)."""
+    names = ["step", "piece", "kind", "start_us", "end_us"]
+    parts = _range_segments(p, walks)
+    extra = [(k, *x) for k, w in enumerate(walks) for x in w.extra]
+    if extra:
+        e = np.array(extra, dtype=float).reshape(-1, 5)
+        parts.append([e[:, 0].astype(np.int64), e[:, 1].astype(np.int64), e[:, 2].astype(np.int64), e[:, 3], e[:, 4]])
+    for k, part in enumerate(parts):
+        keep = part[4] > part[3]
+        parts[k] = [v[keep] for v in part]
+    if not parts:
+        return {c: np.empty(0, np.int64) if c in ("step", "piece", "kind") else np.empty(0) for c in names}
+    return {c: np.concatenate([part[j] for part in parts]) for j, c in enumerate(names)}

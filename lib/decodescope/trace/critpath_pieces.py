@@ -41,6 +41,14 @@ class Labelled:
     op: np.ndarray
 
 
+def strings(col: pd.Series) -> np.ndarray:
+    """A column's values as an object array of str, as .astype(str) gives them, but sharing one str per
+    distinct value (a categorical's categories) rather than making one per row."""
+    c = col if isinstance(col.dtype, pd.CategoricalDtype) else col.astype("category")
+    labels = np.array([str(v) for v in c.cat.categories] + ["nan"], dtype=object)  # code -1: a missing value
+    return labels[c.cat.codes.to_numpy()]
+
+
 def _parents(rank: np.ndarray, tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(order, parent): rows in (rank, thread, start, longest first) order, and each one's parent
     position in that order (-1 at top level)."""
@@ -97,25 +105,24 @@ def cut_nested(rank, tid, ts, end, whole=None) -> tuple[np.ndarray, np.ndarray, 
 def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
     """The pieces of a trace table and its op table (trace.analyze.op_table)."""
     gpu = ops.attrs.get("device") == "gpu"
-    coll = ops["category"].astype(str).isin(collective_categories()).to_numpy() & ops["counted"].to_numpy(bool)
+    coll = ops["category"].isin(collective_categories()).to_numpy() & ops["counted"].to_numpy(bool)
     rank, tid = ops["rank"].to_numpy(np.int64), ops["lane"].to_numpy(np.int64)
     ts = ops["ts_us"].to_numpy(float)
     end = ts + ops["dur_us"].to_numpy(float)
-    names = ops["name"].astype(str).to_numpy(object)
-    cats = ops["category"].astype(str).to_numpy(object)
+    names, cats = strings(ops["name"]), strings(ops["category"])
     if gpu:
         row, s, e = np.arange(len(ops)), ts, end
         calls = events[events["cat"].isin(CALL_CATS).to_numpy()]
         c_rank, c_tid = calls["rank"].to_numpy(np.int64), calls["tid"].to_numpy(np.int64)
         c_ts = calls["ts_us"].to_numpy(float)
         c_row, c_s, c_e = cut_nested(c_rank, c_tid, c_ts, c_ts + calls["dur_us"].to_numpy(float))
-        c_name = calls["name"].astype(str).to_numpy(object)[c_row]
-        c_cat = np.where(calls["cat"].astype(str).to_numpy(object)[c_row] == "cpu_op", HOST_CATEGORY, LAUNCH_CATEGORY)
-        parts = [(rank, tid, s, e, row, names, cats, False),
-                 (c_rank[c_row], c_tid[c_row], c_s, c_e, -1 - c_row, c_name, c_cat, True)]
+        c_name = strings(calls["name"])[c_row]
+        c_cat = np.where(strings(calls["cat"])[c_row] == "cpu_op", HOST_CATEGORY, LAUNCH_CATEGORY)
+        parts = [[rank, tid, s, e, row, names, cats, False],
+                 [c_rank[c_row], c_tid[c_row], c_s, c_e, -1 - c_row, c_name, c_cat, True]]
     else:
         row, s, e = cut_nested(rank, tid, ts, end, whole=coll)
-        parts = [(rank[row], tid[row], s, e, row, names[row], cats[row], True)]
+        parts = [[rank[row], tid[row], s, e, row, names[row], cats[row], True]]
     lab = _assemble(parts)
     lab.pieces.group[:] = _groups(lab, ops, coll)
     if gpu:
@@ -123,18 +130,37 @@ def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
     return lab
 
 
-def _assemble(parts: list) -> Labelled:
-    cols = [np.concatenate([np.asarray(p[k]) for p in parts]) for k in range(7)]
-    on_cpu = np.concatenate([np.full(len(p[2]), p[7]) for p in parts])
-    rank, tid, s, e, row, name, cat = cols
-    by = np.lexsort((s, tid, on_cpu, rank))
-    rank, tid, s, e, row, name, cat, on_cpu = (a[by] for a in (rank, tid, s, e, row, name, cat, on_cpu))
+def _lane_ids(rank: np.ndarray, on_cpu: np.ndarray, tid: np.ndarray) -> np.ndarray:
+    """Per piece (sorted by rank, on_cpu, thread): its lane, numbered in (rank, on_cpu, 40-bit thread) order."""
     key = ((rank.astype(np.int64) * 2 + on_cpu.astype(np.int64)) << 40) | (tid.astype(np.int64) & ((1 << 40) - 1))
-    lane = np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1) if len(s) else rank
+    step = np.diff(key)
+    if (step >= 0).all():  # the keys already in order (no negative thread id): no sort
+        return np.r_[0, np.cumsum(step > 0)].astype(np.int64)
+    return np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1)
+
+
+def _assemble(parts: list[list]) -> Labelled:
+    """The parts' columns joined, sorted by (rank, on_cpu, thread, start) a column at a time, and each part's
+    array let go once joined (one part comes in that order from cut_nested: nothing to sort)."""
+    on_cpu = np.concatenate([np.full(len(p[2]), p[7]) for p in parts]).astype(bool)
+    by = None
+    if len(parts) > 1:
+        s_, tid_, rank_ = (np.concatenate([np.asarray(p[k]) for p in parts]) for k in (2, 1, 0))
+        by = np.lexsort((s_, tid_, on_cpu, rank_))
+        del s_, tid_, rank_
+        on_cpu = on_cpu[by]
+    cols = []
+    for k in range(7):
+        c = np.asarray(parts[0][k]) if by is None else np.concatenate([np.asarray(p[k]) for p in parts])[by]
+        for p in parts:
+            p[k] = None
+        cols.append(c)
+    rank, tid, s, e, row, name, cat = cols
     n = len(s)
-    pieces = Pieces(rank=rank, lane=lane, on_cpu=on_cpu.astype(bool), start=s.astype(float), end=e.astype(float),
-                    launch=np.full(n, -1), group=np.full(n, -1))
-    return Labelled(pieces=pieces, name=name, category=cat, lane_id=tid, op=row.astype(np.int64))
+    lane = _lane_ids(rank, on_cpu, tid) if n else rank
+    pieces = Pieces(rank=rank, lane=lane, on_cpu=on_cpu, start=s.astype(float, copy=False),
+                    end=e.astype(float, copy=False), launch=np.full(n, -1), group=np.full(n, -1))
+    return Labelled(pieces=pieces, name=name, category=cat, lane_id=tid, op=row.astype(np.int64, copy=False))
 
 
 def _groups(lab: Labelled, ops: pd.DataFrame, coll: np.ndarray) -> np.ndarray:

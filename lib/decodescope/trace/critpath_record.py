@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 
 
 def critical_path_summary(cp: CriticalPaths, ops: pd.DataFrame, ranks: list[int],
-                          concurrency: Optional[int] = None) -> CriticalPathSummary:
-    """The shares, waits and bounds (fix free) over the decode steps, all steps where none is decode."""
+                          concurrency: Optional[int] = None, speedup: float = float("inf")) -> CriticalPathSummary:
+    """The shares, waits and bounds (each category `speedup` times faster; inf: free) over the decode steps,
+    all steps where none is decode."""
     w = cp.windows
     kind = "decode" if (w["kind"] == "decode").any() else "all"
     mine = w[w["kind"] == kind] if kind != "all" else w
@@ -28,8 +29,9 @@ def critical_path_summary(cp: CriticalPaths, ops: pd.DataFrame, ranks: list[int]
     if len(mine):
         fields.update(shares=attribution(cp, ops, kind).to_dict("records"),
                       collective_waits=collective_waits(cp, kind).to_dict("records"),
-                      fix_bounds=fix_bounds(cp, kind).to_dict("records"))
+                      fix_bounds=fix_bounds(cp, kind, speedup=speedup).to_dict("records"))
     return CriticalPathSummary.model_validate(fields)
+
 
 def write_critical_path(events: pd.DataFrame, ops: pd.DataFrame, steps: pd.DataFrame, data_dir: Path,
                         concurrency: Optional[int] = None) -> CriticalPaths:

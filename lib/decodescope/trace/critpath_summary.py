@@ -23,7 +23,8 @@ def _summed_per_step(ops: pd.DataFrame, w: pd.DataFrame) -> pd.DataFrame:
     ts = ops["ts_us"].to_numpy(float)
     pos = np.searchsorted(starts, ts, side="right") - 1
     ok = (pos >= 0) & (ts < ends[np.clip(pos, 0, None)])
-    sel = ops[ok].assign(step=w["step"].to_numpy()[order][pos[ok]])
+    sel = pd.DataFrame({"step": w["step"].to_numpy()[order][pos[ok]], "category": ops["category"].array[ok],
+                        "time_us": ops["time_us"].to_numpy()[ok]})  # the three columns, not a copy of the table
     per = sel.groupby(["step", "category"], observed=True)["time_us"].sum().reset_index()
     per["summed_share"] = per["time_us"] / per.groupby("step")["time_us"].transform("sum")
     return per
@@ -33,7 +34,7 @@ def attribution(cp: CriticalPaths, ops: pd.DataFrame, kind: str = "decode") -> p
     """Per category, over the steps of `kind`: its share of the wall step on the critical path (median,
     p10, p90), its median time on the path, and its summed share of op time (the breakdown's view)."""
     w = _chosen(cp, kind)
-    seg = cp.segments[cp.segments["step"].isin(w["step"])]
+    seg = cp.segments.loc[cp.segments["step"].isin(w["step"]).to_numpy(), ["step", "category", "dur_us"]]
     per = seg.groupby(["step", "category"], observed=True)["dur_us"].sum().unstack(fill_value=0.0)
     per = per.reindex(w["step"], fill_value=0.0)
     share = per.div(w.set_index("step")["wall_us"], axis=0)
@@ -86,7 +87,8 @@ def fix_bounds(cp: CriticalPaths, kind: str = "decode", speedup: float = float("
     if len(w) > max_steps:
         w = w.iloc[np.linspace(0, len(w) - 1, max_steps).round().astype(int)]
     lab = cp.labelled
-    on_path = set(cp.segments.loc[cp.segments["segment"].isin(["op", "transfer"]), "category"].astype(str))
+    on_ops = cp.segments["segment"].isin(["op", "transfer"]).to_numpy()
+    on_path = {str(c) for c in cp.segments.loc[on_ops, "category"].unique()}  # not a str per segment
     cats = categories if categories is not None else sorted(on_path - {"launch", "host"})
     walls = w["wall_us"].to_numpy()
     got = bounds(lab.pieces, cp.links, w["start_us"].to_numpy(), w["end_us"].to_numpy(), lab.category, cats, speedup)

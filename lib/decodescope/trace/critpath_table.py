@@ -50,27 +50,36 @@ def critical_paths(events: pd.DataFrame, ops: pd.DataFrame, steps: pd.DataFrame)
 
 
 def _label(seg: dict, lab: Labelled, windows: pd.DataFrame) -> pd.DataFrame:
-    piece = seg["piece"].astype(np.int64)
+    """The segments labelled, in (step, start) order: each column made in that order at once (no sorted
+    copy of the table)."""
+    step_pos = seg["step"].astype(np.int64)
+    step = windows["step"].to_numpy()[step_pos] if len(step_pos) else np.empty(0, np.int64)
+    order = np.lexsort((seg["start_us"], step))
+    piece, kind, step_pos, step = seg["piece"].astype(np.int64)[order], seg["kind"].astype(np.int64)[order], \
+        step_pos[order], step[order]
     safe = np.clip(piece, 0, None)
     p = lab.pieces
-    kind = seg["kind"].astype(np.int64)
     names = np.array(SEGMENT_KINDS, dtype=object)[kind]
     is_op = (kind <= 1) & (piece >= 0)
-    step_pos = seg["step"].astype(np.int64)
-    df = pd.DataFrame({
-        "step": windows["step"].to_numpy()[step_pos] if len(step_pos) else np.empty(0, np.int64),
-        "step_kind": windows["kind"].to_numpy()[step_pos] if len(step_pos) else np.empty(0, object),
+    return pd.DataFrame({
+        "step": step,
+        "step_kind": _categorical(windows["kind"].to_numpy()[step_pos] if len(step_pos) else np.empty(0, object)),
         "rank": np.where(piece >= 0, p.rank[safe], -1) if len(p) else -1,
         "lane": np.where(piece >= 0, lab.lane_id[safe], -1) if len(p) else -1,
         "on_cpu": p.on_cpu[safe] if len(p) else False,
-        "name": np.where(is_op, lab.name[safe] if len(p) else "", ""),
-        "category": np.where(is_op, lab.category[safe] if len(p) else "", names),
-        "segment": names,
-        "start_us": seg["start_us"],
-        "dur_us": seg["end_us"] - seg["start_us"],
+        "name": _categorical(np.where(is_op, lab.name[safe] if len(p) else "", "")),
+        "category": _categorical(np.where(is_op, lab.category[safe] if len(p) else "", names)),
+        "segment": _categorical(names),
+        "start_us": seg["start_us"][order],
+        "dur_us": (seg["end_us"] - seg["start_us"])[order],
         "piece": piece,
-    })
-    df = df.sort_values(["step", "start_us"], kind="stable").reset_index(drop=True)
-    for c in ("step_kind", "name", "category", "segment"):
-        df[c] = df[c].astype("category")
-    return df[SEGMENT_COLUMNS]
+    }, copy=False)
+
+
+def _categorical(values: np.ndarray) -> pd.Categorical:
+    """An object array of str as the categorical .astype("category") makes of a str column (its categories
+    sorted, of str dtype), factorized from the objects as they are: no str column made on the way."""
+    if not len(values):
+        return pd.Categorical(values)
+    codes, uniques = pd.factorize(values, sort=True)
+    return pd.Categorical.from_codes(codes, categories=pd.Index(uniques, dtype="str"))

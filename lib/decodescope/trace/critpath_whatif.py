@@ -6,12 +6,16 @@ collective ends once its last rank has entered, plus its transfer. Replayed unch
 exactly its wall time; with a category's pieces shortened, no piece can start later than it did, so the
 step's new wall time is the least a fix of that category leaves (the bound is on the trace's own
 dependencies: it cannot know what a fix would add).
+
+The replay walks a step's pieces one by one; it runs in C (_kscan.c: cp_replay, the same arithmetic in the
+same order, so the bounds agree to the bit) where the scanner is built, in Python (replay_step) elsewhere.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from decodescope.trace.critpath import LANE, LAUNCH, NONE, Links, Pieces
+from decodescope.trace.cscan import library
 
 
 def _lane_prev(p: Pieces) -> np.ndarray:
@@ -91,17 +95,61 @@ def replay_step(p: Pieces, ln: Links, w0: float, w1: float, scale: np.ndarray, f
     return max(e_new[i] for i in order) + tail - w0
 
 
+def member_chains(p: Pieces, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first, next): per position in `rows` (replay order), the position of its collective instance's first
+    member and of the member after it (in that order; -1: none or the last)."""
+    g = p.group[rows]
+    first, nxt = np.full(len(rows), -1, np.int64), np.full(len(rows), -1, np.int64)
+    at = np.flatnonzero(g >= 0)
+    at = at[np.argsort(g[at], kind="stable")]
+    if not len(at):
+        return first, nxt
+    same = g[at[1:]] == g[at[:-1]]
+    nxt[at[:-1][same]] = at[1:][same]
+    heads = np.flatnonzero(np.r_[True, ~same])
+    first[at] = np.repeat(at[heads], np.diff(np.r_[heads, len(at)]))
+    return first, nxt
+
+
+class _CReplay:
+    """replay_step in C: the pieces' arrays as C reads them, and its scratch (each piece's new start and
+    end, and whether it is placed), made once for all the replays."""
+
+    def __init__(self, lib, p: Pieces, ln: Links):
+        def f64(a):
+            return np.ascontiguousarray(a, dtype=np.float64)
+
+        def i64(a):
+            return np.ascontiguousarray(a, dtype=np.int64)
+
+        self.lib, self.end = lib, f64(p.end)
+        self.cols = [f64(p.start), self.end, i64(ln.kind), i64(ln.pred), f64(ln.ready), i64(p.group),
+                     f64(ln.entry), i64(_lane_prev(p)), i64(p.launch)]
+        self.scratch = [self.cols[0].copy(), self.end.copy(), np.zeros(len(p), np.uint8)]
+
+    def __call__(self, rows: np.ndarray, chains: tuple, scale: np.ndarray, w0: float, w1: float) -> float:
+        if not len(rows):
+            return w1 - w0
+        order = np.ascontiguousarray(rows, dtype=np.int64)
+        ptrs = [a.ctypes.data for a in (order, *chains, *self.cols, scale, *self.scratch)]
+        last_end = self.lib.cp_replay(len(order), *ptrs)
+        tail = w1 - float(np.minimum(self.end[rows], w1).max())
+        return last_end + tail - w0
+
+
 def bounds(p: Pieces, ln: Links, w0: np.ndarray, w1: np.ndarray, category: np.ndarray,
            categories: list[str], speedup: float = float("inf")) -> dict[str, np.ndarray]:
     """Per category: each step's wall time with that category's pieces `speedup` times faster (inf: free)."""
-    flat = _Flat(p, ln)
-    rows = [step_rows(p, ln, a, b) for a, b in zip(w0.tolist(), w1.tolist())]
-    out = {}
+    lib = library()
+    fast = _CReplay(lib, p, ln) if lib is not None else None
+    flat = _Flat(p, ln) if fast is None else None
+    walls: dict[str, list[float]] = {c: [] for c in categories}
     scale = np.ones(len(p))  # read only at each step's rows: set there, step by step
-    for c in categories:
-        walls = []
-        for a, b, r in zip(w0.tolist(), w1.tolist(), rows):
-            scale[r] = np.where(category[r] == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
-            walls.append(replay_step(p, ln, a, b, scale, flat, r))
-        out[c] = np.array(walls)
-    return out
+    for a, b in zip(w0.tolist(), w1.tolist()):  # one step's rows held at a time
+        r = step_rows(p, ln, a, b)
+        ch = member_chains(p, r) if fast is not None else ()
+        cat = category[r]
+        for c in categories:
+            scale[r] = np.where(cat == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
+            walls[c].append(fast(r, ch, scale, a, b) if fast is not None else replay_step(p, ln, a, b, scale, flat, r))
+    return {c: np.array(v) for c, v in walls.items()}

@@ -75,6 +75,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.kr_names.argtypes, lib.kr_names.restype = [p, p, p, p], None
     lib.kr_sums.argtypes, lib.kr_sums.restype = [p, p, p, p, p, p], None
     lib.kr_pairs.argtypes, lib.kr_pairs.restype = [p, p, p, p], None
+    # the critical path's what-if replay (critpath_whatif.py)
+    lib.cp_replay.argtypes, lib.cp_replay.restype = [ctypes.c_int64] + [p] * 16, ctypes.c_double
     lib.kr_ruled.argtypes, lib.kr_ruled.restype = [p, p, p], None
     _lib = lib
     return lib
