@@ -2,6 +2,8 @@
 beside the summed shares, the collectives' waits and what a fix of each category could buy at most."""
 from __future__ import annotations
 
+import math
+
 import time
 from pathlib import Path
 
@@ -42,7 +44,8 @@ def critical_path_command(args, read_or_report) -> int:
         if not waits.empty:
             print("\nCollectives waiting for a later rank (per step, summed over the waiting ranks):")
             print(waits.to_string(**fmt))
-        print(f"\nWhat a fix could buy at most (the step replayed with the category {args.speedup:g}x faster):")
+        how = "free" if math.isinf(args.speedup) else f"{args.speedup:g}x faster"
+        print(f"\nWhat a fix could buy at most (the step replayed with the category {how}):")
         print(fixes.to_string(**fmt))
     print(f"\nwrote {out}/critical_path.parquet and {out}/critical_path.json")
     return 0
