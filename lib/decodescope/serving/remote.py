@@ -20,6 +20,7 @@ from typing import Optional
 
 import pandas as pd
 
+from decodescope.core.logsetup import run_program
 from decodescope.exec.host import host_for
 from decodescope.exec.hostcore import LinkDropped
 from decodescope.schema.records import read_record
@@ -103,5 +104,5 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the load generator on the host: its progress as plain lines on stderr (loadgen.log)
+    run_program(main)
