@@ -32,23 +32,24 @@ def _top_level(ops: pd.DataFrame) -> pd.DataFrame:
     return o[o["ts_us"].to_numpy() >= reach]
 
 
-def _step_drafter(top: pd.DataFrame, end_us: float, next_us: float) -> Optional[dict]:
-    """One step's drafter from its lane's top-level ops between the step's end and the next step's start."""
-    w = top[(top["ts_us"] >= end_us) & (top["ts_us"] < next_us)]
-    fwd = w[w["name"].str.contains(FORWARD)]
-    if fwd.empty:
+def _step_drafter(ts: np.ndarray, dur: np.ndarray, fwd: np.ndarray, end_us: float, next_us: float) -> Optional[dict]:
+    """One step's drafter from its lane's top-level ops (start order: ts, dur, whether each is a forward)
+    between the step's end and the next step's start."""
+    lo, hi = np.searchsorted(ts, [end_us, next_us])
+    w_ts, w_dur, w_fwd = ts[lo:hi], dur[lo:hi], fwd[lo:hi]
+    if not w_fwd.any():
         return None
-    starts = fwd["ts_us"].to_numpy()
-    last_end = float(starts[-1] + fwd["dur_us"].iloc[-1])
-    after = w[w["ts_us"] >= last_end]
+    starts, fwd_dur = w_ts[w_fwd], w_dur[w_fwd]
+    last_end = float(starts[-1] + fwd_dur[-1])
+    after = w_ts >= last_end
     stop = last_end
-    for ts, dur in zip(after["ts_us"], after["dur_us"]):
-        if ts - stop > DRAFTER_END_GAP_US:
+    for t, d in zip(w_ts[after].tolist(), w_dur[after].tolist()):
+        if t - stop > DRAFTER_END_GAP_US:
             break
-        stop = max(stop, float(ts + dur))
+        stop = max(stop, t + d)
     bounds = np.append(starts, stop)
     return {"passes": len(starts), "lead_us": float(starts[0] - end_us), "pass_us": np.diff(bounds).tolist(),
-            "forward_us": fwd["dur_us"].tolist(), "drafter_us": stop - end_us, "between_us": float(next_us - stop)}
+            "forward_us": fwd_dur.tolist(), "drafter_us": stop - end_us, "between_us": float(next_us - stop)}
 
 
 def drafter_steps(ops: pd.DataFrame, steps: pd.DataFrame, kind: str = "decode",
@@ -60,12 +61,15 @@ def drafter_steps(ops: pd.DataFrame, steps: pd.DataFrame, kind: str = "decode",
     best: Optional[DrafterSteps] = None
     for rank, s in steps.sort_values("start_us").groupby("rank"):
         mine = ops[ops["rank"] == rank]
-        lane = mine.loc[mine["name"].str.contains(FORWARD), "lane"]
-        if lane.empty:
+        is_fwd = mine["name"].str.contains(FORWARD).to_numpy(bool)  # matched once a rank, not once a step
+        if not is_fwd.any():
             continue
-        top = _top_level(mine[mine["lane"] == lane.mode().iloc[0]])
+        lane = mine["lane"][is_fwd].mode().iloc[0]
+        on_lane = (mine["lane"] == lane).to_numpy()
+        top = _top_level(mine[on_lane].assign(fwd=is_fwd[on_lane]))
+        ts, dur, fwd = top["ts_us"].to_numpy(float), top["dur_us"].to_numpy(float), top["fwd"].to_numpy(bool)
         nxt = s["start_us"].shift(-1)
-        rows = [r for r in (_step_drafter(top, e, n) for e, n, k in zip(s["end_us"], nxt, s["kind"])
+        rows = [r for r in (_step_drafter(ts, dur, fwd, e, n) for e, n, k in zip(s["end_us"], nxt, s["kind"])
                             if k == kind and pd.notna(n)) if r is not None]
         if not rows:
             continue
