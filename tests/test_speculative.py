@@ -94,7 +94,7 @@ def test_the_served_models_own_directory_replaces_at_model_in_a_speculative_conf
 def test_a_config_placeholder_names_a_model_directory_built_for_it_and_a_missing_one_is_refused(tmp_path):
     import shutil
 
-    from decodescope.exec.modeldir import placeholder_configs
+    from decodescope.schema.params import placeholder_configs
     from decodescope.exec.serverlaunch import launch_spec
     from decodescope.schema.params import load_params, with_experiment
     from decodescope.schema.params_schema import ParamsError
@@ -155,15 +155,17 @@ def test_the_measured_drafter_prices_every_drafting_variant_within_15_percent_an
 def test_whole_decode_steps_as_the_drafter_missed_by_more_than_the_measured_drafter(spec_rows):
     """The earlier pricing (each draft pass a whole decode step, no rejection or inputs) on the same run."""
     from pathlib import Path
-    from unittest import mock
 
     from decodescope.schema.params import load_params
-    from decodescope.verdict import variants
-    from decodescope.verdict.verdict import verdict
+    from decodescope.schema.rundata import RunDir
+    from decodescope.verdict import fixes
+    from decodescope.verdict.variants import variant_rows
 
     params = load_params(Path(__file__).resolve().parents[1] / "params/experiments-spec.yaml")
-    with mock.patch.object(variants, "drafter_sources", lambda run_dir, p: {}):
-        old = [r.model_dump() for r in verdict(SPEC_RUN, params).variants]
+    captures = fixes.profile_captures(SPEC_RUN)
+    inp = fixes.model_inputs(SPEC_RUN, params, fixes.profile_summaries(SPEC_RUN, params), captures)
+    # no profiled drafter to price by: the self drafter priced as whole decode steps
+    old = variant_rows(SPEC_RUN, params, inp, RunDir(SPEC_RUN).serving_levels(), captures, drafters={})
     mean = {}
     for name, rs in (("measured", spec_rows), ("whole steps", old)):
         errs = [abs(r["projection_error_pct"]) for r in rs if r["variant"] in SELF and r.get("level")]
@@ -225,7 +227,7 @@ def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
     """Issue 43 item 6, prepared: draft-model variants on the GPU engine, the drafters profiled."""
     from pathlib import Path
 
-    from decodescope.exec.modeldir import placeholder_configs
+    from decodescope.schema.params import placeholder_configs
     from decodescope.schema.params import load_params, with_experiment
 
     params = load_params(Path(__file__).resolve().parents[1] / "params/h200-qwen3moe-spec.yaml")

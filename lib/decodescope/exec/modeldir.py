@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from decodescope.schema.params import CONFIG_PLACEHOLDER, Params
+from decodescope.schema.params import Params, placeholder_configs
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
 # Qwen-style chat template, so /v1/chat/completions works with the trained tokenizer.
@@ -109,12 +109,6 @@ def build_dummy_model_dir(config: dict, cache_root: Path, name: str) -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def placeholder_configs(engine_args: dict) -> list[str]:
-    """The config paths named as '@config:<path>' anywhere in the engine arguments' values."""
-    found = [m.group(1) for v in engine_args.values() for m in CONFIG_PLACEHOLDER.finditer(json.dumps(v))]
-    return list(dict.fromkeys(found))
 
 
 def placeholder_dirs(params: Params) -> dict[str, Path]:

@@ -270,18 +270,24 @@ def _semantic_problems(raw: dict, path: Path) -> list[tuple[str, str]]:
 CONFIG_PLACEHOLDER = re.compile(r"@config:([^\"'\\\s,}]+)")
 
 
+def placeholder_configs(engine_args: dict) -> list[str]:
+    """The config paths named as '@config:<path>' anywhere in the engine arguments' values, each once."""
+    found = [m.group(1) for v in engine_args.values() for m in CONFIG_PLACEHOLDER.finditer(json.dumps(v))]
+    return list(dict.fromkeys(found))
+
+
 def _placeholder_problems(raw: dict, base: Path) -> list[tuple[str, str]]:
     """Each '@config:<path>' in server.engine_args must name a readable HF config (the experiments' are
     checked as each variant's merged params)."""
     args = _section(raw, "server").get("engine_args")
     problems = []
-    for m in CONFIG_PLACEHOLDER.finditer(json.dumps(args) if isinstance(args, dict) else ""):
-        cfg = Path(os.path.expanduser(m.group(1)))
+    for rel in placeholder_configs(args) if isinstance(args, dict) else []:
+        cfg = Path(os.path.expanduser(rel))
         cfg = cfg if cfg.is_absolute() else base / cfg
         try:
             json.loads(cfg.read_text())
         except (OSError, ValueError) as e:
-            problems.append(("server.engine_args", f"'@config:{m.group(1)}' names {str(cfg)!r}, which is not a "
+            problems.append(("server.engine_args", f"'@config:{rel}' names {str(cfg)!r}, which is not a "
                              f"readable JSON HF config ({type(e).__name__}); give a config.json relative to the "
                              "params file"))
     return problems
@@ -452,6 +458,6 @@ def flatten_dotted(d: Any, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: value}
 
 
-__all__ = ["dump_yaml", "flatten_dotted", "HostParams", "load_params", "params_as_dict", "READERS",
+__all__ = ["dump_yaml", "flatten_dotted", "HostParams", "load_params", "params_as_dict", "placeholder_configs", "READERS",
            "readers_of", "redact", "RETIRED_KEYS", "RUNNER", "schema_keys", "unread_keys", "with_experiment",
            "with_overrides"]

@@ -368,7 +368,8 @@ def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame], captures: O
     serving level (and profiled batch). A fix's TPOT is calibrated where the sweep measured the batch:
     the baseline's TPOT (baseline_tpot: 01's, with 04's start where it ran that level) x fix / base
     model, so the model's own error cancels; elsewhere it is the model's.
-    more_fixes(batch): fixes priced elsewhere (the measured drafters, verdict.speccurve).
+    more_fixes(batch, scale): fixes priced elsewhere (the measured drafters, verdict.speccurve), at the
+    batch and its calibration.
     Returns (curve rows, step-model component rows, projection rows at the lowest level)."""
     tp = inp.tp
     measured = {}
@@ -391,7 +392,7 @@ def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame], captures: O
                      "tok_s_per_gpu": sb * 1e6 / base.period_us / tp, "model_us": base.period_us})
         comps += [{"batch": b, **r} for r in base.table().to_dict("records")]
         scale = calibration.get(b, base.period_us) / base.period_us
-        for f in fixes_at(inp, sb, params) + (more_fixes(sb) if more_fixes else []):
+        for f in fixes_at(inp, sb, params) + (more_fixes(sb, scale) if more_fixes else []):
             flo, fhi = f.prediction.band_us
             tpot = f.tpot_us(f.prediction.period_us, scale)
             row = {"fix": f.name, "batch": b, "tpot_us": tpot, "tpot_low_us": f.tpot_us(flo, scale),

@@ -54,12 +54,22 @@ def _acceptance(levels: pd.DataFrame) -> tuple[Optional[float], bool, Optional[f
     return float(v.median()) / 100.0, True, float(length.median()) if len(length) else None, median_pos
 
 
+def variant_spec(vparams) -> Optional[dict]:
+    """A variant's speculative config (its params, with_experiment), or None where it has none."""
+    return _spec_config(dashed(vparams.server.engine_args))
+
+
+def drafter_component(us: float, how: str) -> sp.Component:
+    """A drafter measured whole (a profiled variant's passes): host time inside the verify step."""
+    return sp.Component(sm.DRAFTER, us, us, us, how, [], sp.Kind.HOST_IN_STEP)
+
+
 def drafter_sources(run_dir: Path, params) -> dict[str, dict[str, list[DrafterCost]]]:
     """drafter (speculative.drafter_key) -> profiled speculative variant -> the drafter's cost at each level
     its 04 profiled (variants/<name>/data/profile/c<N>/drafter_steps.json, scaled by its capture)."""
     out: dict[str, dict[str, list[DrafterCost]]] = {}
     for exp in params.experiments:
-        spec = _spec_config(dashed(with_experiment(params, exp.name).server.engine_args)) if exp.profile else None
+        spec = variant_spec(with_experiment(params, exp.name)) if exp.profile else None
         if spec is None:
             continue
         vdir = RunDir(run_dir).variant(exp.name)
@@ -123,7 +133,7 @@ def spec_fix(inp: ModelInputs, batch: float, k: int, spec: dict, alpha: float, a
     comps = list(verify.components)
     if measured:
         d_us, how = drafter_us(measured, k, batch)
-        comps.append(sp.Component(sm.DRAFTER, d_us, d_us, d_us, how, [], sp.Kind.HOST_IN_STEP))
+        comps.append(drafter_component(d_us, how))
         notes.append(f"drafter: {drafter}, {d_us:,.0f} us a verify step, {how}")
     elif drafter == "self":
         draft = inp.predict(batch)
@@ -246,9 +256,11 @@ def _gist(error: str) -> str:
 
 
 def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Optional[pd.DataFrame],
-                 captures: Optional[dict[int, ProfileCapture]] = None) -> list[dict]:
+                 captures: Optional[dict[int, ProfileCapture]] = None,
+                 drafters: Optional[dict[str, dict[str, list[DrafterCost]]]] = None) -> list[dict]:
     """Per variant and serving level: its TPOT against the baseline's (01) and against its projection
-    (calibrated like the fixes: the baseline's TPOT, baseline_tpot, x fix / base model)."""
+    (calibrated like the fixes: the baseline's TPOT, baseline_tpot, x fix / base model). drafters:
+    drafter_sources where the caller read them already."""
     run = RunDir(run_dir)
     manifest = run.manifest()
     states = manifest.variants if manifest is not None else {}
@@ -258,7 +270,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
              if levels is not None and "gpu_util_mean_pct" in levels.columns else {})
     base_modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
     base_profiles = profile_summaries(run_dir, params)
-    drafters = drafter_sources(run_dir, params)
+    drafters = drafter_sources(run_dir, params) if drafters is None else drafters
     rows = []
     for exp in params.experiments:
         state = states.get(exp.name) or VariantEntry(status="not run")

@@ -296,11 +296,13 @@ def verdict(run_dir: Path, params) -> Verdict:
     summaries = profile_summaries(run_dir, params)
     captures = profile_captures(run_dir)
     inp = model_inputs(run_dir, params, summaries, captures)
+    sources = drafter_sources(run_dir, params) if params.experiments else {}
     model: dict[float, tuple[float, float, float]] = {}
     if inp is not None:
-        drafters = measured_drafters(run_dir, params, drafter_sources(run_dir, params)) if params.experiments else []
+        drafters = measured_drafters(run_dir, params, sources)
         curve_rows, comp_rows, proj_rows = curves(inp, params, levels, captures,
-                                                  more_fixes=lambda b: measured_spec_fixes(inp, b, drafters))
+                                                  more_fixes=lambda b, scale: measured_spec_fixes(inp, b, drafters,
+                                                                                                  scale))
         out.spec_k = [SpecKRow.model_validate(r) for r in spec_k_rows(run_dir, params, inp, levels, captures, drafters)]
         out.curves = [CurveRow.model_validate(r) for r in curve_rows]
         out.step_model = comp_rows
@@ -315,7 +317,8 @@ def verdict(run_dir: Path, params) -> Verdict:
         out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(
             levels, summaries, model, captures, _read_parquet(run_dir, SERVING_REQUESTS))]
     if params.experiments:
-        out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels, captures)]
+        out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels, captures,
+                                                                                      sources)]
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
     modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
     out.engine = modes.describe() if modes else ""
