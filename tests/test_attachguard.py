@@ -20,8 +20,8 @@ from decodescope.exec.servertree import profiler_settings
 from decodescope.schema.params import load_params
 from decodescope.schema.records_attach import WindowCost
 from decodescope.trace.attachguard import (EXPORT_PER_TRACE_BYTE, MEMORY_SHARE, SLICE_MAX_S,
-                                           STACK_WINDOW_EXPORT_BYTES, export_ratio, plan_window, slice_seconds,
-                                           stack_refusal, window_span_s)
+                                           STACK_WINDOW_EXPORT_BYTES, bytes_per_step, export_ratio, plan_window,
+                                           slice_seconds, stack_refusal, window_span_s, window_steps)
 
 REPO = Path(__file__).resolve().parents[1]
 MiB, GiB = 2**20, 2**30
@@ -82,10 +82,30 @@ def test_a_server_with_stacks_on_is_refused_before_any_window_unless_its_host_ho
 
 def test_a_window_that_fits_runs_whole():
     plan = plan_window("c1", FAST, 12, 192, 1, ranks=2, ratio=100.0, mem_available=20 * GiB, disk_free=100 * GiB)
-    # 192 tokens / 50 a second = 3.84 s -> 3.84 MiB a rank; 2 x 100 x 3.84 MiB = 768 MiB of export
+    # by the span: 192 tokens / 50 a second = 3.84 s -> 3.84 MiB a rank; by the step: 2 MiB / 100 steps x
+    # (192 + 12) steps = 4.08 MiB, the larger; 2 x 100 x 4.08 MiB = 816 MiB of export
     assert plan.decision == "fits" and plan.allowed_requests == 12
-    assert plan.est_span_s == pytest.approx(3.84) and plan.est_trace_bytes == int(3.84 * MiB)
-    assert window_span_s(FAST, 192) == pytest.approx(3.84)
+    assert plan.est_span_s == pytest.approx(3.84) and window_span_s(FAST, 192) == pytest.approx(3.84)
+    assert plan.est_steps == 204 and plan.est_trace_bytes == int(2 * MiB / 100 * 204)
+    assert plan.est_export_bytes == int(2 * MiB / 100 * 204 * 100 * 2)
+
+
+def test_a_window_is_priced_at_its_most_steps_whatever_pace_its_slice_ran_at():
+    # a slice at concurrency 4 whose batches were full: 100 tokens in 25 steps, 2 MiB. Its window may take
+    # four times as many steps (its requests one by one, as a stalled client runs them): by the span it
+    # would read 3.84 MiB, by the step 2 MiB / 25 x 204 = 16.32 MiB
+    batched = WindowCost(label="slice-c4", requests=12, steps=25, tokens=100, span_s=2.0, trace_bytes=2 * MiB,
+                         window_s=1.0)
+    plan = plan_window("c4", batched, 12, 192, 4, ranks=2, ratio=100.0, mem_available=20 * GiB, disk_free=None)
+    assert plan.est_steps == 204 and plan.est_trace_bytes == int(2 * MiB / 25 * 204)
+    assert bytes_per_step(batched) == 2 * MiB / 25 and window_steps(12, 192) == 204
+    # the steps annotated in the trace, where counted, over vLLM's counter (whose span can miss a step or two)
+    counted = batched.model_copy(update={"trace_steps": 32})
+    assert bytes_per_step(counted) == 2 * MiB / 32
+    assert plan_window("c4", counted, 12, 192, 4, 2, 100.0, 20 * GiB, None).est_trace_bytes == int(2 * MiB / 32 * 204)
+    # shrunk (0.5 x 16 GiB / (300 x 2) = 13.65 MiB of 16.32: 10 of 12 requests), its steps shrink with them
+    tight = plan_window("c4", batched, 12, 192, 4, ranks=2, ratio=300.0, mem_available=16 * GiB, disk_free=None)
+    assert tight.allowed_requests == 10 and tight.est_steps == pytest.approx(170.0)
 
 
 def test_a_window_too_large_is_shrunk_to_the_requests_that_fit():

@@ -1,6 +1,7 @@
 import gzip
 import json
 import shutil
+from pathlib import Path
 from collections import defaultdict
 
 import pytest
@@ -423,3 +424,19 @@ def test_op_table_rows_are_the_kept_kernels_by_rank_and_start(repo):
     ref = events[events["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"])].sort_values(["rank", "ts_us"])
     assert ops["name"].astype(str).tolist() == ref["name"].astype(str).tolist()
     assert list(ops.index) == list(range(len(ops)))
+
+
+@pytest.mark.parametrize("fixture", ["vllm_cpu_tp2_c4", "vllm_gpu_h200_c16"])
+def test_the_steps_a_trace_annotates_are_counted_in_one_pass_whatever_the_chunks(fixture, monkeypatch):
+    """The attach guard's count: each CPU-side step annotation once (a GPU trace's gpu_user_annotation copy
+    not), against json.load, with chunk sizes that cut annotations at every place."""
+    from decodescope.trace import reader
+    from decodescope.trace.analyze import STEP_NAME
+
+    src = sorted((Path(__file__).parent / "fixtures/traces" / fixture).glob("*rank0*.pt.trace.json.gz"))[0]
+    events = json.loads(gzip.decompress(src.read_bytes()))["traceEvents"]
+    want = sum(1 for e in events if e.get("cat") == "user_annotation" and STEP_NAME.fullmatch(str(e.get("name"))))
+    assert want > 10
+    for chunk in (97, 4099, 1 << 20):
+        monkeypatch.setattr(reader, "CHUNK_BYTES", chunk)
+        assert reader.annotated_steps(src) == want

@@ -18,6 +18,8 @@ class WindowCost(_Model):
     label: str = Field(description="probe-1, slice-c<N> (a level's slice), or c<N> (a level's window)")
     requests: int = Field(description="requests the window ran")
     steps: float = Field(description="engine steps in the profiled span (vLLM's iteration counter)")
+    trace_steps: Optional[int] = Field(None, description="engine steps annotated in its largest rank trace: "
+                                       "what that trace's bytes were written for; None: not counted")
     tokens: float = Field(description="output tokens the server generated in the profiled span")
     span_s: float = Field(description="/start_profile answered to /stop_profile sent: the span profiled")
     trace_bytes: int = Field(description="the largest rank trace file it left, as written (gzip)")
@@ -33,6 +35,8 @@ class WindowPlan(_Model):
     planned_requests: int = Field(description="profile.requests at this level (at least one batch)")
     planned_tokens: float = Field(description="output tokens of that workload (requests x profile.output_tokens)")
     est_span_s: float = Field(description="its profiled span at the slice's output tokens per second")
+    est_steps: Optional[float] = Field(None, description="the most engine steps it can take: each request "
+                                       "alone, a prefill step, one a further token and one after its last")
     allowed_requests: int = Field(description="what the guard let run: planned_requests, fewer, or 0 (refused)")
     est_trace_bytes: int = Field(description="estimated largest rank trace of the allowed window")
     est_export_bytes: int = Field(description="estimated sum of the processes' export memory, allowed window")

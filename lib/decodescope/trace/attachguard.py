@@ -18,8 +18,15 @@ span at the level's own load:
 2. a slice of each level's own workload, profiled for `slice_seconds` (so that by probe-1's rate its
    export stays within PROBE_MEMORY_SHARE of the available memory) once its first wave of requests has run,
    then stopped while the workload finishes unprofiled: trace bytes and output tokens per second of span;
-3. the level's window: its output tokens over the slice's tokens per second is its span; the span at the
-   slice's bytes per second is its trace; each rank's export is the trace times the largest
+3. the level's window: its trace is the larger of two readings of the slice. By the step: the slice's
+   bytes per step (its rank trace over the steps annotated in it) times the most steps the window can take,
+   every request alone (est_steps). By the span: its output tokens over the slice's tokens per second is
+   its span, at the slice's bytes per second. The step is what a trace grows by with stacks off (5.8 to
+   6.2 KB a step over the slices and windows of the 2-core host at concurrency 1 and 4), and a window's
+   steps are what its client's pace sets: the same 12 requests of 16 tokens at concurrency 4 took 50 steps
+   in one window and 104 in another, where the client process stood still for about 1 s at a time (its
+   event loop's lag, measured) and the requests ran one by one; no slice foretells that. Each rank's export
+   is the trace times the largest
    export ratio measured (at least EXPORT_PER_TRACE_BYTE, since a worker reuses memory an earlier export
    left it and then shows no growth). It runs whole when every rank's export fits in MEMORY_SHARE of the
    available memory and the traces in DISK_SHARE of the free disk, with fewer requests (at least one batch)
@@ -71,6 +78,19 @@ def slice_seconds(probe: WindowCost, ranks: int, mem_available: Optional[int], r
     return t if t >= SLICE_MIN_S else 0.0
 
 
+def bytes_per_step(cost: WindowCost) -> float:
+    """A window's rank trace per engine step: over the steps annotated in the trace where they were counted
+    (the counter's span can miss the profiler's by a step or two at each end), else vLLM's counter."""
+    return cost.trace_bytes / max(float(cost.trace_steps or cost.steps), 1.0)
+
+
+def window_steps(requests: int, tokens: float) -> float:
+    """The most engine steps `requests` requests of `tokens` output tokens in all can take: each one alone,
+    its prefill step (which makes its first token), one step a further token, and one step after its last
+    (measured: 204 steps for 12 requests of 16 tokens at concurrency 1)."""
+    return tokens + requests
+
+
 def window_span_s(slice_cost: WindowCost, tokens: float) -> float:
     """The profiled span of a window that generates `tokens` output tokens, at the slice's rate."""
     per_s = max(slice_cost.tokens, 1.0) / max(slice_cost.span_s, MIN_SPAN_S)
@@ -82,7 +102,8 @@ def plan_window(label: str, slice_cost: WindowCost, planned_requests: int, plann
     """The level's window from its slice: whole when it fits, else the most requests (at least
     `concurrency`, one batch) that fit, its span scaled by requests; else refused."""
     span = window_span_s(slice_cost, planned_tokens)
-    trace = bytes_per_s(slice_cost) * span
+    steps = window_steps(planned_requests, planned_tokens)
+    trace = max(bytes_per_s(slice_cost) * span, bytes_per_step(slice_cost) * steps)
     limits = []   # the largest rank trace each resource allows
     if mem_available:
         limits.append(("memory", MEMORY_SHARE * mem_available / (ratio * ranks)))
@@ -93,8 +114,9 @@ def plan_window(label: str, slice_cost: WindowCost, planned_requests: int, plann
                   mem_available_bytes=mem_available, disk_free_bytes=disk_free)
 
     def plan(requests: int, decision: str) -> WindowPlan:
-        t = trace * requests / max(planned_requests, 1)
-        return WindowPlan(**common, allowed_requests=requests if decision != "refused" else 0,
+        share = requests / max(planned_requests, 1)
+        t = trace * share
+        return WindowPlan(**common, est_steps=steps * share, allowed_requests=requests if decision != "refused" else 0,
                           est_trace_bytes=int(t), est_export_bytes=int(t * ratio * ranks),
                           decision=decision)
 

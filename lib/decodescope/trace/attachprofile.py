@@ -22,6 +22,7 @@ from decodescope.serving.promtext import ENGINE_STEPS, Scraper, counter_delta
 from decodescope.serving.sweep import SweepConfig, build_prompts, run_level
 from decodescope.trace.attachguard import export_ratio, plan_window, refusal_message, slice_seconds, stack_refusal
 from decodescope.trace.capture import CaptureError, file_into, profiled_window
+from decodescope.trace.reader import TraceError, annotated_steps
 
 log = logging.getLogger(__name__)
 GUARD_RECORD = "profile/attach_guard.json"   # under data/
@@ -32,6 +33,18 @@ ARRIVAL_TIMEOUT_S = 60.0
 TOKENS = "vllm:generation_tokens_total"     # output tokens the engine generated
 WINDOW_PARTS = ("start_profile_s", "workload_s", "stop_profile_s", "flush_wait_s")   # /start_profile to traces whole
 _FREE_DISK = "import os, sys\nst = os.statvfs(sys.argv[1])\nprint(st.f_bavail * st.f_frsize)\n"
+
+
+def _steps_in(trace: Optional[Path]) -> Optional[int]:
+    """The engine steps annotated in a rank trace; None where there is none or it cannot be read (the plan
+    then takes vLLM's step counter)."""
+    if trace is None:
+        return None
+    try:
+        return annotated_steps(trace)
+    except TraceError as e:
+        log.warning("profile: the attach guard could not count the steps in %s: %s", trace, e)
+        return None
 
 
 def export_bytes(reading: dict) -> Optional[int]:
@@ -108,8 +121,9 @@ class AttachedProfiler:
         """A probe's or slice's cost; its files filed into traces/attach_probe/<label>/."""
         rank_names = {p.name for p in fields["rank_files"]}
         files = file_into(fields["rank_files"] + fields["frontend_files"], trace_dir / PROBES_DIR / label, self.params)
+        largest = max((p for p in files if p.name in rank_names), key=lambda p: p.stat().st_size, default=None)
         return WindowCost(label=label, requests=requests, steps=float(steps), tokens=float(tokens), span_s=span_s,
-                          trace_bytes=max((p.stat().st_size for p in files if p.name in rank_names), default=0),
+                          trace_bytes=largest.stat().st_size if largest else 0, trace_steps=_steps_in(largest),
                           export_bytes=export_bytes(watch.reading), window_s=sum(fields[k] for k in WINDOW_PARTS))
 
     def _slice(self, label: str, work, seconds: float, trace_dir: Path, wave_s: float) -> WindowCost:
@@ -173,10 +187,11 @@ class AttachedProfiler:
 
     def measured(self, label: str, requests: int, steps: Optional[float], result, watch: TreeWatch) -> None:
         """What the level's window cost, beside its plan."""
+        largest = max((Path(p) for p in result.rank_files), key=lambda p: p.stat().st_size, default=None)
         self.record.levels.append(WindowCost(
             label=label, requests=requests, steps=float(steps or 0.0),
             tokens=float(requests * self.params.profile.output_tokens),
-            trace_bytes=max((Path(p).stat().st_size for p in result.rank_files), default=0),
+            trace_bytes=largest.stat().st_size if largest else 0, trace_steps=_steps_in(largest),
             export_bytes=export_bytes(watch.reading), span_s=result.workload_s,
             window_s=sum(getattr(result, k) for k in WINDOW_PARTS)))
         self._save()
@@ -195,7 +210,8 @@ class AttachedProfiler:
         """What was measured, for an error that ends the phase (a server that died under a profile)."""
         parts = [f"{p.label}: {p.span_s:.2f} s profiled, {p.steps:.0f} steps, rank trace {p.trace_bytes / 2**20:.2f} MiB"
                  for p in self.record.probes + self.record.slices]
-        parts += [f"{p.label} planned: {p.allowed_requests} requests, est. {p.est_span_s:.1f} s profiled, "
+        parts += [f"{p.label} planned: {p.allowed_requests} requests, est. {p.est_steps or 0:.0f} steps and "
+                  f"{p.est_span_s:.1f} s profiled, "
                   f"{p.est_trace_bytes / 2**20:.1f} MiB/rank, "
                   f"{p.est_export_bytes / 2**30:.2f} GiB export ({p.decision})" for p in self.record.plans]
         return f"measured before it (data/{GUARD_RECORD}): " + "; ".join(parts) if parts else ""

@@ -387,3 +387,24 @@ def opened(path: Path) -> Iterator[tuple[TraceMeta, Iterator[bytes]]]:
     finally:
         reader.close()
         meta.bytes_json = reader.bytes_read
+
+
+# vLLM's record_function around each engine step, as the CPU side writes it (a GPU trace repeats the name
+# under "gpu_user_annotation", which this leaves out); the name is trace.analyze.STEP_NAME's
+_STEP_ANNOTATION = re.compile(rb'"cat":\s*"user_annotation",\s*"name":\s*"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)"')
+_STEP_ANNOTATION_MAX_BYTES = 160   # no match is longer: a chunk's tail this long is read again with the next
+
+
+def annotated_steps(path: Path) -> int:
+    """The engine steps in a rank trace, counted from their annotations in one streamed pass (memory: a
+    chunk, whatever the file's size); a read that fails raises TraceError naming the file."""
+    count, tail = 0, b""
+    with opened(Path(path)) as (_, chunks):
+        for chunk in chunks:
+            text = tail + chunk
+            cut = max(len(text) - _STEP_ANNOTATION_MAX_BYTES, 0)
+            # a match that starts in the kept tail is counted with the next chunk, never twice
+            count += sum(1 for m in _STEP_ANNOTATION.finditer(text) if m.start() < cut)
+            tail = text[cut:]
+        count += len(_STEP_ANNOTATION.findall(tail))
+    return count
