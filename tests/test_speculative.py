@@ -231,7 +231,7 @@ def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
     from decodescope.schema.params import load_params, with_experiment
 
     params = load_params(Path(__file__).resolve().parents[1] / "params/h200-qwen3moe-spec.yaml")
-    assert params.hardware.gpu == "H200" and params.server.tensor_parallel == 1
+    assert params.hardware.gpu is None and params.server.tensor_parallel == 1   # detected: an H100 or an H200
     names = {e.name: e for e in params.experiments}
     assert {"spec-self-k1", "spec-self-k3", "spec-self-k5", "spec-draft2l-k3"} <= {n for n, e in names.items()
                                                                                    if e.profile}
