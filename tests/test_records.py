@@ -21,7 +21,8 @@ from decodescope.schema.records import (LATENCY_FIT_COLUMNS, SERVING_LEVEL_COLUM
                                         Verdict,
                                         read_record, write_record)
 from decodescope.schema.records_server import LinkMeasure, ProcessCores, ServerInfo
-from decodescope.exec.server import VllmServer, write_server_info
+from decodescope.exec.runserver import write_server_info
+from decodescope.exec.server import VllmServer
 from decodescope.serving.metrics import level_summary, per_request
 from decodescope.serving.remote import link_note
 

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from jupyter_client.manager import AsyncKernelManager
 import papermill as pm
 
-from decodescope.exec import procs, server as srv
+from decodescope.exec import procs, runserver, server as srv
 from decodescope.core import resources
 from decodescope.exec.engine_comm import CpuPathError, apply_cpu_path_here
 from decodescope.exec.host import close_all as close_hosts, preflight
@@ -30,7 +30,8 @@ from decodescope.core.phases import PHASES, SERVER_PHASES, execution_order
 from decodescope.report.html import build_report
 from decodescope.report import index as run_index
 from decodescope.core.rundir import ensure_layout, make_run_dir
-from decodescope.exec.server import hold_port, release_port, write_server_info
+from decodescope.exec.runserver import write_server_info
+from decodescope.exec.server import hold_port, release_port
 from decodescope.orchestration.progress import Progress, run_logging
 from decodescope.orchestration.runmanifest import Manifest, ResultsWriteError, RunError, set_fields, utc_now
 from decodescope.schema.records import PhaseEntry, RunManifest, ServerLaunch, ServerState, Teardown, VariantEntry
@@ -479,7 +480,7 @@ def _start_server(params, run_dir, manifest, progress, profiler_dir: Optional[Pa
     progress.note(f"starting the inference server ({params.server.mode}) ...")
     t0 = time.monotonic()
     try:
-        server = srv.start_for_params(params, run_dir, profiler_dir=profiler_dir)
+        server = runserver.start_for_params(params, run_dir, profiler_dir=profiler_dir)
     except (srv.ServerError, OSError, LockHeld) as e:
         manifest.record.server = ServerState(status="failed", error=str(e)[:4000])
         manifest.save()

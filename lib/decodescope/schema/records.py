@@ -19,8 +19,8 @@ are declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
 | data/profile_capture.json    | ProfileCaptures  | trace.capture (04)                  |
 | data/profile/host_ops.json   | HostOps          | trace.hostops.host_op_costs (04; records_profile) |
 | data/profile/c<N>/critical_path.json | CriticalPathSummary | trace.critpath_record (04; records_critpath) |
-| data/server.json             | ServerInfo       | server.write_server_info (records_server) |
-| data/link.json               | LinkMeasure      | server.write_server_info (records_server) |
+| data/server.json             | ServerInfo       | runserver.write_server_info (records_server) |
+| data/link.json               | LinkMeasure      | runserver.write_server_info (records_server) |
 | data/gemm_raw.json           | ProbeOutput      | probes.gemm (02; records_probe)     |
 | data/*_ranks/*_rank<r>.json  | ProbeOutput      | probes.collectives, probes.step (03; records_probe) |
 | data/serving_levels.parquet  | ServingLevel row | serving.metrics.level_summary (01)  |

@@ -16,7 +16,8 @@ from decodescope.core.enginelog import last_engine_modes
 from decodescope.core.rundir import LOGS
 from decodescope.exec.attached import check_attached, trace_dir_on_host
 from decodescope.exec.host import host_for, node_traces
-from decodescope.exec.server import ServerDied, phase_server
+from decodescope.exec.runserver import phase_server
+from decodescope.exec.server import ServerDied
 from decodescope.schema.recordbase import write_record
 from decodescope.schema.phasecontext import PhaseContext
 from decodescope.schema.records import ProfileCaptures
