@@ -14,7 +14,8 @@ from decodescope.core import stats
 from decodescope.cli.main import main
 from decodescope.core.io import write_parquet_atomic
 from decodescope.schema.params import load_params, params_as_dict
-from decodescope.schema.records import ProfileSummary, RunManifest, StepMedians, write_record
+from decodescope.schema.records import ProfileSummary, StepMedians, write_record
+from decodescope.schema.records_manifest import RunManifest
 from decodescope.report import compare
 from decodescope.orchestration.runmanifest import RunError
 from decodescope.serving.metrics import level_summary, per_request

@@ -16,7 +16,8 @@ from decodescope.exec.locks import LockHeld
 from decodescope.orchestration.phasenotebooks import _short_error, execute_phase
 from decodescope.orchestration.progress import Progress
 from decodescope.orchestration.runmanifest import Manifest, utc_now
-from decodescope.schema.records import PhaseEntry, RunManifest, ServerLaunch, ServerState, Teardown, VariantEntry
+from decodescope.schema.records_manifest import (PhaseEntry, RunManifest, ServerLaunch, ServerState, Teardown,
+                                                 VariantEntry)
 
 
 def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_dir: Path, server, manifest: Manifest,
