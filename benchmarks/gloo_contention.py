@@ -31,7 +31,7 @@ from decodescope.core.cpupath import apply_cpu_path_here
 apply_cpu_path_here("avx2")  # before anything loads vLLM's kernels: the server and the ranks inherit it
 
 from decodescope.exec import procs  # noqa: E402
-from decodescope.exec.server import start_for_params  # noqa: E402
+from decodescope.exec.runserver import start_for_params  # noqa: E402
 from decodescope.model import arch as archmod  # noqa: E402
 from decodescope.schema.params import load_params  # noqa: E402
 from decodescope.serving.client import run_async  # noqa: E402

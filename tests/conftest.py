@@ -114,7 +114,7 @@ def _engine_allreduce_here():
     """The all-reduce path a process started by the tests finds, found there as vLLM finds it."""
     import subprocess
 
-    from decodescope.schema.records import EngineAllReduce
+    from decodescope.schema.records_host import EngineAllReduce
 
     code = ("from decodescope.exec.engine_comm import engine_allreduce; "
             "print(engine_allreduce(has_gpu=False).model_dump_json())")

@@ -14,7 +14,8 @@ from decodescope.core import stats
 from decodescope.cli.main import main
 from decodescope.core.io import write_parquet_atomic
 from decodescope.schema.params import load_params, params_as_dict
-from decodescope.schema.records import ProfileSummary, RunManifest, StepMedians, write_record
+from decodescope.schema.records import ProfileSummary, StepMedians, write_record
+from decodescope.schema.records_manifest import RunManifest
 from decodescope.report import compare
 from decodescope.orchestration.runmanifest import RunError
 from decodescope.serving.metrics import level_summary, per_request
@@ -353,17 +354,17 @@ def test_the_page_in_a_browser_draws_every_plot_and_loads_nothing(two_runs):
 def test_06_compare_is_a_notebook_but_not_a_phase(repo, tmp_path):
     import nbformat
 
-    from decodescope.orchestration import runner
+    from decodescope.orchestration import phasenotebooks
 
     nb = nbformat.read(repo / "notebooks" / "06_compare.ipynb", as_version=4)
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert "runs = []" in params[0].source and 'out = ""' in params[0].source
-    assert "06_compare" not in runner.available_phases()
-    assert (runner.NOTEBOOK_DIR / "06_compare.ipynb").is_file()   # shipped with the others
+    assert "06_compare" not in phasenotebooks.available_phases()
+    assert (phasenotebooks.NOTEBOOK_DIR / "06_compare.ipynb").is_file()   # shipped with the others
     p = load_params(repo / "params" / "default.yaml")
-    assert "06_compare" not in runner.select_phases(p, None)
+    assert "06_compare" not in phasenotebooks.select_phases(p, None)
     with pytest.raises(RunError, match="06_compare"):
-        runner.select_phases(p, ["06_compare"])
+        phasenotebooks.select_phases(p, ["06_compare"])
 
 
 def test_the_notebook_runs_with_papermill(two_runs, tmp_path):

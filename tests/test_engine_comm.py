@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from decodescope.exec import engine_comm
-from decodescope.schema.records import CpuInfo, EngineAllReduce, HostInventory
+from decodescope.schema.records_host import CpuInfo, EngineAllReduce, HostInventory
 
 DETECT = ("from decodescope.exec.engine_comm import engine_allreduce; "
           "print(engine_allreduce(has_gpu=False).model_dump_json())")

@@ -746,7 +746,7 @@ def test_start_for_params_on_an_ssh_host_pushes_the_model_and_records_the_link(s
     """The server phase's own entry point with an ssh host (a stand-in server behind server.python):
     the dummy-weights model dir built here is copied there, the profiler directory is the run's traces/
     there, the tunnel's added latency is measured (data/link.json) and server.json says where it runs."""
-    from decodescope.exec.server import start_for_params
+    from decodescope.exec.runserver import start_for_params
 
     python = tmp_path / "server-python"
     python.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'

@@ -106,10 +106,10 @@ def test_the_phases_are_named_in_one_registry():
     from decodescope.exec import host
     from decodescope.schema import params
     from decodescope.core import phases
-    from decodescope.orchestration import runner
+    from decodescope.orchestration import phasenotebooks, runner
     from decodescope.report import compare_sources, compare_tables, html
 
-    assert params.PHASES is runner.PHASES is html.PHASES is compare_tables.PHASES is phases.PHASES
+    assert params.PHASES is phasenotebooks.PHASES is html.PHASES is compare_tables.PHASES is phases.PHASES
     assert runner.SERVER_PHASES is phases.SERVER_PHASES == {"01_serving", "04_profile"}
     assert host.HOST_PHASES is phases.HOST_PHASES and "05_verdict" not in phases.HOST_PHASES
     assert html.PHASE_TITLES is phases.PHASE_TITLES and set(phases.PHASE_TITLES) == set(phases.PHASES)

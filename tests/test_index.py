@@ -10,7 +10,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_outp
 
 from decodescope.core.io import write_parquet_atomic
 from decodescope.orchestration.progress import Progress
-from decodescope.schema.records import Bottleneck, RunManifest, Verdict, read_record, write_record
+from decodescope.schema.records import Bottleneck, Verdict, read_record, write_record
+from decodescope.schema.records_manifest import RunManifest
 from decodescope.report.index import (MISSING, build_index, collect_rows, compare_pages, headline,
                                       headline_html, render_index)
 

@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from decodescope.schema.params import load_params
-from decodescope.exec.server import ServerError, port_is_free, start_for_params
+from decodescope.exec.runserver import start_for_params
+from decodescope.exec.server import ServerError, port_is_free
 from tests.browser import inspect_report
 from tests.test_logging import progress_lines_in
 

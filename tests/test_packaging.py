@@ -128,7 +128,7 @@ def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(r
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    where = json.loads(_run([vpy, "-c", "import json, decodescope.orchestration.runner as r, decodescope.orchestration.runmanifest as m, "
+    where = json.loads(_run([vpy, "-c", "import json, decodescope.orchestration.phasenotebooks as r, decodescope.orchestration.runmanifest as m, "
                                         "decodescope.trace.categorize as c; "
                                         "print(json.dumps([r.__file__, str(r.NOTEBOOK_DIR), r.available_phases(), "
                                         "str(c.DEFAULT_RULES), m.REPO_ROOT]))"], cwd=outside).stdout)

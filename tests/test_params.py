@@ -238,7 +238,7 @@ def test_shipped_params_files_warn_about_nothing(repo, capsys):
 def test_weight_dtype_and_context_tokens_set_the_step_memory_floor(repo):
     from decodescope.model import arch
     from decodescope.micro.bench import memory_floor_note, step_memory_floor
-    from decodescope.schema.records import Peaks
+    from decodescope.schema.records_host import Peaks
 
     p = load_params(repo / "params/kimi-k2.5-int4-8x-pcie.yaml")
     peaks = Peaks(name="X", source="test", mem_gbps=1000.0)
@@ -259,7 +259,7 @@ def test_weight_dtype_and_context_tokens_set_the_step_memory_floor(repo):
 def test_int4_and_fp32_rooflines_are_explicit_and_in_the_method_note():
     from decodescope.micro.bench import gemm_table
     from decodescope.report.micro_view import gemm_method_note
-    from decodescope.schema.records import Peaks
+    from decodescope.schema.records_host import Peaks
 
     rows = [{"op": "o_proj", "batch": 1, "dtype": d, "m": 1, "n": 64, "k": 64, "count": 1, "status": "ok",
              "method": "m", "time_us": 1.0, "tflops": 1.0, "gbps": 1.0} for d in ("bf16", "int4", "fp32")]
@@ -356,7 +356,7 @@ def test_knee_resolves_against_the_serving_levels(write_params, tmp_path):
     import pandas as pd
 
     from decodescope.schema.rundata import SERVING_LEVELS, RunDir
-    from decodescope.trace.capture import profile_levels
+    from decodescope.trace.capturephase import profile_levels
 
     doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
     doc["profile"] = {"concurrency": [1, "knee"]}

@@ -14,14 +14,15 @@ from decodescope.exec import hardware
 from decodescope.micro import bench as mb
 from decodescope.core.io import write_parquet_atomic
 from decodescope.schema.params import load_params
-from decodescope.schema.records import (LATENCY_FIT_COLUMNS, SERVING_LEVEL_COLUMNS, AttributionRow, Bottleneck,
-                                        CollectivesFit, CpuInfo, CpuMatmul, GpuInfo, HostInventory, LatencyFit,
-                                        ManifestHost, Peaks, PhaseEntry, ProfileSummary, ReconcileRow, RecordError,
-                                        RunManifest, ServingHeadline, ServingLevel, StepMedians, Teardown, TopologyPair,
-                                        Verdict,
-                                        read_record, write_record)
+from decodescope.schema.records import (LATENCY_FIT_COLUMNS, AttributionRow, Bottleneck, CollectivesFit, LatencyFit,
+                                        ProfileSummary, ReconcileRow, RecordError, ServingHeadline, StepMedians,
+                                        Verdict, read_record, write_record)
+from decodescope.schema.records_host import CpuInfo, CpuMatmul, GpuInfo, HostInventory, Peaks, TopologyPair
+from decodescope.schema.records_manifest import ManifestHost, PhaseEntry, RunManifest, Teardown
+from decodescope.schema.records_serving import SERVING_LEVEL_COLUMNS, ServingLevel
 from decodescope.schema.records_server import LinkMeasure, ProcessCores, ServerInfo
-from decodescope.exec.server import VllmServer, write_server_info
+from decodescope.exec.runserver import write_server_info
+from decodescope.exec.server import VllmServer
 from decodescope.serving.metrics import level_summary, per_request
 from decodescope.serving.remote import link_note
 

@@ -599,7 +599,7 @@ def test_the_profilers_measured_cost_comes_off_the_period_not_the_profiled_wall(
 
 
 def test_the_profilers_cost_is_the_inter_token_latency_it_added_with_the_unprofiled_runs_spread(tiny):
-    from decodescope.trace.capture import itl_window_noise, profiler_step_cost_us, unprofiled_itl_us
+    from decodescope.trace.profilercost import itl_window_noise, profiler_step_cost_us, unprofiled_itl_us
 
     # two unprofiled runs at 3,000 and 3,300 us, the profiled one at 4,900: the profiler added 1,750 us
     # a step; the two unprofiled windows differ by 300 us (9.5% of their mean): the band is 1,750 -/+ 300

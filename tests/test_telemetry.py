@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from decodescope.schema.records import TELEMETRY_COLUMNS
+from decodescope.schema.records_serving import TELEMETRY_COLUMNS
 from decodescope.serving import promtext as P, telemetry as T, telemetry_read as R
 from decodescope.serving.sweep import SweepConfig, run_sweep, warmup_count
 from tests.test_serving_client import _free_port

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from decodescope.schema.recordbase import RecordError
-from decodescope.schema.records import Bottleneck, RunManifest, Verdict, write_record
+from decodescope.schema.records import Bottleneck, Verdict, write_record
+from decodescope.schema.records_manifest import RunManifest
 from decodescope.schema.views import EntryView, HostView, ManifestView, ProfileSummaryView, VerdictView, read_view, view_of
 
 REPORT = Path(__file__).parent.parent / "lib" / "decodescope" / "report"

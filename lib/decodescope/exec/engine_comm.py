@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 # without pydantic included); re-exported here (__all__), beside the detection it steers
 from decodescope.core.cpupath import (AVX2_ENV, AVX2_ONLY_DIR, CPU_PATH_ENV, CPU_PATHS, CpuPathError, apply_cpu_path,
                                       apply_cpu_path_here, cpu_path, force_avx2_in_process)
-from decodescope.schema.records import EngineAllReduce, HostInventory, ReconcileRow, RecordError, read_record
+from decodescope.schema.records import ReconcileRow, RecordError, read_record
+from decodescope.schema.records_host import EngineAllReduce, HostInventory
 from decodescope.schema.rundata import HOST
 
 # the micro-benchmark's name (probes/communicators.py) of each CPU path's all-reduce

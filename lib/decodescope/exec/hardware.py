@@ -24,8 +24,8 @@ from decodescope.exec.host import host_for
 from decodescope.schema.phasecontext import PhaseContext
 from decodescope.schema.rundata import HOST
 from decodescope.schema.recordbase import write_record
-from decodescope.schema.records import (TOPOLOGY_PAIR_COLUMNS, CpuInfo, CpuMatmul, GpuInfo, HostInventory, Peaks,
-                                        TopologyPair)
+from decodescope.schema.records_host import (TOPOLOGY_PAIR_COLUMNS, CpuInfo, CpuMatmul, GpuInfo, HostInventory, Peaks,
+                                             TopologyPair)
 
 
 def _gpu(name: str, bf16_tflops: float, fp8_tflops: Optional[float], mem_gbps: float, link_gbps: float,
@@ -99,7 +99,7 @@ def classify_link(code: str) -> str:
 
 
 def parse_topo_matrix(text: str) -> pd.DataFrame:
-    """`nvidia-smi topo -m` -> one row per ordered GPU pair (records.TopologyPair's columns)."""
+    """`nvidia-smi topo -m` -> one row per ordered GPU pair (records_host.TopologyPair's columns)."""
     lines = [_ANSI.sub("", l).rstrip() for l in text.splitlines()]
     header_idx = next((i for i, l in enumerate(lines) if re.match(r"^\s+GPU0\b", l)), None)
     if header_idx is None:

@@ -14,7 +14,8 @@ from decodescope.exec.hardware import resolve_peaks
 from decodescope.exec.host import host_for, node_hosts
 from decodescope.core.io import write_json_atomic, write_parquet_atomic
 from decodescope.probes.timing import HOST_AFTER_GEMM, HOST_ISSUE
-from decodescope.schema.records import LATENCY_FIT_COLUMNS, CollectivesFit, LatencyFit, Peaks, write_record
+from decodescope.schema.records import LATENCY_FIT_COLUMNS, CollectivesFit, LatencyFit, write_record
+from decodescope.schema.records_host import Peaks
 from decodescope.schema.records_probe import read_probe_output, read_probe_rows
 from decodescope.schema.phasecontext import PhaseContext
 from decodescope.schema.rundata import COLLECTIVES, GEMM, RunDir

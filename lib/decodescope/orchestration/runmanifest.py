@@ -16,8 +16,8 @@ from decodescope.core import resources
 from decodescope.exec.hardware import cpu_summary, package_versions
 from decodescope.schema.params import Params, flatten_dotted, params_as_dict
 from decodescope.core.io import write_text_atomic
-from decodescope.schema.records import (ManifestHost, ParamsChange, PhaseEntry, RecordError, RunManifest, VariantEntry,
-                                        read_record, write_record)
+from decodescope.schema.records import RecordError, read_record, write_record
+from decodescope.schema.records_manifest import ManifestHost, ParamsChange, PhaseEntry, RunManifest, VariantEntry
 
 # Kept free on the run's disk and released when a write fails, so the manifest can still say "failed".
 MANIFEST_RESERVE_BYTES = 256 * 1024
@@ -56,7 +56,7 @@ def git_commit(repo: Optional[Path] = REPO_ROOT) -> Optional[str]:
 
 
 class Manifest:
-    """manifest.json of one run, held as its typed record (records.RunManifest) and rewritten atomically at
+    """manifest.json of one run, held as its typed record (records_manifest.RunManifest) and rewritten atomically at
     every change. The runner sets the record's fields; the manifest's models check each value as it is
     set (validate_assignment), so a value of the wrong type fails where it is set, before any file."""
 

@@ -2,10 +2,12 @@
 
 Each phase's status is written to manifest.json (atomically) as it starts and ends, so a crash or
 Ctrl-C keeps what was measured; `--resume RUN_DIR` skips the phases already ok.
+
+Which notebooks and how papermill runs one: orchestration.phasenotebooks. The server and the strays around
+each phase: orchestration.supervise. The experiment variants: orchestration.runvariants.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -14,53 +16,27 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
-from jupyter_client.manager import AsyncKernelManager
-import papermill as pm
-
-from decodescope.exec import procs, server as srv
-from decodescope.core import resources
+from decodescope.exec import server as srv
 from decodescope.exec.engine_comm import CpuPathError, apply_cpu_path_here
 from decodescope.exec.host import close_all as close_hosts, preflight
 from decodescope.exec.hostcore import RUN_ID_ENV
 from decodescope.core.io import write_text_atomic
-from decodescope.exec.locks import LockHeld, holder_info, run_dir_lock
-from decodescope.schema.params import (Params, dump_yaml, load_params, params_as_dict, redact,
-                                       with_experiment, with_overrides)
-from decodescope.core.phases import PHASES, SERVER_PHASES, execution_order
+from decodescope.exec.locks import holder_info, run_dir_lock
+from decodescope.schema.params import Params, dump_yaml, load_params, params_as_dict, with_overrides
+from decodescope.core.phases import SERVER_PHASES, execution_order
 from decodescope.report.html import build_report
 from decodescope.report import index as run_index
-from decodescope.core.rundir import ensure_layout, make_run_dir
-from decodescope.exec.server import hold_port, release_port, write_server_info
+from decodescope.core.rundir import make_run_dir
+from decodescope.exec.server import hold_port, release_port
+from decodescope.orchestration.phasenotebooks import NOTEBOOK_DIR, select_phases
 from decodescope.orchestration.progress import Progress, run_logging
 from decodescope.orchestration.runmanifest import Manifest, ResultsWriteError, RunError, set_fields, utc_now
-from decodescope.schema.records import PhaseEntry, RunManifest, ServerLaunch, ServerState, Teardown, VariantEntry
-
-# The shipped notebooks, found under the package's _data/ (decodescope.core.resources).
-NOTEBOOK_DIR = resources.notebook_dir()
+from decodescope.orchestration.runvariants import _run_variants
+from decodescope.orchestration.supervise import _execute_checked, _reap_strays, _start_server, _stop_server
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (e.g. from a scheduler): handled like Ctrl-C, reported with its own exit status."""
-
-
-def notebook_for(phase: str, notebook_dir: Path = NOTEBOOK_DIR) -> Path:
-    return notebook_dir / f"{phase}.ipynb"
-
-
-def available_phases(notebook_dir: Path = NOTEBOOK_DIR) -> list[str]:
-    return [p for p in PHASES if notebook_for(p, notebook_dir).is_file()]
-
-
-def select_phases(params: Params, requested: Optional[list[str]], notebook_dir: Path = NOTEBOOK_DIR) -> list[str]:
-    wanted = requested or params.run.phases or available_phases(notebook_dir)
-    unknown = [p for p in wanted if p not in PHASES]
-    if unknown:
-        raise RunError(f"unknown phase(s) {unknown}; valid: {list(PHASES)}")
-    missing = [p for p in wanted if not notebook_for(p, notebook_dir).is_file()]
-    if missing:
-        raise RunError(f"no notebook for phase(s) {missing} in {notebook_dir}; available: "
-                       f"{available_phases(notebook_dir)}")
-    return [p for p in PHASES if p in wanted]  # always in phase order
 
 
 def new_run_dir(params: Params) -> Path:
@@ -85,57 +61,6 @@ def sigterm_as_interrupt():
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
-
-
-def execute_phase(phase: str, run_dir: Path, params_path: Path, notebook_dir: Path = NOTEBOOK_DIR,
-                  variant: str = "", overrides: Optional[dict] = None) -> Path:
-    out = run_dir / "notebooks" / f"{phase}.ipynb"
-    try:
-        _execute(phase, run_dir, params_path, notebook_dir, out, variant, overrides or {})
-    except KeyboardInterrupt:
-        # the kernel died with the interrupt; nbclient's pending cell task then reports DeadKernelError
-        # through asyncio's "exception was never retrieved" log when it is collected: not news to anyone
-        import logging
-
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        raise
-    return out
-
-
-def _execute(phase: str, run_dir: Path, params_path: Path, notebook_dir: Path, out: Path,
-             variant: str = "", overrides: Optional[dict] = None) -> None:
-    parameters = {"params_path": str(params_path), "run_dir": str(run_dir)}
-    if variant:
-        parameters["variant"] = variant
-    if overrides:  # the command line's params overrides (--set), as JSON: open_phase applies them
-        parameters["overrides"] = json.dumps(overrides)
-    pm.execute_notebook(str(notebook_for(phase, notebook_dir)), str(out), parameters=parameters,
-                        kernel_name="python3", progress_bar=False, log_output=False,
-                        cwd=str(notebook_dir), request_save_on_cell_execute=True,
-                        kernel_manager_class=kernel_manager_logging_to(run_dir / "logs" / f"kernel_{phase}.log"))
-
-
-def kernel_manager_logging_to(log_path: Path):
-    """A kernel manager whose kernel writes its own stdout/stderr (start-up warnings, the traceback of
-    a kernel torn down by Ctrl-C) to log_path instead of the user's terminal; what cells print still
-    goes into the notebook."""
-    class LoggedKernelManager(AsyncKernelManager):
-        async def _async_launch_kernel(self, kernel_cmd, **kw):
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "ab") as log:
-                kw["stdout"] = kw["stderr"] = log  # the child keeps its own copy of the descriptor
-                await super()._async_launch_kernel(kernel_cmd, **kw)
-
-    return LoggedKernelManager
-
-
-def _short_error(exc: BaseException) -> str:
-    text = str(exc)
-    # papermill's PapermillExecutionError carries ename/evalue: the part worth putting in a table
-    ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
-    if ename:
-        text = f"{ename}: {evalue}"
-    return text[:4000]
 
 
 def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[Path] = None,
@@ -354,144 +279,9 @@ class _PhaseLoop:
         return ok, write_error or final_save_error
 
 
-def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_dir: Path, server, manifest: Manifest,
-                     progress: "Progress", entry: PhaseEntry | VariantEntry, variant: str = ""):
-    """One notebook, then what it may have left behind: stray processes are stopped, and a server that
-    died fails the phase even when the phase finished first. Returns (error or None, the executed
-    notebook, the server or None when it died)."""
-    error: Optional[str] = None
-    nb = run_dir / "notebooks" / f"{phase}.ipynb"
-    try:
-        nb = execute_phase(phase, run_dir, notebook_params, notebook_dir, variant, manifest.record.overrides)
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:  # a failed phase is recorded and the run goes on
-        error = _short_error(e)
-    _reap_strays(os.environ.get(RUN_ID_ENV, run_dir.name), server, manifest, entry)
-    if phase in SERVER_PHASES and server is not None:
-        reason = server.dead_reason()
-        if reason:
-            died = server.died_error(reason, f"phase {phase}" + (f" of variant {variant}" if variant else ""))
-            if not error or srv.SERVER_DIED not in error:
-                error = str(died)[:4000] + (f"\n(the phase's own error: {error})" if error else "")
-            progress.note(f"the inference server died: {reason}; tearing down what is left of it")
-            _stop_server(server, manifest)
-            server = None
-    return error, nb, server
-
-
-def _run_variants(params: Params, run_dir: Path, manifest: Manifest, progress: "Progress", server,
-                  notebook_params: Path, notebook_dir: Path):
-    """Each variant of params.experiments into variants/<name>/: its serving sweep (and profile when
-    asked) against a server with its settings, restarted only when those change. A variant whose
-    server does not start, or whose phases fail, is recorded failed and the next one runs. Returns the
-    server left running (or None)."""
-    key = None  # the baseline's server: its settings (and profiler) are the baseline's, not a variant's
-    t_start, done = time.monotonic(), []
-    for n, exp in enumerate(params.experiments, 1):
-        entry = manifest.variant(exp.name)
-        label = f"variant {exp.name} ({n} of {len(params.experiments)})"
-        if entry.status == "ok":
-            progress.note(f"{label} ... skipped (ok in a previous run)")
-            continue
-        vparams = with_experiment(params, exp.name)
-        vdir = ensure_layout(run_dir / "variants" / exp.name)
-        write_text_atomic(vdir / "params.yaml", dump_yaml(vparams))
-        set_fields(entry, status="running", start=utc_now(), error=None, params=redact(exp.model_dump(mode="json")))
-        manifest.save()
-        t0 = time.monotonic()
-        profiler_dir = vdir / "traces" if exp.profile else None
-        want = json.dumps({"server": vparams.server.model_dump(mode="json"), "profiler": str(profiler_dir)},
-                          sort_keys=True)
-        if server is not None and server.proc is not None and key != want:
-            progress.note(f"{label}: its server settings differ; stopping the running server ...")
-            _stop_server(server, manifest)
-            server = None
-        if server is None:
-            server, err = _start_server(vparams, vdir, manifest, progress, profiler_dir)
-            key = want if server is not None else None
-            if server is None:
-                set_fields(entry, status="failed", end=utc_now(), error=f"server did not start: {err}"[:4000],
-                           duration_s=time.monotonic() - t0)
-                manifest.save()
-                done.append(entry.duration_s or 0.0)
-                progress.note(f"{label} ... failed: server did not start ({entry.duration_s:.1f} s)")
-                continue
-        else:
-            write_server_info(vdir, server, vparams)
-            progress.note(f"{label}: the running server has its settings; reused")
-        errors = {}
-        for phase in ["01_serving"] + (["04_profile"] if exp.profile else []):
-            progress.note(f"{label}: {phase} ...")
-            error, _, server = _execute_checked(phase, vdir, notebook_params, notebook_dir, server, manifest,
-                                                progress, entry, variant=exp.name)
-            if error:
-                errors[phase] = error
-                if server is None:
-                    key = None
-                    break
-        set_fields(entry, status="failed" if errors else "ok", end=utc_now(), duration_s=time.monotonic() - t0,
-                   error="; ".join(f"{k}: {v}" for k, v in errors.items())[:4000] if errors else None)
-        manifest.save()
-        done.append(entry.duration_s or 0.0)
-        left = len(params.experiments) - n
-        eta = f"about {sum(done) / len(done) * left:.0f} s left" if left else "done"
-        progress.note(f"{label} ... {entry.status} ({entry.duration_s:.1f} s; variants elapsed "
-                      f"{time.monotonic() - t_start:.0f} s, {eta})"
-                      + (f" - {next(iter(errors.values())).splitlines()[0][:200]}" if errors else ""))
-    return server
-
-
 def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
     """The output folder's index.html, with this run in it; a failure only warns: the run is done."""
     try:
         run_index.build_index(output_dir)  # through the module: a test stands a failing one in
     except OSError as e:
         progress.warn(f"could not rebuild {output_dir / 'index.html'}: {e}")
-
-
-def _reap_strays(run_id: str, server, manifest: Manifest, entry: PhaseEntry | VariantEntry | None = None) -> None:
-    """A phase's kernel is gone when the phase ends; anything it started (a probe, a torchrun rank, a
-    server of its own) that is still alive would outlive the run, and is stopped here. The run's own
-    server is kept."""
-    keep = set(server.process_tree()) if server is not None and server.proc is not None else set()
-    strays = [p for p in procs.run_processes(run_id, env_name=RUN_ID_ENV) if p not in keep]
-    if strays:
-        procs.terminate_pids(strays)
-        held: PhaseEntry | VariantEntry | RunManifest = entry if entry is not None else manifest.record
-        held.stray_processes_stopped = len(strays) + (held.stray_processes_stopped or 0)
-
-
-def _stop_server(server, manifest: Manifest) -> None:
-    """Tear the server down and record what teardown found (processes signalled, shm files removed)."""
-    server.stop()
-    record = manifest.record
-    record.teardowns = [*record.teardowns, Teardown(
-        at=utc_now(), signalled=len(server.teardown.get("signalled", [])),
-        shm_removed=len(server.teardown.get("shm_removed", [])), left=server.teardown.get("left", []))]
-    if record.server is None:
-        record.server = ServerState()
-    record.server.stopped = utc_now()
-    manifest.try_save()  # a full disk must not stop the teardown from being reported by the caller
-
-
-def _start_server(params, run_dir, manifest, progress, profiler_dir: Optional[Path]):
-    progress.note(f"starting the inference server ({params.server.mode}) ...")
-    t0 = time.monotonic()
-    try:
-        server = srv.start_for_params(params, run_dir, profiler_dir=profiler_dir)
-    except (srv.ServerError, OSError, LockHeld) as e:
-        manifest.record.server = ServerState(status="failed", error=str(e)[:4000])
-        manifest.save()
-        progress.note(f"server failed: {str(e).splitlines()[0]}")
-        return None, str(e)
-    manifest.record.server = ServerState(status="up", base_url=server.base_url, start_s=time.monotonic() - t0,
-                                         pids=server.tree_pids, profiler_dir=str(profiler_dir) if profiler_dir else None,
-                                         launch=server.spec.describe() if server.spec else None)
-    # every server this run started, for the record (and for checking that none outlived it)
-    manifest.record.servers = [*manifest.record.servers, ServerLaunch(
-        started=utc_now(), start_s=time.monotonic() - t0, pids=server.tree_pids, pgid=server.pgid,
-        run_token=server.run_token, shm_files=sorted(map(str, server.shm_files)))]
-    manifest.save()
-    progress.note(f"server healthy at {server.base_url} after {time.monotonic() - t0:.1f} s")
-    return server, None

@@ -16,7 +16,7 @@ baseline (A); every other (B, C, ...) is set against it, figure by figure:
   communicator, timing, size).
 
 Every difference carries a call from `decodescope.core.stats.differ` over the figure's repeats: a table with
-a `repeat` column (serving_levels_repeats.parquet: one row per (level, repeat); records.ServingLevel.repeat) has
+a `repeat` column (serving_levels_repeats.parquet: one row per (level, repeat); records_serving.ServingLevel.repeat) has
 one sample per repeat; a figure measured once is marked `no repeats`. A file a source lacks is named in
 the page, with the phase's status; nothing fails for it. A path that is not a run (or variant) is a
 CompareError naming it (the CLI's exit status 2).

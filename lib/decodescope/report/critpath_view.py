@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from decodescope.schema.records import frame, read_record
 from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary, CritPathShareRow
-from decodescope.trace.capture import level_dir_name
+from decodescope.schema.rundata import level_dir_name
 from decodescope.trace.critpath_table import CriticalPaths
 from decodescope.trace.profile import ProfiledLevel
 

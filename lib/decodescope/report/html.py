@@ -11,7 +11,8 @@ from nbconvert import HTMLExporter
 from plotly.offline import get_plotlyjs
 
 from decodescope.core.io import write_text_atomic
-from decodescope.schema.records import RunManifest, read_record
+from decodescope.schema.records import read_record
+from decodescope.schema.records_manifest import RunManifest
 from decodescope.schema.rundata import MANIFEST
 from decodescope.schema.views import key_path
 from decodescope.core.phases import PHASE_TITLES, PHASES

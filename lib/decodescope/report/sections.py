@@ -9,8 +9,9 @@ from pydantic import BaseModel  # for the casts to frame's list[BaseModel]: list
 
 from decodescope.exec.hardware import pairs_frame
 from decodescope.report.micro_view import measured_dtypes
-from decodescope.schema.records import (AttributionRow, CurveRow, FINDING_TOPICS, HostInventory, LevelReconcileRow,
-                                        ProjectionRow, ReconcileRow, ReplayRow, VariantRow, Verdict, frame)
+from decodescope.schema.records import (AttributionRow, CurveRow, FINDING_TOPICS, LevelReconcileRow, ProjectionRow,
+                                        ReconcileRow, ReplayRow, VariantRow, Verdict, frame)
+from decodescope.schema.records_host import HostInventory
 from decodescope.schema.records_verdict import SpecKRow
 from decodescope.report import plots
 from decodescope.show.display import show, show_note, show_table

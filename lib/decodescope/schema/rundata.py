@@ -14,8 +14,9 @@ import pandas as pd
 
 from decodescope.core.rundir import DATA, VARIANTS
 from decodescope.schema.recordbase import Record, read_record
-from decodescope.schema.records import (HostInventory, HostOps, ProfileCapture, ProfileCaptures, ProfileSummary,
-                                        RunManifest)
+from decodescope.schema.records import HostOps, ProfileCapture, ProfileCaptures, ProfileSummary
+from decodescope.schema.records_host import HostInventory
+from decodescope.schema.records_manifest import RunManifest
 from decodescope.schema.records_server import LinkMeasure, ServerInfo
 
 R = TypeVar("R", bound=Record)

@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.schema.records import ServingLevel
+from decodescope.schema.records_serving import ServingLevel
 
 PERCENTILES = (50, 90, 99)
 # A level whose client event loop lagged this much (p99) or used this much CPU may have distorted
@@ -108,7 +108,7 @@ def _pcts(values, prefix: str) -> dict:
 
 def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, health: Optional[dict] = None,
                   repeat: Optional[int] = None, telemetry: Optional[dict] = None) -> dict:
-    """One row of serving_levels (a records.ServingLevel, as the table's row): counts, throughputs,
+    """One row of serving_levels (a records_serving.ServingLevel, as the table's row): counts, throughputs,
     percentiles, goodput, client health. With `repeat`, the row of that repeat of the level (from the
     requests whose `repeat` column holds it). With `telemetry`, the level's server/GPU telemetry summary
     (serving.telemetry.summarize) as columns too."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from decodescope.exec.server import phase_server
+from decodescope.exec.runserver import phase_server
 from decodescope.schema.phasecontext import PhaseContext
 from decodescope.serving.remote import sweep_on_host
 from decodescope.serving.sweep import SweepConfig, run_sweep

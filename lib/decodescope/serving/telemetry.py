@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import pandas as pd
 
 from decodescope.core.io import write_parquet_atomic
-from decodescope.schema.records import TELEMETRY_COLUMNS
+from decodescope.schema.records_serving import TELEMETRY_COLUMNS
 from decodescope.serving.promtext import SCRAPE_TIMEOUT_S, Scraper
 from decodescope.serving.telemetry_read import MEASURED_START, labels_json, level_path, throttle_names
 

@@ -1,6 +1,6 @@
 """Reading and summarising the serving sweep's telemetry (decodescope.serving.telemetry samples it).
 
-Rows (`records.TELEMETRY_COLUMNS`): level, scrape (the sample's number within the level), t_s
+Rows (`records_serving.TELEMETRY_COLUMNS`): level, scrape (the sample's number within the level), t_s
 (CLOCK_MONOTONIC seconds, the clock of the request records' *_ns), source (`server`, `gpu` or
 `telemetry`), metric (the exposition's sample name, e.g. `vllm:num_preemptions_total`,
 `vllm:time_to_first_token_seconds_sum`; or a GPU field, e.g. `power_w`), labels (JSON, sorted keys), value.
@@ -8,7 +8,7 @@ Server samples kept: every `vllm:` sample but histogram buckets and `_created` (
 histogram's `_sum` and `_count`), and the API server's `process_cpu_seconds_total` and
 `process_resident_memory_bytes`.
 
-`level_telemetry(data_dir, level)` is a level's summary (columns of `records.ServingLevel`): gauges over the
+`level_telemetry(data_dir, level)` is a level's summary (columns of `records_serving.ServingLevel`): gauges over the
 samples taken while the measured requests ran, counters and histogram means as differences between the
 sample at the measured start and the one after the last request. Server-side TPOT is vLLM's
 `request_time_per_output_token_seconds` (per request, (last token - first token) / (tokens - 1) in the
@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.schema.records import TELEMETRY_COLUMNS
+from decodescope.schema.records_serving import TELEMETRY_COLUMNS
 from decodescope.core.rundir import level_file
 from decodescope.serving.promtext import HISTOGRAM_MEANS, KV_USAGE
 

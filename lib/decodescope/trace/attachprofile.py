@@ -1,9 +1,9 @@
 """04 on an attached server: the probe windows, each level's plan, and what each window then cost.
 
 trace.attachguard holds the arithmetic (pure functions of the measured costs); this module runs the
-probe windows through trace.capture.profiled_window, reads the server's memory on its host while they
-run (exec.attached.TreeWatch), and keeps data/profile/attach_guard.json current after every step, so a
-server that dies under a profile leaves what was measured.
+probe windows through trace.profiledwindow.profiled_window, reads the server's memory on its host while
+they run (exec.attached.TreeWatch), and keeps data/profile/attach_guard.json current after every step, so
+a server that dies under a profile leaves what was measured.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from decodescope.serving.client import run_async
 from decodescope.serving.promtext import ENGINE_STEPS, Scraper, counter_delta
 from decodescope.serving.sweep import SweepConfig, build_prompts, run_level
 from decodescope.trace.attachguard import export_ratio, plan_window, refusal_message, slice_seconds, stack_refusal
-from decodescope.trace.capture import CaptureError, file_into, profiled_window
+from decodescope.trace.profiledwindow import CaptureError, file_into, profiled_window
 from decodescope.trace.reader import TraceError, annotated_steps
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,9 @@
 """04_profile's capture, phase glue: every level profiled through the run's server, each level's files in
 its own trace directory, and for an attached server the guard (trace.attachprofile) around it all.
 
-trace.capture holds the profiled window itself; this module decides which windows a phase takes, where
-their files go, and what is written for the phase (data/profile_capture.json).
+trace.capture holds a level's capture and trace.profiledwindow the profiled window itself; this module
+decides which windows a phase takes (profile_levels: which levels, from 01's results), where their files
+go, and what is written for the phase (data/profile_capture.json).
 """
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from decodescope.core.enginelog import last_engine_modes
 from decodescope.core.rundir import LOGS
 from decodescope.exec.attached import check_attached, trace_dir_on_host
 from decodescope.exec.host import host_for, node_traces
-from decodescope.exec.server import ServerDied, phase_server
+from decodescope.exec.runserver import phase_server
+from decodescope.exec.server import ServerDied
 from decodescope.schema.recordbase import write_record
 from decodescope.schema.phasecontext import PhaseContext
 from decodescope.schema.records import ProfileCaptures
-from decodescope.schema.rundata import RunDir
+from decodescope.schema.params_schema import KNEE
+from decodescope.schema.rundata import RunDir, level_dir_name
+from decodescope.serving.metrics import knee
 from decodescope.trace.attachprofile import AttachedProfiler
 from decodescope.trace.capture import (HOST_OPS, HOST_OPS_OUTPUT_TOKENS, CaptureResult, capture_host_ops,
-                                       capture_profile, file_into, host_ops_prompt_tokens, itl_before_profiles,
-                                       level_dir_name, profile_levels)
+                                       capture_profile, host_ops_prompt_tokens, itl_before_profiles)
 from decodescope.trace.hostops import host_ops_wanted
+from decodescope.trace.profiledwindow import CaptureError, file_into
 
 PHASE = "04_profile"
 log = logging.getLogger(__name__)
@@ -63,6 +67,38 @@ def _attached_guard(ctx: PhaseContext, server, trace_dir: Path):
         except ServerDied as e:
             raise ServerDied(f"{e}; {guard.summary()}. Nothing was sent to the server's processes: decodescope "
                              "never signals a server it attached to") from None
+
+
+def profile_levels(params, run: RunDir) -> tuple[list[int], list[str]]:
+    """profile.concurrency resolved against 01's levels (the run's serving_levels.parquet): ('knee' ->
+    01's knee, or its highest level when throughput still grows), duplicates dropped, in the order given;
+    and notes on what changed."""
+    out: list[int] = []
+    notes: list[str] = []
+    for c in params.profile.concurrency:
+        if c == KNEE:
+            lv = run.serving_levels()
+            if lv is None:
+                notes.append("profile.concurrency 'knee' left out: 01_serving did not run")
+                continue
+            lv = lv[lv["output_throughput_tok_s"].notna()] if "output_throughput_tok_s" in lv else lv.iloc[0:0]
+            if lv.empty:
+                notes.append("profile.concurrency 'knee' left out: 01 measured no throughput")
+                continue
+            k = knee(lv)
+            c = int(k) if k is not None else int(lv["level"].max())
+            why = "throughput grows < 10% past it" if k is not None else "throughput still grows; its highest level"
+            above = sorted(int(x) for x in lv["level"] if int(x) > c)
+            if c in out and above:
+                # the knee is a level already profiled: the next level up still shows the step's growth
+                c, why = above[0], f"the knee ({c}) is profiled already; the next level up"
+            notes.append(f"'knee' is concurrency {c} (01: {why})")
+        if c not in out:
+            out.append(int(c))
+    if not out:
+        raise CaptureError("profile.concurrency resolves to no level: " + "; ".join(notes)
+                           + ". Give an integer level, e.g. [1, knee]")
+    return out, notes
 
 
 def capture_for_phase(ctx: PhaseContext) -> tuple[list[CaptureResult], list[str], Optional[CaptureResult]]:

@@ -16,7 +16,8 @@ from decodescope.core.enginelog import last_engine_modes
 from decodescope.exec.serverlaunch import dashed
 from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment
-from decodescope.schema.records import ProfileCapture, ProfileSummary, VariantEntry, read_record
+from decodescope.schema.records import ProfileCapture, ProfileSummary, read_record
+from decodescope.schema.records_manifest import VariantEntry
 from decodescope.schema.records_spec import DrafterSteps
 from decodescope.trace.draftsteps import DRAFTER_STEPS
 from decodescope.schema.rundata import RunDir

@@ -13,7 +13,8 @@ import pandas as pd
 from decodescope.schema.records_verdict import SpecKRow
 from decodescope.schema.records import (AttributionRow, Bottleneck, CurveRow, Finding, LevelReconcileRow,
                                         ProfileCapture, ProfileSummary, ProjectionRow, ReconcileRow, ReplayRow,
-                                        ServingHeadline, ServingLevel, StepCategoryRow, VariantRow, Verdict, frame)
+                                        ServingHeadline, StepCategoryRow, VariantRow, Verdict, frame)
+from decodescope.schema.records_serving import ServingLevel
 from decodescope.model import arch as archmod
 from decodescope.verdict import leveldrift, stepmodel as sm, stepparts as sp
 from decodescope.verdict.critpath_view import critical_path_findings, critical_path_records, fix_rows
