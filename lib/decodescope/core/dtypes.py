@@ -1,14 +1,19 @@
 """Data types: their names and how many bytes an element takes. The one table of the package.
 
-Three kinds of names reach it: the params' short names (`bf16`, `fp8`, `int4`), HF / torch names
-(`bfloat16`, `torch.float16`) and the ScalarType names a profiler trace records for a collective's
-input (`BFloat16`, `Half`, `Float`, `Long`). `canonical()` maps them all to the short names.
+Three kinds of names reach it.
+The params use short names (`bf16`, `fp8`, `int4`).
+HF and torch use names such as `bfloat16` and `torch.float16`.
+A profiler trace records ScalarType names for a collective's input (`BFloat16`, `Half`, `Float`, `Long`).
+The function `canonical()` maps them all to the short names.
 
-int4 is weight-only quantization (W4A16, as Kimi-K2.5 INT4 and vLLM's Marlin kernels run it): two
-weights packed in a byte, plus one 16-bit (bf16/fp16) scale per `group_size` weights along K. Scale
-bytes are counted per weight, i.e. `0.5 + 2 / group_size` bytes per weight (0.5625 at group 32,
-0.515625 at group 128). The scheme is symmetric, so no zero points are counted (an asymmetric scheme
-would add a packed 4-bit zero, 0.5 / group_size bytes per weight); the activations stay 16-bit.
+The int4 type is weight-only quantization (W4A16), as Kimi-K2.5 INT4 and vLLM's Marlin kernels run it.
+Two weights are packed in a byte.
+One 16-bit (bf16/fp16) scale goes with every `group_size` weights along K.
+Scale bytes are counted per weight, i.e. `0.5 + 2 / group_size` bytes per weight.
+That is 0.5625 at group 32 and 0.515625 at group 128.
+The scheme is symmetric, so no zero points are counted.
+An asymmetric scheme would add a packed 4-bit zero, 0.5 / group_size bytes per weight.
+The activations stay 16-bit.
 """
 from __future__ import annotations
 

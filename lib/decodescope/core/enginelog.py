@@ -1,13 +1,16 @@
 """What the vLLM engine says of itself in its log: the CUDA-graph and compilation modes it runs with.
 
-vLLM (V1, GPU 0.2x and CPU 0.3x alike) logs its whole config once per engine start, in the line
-"Initializing a V1 LLM engine (vX) with config: ...", with `enforce_eager=...` and the compilation
-config's `'mode': <CompilationMode.NAME: n>` and `'cudagraph_mode': <CUDAGraphMode.NAME: ...>`. On the GPU
-the default is FULL_AND_PIECEWISE graphs with VLLM_COMPILE; `--enforce-eager` gives NONE and NONE; the CPU
-build runs no CUDA graphs (NONE) and compiles with DYNAMO_TRACE_ONCE. vLLM 0.2x also says whether it schedules
-asynchronously ("Asynchronous scheduling is enabled/disabled.", API server and engine core each); n-gram speculative
-decoding turns it off ("Async scheduling not supported with ngram-based speculative decoding"), and the host's
-scheduling of a step then no longer overlaps the GPU's work on the one before.
+vLLM (V1, GPU 0.2x and CPU 0.3x alike) logs its whole config once per engine start.
+It does so in the line "Initializing a V1 LLM engine (vX) with config: ...".
+That line holds `enforce_eager=...` and the compilation config's `'mode': <CompilationMode.NAME: n>`.
+It also holds the compilation config's `'cudagraph_mode': <CUDAGraphMode.NAME: ...>`.
+On the GPU the default is FULL_AND_PIECEWISE graphs with VLLM_COMPILE.
+`--enforce-eager` gives NONE and NONE.
+The CPU build runs no CUDA graphs (NONE) and compiles with DYNAMO_TRACE_ONCE.
+vLLM 0.2x also says whether it schedules asynchronously.
+The API server and the engine core each log "Asynchronous scheduling is enabled/disabled.".
+N-gram speculative decoding turns it off ("Async scheduling not supported with ngram-based speculative decoding").
+The host's scheduling of a step then no longer overlaps the GPU's work on the one before.
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""Where decodescope's log records go. Modules only log (`log = logging.getLogger(__name__)`); the process
-that runs them chooses the destination here.
+"""Where decodescope's log records go.
 
-- The runner (`decodescope run`) shows the records on the terminal as plain lines and keeps them in the
-  run's logs/decodescope.log.
-- A phase's notebook kernel writes them to that file alone: papermill records a kernel's stdout and stderr
-  as cell outputs, and those reach report.html.
+Modules only log (`log = logging.getLogger(__name__)`).
+The process that runs them chooses the destination here.
+
+- The runner (`decodescope run`) shows the records on the terminal as plain lines.
+  It also keeps them in the run's logs/decodescope.log.
+- A phase's notebook kernel writes them to that file alone.
+  Its stdout and stderr would reach report.html: papermill records them as cell outputs.
 - A torchrun probe writes plain lines to its stderr, which the probe's log file holds.
 """
 from __future__ import annotations

@@ -2,13 +2,15 @@
 params/models/*.json) and the kernel category rules (params/kernel_categories.yaml).
 
 They are found under the package's own directory, `decodescope/_data/`, the same way in every install:
-- in the repository (and an editable install, which puts lib/ on sys.path) `lib/decodescope/_data/notebooks`
-  and `.../_data/params` are relative symlinks to the repository's notebooks/ and params/, so the files
-  stay where users of the repository look for them and edit them;
+- in the repository, `lib/decodescope/_data/notebooks` and `.../_data/params` are relative symlinks.
+  They point to the repository's notebooks/ and params/.
+  So the files stay where users of the repository look for them and edit them.
+  An editable install, which puts lib/ on sys.path, sees the same symlinks.
 - a wheel (pyproject.toml, [tool.setuptools.package-data]) holds copies of the files the symlinks point to.
-Both are plain directories on disk (decodescope is never imported from a zip), so the paths are real
-paths that papermill and yaml can open, found from this module's own path (importlib.resources would
-say the same, at ~7 ms of imports in every start-up of `analyze-trace`).
+Both are plain directories on disk: decodescope is never imported from a zip.
+So the paths are real paths that papermill and yaml can open.
+They are found from this module's own path.
+importlib.resources would say the same, at ~7 ms of imports in every start-up of `analyze-trace`.
 """
 from __future__ import annotations
 

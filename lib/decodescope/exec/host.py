@@ -1,26 +1,37 @@
 """The one execution seam: where the server, the probes and the profile capture run.
 
-`host_for(params)` gives a `LocalHost` (`host: local`: everything runs here) or an `SshHost` (`host:
-ssh://user@gpu-box[:port]`): the server, the probes and the profiler run there, the notebooks, the
-analysis and the report stay here. Both offer the same operations, so a phase never knows where it runs:
+`host_for(params)` gives a `LocalHost` or an `SshHost`.
+With `host: local`, everything runs here.
+With `host: ssh://user@gpu-box[:port]`, the server, the probes and the profiler run there.
+The notebooks, the analysis and the report stay here.
+Both offer the same operations, so a phase never knows where it runs:
 
-- `python`, `path(local)`: the interpreter and where a file of the run directory lives on the host (the
-  run directory is mirrored under `host.workdir`, `<workdir>/<run id>/...`);
-- `run(argv)`: a short command; `start(argv, ...)`: a long-running process tree that dies with its
-  controller (`Handle`: `poll`, `wait`, `tree`, `stop`); `run_job(...)`: a probe, start to finish;
-- `push(local)` / `pull(local)`: inputs there, results back (rsync, resumable: a dropped link loses at
-  most the file in flight, `--partial-dir` keeps its bytes for the next try);
-- `forward(port)`: a local port that reaches the host's port (an ssh tunnel through the run's connection);
+- `python`, `path(local)`: the interpreter, and where a file of the run directory lives on the host.
+  The run directory is mirrored under `host.workdir`, `<workdir>/<run id>/...`.
+- `run(argv)`: a short command.
+- `start(argv, ...)`: a long-running process tree that dies with its controller.
+  It returns a `Handle`: `poll`, `wait`, `tree`, `stop`.
+- `run_job(...)`: a probe, start to finish.
+- `push(local)` / `pull(local)`: inputs there, results back, by rsync.
+  Copies resume: a dropped link loses at most the file in flight.
+  `--partial-dir` keeps that file's bytes for the next try.
+- `forward(port)`: a local port that reaches the host's port.
+  It is an ssh tunnel through the run's connection.
 - `measure_link(...)`: what the tunnel adds to each round trip.
 
-SshHost is built on the system `ssh` and `rsync` clients, not a Python ssh library: the user's ssh
-config, agent, keys, ProxyJump and known_hosts work as they do in a terminal, rsync (which needs an ssh
-transport anyway) gives resumable copies, and nothing new is installed. One connection per run: the first
-user starts a ControlMaster (its socket path is derived from DECODESCOPE_SSH_SESSION, which the run's
-kernels inherit, so they multiplex over it); BatchMode=yes and StrictHostKeyChecking=yes, so ssh never
-prompts: an unknown host key is a clear error naming the command to run. Each long-running process is
-started under `python -m decodescope.exec.hostagent supervise` on the host, which tears its tree down alone
-when the ssh channel closes (link dropped, controller killed) or goes silent (no heartbeat).
+SshHost is built on the system `ssh` and `rsync` clients, not on a Python ssh library.
+So the user's ssh config, agent, keys, ProxyJump and known_hosts work as they do in a terminal.
+rsync gives resumable copies, and it needs an ssh transport anyway.
+Nothing new is installed.
+A run uses one connection.
+The first user starts a ControlMaster.
+Its socket path is derived from DECODESCOPE_SSH_SESSION.
+The run's kernels inherit that variable, so they multiplex over the same connection.
+ssh runs with BatchMode=yes and StrictHostKeyChecking=yes, so it never prompts.
+An unknown host key is a clear error naming the command to run.
+Each long-running process is started on the host under `python -m decodescope.exec.hostagent supervise`.
+That supervisor tears its tree down alone when the ssh channel closes (link dropped, controller killed).
+It does the same when the channel goes silent (no heartbeat).
 Secrets (the API key, server.env) travel on that supervisor's stdin, never on a command line.
 """
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""The GPU host's side of `decodescope.exec.host`: small commands run over ssh, and the supervisor of every
-process tree decodescope starts there.
+"""The GPU host's side of `decodescope.exec.host`.
+
+It runs small commands over ssh.
+It also supervises every process tree decodescope starts there.
+Its commands:
 
     python -m decodescope.exec.hostagent supervise       (spec on stdin, then control lines; see below)
     python -m decodescope.exec.hostagent info [WORKDIR]
@@ -9,16 +12,21 @@ process tree decodescope starts there.
     python -m decodescope.exec.hostagent inventory '{"gpu": null, "peaks": {}}'
     python -m decodescope.exec.hostagent server-tree PORT [STOP_FILE]   (decodescope.exec.servertree)
 
-`supervise` reads one JSON line from stdin (argv, env, cwd, log, token, grace_s, shm_globs, heartbeat
-timeout), starts argv in a new session with DECODESCOPE_RUN_TOKEN=token in its environment (so every
-process of the tree carries it, re-parented or not), its output appended to `log`, and answers on
-stdout with JSON lines (`started`, `tree`, `exited`, `teardown`, `error`). It then watches its
-controller: stdin is the ssh channel, so when the controller stops it ("stop"), exits, or the link drops
-(EOF on stdin), or no line ("ping") has come within the heartbeat timeout (a link that hangs without
-closing), it tears the tree down alone: by process group and run token, SIGTERM then SIGKILL, and
-removes the tree's /dev/shm files. The same happens when the main process exits (the rest of its tree
-is stopped) and on SIGTERM/SIGHUP/SIGINT. Secrets travel in the spec's env, on stdin: never on a
-command line, never in a file.
+The `supervise` command reads one JSON line from stdin.
+That spec holds argv, env, cwd, log, token, grace_s, shm_globs and the heartbeat timeout.
+It starts argv in a new session with DECODESCOPE_RUN_TOKEN=token in its environment.
+So every process of the tree carries the token, re-parented or not.
+The tree's output is appended to `log`.
+It answers on stdout with JSON lines (`started`, `tree`, `exited`, `teardown`, `error`).
+It then watches its controller, whose ssh channel is its stdin.
+It tears the tree down alone when the controller stops it ("stop") or exits.
+It does the same when the link drops (EOF on stdin).
+It does the same when no line ("ping") has come within the heartbeat timeout: a link that hangs without closing.
+The teardown goes by process group and run token, SIGTERM then SIGKILL.
+It also removes the tree's /dev/shm files.
+The same teardown happens when the main process exits: the rest of its tree is stopped.
+It happens on SIGTERM/SIGHUP/SIGINT too.
+Secrets travel in the spec's env, on stdin: never on a command line, never in a file.
 
 Only the standard library and `decodescope.exec.procs` are imported, so this starts in a few tens of ms.
 """

@@ -1,13 +1,18 @@
-"""A wheelhouse for a GPU host without a package index: decodescope's wheel and every wheel it needs
-that the host lacks, for the host's Python and platform, built here with pip.
+"""A wheelhouse for a GPU host without a package index.
 
-On the host, into an environment of its own:  pip install --no-index --find-links WHEELHOUSE decodescope
-or beside the host's own torch (and a vLLM bundle) on PYTHONPATH:
+It holds decodescope's wheel and every wheel it needs that the host lacks.
+The wheels are for the host's Python and platform.
+The wheelhouse is built here, with pip.
+
+On the host, install into an environment of its own:
+    pip install --no-index --find-links WHEELHOUSE decodescope
+Or install beside the host's own torch (and a vLLM bundle) on PYTHONPATH:
     pip install --no-index --no-deps --target SITE WHEELHOUSE/*.whl && export PYTHONPATH=SITE:$PYTHONPATH
 
-Resolution is pip's own (`pip install --dry-run --report` for the target interpreter), with the host's
-packages as constraints, so what is resolved fits what is there; the host's packages are then left out
-of the downloads. Only wheels: the host may have no compiler.
+Resolution is pip's own (`pip install --dry-run --report` for the target interpreter).
+The host's packages are its constraints, so what is resolved fits what is there.
+The host's packages are then left out of the downloads.
+Only wheels: the host may have no compiler.
 """
 from __future__ import annotations
 

@@ -143,10 +143,12 @@ def peaks_for(run_dir: Path, params) -> Optional[Peaks]:
 
 def dtype_peaks(peaks: Optional[Peaks]) -> dict[str, tuple[Optional[float], str]]:
     """Each probed dtype's compute roofline (TFLOP/s, None when unknown) and where it comes from.
-    fp16 runs at the bf16 tensor-core rate; int4 is W4A16 (the weights are dequantized and multiplied
-    in 16-bit), so its peak is the bf16 one unless `hardware.peaks.int4_tflops` says otherwise; fp32
-    has a peak only when one is given or measured (datasheets list tensor-core peaks, and fp32 GEMMs
-    run on the CUDA cores, far below bf16/2)."""
+
+    fp16 runs at the bf16 tensor-core rate.
+    int4 is W4A16: the weights are dequantized and multiplied in 16-bit.
+    So its peak is the bf16 one, unless `hardware.peaks.int4_tflops` says otherwise.
+    fp32 has a peak only when one is given or measured.
+    Datasheets list tensor-core peaks, and fp32 GEMMs run on the CUDA cores, far below bf16/2."""
     where = f" of {peaks.name} ({peaks.source})" if peaks is not None and peaks.name else ""
 
     def given(key: str, why: str = ""):

@@ -97,10 +97,14 @@ class Manifest:
         return cls(path, record)
 
     def record_params_change(self, params: dict, source_path: Optional[str]) -> None:
-        """On --resume with params (as params_as_dict gives them) that differ from the run's: the earlier
-        params.yaml kept beside it and taken away (the runner writes the new one), the change recorded, so
-        that what the phases after the resume ran with is on record (a resumed H200 run once showed 32
-        requests a level in its params.yaml while its 01 had run the params file's 128)."""
+        """Record a params change on --resume, where the params differ from the run's.
+
+        The params come as params_as_dict gives them.
+        The earlier params.yaml is copied beside it (params.before-resume-N.yaml) and taken away.
+        The runner writes the new one.
+        The change is recorded, so what the phases after the resume ran with is on record.
+        A resumed H200 run once showed 32 requests a level in its params.yaml.
+        Its 01 had run the params file's 128."""
         changed = changed_params(self.record.params, params) if self.record.params else []
         if not changed:
             return

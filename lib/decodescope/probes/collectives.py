@@ -2,31 +2,45 @@
 
     torchrun --nproc-per-node N -m decodescope.probes.collectives --plan plan.json --out-dir DIR
 
-(a) burst: a decode step's all-reduce schedule (count x size per batch) back to back, eager and, on
-    GPUs, replayed as one CUDA graph: time per step;
-(b) sweep: all-reduce and all-to-all from min to max bytes by x2, in-place and out-of-place, with
-    nccl-tests' algbw = bytes / time and busbw = algbw x 2(n-1)/n (all-reduce), x (n-1)/n (all-to-all);
+(a) burst: a decode step's all-reduce schedule (count x size per batch), back to back.
+    It runs eager and, on GPUs, replayed as one CUDA graph; it reports time per step.
+(b) sweep: all-reduce and all-to-all from min to max bytes by x2, in-place and out-of-place.
+    It reports nccl-tests' algbw = bytes / time and busbw.
+    busbw = algbw x 2(n-1)/n for all-reduce, and algbw x (n-1)/n for all-to-all.
 (c) all-to-all at expert-parallel dispatch/combine sizes per tokens per GPU.
 
-Each all-reduce is measured through every communicator this host offers, so the micro-benchmark can
-be set against the one the engine uses: torch.distributed (gloo / NCCL) always, and vLLM's own
-shared-memory all-reduce on CPU (`torch.ops._C.shm_allreduce`, the path vLLM's CPU build takes for
-tensor parallelism) when vllm is importable. Rows carry `communicator`.
+Each all-reduce is measured through every communicator this host offers.
+So the micro-benchmark can be set against the one the engine uses.
+torch.distributed (gloo / NCCL) is always measured.
+vLLM's own shared-memory all-reduce on CPU (`torch.ops._C.shm_allreduce`) is measured when vllm is importable.
+It is the path vLLM's CPU build takes for tensor parallelism.
+Rows carry `communicator`.
 
-Timing (`timing` column): `back_to_back` issues `calls` all-reduces (up to 50, fewer for slow ones so
-that one repetition lasts ~20 ms) one after the other between one timer pair and divides, the way a decode step issues them (and nccl-tests and vLLM's
-benchmark_device_communicators.py time them); on GPUs the same calls are also replayed as one CUDA
-graph (`cuda_graph`). On GPUs `host_issue` is the host's own time per call of issuing the same calls (the GPU
-drained first): the pace of an eager step whose host cannot keep its GPU busy; `host_after_gemm` the same
-with each call issued right after a GEMM that writes its input, less that GEMM alone (what a step's host
-pays for it between its other launches). On CPUs `late_rank` has the last rank arrive LATE_US after the others at every
-call and reads the op's own duration with torch.profiler, as a profiled engine step records it: the
-collective's own cost, which is what a profiled step's per-call least time over the ranks measures
-(the rest of a step's all-reduce time is waiting for the last rank). `isolated` aligns the ranks with a barrier before each single call: it adds the
-barrier's wake-up and launch cost to every call, so it overstates what a step pays for small messages.
-`warmup` untimed then `iters` timed repetitions, median and p10/p90 reported; GPU timed with CUDA
-events, CPU with perf_counter. Each rank writes collectives_rank<r>.json (atomically, after each part),
-with the backend, NCCL version, NCCL_* settings and the communicators (and why any was skipped).
+Timing (`timing` column):
+
+- `back_to_back` issues `calls` all-reduces one after the other between one timer pair, and divides.
+  `calls` is up to 50, fewer for slow ones, so that one repetition lasts ~20 ms.
+  A decode step issues them this way.
+  nccl-tests and vLLM's benchmark_device_communicators.py time them this way too.
+- `cuda_graph` (GPUs): the same calls, replayed as one CUDA graph.
+- `host_issue` (GPUs): the host's own time per call of issuing the same calls, the GPU drained first.
+  It is the pace of an eager step whose host cannot keep its GPU busy.
+- `host_after_gemm` (GPUs): the same, with each call issued right after a GEMM that writes its input.
+  That GEMM's time alone is subtracted.
+  What remains is what a step's host pays for the call between its other launches.
+- `late_rank` (CPUs): the last rank arrives LATE_US after the others at every call.
+  The op's own duration is read with torch.profiler, as a profiled engine step records it.
+  That duration is the collective's own cost.
+  A profiled step's per-call least time over the ranks measures the same cost.
+  The rest of a step's all-reduce time is waiting for the last rank.
+- `isolated`: a barrier aligns the ranks before each single call.
+  It adds the barrier's wake-up and launch cost to every call.
+  So it overstates what a step pays for small messages.
+
+`warmup` untimed repetitions run, then `iters` timed ones; the median and p10/p90 are reported.
+GPUs are timed with CUDA events, CPUs with perf_counter.
+Each rank writes collectives_rank<r>.json, atomically, after each part.
+The file holds the backend, NCCL version, NCCL_* settings and the communicators (and why any was skipped).
 """
 from __future__ import annotations
 

@@ -2,24 +2,29 @@
 
     torchrun --nproc-per-node N -m decodescope.probes.step --plan step_plan.json --out-dir DIR
 
-Replays one decode step's skeleton on the real ranks, in model order, at the model's sharded shapes:
-per layer the attention GEMMs, an all-reduce, the MLP or MoE GEMMs (router, grouped experts, shared
-experts), an all-reduce; the embedding all-reduce first, lm_head and the logits all-gather last (the
-program comes from decodescope.model.arch.step_program, written into the plan by the analysis side). Every
-GEMM has its own weights, as every layer of a model does, so nothing is served from L2 that a real
-step would read from memory. No attention kernel, norms or sampling: this is the step without the
-framework, the ground truth the step model (decodescope.verdict.stepmodel) is checked against on GPUs where
+It replays one decode step's skeleton on the real ranks, in model order, at the model's sharded shapes.
+Per layer: the attention GEMMs, an all-reduce, the MLP or MoE GEMMs, an all-reduce.
+The MoE GEMMs are the router, the grouped experts and the shared experts.
+The embedding all-reduce comes first; lm_head and the logits all-gather come last.
+The program comes from decodescope.model.arch.step_program; the analysis side writes it into the plan.
+Every GEMM has its own weights, as every layer of a model does.
+So nothing is served from L2 that a real step would read from memory.
+No attention kernel, norms or sampling: this is the step without the framework.
+It is the ground truth the step model (decodescope.verdict.stepmodel) is checked against on GPUs where
 vLLM cannot run.
 
-The collectives go through the communicator the engine uses where this probe can build it (plan
-`communicator: engine`): on CPUs with vLLM's CPU build its shared-memory all-reduce and all-gather (what
-vLLM CPU calls at tensor-parallel > 1), else torch.distributed (gloo on CPUs, NCCL on GPUs); each row
-names the one that ran, and the reason when the engine's could not be built.
+The collectives go through the communicator the engine uses, where this probe can build it (plan
+`communicator: engine`).
+On CPUs with vLLM's CPU build, that is its shared-memory all-reduce and all-gather.
+Those are what vLLM CPU calls at tensor-parallel > 1.
+Otherwise it is torch.distributed (gloo on CPUs, NCCL on GPUs).
+Each row names the one that ran, and the reason when the engine's could not be built.
 
-Per batch, three variants (`full`, `gemm_only`, `comm_only`), eager and, on GPUs, captured as one CUDA
-graph (as vLLM replays decode steps). Ranks aligned with a barrier before each timed step; `warmup`
-untimed then `iters` timed steps, median and p10/p90. Each rank writes step_rank<r>.json atomically
-after each batch.
+Per batch, three variants (`full`, `gemm_only`, `comm_only`) run eager.
+On GPUs they are also captured as one CUDA graph, as vLLM replays decode steps.
+A barrier aligns the ranks before each timed step.
+`warmup` untimed steps run, then `iters` timed ones; the median and p10/p90 are reported.
+Each rank writes step_rank<r>.json atomically after each batch.
 """
 from __future__ import annotations
 

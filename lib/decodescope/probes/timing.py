@@ -23,14 +23,18 @@ REF_DIM = 256
 
 
 class HostRef:
-    """The host's speed now, as the microseconds per launch of REF_LAUNCHES launches of a small bf16
-    GEMM ([1, REF_DIM] x [REF_DIM, REF_DIM], so the GPU never holds the host back), device drained first.
-    Why: an eager step is paced by its host, and a cloud VM's cores change speed by up to 1.8x from one
-    second to the next (benchmarks/host_speed.py); a host cost measured by 02 or 03 and a step replayed
-    a minute later are set side by side at the same host speed by dividing each by the reference taken
-    beside it. A GEMM launch, not a one-element add: on 2x H200 the add's time rose 1.35x from the
-    host's fast state to its slow one while the step's rose 1.6x; a GEMM launch walks the same library
-    code (dispatcher, cuBLAS) as the step's own launches. Each call appends to `samples_us`."""
+    """The host's speed now, as the microseconds per launch of REF_LAUNCHES launches of a small bf16 GEMM.
+
+    The GEMM is [1, REF_DIM] x [REF_DIM, REF_DIM], so the GPU never holds the host back.
+    The device is drained first.
+    Why: an eager step is paced by its host.
+    A cloud VM's cores change speed by up to 1.8x from one second to the next (benchmarks/host_speed.py).
+    A host cost measured by 02 or 03 may be set beside a step replayed a minute later.
+    Dividing each by the reference taken beside it puts both at the same host speed.
+    The reference is a GEMM launch, not a one-element add.
+    On 2x H200 the add's time rose 1.35x from the host's fast state to its slow one, while the step's rose 1.6x.
+    A GEMM launch walks the same library code (dispatcher, cuBLAS) as the step's own launches.
+    Each call appends to `samples_us`."""
 
     def __init__(self, device, sync: Callable[[], None]):
         # torch: the analysis side uses this module's statistics without torch

@@ -1,30 +1,38 @@
 """`decodescope compare`: two or more runs, or variants of a run, side by side on one offline page.
 
-A source is a run directory (`outputs/<run>/`, with its manifest.json) or a variant of one, addressed
-as `RUN_DIR/variants/NAME` or `RUN_DIR:NAME` (its files in `variants/NAME/data/`, or in `variants/NAME/`
-itself; its params.yaml when it has one, else the run's; its status from the run manifest's `variants`
-entry: the runner measures a variant's 01, and 04 when asked, into it). The first source is the
-baseline (A); every other (B, C, ...) is set against it, figure by figure:
+A source is a run directory (`outputs/<run>/`, with its manifest.json) or a variant of one.
+A variant is addressed as `RUN_DIR/variants/NAME` or `RUN_DIR:NAME`.
+Its files are in `variants/NAME/data/`, or in `variants/NAME/` itself.
+Its params.yaml is its own when it has one, else the run's.
+Its status comes from the run manifest's `variants` entry.
+The runner measures a variant's 01, and its 04 when asked, into that entry.
+The first source is the baseline (A).
+Every other source (B, C, ...) is set against it, figure by figure:
 
-- params and versions: the keys whose values differ (params.yaml, else the manifest's params; the
-  manifest's versions, commit and host);
-- serving (01): output throughput vs concurrency and TPOT p50 vs output tokens/s per GPU (GPU count:
-  `server.tensor_parallel`) overlaid; per level the difference of each metric;
-- the decode step (04): time and calls per step by category, the median over ranks (as the verdict
-  takes it), per profiled concurrency the runs share (data/profile/c<N>/), else data/profile_summary.json;
-- micro-benchmarks (02, 03): the difference per GEMM (op, dtype, batch) and per collective (op,
-  communicator, timing, size).
+- params and versions: the keys whose values differ.
+  Params come from params.yaml, else from the manifest's params.
+  Versions are the manifest's versions, commit and host.
+- serving (01): output throughput vs concurrency, overlaid.
+  Also TPOT p50 vs output tokens/s per GPU, overlaid (GPU count: `server.tensor_parallel`).
+  Per level, the difference of each metric.
+- the decode step (04): time and calls per step by category.
+  Each is the median over ranks, as the verdict takes it.
+  It is shown per profiled concurrency the runs share (data/profile/c<N>/), else from data/profile_summary.json.
+- micro-benchmarks (02, 03): the difference per GEMM (op, dtype, batch).
+  Also the difference per collective (op, communicator, timing, size).
 
-Every difference carries a call from `decodescope.core.stats.differ` over the figure's repeats: a table with
-a `repeat` column (serving_levels_repeats.parquet: one row per (level, repeat); records_serving.ServingLevel.repeat) has
-one sample per repeat; a figure measured once is marked `no repeats`. A file a source lacks is named in
-the page, with the phase's status; nothing fails for it. A path that is not a run (or variant) is a
-CompareError naming it (the CLI's exit status 2).
+Every difference carries a call from `decodescope.core.stats.differ` over the figure's repeats.
+A table with a `repeat` column has one sample per repeat.
+An example is serving_levels_repeats.parquet: one row per (level, repeat); records_serving.ServingLevel.repeat.
+A figure measured once is marked `no repeats`.
+A file a source lacks is named in the page, with the phase's status; nothing fails for it.
+A path that is not a run (or variant) is a CompareError naming it (the CLI's exit status 2).
 
-`load_sources(specs)` reads the sources, `comparison_blocks(sources)` builds the page's parts (headings,
-HTML, figures: the notebook 06 shows them), `write_compare(sources, out)` writes the page atomically
-through the report's shell (report.html.notebook_html); `build_compare(specs, out)` does all three and
-rebuilds the output folder's index.html. Every string from files goes through report.escape.
+`load_sources(specs)` reads the sources.
+`comparison_blocks(sources)` builds the page's parts: headings, HTML, figures (the notebook 06 shows them).
+`write_compare(sources, out)` writes the page atomically through the report's shell (report.html.notebook_html).
+`build_compare(specs, out)` does all three and rebuilds the output folder's index.html.
+Every string from files goes through report.escape.
 """
 from __future__ import annotations
 

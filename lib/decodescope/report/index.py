@@ -1,12 +1,16 @@
-"""outputs/index.html: every run of an output directory on one static page, with its headline numbers
-and links to its report and to the compare pages, so the folder can be published as is.
+"""outputs/index.html: every run of an output directory on one static page.
 
-`headline(run_dir)` reads a run's headline numbers (peak output tok/s, TPOT p50 at the lowest
-concurrency, the bottleneck class and its share) from its data files; the report header uses it too.
-`collect_rows(output_dir)` makes the index's rows, `render_index(rows, compare_pages)` its HTML (sortable
-by a click on a header, filterable with a text box, one small inline script, nothing loaded from a
-network), and `build_index(output_dir)` writes it atomically. Every string from manifests and params
-goes through `report.escape.html_text`.
+Each run shows its headline numbers and links to its report and to the compare pages.
+So the folder can be published as is.
+
+`headline(run_dir)` reads a run's headline numbers from its data files; the report header uses it too.
+Those numbers are peak output tok/s, TPOT p50 at the lowest concurrency, and the bottleneck class and its share.
+`collect_rows(output_dir)` makes the index's rows.
+`render_index(rows, compare_pages)` makes its HTML.
+The table sorts by a click on a header and filters with a text box.
+It uses one small inline script and loads nothing from a network.
+`build_index(output_dir)` writes the page atomically.
+Every string from manifests and params goes through `report.escape.html_text`.
 """
 from __future__ import annotations
 

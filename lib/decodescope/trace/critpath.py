@@ -1,18 +1,23 @@
 """The critical path of each step across lanes and ranks, from plain arrays of pieces of work.
 
-A piece is one stretch of one op on one lane (a GPU stream or a CPU thread of a rank), the pieces of a
-lane never overlapping (critpath_pieces.py cuts nested CPU ops into them). A piece starts once its
-binding dependency is met: the piece before it on its lane, the CPU call that launched it (a GPU piece's
-correlation id, a CUDA graph's launch included), or a piece on another stream of its rank that ended just
-before it (a cross-stream wait: the traces record no stream in cudaStreamWaitEvent, so it is inferred
-only where nothing else explains the start). A collective ends on every rank only after its last rank
-has entered it: on an earlier rank, its time before that entry is waiting, and the path goes on from the
-last rank's entry.
+A piece is one stretch of one op on one lane: a GPU stream or a CPU thread of a rank.
+The pieces of a lane never overlap (critpath_pieces.py cuts nested CPU ops into them).
+A piece starts once its binding dependency is met.
+That dependency is one of three:
+- the piece before it on its lane;
+- the CPU call that launched it: a GPU piece's correlation id, a CUDA graph's launch included;
+- a piece on another stream of its rank that ended just before it: a cross-stream wait.
+  The traces record no stream in cudaStreamWaitEvent.
+  So a cross-stream wait is inferred only where nothing else explains the start.
+A collective ends on every rank only after its last rank has entered it.
+On an earlier rank, its time before that entry is waiting.
+The path goes on from the last rank's entry.
 
-The path is walked back from the step's end; every move sets the time at which the next segment ends to
-where the last one began, so the segments (pieces, transfers, gaps) sum exactly to the step's wall time.
-Runs of pieces each bound by the piece before on its lane are taken as a whole (index ranges), so the
-walk's Python loop turns once per change of lane, not once per piece.
+The path is walked back from the step's end.
+Every move sets the time at which the next segment ends to where the last one began.
+So the segments (pieces, transfers, gaps) sum exactly to the step's wall time.
+Runs of pieces each bound by the piece before on its lane are taken as a whole (index ranges).
+So the walk's Python loop turns once per change of lane, not once per piece.
 """
 from __future__ import annotations
 

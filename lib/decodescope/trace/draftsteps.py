@@ -1,10 +1,12 @@
 """The drafter of a speculative step, read from a profiled level's ops on each rank.
 
-vLLM runs a speculative step as one verify pass of the target (the step's own annotation,
-`execute_context_...`) and then, outside that annotation, the drafter: the rejection sampler, then one
-model forward a draft token, each with its inputs before it and its logits' argmax after it. A forward is
-one call of the compiled model (`CompiledFxGraph` on vLLM CPU). The drafter ends where the worker's main
-lane goes idle for the engine's next schedule.
+vLLM runs a speculative step as one verify pass of the target, then the drafter.
+The verify pass is the step's own annotation, `execute_context_...`.
+The drafter runs outside that annotation.
+It runs the rejection sampler, then one model forward a draft token.
+Each forward has its inputs before it and its logits' argmax after it.
+A forward is one call of the compiled model (`CompiledFxGraph` on vLLM CPU).
+The drafter ends where the worker's main lane goes idle for the engine's next schedule.
 """
 from __future__ import annotations
 

@@ -1,13 +1,16 @@
 """The host's own cost of the ops a CUDA graph hides, from 04's un-graphed capture (capture.capture_host_ops).
 
-A decode step on a GPU replays CUDA graphs: the attention and MoE custom ops (`vllm::*`) and the Python
-around them never run on the host there. Without graphs (`--enforce-eager`), or with piecewise graphs only
-(the attention ops left outside, as in a speculative step that drafted nothing), they do, each at the cost
-of its Python and launches. A prefill longer than the largest captured graph runs them all on the host, in
-the baseline's own engine: each outermost `vllm::` op's wall time on its thread, less what it spent waiting
-for the GPU (its synchronizing CUDA calls), is its host cost; the events the profiler recorded inside it are
-what the verdict takes the profiler's own cost off by (its measured cost per event: the level's profiled
-step less its unprofiled one, over the events a profiled decode step records).
+A decode step on a GPU replays CUDA graphs.
+There the attention and MoE custom ops (`vllm::*`) and the Python around them never run on the host.
+Without graphs (`--enforce-eager`), they do, each at the cost of its Python and launches.
+They do too with piecewise graphs only, which leave the attention ops outside.
+A speculative step that drafted nothing runs that way.
+A prefill longer than the largest captured graph runs them all on the host, in the baseline's own engine.
+Each outermost `vllm::` op's host cost is its wall time on its thread, less what it spent waiting for the GPU.
+That wait is its synchronizing CUDA calls.
+The verdict takes the profiler's own cost off by the events the profiler recorded inside the op.
+Each event is priced at its measured cost per event.
+That cost is the level's profiled step less its unprofiled one, over the events a profiled decode step records.
 """
 from __future__ import annotations
 
@@ -34,10 +37,13 @@ LAUNCH_CALL = re.compile(r"LaunchKernel|GraphLaunch|^cuLaunch")
 
 
 def host_ops_wanted(asked: bool, modes: Optional[EngineModes]) -> tuple[bool, str]:
-    """Whether 04 takes the un-graphed capture, and why not: it is taken where the engine runs CUDA graphs (its
-    log says so), where its modes are unknown (None: no log, an attached server), or where
-    profile.host_ops_tokens was set in the params (`asked`); an engine without graphs (vLLM CPU,
-    --enforce-eager) hides no op from the host, and its level traces hold every op's host cost already."""
+    """Whether 04 takes the un-graphed capture, and why not.
+
+    It is taken where the engine runs CUDA graphs, as its log says.
+    It is taken where the engine's modes are unknown (None: no log, an attached server).
+    It is taken where profile.host_ops_tokens was set in the params (`asked`).
+    An engine without graphs (vLLM CPU, --enforce-eager) hides no op from the host.
+    Its level traces hold every op's host cost already."""
     if asked or modes is None or modes.cudagraph_mode not in (None, "NONE"):
         return True, ""
     return False, ("the engine runs no CUDA graphs (its log): no op is hidden from the host, so 04 takes no "

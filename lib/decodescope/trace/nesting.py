@@ -8,13 +8,18 @@ NEST_EPS_US = 1e-9  # an op is inside another when the other ends more than this
 
 
 def parents_in_order(prev: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Rows in (thread, start, longest first) order, `prev` the row before in the same thread (-1 at a
-    thread's first): each row's parent, the latest earlier row of its thread still open at its start
-    (ending more than NEST_EPS_US after it), what a stack of open ops would hold; -1 at top level.
+    """Each row's parent, or -1 at top level.
 
-    `up` links each row to the latest earlier row of its thread that ends after it does (pointer
-    jumping, a few dozen vector passes); the parent is then a short walk along those links from the
-    row before, each hop skipping rows already closed. `prev` is consumed (it becomes the result)."""
+    Rows come in (thread, start, longest first) order.
+    `prev` is the row before in the same thread, -1 at a thread's first.
+    A row's parent is the latest earlier row of its thread still open at its start.
+    Open means it ends more than NEST_EPS_US after that start: what a stack of open ops would hold.
+
+    The array `up` links each row to the latest earlier row of its thread that ends after it does.
+    It is built by pointer jumping, in a few dozen vector passes.
+    The parent is then a short walk along those links from the row before.
+    Each hop skips rows already closed.
+    `prev` is consumed: it becomes the result."""
     up = prev.copy()
     todo = np.flatnonzero(up >= 0)
     while len(todo):

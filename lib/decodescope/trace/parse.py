@@ -1,19 +1,24 @@
 """Kineto / Chrome traces (.json or .json.gz) -> a columnar table, in one streamed pass.
 
-A reader thread decompresses the file chunk by chunk (zlib releases the GIL, so decompression runs on
-one core while the events are found on another) and hands the chunks over through a queue of two; the
-parser cuts each chunk at its last complete event and carries the rest over. Memory is the chunks in
-flight (CHUNK_BYTES each, at most four) and one chunk's index arrays (some 20 bytes a byte of text)
-plus the kept columns, whatever the file's size; there is no second copy of the decompressed text.
+A reader thread decompresses the file chunk by chunk.
+zlib releases the GIL, so decompression runs on one core while the events are found on another.
+The thread hands the chunks over through a queue of two.
+The parser cuts each chunk at its last complete event and carries the rest over.
+Memory is the chunks in flight (CHUNK_BYTES each, at most four), one chunk's index arrays and the kept columns.
+The index arrays take some 20 bytes a byte of text.
+That memory does not grow with the file's size.
+There is no second copy of the decompressed text.
 
-Torch's Kineto writer lays every event out as "\\n  {" ... "\\n  }", its keys as '"key": value'. On that
-layout nothing is decoded into Python objects but the names of the kept events: numpy finds the quotes,
-the keys and the event starts in the chunk's bytes, tells the keys apart, and reads the values of the
-kept events from their offsets (numbers parsed in numpy, names sliced once and interned). `python_function`
-events, most of a with_stack trace, and everything else not kept cost only those array passes. A chunk
-that layout reading cannot take whole (an escaped quote, a key without its space, a name that is not a
-string) is decoded with orjson, its kept events only; traces laid out otherwise (compact JSON from
-other tools) fall back to a streaming `raw_decode`.
+Torch's Kineto writer lays every event out as "\\n  {" ... "\\n  }", its keys as '"key": value'.
+On that layout nothing is decoded into Python objects but the names of the kept events.
+Numpy finds the quotes, the keys and the event starts in the chunk's bytes, and tells the keys apart.
+It reads the values of the kept events from their offsets.
+Numbers are parsed in numpy; names are sliced once and interned.
+So `python_function` events, most of a with_stack trace, cost only those array passes.
+So does everything else not kept.
+Layout reading cannot take some chunks whole: an escaped quote, a key without its space, a name that is not a string.
+Such a chunk is decoded with orjson, its kept events only.
+Traces laid out otherwise (compact JSON from other tools) fall back to a streaming `raw_decode`.
 
 Only numpy and orjson are imported here; pandas when the table is built (`_Columns.frame`).
 """
@@ -116,12 +121,14 @@ def parse_columns(path: "str | Path", workers: int = 1,
                   read_chunk: Optional[Callable] = None) -> tuple[_Columns, TraceMeta]:
     """One rank's trace -> (kept columns, metadata), in one pass; raises TraceError naming the file.
 
-    With workers > 1 the chunks are read in that many processes while this one decompresses and cuts
-    the next ones (at most 2 x workers chunks in flight); worth it only for big files (load.py).
-    `on_chunk(cols, is_gpu)` is called as each chunk's rows are added: a reader that reduces them as
-    they come (stream.py) drains them there, and memory stays a few chunks whatever the file's size.
-    `read_chunk(buf, lo, hi, is_gpu, cols, name_ok)` reads one run of whole Kineto events in this
-    process (default _read_chunk; stream.py passes the C scanner's)."""
+    With workers > 1 the chunks are read in that many processes.
+    Meanwhile this one decompresses and cuts the next ones, at most 2 x workers chunks in flight.
+    That is worth it only for big files (load.py).
+    The callback `on_chunk(cols, is_gpu)` is called as each chunk's rows are added.
+    A reader that reduces the rows as they come (stream.py) drains them there.
+    Memory then stays a few chunks, whatever the file's size.
+    The function `read_chunk(buf, lo, hi, is_gpu, cols, name_ok)` reads one run of whole Kineto events in this process.
+    It defaults to _read_chunk; stream.py passes the C scanner's."""
     if on_chunk is None:
         on_chunk = _keep_rows
     read_chunk = read_chunk or _read_chunk

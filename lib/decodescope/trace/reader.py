@@ -1,6 +1,9 @@
-"""Reading a trace file without numpy: the decompression thread, the header, the cut of the
-traceEvents array into runs of whole events (the Kineto layout) or decoded batches (any other layout),
-and the metadata from the header and trailer. parse.py reads the runs into columns with numpy;
+"""Reading a trace file without numpy.
+
+This module holds the decompression thread and the reading of the header.
+It cuts the traceEvents array into runs of whole events (the Kineto layout) or decoded batches (any other layout).
+It reads the metadata from the header and trailer.
+parse.py reads the runs into columns with numpy.
 creduce.py reduces them in C, so the streamed breakdown starts without importing numpy at all."""
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-# Decompressed bytes per chunk. CPU time to read 50 MB of a vLLM CPU trace with 1, 2, 4, 8 MiB chunks:
-# 0.46, 0.45, 0.54, 0.69 s (25 MB of the GPU step replay: 0.15, 0.15, 0.16, 0.19 s): a chunk and its
-# index arrays stay in the caches up to ~2 MiB; below 1 MiB the fixed cost per chunk (~0.4 ms) shows.
+# Decompressed bytes per chunk.
+# CPU time to read 50 MB of a vLLM CPU trace with 1, 2, 4, 8 MiB chunks: 0.46, 0.45, 0.54, 0.69 s.
+# For 25 MB of the GPU step replay: 0.15, 0.15, 0.16, 0.19 s.
+# A chunk and its index arrays stay in the caches up to ~2 MiB.
+# Below 1 MiB the fixed cost per chunk (~0.4 ms) shows.
 CHUNK_BYTES = 1 << 20
 EVENT_END = "\n  }"
 EVENT_START = "\n  {"
@@ -27,10 +32,11 @@ KEPT_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "user_
              "cuda_runtime", "cuda_driver")
 # what the breakdowns count as GPU work: the streamed one and the table's (analyze.GPU_WORK_CATS)
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
-# CPU ops kept on a GPU trace: those that describe communication (their args carry message sizes);
-# runtime calls kept: those that launch work. name_rule says which applies where; the patterns are
-# written once and used on decoded events, in a lookahead on the raw text (parse._keep_pattern), and
-# on the names the layout reader and the C scanner slice.
+# CPU ops kept on a GPU trace: those that describe communication (their args carry message sizes).
+# Runtime calls kept: those that launch work.
+# name_rule says which applies where.
+# The patterns are written once and used in three places: on decoded events, in a lookahead on the raw
+# text (parse._keep_pattern), and on the names the layout reader and the C scanner slice.
 COMM_NAME = (r"nccl|gloo|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
              r"broadcast|send|recv|barrier")
 LAUNCH_NAME = r"Launch|GraphLaunch|Memcpy|Memset"

@@ -1,18 +1,21 @@
-"""A rank file -> time by name, reduced chunk by chunk as it is read, with numpy: the streamed
-breakdown's reduction (breakdown.py) for the files its C reduction (creduce.py) leaves. No event table
-is built, so memory stays a few chunks (and the names seen) whatever the trace's size, and neither
-pandas nor the typed records are imported.
+"""A rank file -> time by name, reduced chunk by chunk as it is read, with numpy.
 
-What it reduces is what op_table + category_breakdown compute from the table (the same figures, the
-same rules): on a GPU trace every kernel, memcpy and memset at its duration; on a CPU trace every CPU
-op at its self time (its duration less its direct children's), a call counted once when an op of its
-own category encloses it (c10d::allreduce_ around gloo:all_reduce).
+This is the streamed breakdown's reduction (breakdown.py) for the files its C reduction (creduce.py) leaves.
+No event table is built.
+So memory stays a few chunks (and the names seen), whatever the trace's size.
+Neither pandas nor the typed records are imported.
 
-Self times stream because a rank's CPU ops come in start order per thread (torch's export writes them
-so): an op still open at a chunk's end is carried into the next chunk with what its children have
-taken so far, and closed once no later op of its thread can start inside it. Ops that tie on the last
-start time of a chunk wait for the next chunk (a longer one starting then would enclose them). A file
-whose ops go back in time on a thread is read whole instead, with a warning: correct, not flat.
+It reduces what op_table + category_breakdown compute from the table: the same figures, by the same rules.
+On a GPU trace that is every kernel, memcpy and memset at its duration.
+On a CPU trace it is every CPU op at its self time: its duration less its direct children's.
+A call is counted once when an op of its own category encloses it (c10d::allreduce_ around gloo:all_reduce).
+
+Self times stream because a rank's CPU ops come in start order per thread; torch's export writes them so.
+An op still open at a chunk's end is carried into the next chunk, with what its children have taken so far.
+It is closed once no later op of its thread can start inside it.
+Ops that tie on the last start time of a chunk wait for the next chunk.
+A longer op starting then would enclose them.
+A file whose ops go back in time on a thread is read whole instead, with a warning: correct, not flat.
 """
 from __future__ import annotations
 
@@ -238,11 +241,12 @@ def reduce_files(files: list[Path], workers: int, rules=None, cpu: Optional[bool
                          min_bytes=STREAM_PROCESSES_MIN_BYTES)
 
 
-# Rank files in processes of their own from this much JSON handed to the others. Measured on this
-# project's 2-core machine (benchmarks/trace_crossover.py --stream, results/cpu_trace_stream_crossover.txt):
-# one process already keeps both cores busy (decompression in its thread, the C scanner in the main one),
-# so a worker gains only where the scanning and the self times outweigh the decompression: vLLM CPU
-# traces 0.91-1.15x with 4.5 MB handed over, 1.09-1.10x with 10 MB, 1.26-1.39x from 25 MB; the GPU
-# replay's sparse traces 0.62-0.82x with 3.5 MB, 0.92-0.96x with 10 MB, 1.08x with 25 MB. At 8 MB the
-# dense traces gain from 20 MB up and the sparse ones lose a few percent at 20 MB.
+# Rank files in processes of their own from this much JSON handed to the others.
+# Measured on this project's 2-core machine (benchmarks/trace_crossover.py --stream,
+# results/cpu_trace_stream_crossover.txt).
+# One process already keeps both cores busy: decompression in its thread, the C scanner in the main one.
+# So a worker gains only where the scanning and the self times outweigh the decompression.
+# vLLM CPU traces: 0.91-1.15x with 4.5 MB handed over, 1.09-1.10x with 10 MB, 1.26-1.39x from 25 MB.
+# The GPU replay's sparse traces: 0.62-0.82x with 3.5 MB, 0.92-0.96x with 10 MB, 1.08x with 25 MB.
+# At 8 MB the dense traces gain from 20 MB up, and the sparse ones lose a few percent at 20 MB.
 STREAM_PROCESSES_MIN_BYTES = 8 << 20

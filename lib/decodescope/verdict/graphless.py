@@ -1,15 +1,21 @@
 """Steps that lose the CUDA graph's cover, priced from the baseline's own engine (05_verdict).
 
-A decode step on a GPU replays CUDA graphs: the host launches one graph, and the Python and launches of the
-attention and MoE custom ops (`vllm::*`) cost it nothing. Two variants bring that host time back:
-- piecewise graphs: a speculative-decoding step whose requests drafted nothing is no uniform decode batch of
-  1 + k tokens, so vLLM replays its piecewise graphs and runs their splitting ops (attention and KV-cache
-  updates, named in the engine's config line) on the host, layer by layer, each before the next piece;
+A decode step on a GPU replays CUDA graphs: the host launches one graph.
+The Python and launches of the attention and MoE custom ops (`vllm::*`) then cost it nothing.
+Two variants bring that host time back:
+- piecewise graphs: a speculative-decoding step whose requests drafted nothing is no uniform decode batch
+  of 1 + k tokens.
+  So vLLM replays its piecewise graphs and runs their splitting ops on the host, layer by layer.
+  Each splitting op runs before the next piece.
+  The splitting ops are attention and KV-cache updates, named in the engine's config line.
 - eager (`--enforce-eager`): no graph and no torch.compile; every op is issued from Python.
-04's un-graphed capture (trace.hostops, data/profile/host_ops.json) measured each custom op's host cost in
-the baseline's engine, under the profiler. The profiler's own cost is taken off each op by the events it
-recorded inside it, at the cost per event 04 measured: the level-1 step's profiler cost (the engine's
-inter-token latency profiled less unprofiled) over the events a profiled decode step at batch 1 records.
+
+04's un-graphed capture (trace.hostops, data/profile/host_ops.json) measured each custom op's host cost.
+It measured it in the baseline's engine, under the profiler.
+The profiler's own cost is taken off each op by the events it recorded inside it.
+Each event is priced at the cost per event 04 measured.
+That cost is the level-1 step's profiler cost over the events a profiled decode step at batch 1 records.
+The level-1 step's profiler cost is the engine's inter-token latency profiled less unprofiled.
 """
 from __future__ import annotations
 

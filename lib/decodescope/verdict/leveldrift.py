@@ -1,11 +1,14 @@
 """How much a serving level's step moved while it was measured, and what the step model's miss at a level is
 put down to.
 
-On a host-bound step (the real vLLM GPU engine at small batch: the GPU busy a third of the step, the rest
-the engine's Python) the engine's step speed moves with the host: on the H200 a Qwen3-MoE level of 64
-requests at concurrency 1 read 1.48 ms per token in its first quarter and 2.25 ms in its last, with the
-same kernels per step. The step model is priced from 04's window; set against 01's a minute away it
-carries that movement. These are the measurements that say so, one per level.
+The real vLLM GPU engine at small batch runs a host-bound step.
+Its GPU is busy a third of the step; the rest is the engine's Python.
+On such a step the engine's step speed moves with the host.
+On the H200 a Qwen3-MoE level of 64 requests at concurrency 1 read 1.48 ms per token in its first quarter.
+It read 2.25 ms in its last, with the same kernels per step.
+The step model is priced from 04's window.
+Set against 01's window a minute away, it carries that movement.
+These are the measurements that say so, one per level.
 """
 from __future__ import annotations
 

@@ -1,19 +1,22 @@
 """Speculative decoding priced whole: tokens per verify step from the measured acceptance, the drafter's
 own cost, and the step they make together.
 
-A verify step at batch b with k draft tokens a request checks b x (k + 1) tokens and yields, a request,
-one token plus the drafted tokens accepted before the first rejection. vLLM counts, over a level, the
-drafts (`vllm:spec_decode_num_drafts`) and the tokens accepted at each draft position
-(`..._num_accepted_tokens_per_pos`); a token at position i is accepted only when every one before it
-was, so accepted[i] / drafts is the probability that a draft reaches i + 1 accepted tokens, and the
-expected tokens per verify step is 1 + sum_i accepted[i] / drafts (`server_spec_accept_len`). The
-i.i.d. formula (1 - a^(k+1)) / (1 - a) with a = accepted / drafted tokens is right only when every
-position accepts alike; measured positions fall off (92 / 76 / 67 of 273 drafts on the embedded
-default: 1.86 tokens a verify step, where a = 0.29 i.i.d. reads 1.39).
+A verify step at batch b with k draft tokens a request checks b x (k + 1) tokens.
+It yields, a request, one token plus the drafted tokens accepted before the first rejection.
+Over a level, vLLM counts the drafts (`vllm:spec_decode_num_drafts`).
+It also counts the tokens accepted at each draft position (`..._num_accepted_tokens_per_pos`).
+A token at position i is accepted only when every one before it was.
+So accepted[i] / drafts is the probability that a draft reaches i + 1 accepted tokens.
+The expected tokens per verify step is then 1 + sum_i accepted[i] / drafts (`server_spec_accept_len`).
+The i.i.d. formula is (1 - a^(k+1)) / (1 - a), with a = accepted / drafted tokens.
+It is right only when every position accepts alike.
+Measured positions fall off: 92 / 76 / 67 of 273 drafts on the embedded default.
+That is 1.86 tokens a verify step, where a = 0.29 i.i.d. reads 1.39.
 
-A draft model's cost is its own forward passes: k of them a verify step at batch b (the first also takes
-the tokens the last verify accepted). With the target itself as draft (the same architecture at the same
-tensor-parallel size) each is a decode step of the target at batch b, which the step model prices.
+A draft model's cost is its own forward passes: k of them a verify step at batch b.
+The first also takes the tokens the last verify accepted.
+The target itself may be the draft: the same architecture at the same tensor-parallel size.
+Then each pass is a decode step of the target at batch b, which the step model prices.
 """
 from __future__ import annotations
 

@@ -29,13 +29,17 @@ MICRO_CLASSES = ("gemm", "communication")
 
 
 def profiler_cost(cap: ProfileCapture, cats: pd.DataFrame, rank) -> tuple[Optional[float], tuple, str]:
-    """What the profiler added to a step at one profiled level (04's profile_capture.json): the engine's
-    inter-token latency under the profiler less without it, the same workload on the same server a
-    second apart, with a band of the two unprofiled runs' difference; at a level measured unprofiled before
-    the phase's first profile too, less that measurement, so what earlier profiles left behind in the server
-    is the profiler's cost as well; where /metrics had no inter-token latency, the critical rank's ops per
-    step x the profiler's cost per recorded op (a floor: it misses the trace writers and the profiled front
-    end sharing the host's cores)."""
+    """What the profiler added to a step at one profiled level (04's profile_capture.json).
+
+    It is the engine's inter-token latency under the profiler less that without it.
+    Both run the same workload on the same server, a second apart.
+    The band is the difference between the two unprofiled runs.
+    A level may also have been measured unprofiled before the phase's first profile.
+    There the profiled latency is taken less that measurement.
+    So what earlier profiles left behind in the server is the profiler's cost as well.
+    Where /metrics had no inter-token latency, it is the critical rank's ops per step x the profiler's cost
+    per recorded op.
+    That is a floor: it misses the trace writers and the profiled front end sharing the host's cores."""
     step, base = cap.profiler_step_cost_us, cap.engine_itl_unprofiled_us
     if step is not None and base:
         noise_us = float(cap.window_noise or 0.0) * float(base)
@@ -330,13 +334,16 @@ def _profiled_ops(samples: list[StepSample], batch: float, context_tokens: float
 
 def _rest(samples: list[StepSample], batch: float, comps: list[Component], overlap: float,
           other_tp: Optional[int], src: str) -> Component:
-    """The rest of the profiled period: what the medians of its parts leave of the period (its trimmed mean,
-    the median in older summaries: StepSample.period_us). At the tensor-parallel size profiled, as
-    measured; at another (other_tp), the same share of that step's parts.
-    The share is the parts' spread step to step, which goes with them: on gloo (each all-reduce a sleep in
-    gloo's wait, 1-6 ms a step) TP=2's rest was 2.0-3.3 ms a step and a profiled TP=1 server's 30-70 us
-    (benchmarks/tp1_projection_parts.py), and carried whole it was most of the projection's excess over the
-    TP=1 profile's step (x 1.72 and x 1.93 at batch 1 and 4)."""
+    """The rest of the profiled period: what the medians of its parts leave of the period.
+
+    The period is its trimmed mean, the median in older summaries (StepSample.period_us).
+    At the tensor-parallel size profiled, the rest is as measured.
+    At another size (other_tp), it is the same share of that step's parts.
+    The share is the parts' spread step to step, which goes with them.
+    On gloo each all-reduce is a sleep in gloo's wait, 1-6 ms a step.
+    There TP=2's rest was 2.0-3.3 ms a step and a profiled TP=1 server's 30-70 us (benchmarks/tp1_projection_parts.py).
+    Carried whole, it was most of the projection's excess over the TP=1 profile's step.
+    That excess was x 1.72 and x 1.93 at batch 1 and 4."""
     if other_tp is None:
         v, lo, hi, notes = across_levels(samples, batch, lambda s: s.rest_us)
         return Component(REST, v, lo, hi, src, notes, Kind.HOST_BETWEEN)

@@ -1,16 +1,20 @@
 """A decode step's components the micro-benchmarks price: GEMMs (02) and collectives (03).
 
-The step model prices one decode step at batch b from the micro-benchmarks, component by component,
-each with the file it came from and a band from its measured spread:
+The step model prices one decode step at batch b from the micro-benchmarks, component by component.
+Each component carries the file it came from and a band from its measured spread.
 
-- GEMMs: sum over the step's GEMM shapes at b of count x time: 02's cold-weights time when the probe
-  measured it (CUDA graph cycling through weight copies: every layer reads its own weights from memory,
-  the activations stay in L2, as in a decode step), else its graph time with L2 flushed before each call
-  (which also evicts the activations: ~10% slower at decode sizes on an H200); a batch 02 did not
-  measure is interpolated between the two nearest;
-- collectives: per call, the latency at its message size read off 03's curve for one communicator and
-  one timing (cuda_graph on GPUs, back_to_back on CPUs: how a step issues them), interpolated in log-log
-  between measured sizes; sizes outside the sweep use the alpha-beta fit and are labelled extrapolated.
+- GEMMs: the sum over the step's GEMM shapes at b of count x time.
+  The time is 02's cold-weights time where the probe measured it.
+  That probe runs a CUDA graph that cycles through weight copies.
+  So every layer reads its own weights from memory and the activations stay in L2, as in a decode step.
+  Otherwise the time is 02's graph time with L2 flushed before each call.
+  That flush also evicts the activations: ~10% slower at decode sizes on an H200.
+  A batch 02 did not measure is interpolated between the two nearest.
+- Collectives: per call, the latency at its message size, read off 03's curve.
+  The curve is for one communicator and one timing, the one a step issues them with.
+  That timing is cuda_graph on GPUs and back_to_back on CPUs.
+  Between measured sizes the curve is interpolated in log-log.
+  Sizes outside the sweep use the alpha-beta fit and are labelled extrapolated.
 
 `predict_replay` prices the step replay probe (probes/step.py: the same GEMMs and collectives in model
 order, nothing else), the check of these two components against a measured whole step.
@@ -33,10 +37,11 @@ from decodescope.micro.bench import with_timing_columns
 # CPUs the late rank's own time (the profile's wait for the last rank is its own component), else back
 # to back.
 STEP_TIMINGS = ("cuda_graph", "late_rank", "back_to_back")
-# Where a communicator's wait for the other ranks is an op of its own (gloo on CPUs: its c10d wait, booked
-# to collective_wait, beside an `allreduce` op that only hands the tensor over), what a step pays per call
-# is both ops, and the step model prices the calls back to back, waits included (on a CPU 03 times each of
-# them by itself: the median is a typical call, as the profile's median call that the reconcile sets against it).
+# Some communicators wait for the other ranks in an op of their own.
+# Gloo on CPUs is one: its c10d wait is booked to collective_wait, and its `allreduce` op only hands the tensor over.
+# There a step pays both ops per call, so the step model prices the calls back to back, waits included.
+# On a CPU 03 times each call by itself, so the median is a typical call.
+# The reconcile sets that median against the profile's median call.
 WAIT_INCLUDED_TIMINGS = ("cuda_graph", "back_to_back")
 
 
@@ -79,11 +84,12 @@ def _interp_batch(g: pd.DataFrame, batch: int, col: str) -> float:
 
 
 def _gemm_time_columns(ok: pd.DataFrame) -> tuple[str, tuple[str, str, str]]:
-    """(which timing, its median / p10 / p90 columns) that prices a GEMM in a decode step: on a CPU the
-    step's GEMMs timed in its order after a pause (step_order), on a GPU cold weights with warm
-    activations (every layer reads its own weights), when 02 measured them; else the graph time with L2
-    flushed before each call (activations evicted too). A spread column 02 did not fill falls back to
-    the median."""
+    """(which timing, its median / p10 / p90 columns) that prices a GEMM in a decode step.
+
+    On a CPU it is the step's GEMMs timed in step order after a pause (step_order), where 02 measured them.
+    On a GPU it is cold weights with warm activations, where 02 measured them: every layer reads its own weights.
+    Otherwise it is the graph time with L2 flushed before each call, which evicts the activations too.
+    A spread column 02 did not fill falls back to the median."""
     timed = next((t for t in ("step_order", "cold_weights")
                   if f"{t}_time_us" in ok and ok[f"{t}_time_us"].notna().all()), "graph")
     mid_col = f"{timed}_time_us" if timed != "graph" else "time_us"
@@ -119,10 +125,12 @@ def hits_few_experts(batch: int, top_k: int, experts: int) -> bool:
 
 
 def routing_skew(moe_profile_us: float, moe_uniform_us: float, batch: int, top_k: int, experts: int) -> float:
-    """The routing skew (arch.active_experts) under which the experts a step hits match what 04 measured:
-    02 prices the routed experts under uniform routing (moe_uniform_us at this batch); a profiled expert
-    time below it means fewer experts hit (expert time is about linear in experts hit: each reads its own
-    weights). 0 where the profile is at or above the uniform price, or the batch hits few experts anyway."""
+    """The routing skew (arch.active_experts) under which the experts a step hits match what 04 measured.
+
+    02 prices the routed experts under uniform routing (moe_uniform_us at this batch).
+    A profiled expert time below that price means fewer experts hit.
+    Expert time is about linear in experts hit, because each expert reads its own weights.
+    0 where the profile is at or above the uniform price, or where the batch hits few experts anyway."""
     uniform = archmod.active_experts(batch, top_k, experts)
     floor = float(min(top_k, experts))
     if moe_uniform_us <= 0 or moe_profile_us >= moe_uniform_us or hits_few_experts(batch, top_k, experts):
@@ -297,21 +305,26 @@ def at_host_speed(df: pd.DataFrame, cols, host_ref_us: Optional[float]) -> tuple
 def predict_replay_eager(gemm: pd.DataFrame, coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int,
                          batches: list[int], communicator: str, dtype: str = "bf16",
                          host_ref_us: Optional[dict] = None, variant: str = "full") -> pd.DataFrame:
-    """The replayed step run eagerly: the host issues the step's ops in model order (arch.step_program)
-    at its measured cost per call (02's host column per GEMM; per all-reduce 03's host_after_gemm timing,
-    the call issued right after a GEMM as in a step, where 03 measured it, else its host_issue), and
-    the GPU runs each once it is issued and the one before it has ended (GEMMs at their cold-weights
-    time, collectives at their CUDA-graph latency: the kernels without the host in the way). A host
-    slower than its GPU sets the pace; the walk (eager_walk) says by how much, op by op. Band: the
-    same walk with the p10s and with the p90s.
+    """The replayed step run eagerly.
 
-    host_ref_us (per batch, the replay's host speed: replay_table's host_ref_us) restates every host
-    cost at the speed the replay's hosts ran at (at_host_speed): a VM's cores change speed by up to
-    1.8x between 02/03's run and the replay's, and an eager step moves with them.
+    The host issues the step's ops in model order (arch.step_program) at its measured cost per call.
+    Per GEMM that cost is 02's host column.
+    Per all-reduce it is 03's host_after_gemm timing where 03 measured it, else its host_issue.
+    host_after_gemm is the call issued right after a GEMM, as in a step.
+    The GPU runs each op once it is issued and the one before it has ended.
+    GEMMs run at their cold-weights time and collectives at their CUDA-graph latency.
+    Those are the kernels without the host in the way.
+    A host slower than its GPU sets the pace; the walk (eager_walk) says by how much, op by op.
+    Band: the same walk with the p10s and with the p90s.
 
-    variant: the replay's variants (probes/step.py): `gemm_only` walks the GEMMs alone, `comm_only` the
-    collectives alone, issued back to back (03's host_issue timing), so that a gap in the full step can
-    be placed in one part or in their interleaving."""
+    host_ref_us is the replay's host speed per batch (replay_table's host_ref_us).
+    It restates every host cost at the speed the replay's hosts ran at (at_host_speed).
+    A VM's cores change speed by up to 1.8x between 02/03's run and the replay's, and an eager step moves with them.
+
+    variant picks one of the replay's variants (probes/step.py).
+    `gemm_only` walks the GEMMs alone.
+    `comm_only` walks the collectives alone, issued back to back (03's host_issue timing).
+    So a gap in the full step can be placed in one part or in their interleaving."""
     if variant not in ("full", "gemm_only", "comm_only"):
         raise ValueError(f"variant {variant!r}: expected full, gemm_only or comm_only")
     ok = gemm[(gemm["status"] == "ok") & (gemm["dtype"] == dtype)]

@@ -1,7 +1,9 @@
-"""One profiled level's step as the step model reads it (StepSample), and the host's share of it on a
-small CPU host, where the workers, the engine core and the API server share the cores: which
-tensor-parallel size leaves the host processes a core, and what of the measured step goes with the
-contention there (the gap between steps, the ops' preemption)."""
+"""One profiled level's step as the step model reads it (StepSample), and the host's share of it.
+
+On a small CPU host the workers, the engine core and the API server share the cores.
+This module says which tensor-parallel size leaves the host processes a core.
+It also says what of the measured step goes with the contention there.
+That part is the gap between steps and the ops' preemption."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -55,11 +57,12 @@ def between_steps_at_freed_core(s: StepSample) -> float:
     steps is mostly that wait: 1.45 ms at TP=2, 0.62 ms measured at TP=1 on the same host."""
     if not s.engine_cpu_us:
         return s.between_us
-    # An engine core whose CPU per step exceeds the whole gap busy-polls (vLLM's shm MessageQueue reader
-    # sched_yield-spins for a second after each read): where the workers sleep in gloo's waits its CPU and
-    # its run-queue wait are that spin (13.3 and 19.1 ms a step against a 4.1 ms gap on an AVX2 host) and
-    # say nothing of what a step needs; the gap is then held as profiled. Taking it to 0 there read
-    # -28% and -30% against a real TP=1 server at concurrency 2 and 4.
+    # An engine core whose CPU per step exceeds the whole gap busy-polls.
+    # vLLM's shm MessageQueue reader sched_yield-spins for a second after each read.
+    # Where the workers sleep in gloo's waits, the engine core's CPU and run-queue wait are that spin.
+    # On an AVX2 host they were 13.3 and 19.1 ms a step against a 4.1 ms gap.
+    # They say nothing of what a step needs, so the gap is then held as profiled.
+    # Taking it to 0 there read -28% and -30% against a real TP=1 server at concurrency 2 and 4.
     return min(s.between_us, max(s.between_us - s.engine_wait_us, s.engine_cpu_us))
 
 

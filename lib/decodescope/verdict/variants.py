@@ -124,10 +124,13 @@ def variant_fix(inp: ModelInputs, params, vparams, exp, batch: float, acceptance
 
 def spec_fix(inp: ModelInputs, batch: float, k: int, spec: dict, alpha: float, accept_len: Optional[float],
              per_pos: str, measured: Optional[list[DrafterCost]] = None) -> Fix:
-    """Speculative decoding that drafted, priced whole (verdict.speculative): the verify step at batch x (k + 1),
-    the drafter as a profiled variant of it measured it (rejection, inputs and k passes), else, where it is the
-    target itself, k decode steps of the target at the batch; over the tokens per verify step the server
-    measured (1 + accepted / drafts), else the i.i.d. formula."""
+    """Speculative decoding that drafted, priced whole (verdict.speculative).
+
+    The verify step is priced at batch x (k + 1).
+    Where a profiled variant of it measured the drafter, that measurement prices it (rejection, inputs, k passes).
+    Without that, where the drafter is the target itself, it is k decode steps of the target at the batch.
+    The sum is taken over the tokens per verify step the server measured (1 + accepted / drafts).
+    Without that measurement, the i.i.d. formula gives them."""
     drafter = drafter_of(spec, None)
     verify = inp.predict(batch * (k + 1))
     notes = [f"verify step = the step model at batch {batch:g} x {k + 1}"]

@@ -90,10 +90,14 @@ def reconcile(run_dir: Path, profile_batch: int, summary: Optional[ProfileSummar
 def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: pd.DataFrame,
                               ar_by_rank: pd.Series, transfer: Optional[float], profile_batch: int, arch, tp: int,
                               rows: list, by_rank: pd.DataFrame, weight_dtype: Optional[str] = None) -> pd.DataFrame:
-    """The all-reduce rows where the wait is an op of its own (gloo). First a typical call: the profile's
-    median call, its all-reduce op plus its wait op at its least time over the ranks, x calls per step,
-    against 03's median call back to back (each timed by itself); then the calls as a step pays them on
-    the rank that waits least (the ranks' skew and the host's stalls in), against 03's calls back to back.
+    """The all-reduce rows where the wait is an op of its own (gloo).
+
+    The first row is a typical call.
+    On the profile's side it is the median call x calls per step.
+    That call is its all-reduce op plus its wait op, at its least time over the ranks.
+    On 03's side it is the median call back to back, each call timed by itself.
+    The second row is the calls as a step pays them, on the rank that waits least.
+    That includes the ranks' skew and the host's stalls; 03's side is its calls back to back.
     Summaries written before the per-call figure have the second row and the hand-over alone."""
     wait = sm.own_op_wait_by_rank(per_step).reindex(ar_by_rank.index, fill_value=0.0)
     paid = ar_by_rank + wait
@@ -170,11 +174,15 @@ def _with_gemm_row(run_dir: Path, rows: list, profile_batch: int, observed_gemm:
 def allreduce_reconcile_row(coll: pd.DataFrame, summary: Optional[ProfileSummary], observed_us: float, batch: int,
                             arch=None, tp: int = 1, wait_us: Optional[float] = None,
                             timings: Optional[tuple] = None) -> dict:
-    """The step's all-reduces from the micro-benchmark of the communicator the profile saw, like for
-    like: calls per step x the latency at the step's message size, timed as a step issues them (CUDA
-    graph on GPUs; on CPUs the late rank's own time, set against the profile's per-call least time over
-    the ranks, else back to back), from 03's size sweep; the barrier-aligned burst when the sweep
-    lacks it. When the probe did not measure that communicator the row says so and divides nothing."""
+    """The step's all-reduces from the micro-benchmark of the communicator the profile saw, like for like.
+
+    The price is calls per step x the latency at the step's message size, from 03's size sweep.
+    The latency is timed as a step issues the calls.
+    On GPUs that is the CUDA graph timing.
+    On CPUs it is the late rank's own time, set against the profile's per-call least time over the ranks.
+    Failing that, it is back to back.
+    When the sweep lacks the size, the barrier-aligned burst prices it.
+    When the probe did not measure that communicator, the row says so and divides nothing."""
     comms = summary.allreduce_communicators if summary else {}
     profile_comm = next(iter(comms), "unknown")
     micro_comm = micro_communicator_for(profile_comm)
