@@ -1,13 +1,13 @@
 """Typed records: one pydantic model per JSON file a phase writes, used by the writer and every reader.
 
-Each file record carries `schema_version` (an int, the field's default here is the version this code
-writes and reads). `read_record(path, Model)` refuses a file of another version, or one that does not
-validate, with a `RecordError` that names the file, the version found and the one expected (and the
-fields at fault); `write_record(path, record)` writes atomically (`decodescope.core.io.write_json_atomic`).
-Bump a record's `schema_version` default whenever its fields change meaning or shape.
+Each file record carries `schema_version`, an int. The field's default is the version this code writes and
+reads. `read_record(path, Model)` refuses a file of another version, or one that does not validate. Its
+`RecordError` names the file, the version found, the one expected and the fields at fault.
+`write_record(path, record)` writes atomically (`decodescope.core.io.write_json_atomic`). Bump a record's
+`schema_version` default whenever its fields change meaning or shape.
 
-Rows of parquet tables are models too (without a version: a table keeps its columns); their columns
-are declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
+Rows of parquet tables are models too, without a version: a table keeps its columns. Their columns are
+declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
 
 | file                         | record           | written by                          |
 |------------------------------|------------------|-------------------------------------|

@@ -1,23 +1,23 @@
 """Capture a torch.profiler trace of real decode steps through vLLM's profiler endpoints.
 
-The server must have been started with a profiler directory (`--profiler-config` or, on older vLLM,
-VLLM_TORCH_PROFILER_DIR): the runner does this for launched servers. After warm-up, /start_profile,
-a controlled decode workload, /stop_profile, we wait until every rank's file is complete (its size
-stable and, for .gz, a gzip stream that decompresses to the end).
+The server must have been started with a profiler directory: `--profiler-config`, or
+VLLM_TORCH_PROFILER_DIR on older vLLM. The runner does this for launched servers. After warm-up come
+/start_profile, a controlled decode workload and /stop_profile. Then we wait until every rank's file is
+complete: its size stable and, for .gz, a gzip stream that decompresses to the end.
 
-The same workload runs twice just before /start_profile, unprofiled. The engine's inter-token latency
-over each run (from /metrics) is the step as the server ran it there and then, which the verdict sets
-the step model against beside 01's TPOT; the two unprofiled runs differ by the host's noise, and the
-profiled run exceeds them by the profiler's own cost per step (its trace writers and the profiled
-front end share the cores with the workers, so it is far more than its cost per recorded op, which is
-measured too as profiler_event_cost_us: the fallback where /metrics has no inter-token latency).
+The same workload runs twice just before /start_profile, unprofiled. The engine's inter-token latency over
+each run (from /metrics) is the step as the server ran it there and then. The verdict sets the step model
+against it, beside 01's TPOT. The two unprofiled runs differ by the host's noise. The profiled run exceeds
+them by the profiler's own cost per step. That cost is far more than the cost per recorded op, since the
+trace writers and the profiled front end share the cores with the workers. The cost per op is measured too,
+as profiler_event_cost_us: the fallback where /metrics has no inter-token latency.
 
-A profile also leaves something behind: on the H200, after 04's first /stop_profile the Kimi-shaped engine
-ran unprofiled 36% slower at concurrency 4 and 62% at 16 than 01 had measured it (its engine core's CPU per
-step grew alike), while 04's first level, measured before any profile, agreed with 01. So before the
-phase's first /start_profile every later level's workload runs once unprofiled too: that level's step as a
-server never profiled runs it, which the profiler's cost is taken against (what an earlier profile left
-behind included, as profiler_residue_us).
+A profile also leaves something behind. On the H200, after 04's first /stop_profile the Kimi-shaped engine
+ran unprofiled 36% slower at concurrency 4 and 62% at 16 than 01 had measured it. Its engine core's CPU per
+step grew alike, while 04's first level, measured before any profile, agreed with 01. So before the phase's
+first /start_profile, every later level's workload runs once unprofiled too. That is the level's step as a
+server never profiled runs it. The profiler's cost is taken against it, and what an earlier profile left
+behind is kept as profiler_residue_us.
 
 The window itself (start, stop, the wait for the traces) is trace.profiledwindow; what the profiler cost,
 from these runs, is trace.profilercost; which levels a phase profiles is trace.capturephase.
@@ -140,10 +140,11 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
                     records_path: Optional[Path] = None, concurrency: Optional[int] = None,
                     itl_before_profiles_us: Optional[float] = None, guard=None) -> CaptureResult:
     """Warm up, profile a decode workload at one concurrency, stop, and wait for the traces.
+
     itl_before_profiles_us: this level's inter-token latency before the phase's first profile
-    (itl_before_profiles), the unprofiled step the profiler's cost is taken against. guard: an attached
-    server's (trace.attachprofile.AttachedProfiler), which plans the window from a profiled slice of the same
-    workload (all of it, fewer requests, or a refusal) and measures what it cost."""
+    (itl_before_profiles). It is the unprofiled step the profiler's cost is taken against.
+    guard: an attached server's trace.attachprofile.AttachedProfiler. It plans the window from a profiled
+    slice of the same workload: all of it, fewer requests, or a refusal. It then measures what it cost."""
     prof = params.profile
     concurrency = concurrency or next(c for c in prof.concurrency if isinstance(c, int))
     trace_dir = Path(trace_dir)

@@ -1,9 +1,9 @@
 """04_profile's capture, phase glue: every level profiled through the run's server, each level's files in
 its own trace directory, and for an attached server the guard (trace.attachprofile) around it all.
 
-trace.capture holds a level's capture and trace.profiledwindow the profiled window itself; this module
-decides which windows a phase takes (profile_levels: which levels, from 01's results), where their files
-go, and what is written for the phase (data/profile_capture.json).
+trace.capture holds a level's capture, and trace.profiledwindow the profiled window itself. This module
+decides which windows a phase takes: profile_levels picks the levels from 01's results. It decides where
+their files go, and writes the phase's record (data/profile_capture.json).
 """
 from __future__ import annotations
 
