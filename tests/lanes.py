@@ -48,18 +48,29 @@ def unit_modules() -> list[str]:
     return sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in SERVERS)
 
 
-def stage_argvs(pytest_args: list[str]) -> list[dict[str, list[str]]]:
-    """Each stage's lanes as pytest command lines, lane name -> argv."""
+def stage_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> list[dict[str, list[str]]]:
+    """Each stage's lanes as pytest command lines, lane name -> argv.
+
+    basetemp_root: each lane's --basetemp is a folder of its own under it (unless the arguments name one).
+    Pytest keeps only the three newest numbered basetemps of a user and deletes the rest as each session
+    starts. A LATE test reads a run directory under a stage-1 lane's basetemp. Three pytest sessions started
+    meanwhile by anyone on the machine deleted it once (FileNotFoundError on its params.yaml)."""
     missing = [m for m in SERVERS + tuple(t.split("::")[0] for t in LATE) if not (TESTS / m).is_file()]
     if missing:
         raise SystemExit(f"tests/lanes.py names modules that are not in tests/: {', '.join(missing)}")
     pytest = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider"]
     # pytest matches --deselect against node ids as it names them, relative to the root directory
     late_out = [f"--deselect={TESTS.name}/{t}" for t in LATE]
+    own = basetemp_root is not None and not any(a.startswith("--basetemp") for a in pytest_args)
+
+    def temp(lane: str) -> list[str]:
+        return [f"--basetemp={basetemp_root / lane}"] if own and basetemp_root is not None else []
     return [
-        {"servers": pytest + [str(TESTS / m) for m in FAULTS] + pytest_args,
-         "units": pytest + [str(TESTS / m) for m in unit_modules() + list(BESIDE_SERVERS)] + late_out + pytest_args},
-        {"alone": pytest + [str(TESTS / m) for m in ALONE] + [str(TESTS / t) for t in LATE] + pytest_args},
+        {"servers": pytest + [str(TESTS / m) for m in FAULTS] + temp("servers") + pytest_args,
+         "units": pytest + [str(TESTS / m) for m in unit_modules() + list(BESIDE_SERVERS)] + late_out
+         + temp("units") + pytest_args},
+        {"alone": pytest + [str(TESTS / m) for m in ALONE] + [str(TESTS / t) for t in LATE] + temp("alone")
+         + pytest_args},
     ]
 
 
@@ -96,7 +107,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="decodescope-lanes-") as handoff:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{HANDOFF_ENV: handoff})
         try:
-            for stage in stage_argvs(argv):
+            for stage in stage_argvs(argv, Path(handoff)):
                 codes.update(run_stage(stage, env, procs))
         except KeyboardInterrupt:
             # the terminal's Ctrl-C reached the lanes too (one process group); wait for them to stop

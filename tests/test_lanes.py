@@ -29,6 +29,24 @@ def test_every_test_module_runs_in_exactly_one_lane():
     assert all(argv[-1] == "-q" for argv in lanes)
 
 
+def test_each_lane_has_a_basetemp_of_its_own_that_no_other_pytest_session_prunes(tmp_path):
+    """A run a stage-1 lane makes and a LATE test reads lives under that lane's basetemp: an explicit one,
+    which pytest's pruning of numbered basetemps (three kept a user) never touches."""
+    stages = stage_argvs(["-q"], tmp_path)
+    temps = {name: [a for a in argv if a.startswith("--basetemp=")] for stage in stages for name, argv in stage.items()}
+    assert temps == {name: [f"--basetemp={tmp_path / name}"] for name in ("servers", "units", "alone")}
+    # a --basetemp of the caller's is left to pytest alone
+    given = stage_argvs(["--basetemp=/tmp/x"], tmp_path)
+    assert all([a for a in argv if a.startswith("--basetemp")] == ["--basetemp=/tmp/x"]
+               for stage in given for argv in stage.values())
+    # and pytest honours it: a session's tmp_path is under it
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("def test_t(tmp_path):\n    print('TMP', tmp_path)\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(probe),
+                        f"--basetemp={tmp_path / 'lane'}"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and f"TMP {tmp_path / 'lane'}" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_late_test_is_left_out_of_its_modules_lane_and_runs_alone_after_the_end_to_end_run():
     stages = stage_argvs([])
     for node in LATE:
