@@ -1,6 +1,6 @@
 """The verdict's reading of critical_path.json: the wall share beside the summed share, and each fix's
 bound on the path beside the step model's projection."""
-from decodescope.schema.records import ProjectionRow, write_record
+from decodescope.schema.records import ProfileCaptures, ProjectionRow, write_record
 from decodescope.schema.records_critpath import CriticalPathSummary
 from decodescope.verdict.critpath_view import critical_path_findings, critical_path_records, fix_rows
 
@@ -46,7 +46,11 @@ def test_runs_without_records_get_no_rows_and_no_findings(tmp_path):
     assert critical_path_findings({}, fix_rows({}, [projection("GEMMs 2x faster", -20.0, 4.0)])) == []
 
 
-def test_the_records_are_read_per_level(tmp_path):
+def test_the_records_are_read_per_level_04_profiled(tmp_path):
     (tmp_path / "data" / "profile" / "c4").mkdir(parents=True)
+    (tmp_path / "data" / "profile" / "c8").mkdir(parents=True)
     write_record(tmp_path / "data" / "profile" / "c4" / "critical_path.json", record())
-    assert list(critical_path_records(tmp_path)) == [4]
+    write_record(tmp_path / "data" / "profile" / "c8" / "critical_path.json", record())
+    assert critical_path_records(tmp_path) == {}   # no record of the levels 04 profiled: none read
+    write_record(tmp_path / "data" / "profile_capture.json", ProfileCaptures(levels=[4]))
+    assert list(critical_path_records(tmp_path)) == [4]   # c8's file is not of a level 04 profiled

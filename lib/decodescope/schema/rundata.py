@@ -15,6 +15,7 @@ import pandas as pd
 from decodescope.core.rundir import DATA, VARIANTS
 from decodescope.schema.recordbase import Record, read_record
 from decodescope.schema.records import HostOps, ProfileCapture, ProfileCaptures, ProfileSummary
+from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary
 from decodescope.schema.records_host import HostInventory
 from decodescope.schema.records_manifest import RunManifest
 from decodescope.schema.records_server import LinkMeasure, ServerInfo
@@ -115,15 +116,23 @@ class RunDir:
         captures = self.profile_captures()
         return {c.concurrency: c for c in captures.captures} if captures is not None else {}
 
-    def level_summaries(self) -> dict[int, ProfileSummary]:
-        """Concurrency -> each profiled level's summary (data/profile/c<N>/profile_summary.json), for
-        the levels 04 profiled and analysed."""
+    def level_records(self, name: str, model: type[R]) -> dict[int, R]:
+        """Concurrency -> a profiled level's record `name` (data/profile/c<N>/<name>), for the levels 04
+        profiled and the files it wrote there."""
         out = {}
         for c in self.profiled_levels():
-            path = self.level_file(c, PROFILE_SUMMARY)
+            path = self.level_file(c, name)
             if path.is_file():
-                out[c] = read_record(path, ProfileSummary)
+                out[c] = read_record(path, model)
         return out
+
+    def level_summaries(self) -> dict[int, ProfileSummary]:
+        """Concurrency -> each profiled level's summary (profile_summary.json)."""
+        return self.level_records(PROFILE_SUMMARY, ProfileSummary)
+
+    def critical_paths(self) -> dict[int, CriticalPathSummary]:
+        """Concurrency -> each profiled level's critical-path record (critical_path.json)."""
+        return self.level_records(CRITICAL_PATH_RECORD, CriticalPathSummary)
 
     def server_info(self) -> Optional[ServerInfo]:
         return self.record(SERVER_INFO, ServerInfo)

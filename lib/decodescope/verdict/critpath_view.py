@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from decodescope.schema.records import ProjectionRow, read_record
+from decodescope.schema.records import ProjectionRow
 from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary, CritPathFixRow
+from decodescope.schema.rundata import RunDir
 from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, class_of
 
 # a projection's name -> the verdict class of the categories its fix speeds up
@@ -17,11 +18,7 @@ DIFFERS_PTS = 0.05  # the wall share is said beside the summed one when they dif
 
 def critical_path_records(run_dir: Path) -> dict[int, CriticalPathSummary]:
     """Every profiled level's record, by concurrency; empty for runs written before them."""
-    out = {}
-    for p in sorted((Path(run_dir) / "data" / "profile").glob(f"c*/{CRITICAL_PATH_RECORD}")):
-        rec = read_record(p, CriticalPathSummary)
-        out[int(rec.concurrency if rec.concurrency is not None else p.parent.name[1:])] = rec
-    return out
+    return RunDir(Path(run_dir)).critical_paths()
 
 
 def _fix_class(fix: str) -> Optional[str]:
