@@ -209,12 +209,28 @@ def _take_run(p: Pieces, ln: Links, walk: Walk, i: int, t: float, w0: float) -> 
     if i == h:
         walk.ranges.append((h, i, t, w0))
         return -1
-    ends = np.minimum(p.end[h:i], p.start[h + 1:i + 1])
-    a = h + int(np.searchsorted(ends, w0, side="right"))
+    a = h + _ends_at_or_before(p, h, i, w0)
     if a > h and p.start[a] > w0:
         walk.extra.append((a, HOST if p.on_cpu[a] else IDLE, w0, float(p.start[a])))
     walk.ranges.append((a, i, t, max(w0, float(p.start[a])) if a > h else w0))
     return -1
+
+
+def _ends_at_or_before(p: Pieces, h: int, i: int, t: float) -> int:
+    """How many of pieces h..i-1 end their segment (their end, or the next piece's start) by t: what
+    np.searchsorted(np.minimum(p.end[h:i], p.start[h + 1:i + 1]), t, side="right") gives, probing the
+    same positions, without making the run's ends (a run can hold a lane's pieces since the trace began:
+    made per step, they cost time and memory growing with the trace, not the step)."""
+    end, start = p.end, p.start
+    lo, hi = 0, i - h
+    while lo < hi:
+        mid = lo + ((hi - lo) >> 1)
+        k = h + mid
+        if t < min(end[k], start[k + 1]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _range_segments(p: Pieces, walks: list[Walk]) -> list[list[np.ndarray]]:
