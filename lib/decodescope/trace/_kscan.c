@@ -611,3 +611,139 @@ double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const in
     }
     return mx;
 }
+
+/* ---- the critical path's pieces (critpath_pieces.py: cut_nested; its numpy passes are the reference, and
+   the fallback). Rows come in `order`, by rank, thread, start, longest first. A row's parent is the latest
+   earlier row of its thread still open at its start (ending more than 1e-9 us after it): the rows met on the
+   way up from the row before, parent by parent, are a stack of open ops, so the walk up finds it and every
+   row it passes is closed. Each op's self time is cut into stretches: its head (its start to its first
+   child's start, or its end) and, after each child, the child's end to the next sibling's start (or the op's
+   end), a child's end clipped to its parent's. Rows inside a `whole` row (may be NULL) are dropped, the
+   row itself kept uncut. Out: the stretches of positive length, thread by thread, by start, a head before an
+   after-stretch, heads by position, after-stretches by parent, then child: the order np.lexsort((start, tid,
+   rank)) gives cut_nested's concatenation (heads, then after-stretches by parent and child). Returns their
+   count (only counted where out_row is NULL), -1 where memory ran out. Finite times only. */
+typedef struct { double s, e; int64_t row; } cp_head;
+typedef struct { double s, e; int64_t p, c; } cp_after;
+
+typedef struct {
+    const int64_t *order;
+    const double *ts, *end;
+    const uint8_t *whole;
+    int64_t *parent;
+    uint8_t *drop;
+    cp_head *h;
+    cp_after *a, *tmp;
+    int64_t nh, na, count;
+    int64_t *out_row;
+    double *out_s, *out_e;
+} cp_cutter;
+
+static inline double cp_min(double a, double b) { return b < a ? b : a; }
+
+static inline int cp_after_le(const cp_after *x, const cp_after *y) {
+    if (x->s != y->s) return x->s < y->s;
+    if (x->p != y->p) return x->p < y->p;
+    return x->c <= y->c;
+}
+
+/* a merge sort by (start, parent, child): the keys are unique, so any sort gives this order */
+static void cp_sort_afters(cp_after *a, cp_after *tmp, int64_t n) {
+    if (n <= 16) {
+        for (int64_t i = 1; i < n; i++) {
+            cp_after x = a[i];
+            int64_t j = i;
+            for (; j > 0 && !cp_after_le(&a[j - 1], &x); j--) a[j] = a[j - 1];
+            a[j] = x;
+        }
+        return;
+    }
+    int64_t h = n / 2, i = 0, j = h, k = 0;
+    cp_sort_afters(a, tmp, h);
+    cp_sort_afters(a + h, tmp, n - h);
+    if (cp_after_le(&a[h - 1], &a[h])) return;
+    memcpy(tmp, a, (size_t)h * sizeof *a);
+    while (i < h && j < n) a[k++] = cp_after_le(&tmp[i], &a[j]) ? tmp[i++] : a[j++];
+    while (i < h) a[k++] = tmp[i++];
+}
+
+static inline double cp_ts(const cp_cutter *c, int64_t k) { return c->ts[c->order[k]]; }
+static inline double cp_end(const cp_cutter *c, int64_t k) { return c->end[c->order[k]]; }
+
+/* a row's end clipped to its parent's */
+static inline double cp_clipped(const cp_cutter *c, int64_t k) {
+    return c->parent[k] >= 0 ? cp_min(cp_end(c, k), cp_end(c, c->parent[k])) : cp_end(c, k);
+}
+
+/* the stretch of parent p after its child k, up to t */
+static inline void cp_after_stretch(cp_cutter *c, int64_t k, int64_t p, double t) {
+    double s = cp_min(cp_end(c, k), cp_end(c, p));
+    if (c->drop[k] || !(t > s)) return;
+    if (c->out_row) c->a[c->na++] = (cp_after){s, t, p, k};
+    else c->count++;
+}
+
+/* row k's head, its first child `first` (-1: none) */
+static inline void cp_head_stretch(cp_cutter *c, int64_t k, int64_t first) {
+    double s = cp_ts(c, k), e = cp_clipped(c, k);
+    if (first >= 0) e = cp_min(cp_ts(c, first), e);
+    if (c->drop[k] || !(e > s)) return;
+    if (c->out_row) c->h[c->nh++] = (cp_head){s, e, c->order[k]};
+    else c->count++;
+}
+
+/* the thread [t0, t1) done: every op still open closes, then its stretches go out in order */
+static void cp_end_thread(cp_cutter *c, int64_t t1) {
+    cp_head_stretch(c, t1 - 1, -1);
+    for (int64_t last = t1 - 1, cur = c->parent[last]; cur >= 0; last = cur, cur = c->parent[cur])
+        cp_after_stretch(c, last, cur, cp_clipped(c, cur));
+    if (!c->out_row) return;
+    cp_sort_afters(c->a, c->tmp, c->na);
+    int64_t i = 0, j = 0, k = c->count;
+    while (i < c->nh || j < c->na) {
+        if (j >= c->na || (i < c->nh && c->h[i].s <= c->a[j].s)) {
+            c->out_row[k] = c->h[i].row, c->out_s[k] = c->h[i].s, c->out_e[k] = c->h[i].e;
+            i++;
+        } else {
+            c->out_row[k] = c->order[c->a[j].p], c->out_s[k] = c->a[j].s, c->out_e[k] = c->a[j].e;
+            j++;
+        }
+        k++;
+    }
+    c->count = k;
+    c->nh = c->na = 0;
+}
+
+int64_t cp_cut(int64_t n, const int64_t *order, const int64_t *rank, const int64_t *tid, const double *ts,
+               const double *end, const uint8_t *whole, int64_t *out_row, double *out_s, double *out_e) {
+    cp_cutter c = {order, ts, end, whole, malloc((size_t)(n ? n : 1) * sizeof(int64_t)), malloc(n ? n : 1),
+                   NULL, NULL, NULL, 0, 0, 0, out_row, out_s, out_e};
+    if (out_row) {  /* buffers for one thread at most: pages never touched cost nothing */
+        c.h = malloc((size_t)(n ? n : 1) * sizeof(cp_head));
+        c.a = malloc((size_t)(n ? n : 1) * sizeof(cp_after));
+        c.tmp = malloc((size_t)(n / 2 + 1) * sizeof(cp_after));
+    }
+    int64_t ret = -1;
+    if (!c.parent || !c.drop || (out_row && (!c.h || !c.a || !c.tmp))) goto done;
+    for (int64_t k = 0; k < n; k++) {
+        int64_t r = order[k];
+        if (k == 0 || rank[r] != rank[order[k - 1]] || tid[r] != tid[order[k - 1]]) {
+            if (k > 0) cp_end_thread(&c, k);
+            c.parent[k] = -1, c.drop[k] = 0;
+            continue;
+        }
+        double thr = ts[r] + 1e-9;
+        int64_t cur = k - 1, last = -1;
+        for (; cur >= 0 && cp_end(&c, cur) <= thr; last = cur, cur = c.parent[cur])
+            if (last >= 0) cp_after_stretch(&c, last, cur, cp_clipped(&c, cur));  /* cur closes */
+        if (last >= 0 && cur >= 0) cp_after_stretch(&c, last, cur, ts[r]);  /* k is last's next sibling */
+        c.parent[k] = cur;
+        c.drop[k] = cur >= 0 && (c.drop[cur] || (whole && whole[order[cur]]));
+        cp_head_stretch(&c, k - 1, cur == k - 1 && !c.drop[k] ? k : -1);
+    }
+    if (n) cp_end_thread(&c, n);
+    ret = c.count;
+done:
+    free(c.parent), free(c.drop), free(c.h), free(c.a), free(c.tmp);
+    return ret;
+}

@@ -15,7 +15,9 @@ import numpy as np
 import pandas as pd
 
 from decodescope.trace.categorize import default_rules
+from decodescope.trace.analyze import thread_order
 from decodescope.trace.critpath import Pieces
+from decodescope.trace.cscan import library
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
 
 CALL_CATS = ("cuda_runtime", "cuda_driver", "cpu_op")
@@ -49,12 +51,10 @@ def strings(col: pd.Series) -> np.ndarray:
     return labels[c.cat.codes.to_numpy()]
 
 
-def _parents(rank: np.ndarray, tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, parent): rows in (rank, thread, start, longest first) order, and each one's parent
-    position in that order (-1 at top level)."""
-    order = np.lexsort((-(end - ts), ts, tid, rank))
+def _parents(order: np.ndarray, rank: np.ndarray, tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Each row's parent position in `order` (rows by rank, thread, start, longest first); -1 at top level."""
     prev = prev_in_thread(len(ts), tid[order], rank[order]).astype(np.int64)
-    return order, parents_in_order(prev, ts[order], end[order]).astype(np.int64)
+    return parents_in_order(prev, ts[order], end[order]).astype(np.int64)
 
 
 def _inside(parent: np.ndarray, mark: np.ndarray) -> np.ndarray:
@@ -70,8 +70,27 @@ def _inside(parent: np.ndarray, mark: np.ndarray) -> np.ndarray:
 
 def cut_nested(rank, tid, ts, end, whole=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Nested ops of each thread -> (row, start, end) of their self-time stretches, in (rank, thread,
-    start) order; rows marked `whole` are not cut and what they hold is dropped."""
-    order, parent = _parents(rank, tid, ts, end)
+    start) order; rows marked `whole` are not cut and what they hold is dropped. One sweep in C
+    (_kscan.c: cp_cut) where the scanner is built and the times are numbers, numpy passes elsewhere."""
+    rank, tid = np.asarray(rank, dtype=np.int64), np.asarray(tid, dtype=np.int64)
+    ts, end = np.asarray(ts, dtype=np.float64), np.asarray(end, dtype=np.float64)
+    order = thread_order(rank, tid, ts, end - ts)
+    lib = library()
+    if lib is None or np.isnan(ts).any() or np.isnan(end).any():
+        return _cut_in_numpy(order, rank, tid, ts, end, whole)
+    args = [np.ascontiguousarray(a) for a in (order.astype(np.int64, copy=False), rank, tid, ts, end)]
+    flags = None if whole is None else np.ascontiguousarray(whole, dtype=np.uint8)
+    ptrs = [a.ctypes.data for a in args] + [None if flags is None else flags.ctypes.data]
+    n = lib.cp_cut(len(ts), *ptrs, None, None, None)  # counted first, then written into arrays of that size
+    out = (np.empty(max(n, 0), np.int64), np.empty(max(n, 0)), np.empty(max(n, 0)))
+    if n < 0 or lib.cp_cut(len(ts), *ptrs, *(a.ctypes.data for a in out)) != n:
+        raise MemoryError(f"cp_cut: no memory to cut {len(ts)} nested ops into stretches")
+    return out
+
+
+def _cut_in_numpy(order, rank, tid, ts, end, whole) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """cut_nested's reference: rows in `order` (by rank, thread, start, longest first), cut with vector passes."""
+    parent = _parents(order, rank, tid, ts, end)
     s, e = ts[order], end[order]
     if whole is not None:
         drop = _inside(parent, np.asarray(whole)[order])
