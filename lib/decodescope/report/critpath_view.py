@@ -43,7 +43,7 @@ def critical_path_figure(cp: CriticalPaths, step: int) -> go.Figure:
                          base=(np.maximum(p.start[rows], w0) - w0) / 1e3,
                          y=_lane_label(p.rank[rows], lab.lane_id[rows], p.on_cpu[rows]), orientation="h",
                          name="off the path", marker_color="rgba(160,160,160,0.35)",
-                         customdata=lab.name[rows].astype(str),
+                         customdata=lab.name_labels[lab.name_code[rows]].astype(str),
                          hovertemplate="%{customdata}<br>start %{base:.3f} ms, %{x:.4f} ms<extra></extra>"))
     seg = cp.segments[cp.segments["step"] == step]
     for cat, g in seg.groupby(seg["category"].astype(str), observed=True):

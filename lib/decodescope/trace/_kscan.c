@@ -747,3 +747,95 @@ done:
     free(c.parent), free(c.drop), free(c.h), free(c.a), free(c.tmp);
     return ret;
 }
+
+/* ---- the critical path's segments (critpath.py: segments, then sorted as critpath_table._label sorts them;
+   those numpy passes are the reference, and the fallback). Per step k: its ranges r in [roff[k], roff[k+1])
+   (pieces a..i taken whole, the last one's segment ending at t, the first one's starting at lo) and its
+   other segments x in [xoff[k], xoff[k+1]]. A range gives each piece's own segment (a transfer where the
+   piece is a collective's, else an op) and, before each piece but its first, the gap from the piece before's
+   end. Out: the segments of positive length, step by step, by start; at a tie, own segments before gaps
+   before the others, each in the order made (what the stable lexsort of the parts, joined, gives). Returns
+   their count (only counted where out_step is NULL), -1 where memory ran out. */
+typedef struct { double s, e; int64_t piece, pos; int8_t kind, part; } cp_seg;
+
+static inline int cp_seg_le(const cp_seg *x, const cp_seg *y) {
+    if (x->s != y->s) return x->s < y->s;
+    if (x->part != y->part) return x->part < y->part;
+    return x->pos <= y->pos;
+}
+
+static void cp_sort_segs(cp_seg *a, cp_seg *tmp, int64_t n) {
+    if (n <= 16) {
+        for (int64_t i = 1; i < n; i++) {
+            cp_seg x = a[i];
+            int64_t j = i;
+            for (; j > 0 && !cp_seg_le(&a[j - 1], &x); j--) a[j] = a[j - 1];
+            a[j] = x;
+        }
+        return;
+    }
+    int64_t h = n / 2, i = 0, j = h, k = 0;
+    cp_sort_segs(a, tmp, h);
+    cp_sort_segs(a + h, tmp, n - h);
+    if (cp_seg_le(&a[h - 1], &a[h])) return;
+    memcpy(tmp, a, (size_t)h * sizeof *a);
+    while (i < h && j < n) a[k++] = cp_seg_le(&tmp[i], &a[j]) ? tmp[i++] : a[j++];
+    while (i < h) a[k++] = tmp[i++];
+}
+
+int64_t cp_segments(int64_t n_steps, int64_t n_pieces, const int64_t *roff, const int64_t *ra, const int64_t *ri,
+                    const double *rt, const double *rlo, const int64_t *xoff, const int64_t *xpiece,
+                    const int8_t *xkind, const double *xs, const double *xe, const double *start,
+                    const double *end, const int64_t *group, const uint8_t *on_cpu, int32_t *out_step,
+                    int64_t *out_piece, int8_t *out_kind, double *out_s, double *out_e) {
+    int64_t most = 0, count = 0;
+    for (int64_t k = 0; k < n_steps; k++) {  /* the most segments one step can make */
+        int64_t m = xoff[k + 1] - xoff[k];
+        for (int64_t r = roff[k]; r < roff[k + 1]; r++) m += 2 * (ri[r] - ra[r] + 1);
+        if (m > most) most = m;
+    }
+    cp_seg *buf = out_step ? malloc((size_t)(most ? most : 1) * sizeof *buf) : NULL;
+    cp_seg *tmp = out_step ? malloc((size_t)(most / 2 + 1) * sizeof *tmp) : NULL;
+    if (out_step && (!buf || !tmp)) {
+        free(buf), free(tmp);
+        return -1;
+    }
+    int64_t own = 0, gap = 0;  /* positions in the parts, as joined over the steps */
+    for (int64_t k = 0; k < n_steps; k++) {
+        int64_t m = 0;
+#define CP_SEG(S, E, PIECE, KIND, PART, POS)                                                \
+    do {                                                                                    \
+        double s_ = (S), e_ = (E);                                                          \
+        if (e_ > s_) {                                                                      \
+            if (buf) buf[m] = (cp_seg){s_, e_, (PIECE), (POS), (int8_t)(KIND), (int8_t)(PART)}; \
+            m++;                                                                            \
+        }                                                                                   \
+    } while (0)
+        for (int64_t r = roff[k]; r < roff[k + 1]; r++) {
+            for (int64_t j = ra[r]; j <= ri[r]; j++) {
+                int64_t nx = j + 1 < n_pieces ? j + 1 : n_pieces - 1;
+                double e = j == ri[r] ? rt[r] : (start[nx] < end[j] ? start[nx] : end[j]);
+                CP_SEG(j == ra[r] ? rlo[r] : start[j], e, j, group[j] >= 0 ? 1 : 0, 0, own);
+                own++;
+            }
+        }
+        for (int64_t r = roff[k]; r < roff[k + 1]; r++) {
+            for (int64_t j = ra[r] + 1; j <= ri[r]; j++) {
+                CP_SEG(start[j] < end[j - 1] ? start[j] : end[j - 1], start[j], j, on_cpu[j] ? 2 : 4, 1, gap);
+                gap++;
+            }
+        }
+        for (int64_t x = xoff[k]; x < xoff[k + 1]; x++) CP_SEG(xs[x], xe[x], xpiece[x], xkind[x], 2, x);
+#undef CP_SEG
+        if (buf) {
+            cp_sort_segs(buf, tmp, m);
+            for (int64_t q = 0; q < m; q++) {
+                out_step[count + q] = (int32_t)k, out_piece[count + q] = buf[q].piece, out_kind[count + q] = buf[q].kind;
+                out_s[count + q] = buf[q].s, out_e[count + q] = buf[q].e;
+            }
+        }
+        count += m;
+    }
+    free(buf), free(tmp);
+    return count;
+}

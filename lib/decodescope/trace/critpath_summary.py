@@ -69,8 +69,9 @@ def collective_waits(cp: CriticalPaths, kind: str = "decode") -> pd.DataFrame:
     rows, pos = rows[ok], pos[ok]
     last = ln.last[rows]
     before = ln.pred[last]
-    late_work = np.where(before >= 0, lab.category[np.clip(before, 0, None)], "(step start)")
-    df = pd.DataFrame({"step": w["step"].to_numpy()[order][pos], "category": lab.category[rows],
+    cat = lab.category_labels
+    late_work = np.where(before >= 0, cat[lab.category_code[np.clip(before, 0, None)]], "(step start)")
+    df = pd.DataFrame({"step": w["step"].to_numpy()[order][pos], "category": cat[lab.category_code[rows]],
                        "late_rank": p.rank[last], "late_work": late_work, "wait_us": ln.entry[rows] - p.start[rows]})
     g = df.groupby(["category", "late_rank", "late_work", "step"])["wait_us"].agg(["sum", "size"]).reset_index()
     out = g.groupby(["category", "late_rank", "late_work"]).agg(
@@ -91,9 +92,12 @@ def fix_bounds(cp: CriticalPaths, kind: str = "decode", speedup: float = float("
     on_path = {str(c) for c in cp.segments.loc[on_ops, "category"].unique()}  # not a str per segment
     cats = categories if categories is not None else sorted(on_path - {"launch", "host"})
     walls = w["wall_us"].to_numpy()
-    got = bounds(lab.pieces, cp.links, w["start_us"].to_numpy(), w["end_us"].to_numpy(), lab.category, cats, speedup)
+    code_of = {str(c): k for k, c in enumerate(lab.category_labels)}
+    want = [code_of.get(c, -1 - k) for k, c in enumerate(cats)]  # a category no piece has: a code none has
+    got = bounds(lab.pieces, cp.links, w["start_us"].to_numpy(), w["end_us"].to_numpy(), lab.category_code, want,
+                 speedup)
     rows = [{"category": c, "wall_us_median": float(np.median(walls)) if len(walls) else float("nan"),
              "bound_wall_us_median": float(np.median(v)) if len(v) else float("nan"),
              "gain_share_median": float(np.median(1 - v / walls)) if len(v) else float("nan"),
-             "steps": int(len(v)), "speedup": speedup} for c, v in got.items()]
+             "steps": int(len(v)), "speedup": speedup} for c, v in zip(cats, got.values())]
     return pd.DataFrame(rows).sort_values("gain_share_median", ascending=False).reset_index(drop=True)

@@ -138,12 +138,13 @@ class _CReplay:
 
 
 def bounds(p: Pieces, ln: Links, w0: np.ndarray, w1: np.ndarray, category: np.ndarray,
-           categories: list[str], speedup: float = float("inf")) -> dict[str, np.ndarray]:
-    """Per category: each step's wall time with that category's pieces `speedup` times faster (inf: free)."""
+           categories: list, speedup: float = float("inf")) -> dict:
+    """Per category: each step's wall time with that category's pieces `speedup` times faster (inf: free).
+    `category` per piece and `categories` alike: labels, or codes (critpath_pieces.Labelled.category_code)."""
     lib = library()
     fast = _CReplay(lib, p, ln) if lib is not None else None
     flat = _Flat(p, ln) if fast is None else None
-    walls: dict[str, list[float]] = {c: [] for c in categories}
+    walls: dict = {c: [] for c in categories}
     scale = np.ones(len(p))  # read only at each step's rows: set there, step by step
     for a, b in zip(w0.tolist(), w1.tolist()):  # one step's rows held at a time
         r = step_rows(p, ln, a, b)
