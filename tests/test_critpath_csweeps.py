@@ -1,12 +1,13 @@
-"""The nested ops cut into self-time stretches in C (_kscan.c: cp_cut) give the numpy passes' stretches,
-in the same order, to the bit."""
+"""The critical path's sweeps in C (_kscan.c) give the numpy passes' results, in the same order, to the bit:
+nested ops cut into self-time stretches (cp_cut), and the paths' segments in the table's order (cp_segments)."""
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from decodescope.trace import critpath_pieces
-from decodescope.trace.analyze import op_table, thread_order
+from decodescope.trace import critpath, critpath_pieces
+from decodescope.trace.analyze import find_steps, op_table, thread_order
+from decodescope.trace.critpath_table import critical_paths
 from decodescope.trace.cscan import library
 from decodescope.trace.load import load_trace_dir
 
@@ -55,3 +56,17 @@ def test_the_c_cut_gives_the_numpy_cut_on_the_cpu_traces_ops(c_cut):
 def test_no_ops_cut_into_no_stretches(c_cut):
     got = c_cut(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
     assert [len(a) for a in got] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("trace", ["vllm_cpu_tp2_c4", "h200x2_step_replay_graph", "vllm_gpu_h200_c16"])
+def test_the_c_segments_are_the_numpy_segments_in_the_tables_order(trace, monkeypatch):
+    if library() is None:
+        pytest.skip("no C compiler: the scanner is not built")
+    loaded = load_trace_dir(FIXTURES / trace)
+    ops = op_table(loaded.events)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    got = critpath.ordered_segments(cp.labelled.pieces, cp.walks)
+    monkeypatch.setattr(critpath, "library", lambda: None)
+    want = critpath.ordered_segments(cp.labelled.pieces, cp.walks)
+    assert list(got) == list(want)
+    assert_same(list(got.values()), list(want.values()))
