@@ -555,38 +555,47 @@ void kr_pairs(const kred *r, int32_t *child, int32_t *parent, int64_t *count) {
 /* ---- the critical path's what-if replay (critpath_whatif.py: replay_step, the same arithmetic in the same
    order, so the two agree to the bit). Indices are global piece positions; `order` holds the step's pieces
    in replay order, and per position in it `first`/`next` chain the members of its collective instance (in
-   order; -1: none). s_new/e_new hold every piece's start/end on entry and are left so; `done` all zero. */
-static inline double cp_begin(int64_t i, const double *start, const int64_t *kind, const int64_t *pred,
-                              const double *ready, const int64_t *lane_prev, const int64_t *launch,
-                              const double *s_new, const double *e_new) {
-    int64_t k = kind[i], j = pred[i];
+   order; -1: none) and `scale` is its piece's duration factor. A piece's new start and end (s_new, e_new)
+   are read only where `placed` says they were set (bit 1: start, bit 2: end), its own otherwise: the
+   scratch is touched at the step's pieces only, and `placed` is left all zero. A piece's lane_prev is the
+   piece before it where that is on its lane (same lane and rank). */
+static inline double cp_begin(int64_t i, const double *start, const double *end, const int8_t *kind,
+                              const int32_t *pred, const double *ready, const int32_t *lane, const int32_t *rank,
+                              const int32_t *launch, const double *s_new, const double *e_new,
+                              const uint8_t *placed) {
+#define CP_S(j) ((placed[j] & 1) ? s_new[j] : start[j])
+#define CP_E(j) ((placed[j] & 2) ? e_new[j] : end[j])
+    int64_t k = kind[i], j = pred[i], lp = i > 0 && lane[i - 1] == lane[i] && rank[i - 1] == rank[i] ? i - 1 : -1;
     double t;
     if (k == 0 || j < 0) {
         t = start[i];
     } else {
         double d = start[i] - ready[i];
-        t = (k == 2 ? s_new[j] : e_new[j]) + (d > 0.0 ? d : 0.0);
+        t = (k == 2 ? CP_S(j) : CP_E(j)) + (d > 0.0 ? d : 0.0);
     }
-    if (lane_prev[i] >= 0 && k != 1 && e_new[lane_prev[i]] > t) t = e_new[lane_prev[i]];
-    if (launch[i] >= 0 && k != 2 && s_new[launch[i]] > t) t = s_new[launch[i]];
+    if (lp >= 0 && k != 1 && CP_E(lp) > t) t = CP_E(lp);
+    if (launch[i] >= 0 && k != 2 && CP_S(launch[i]) > t) t = CP_S(launch[i]);
     return start[i] < t ? start[i] : t;
 }
 
-double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const int64_t *next,
-                 const double *start, const double *end, const int64_t *kind, const int64_t *pred,
-                 const double *ready, const int64_t *group, const double *entry, const int64_t *lane_prev,
-                 const int64_t *launch, const double *scale, double *s_new, double *e_new, uint8_t *done) {
-#define CP_BEGIN(i) cp_begin(i, start, kind, pred, ready, lane_prev, launch, s_new, e_new)
+double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const int64_t *next, const double *start,
+                 const double *end, const int8_t *kind, const int32_t *pred, const double *ready,
+                 const int32_t *group, const double *entry, const int32_t *lane, const int32_t *rank,
+                 const int32_t *launch, const double *scale, double *s_new, double *e_new, uint8_t *placed) {
+#define CP_BEGIN(i) cp_begin(i, start, end, kind, pred, ready, lane, rank, launch, s_new, e_new, placed)
     for (int64_t k = 0; k < n; k++) {
         int64_t i = order[k];
-        if (done[i]) continue;
+        if (placed[i] & 2) continue;
         if (group[i] < 0) {
             s_new[i] = CP_BEGIN(i);
-            e_new[i] = s_new[i] + (end[i] - start[i]) * scale[i];
-            done[i] = 1;
+            e_new[i] = s_new[i] + (end[i] - start[i]) * scale[k];
+            placed[i] = 3;
             continue;
         }
-        for (int64_t m = first[k]; m >= 0; m = next[m]) s_new[order[m]] = CP_BEGIN(order[m]);
+        for (int64_t m = first[k]; m >= 0; m = next[m]) {
+            s_new[order[m]] = CP_BEGIN(order[m]);
+            placed[order[m]] |= 1;
+        }
         double last_in = s_new[order[first[k]]];
         for (int64_t m = next[first[k]]; m >= 0; m = next[m])
             if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
@@ -595,20 +604,17 @@ double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const in
             int synced = entry[g] <= end[g];
             double from = synced && last_in > s_new[g] ? last_in : s_new[g];
             double from_op = synced && entry[g] > start[g] ? entry[g] : start[g];
-            e_new[g] = from + (end[g] - from_op) * scale[g];
-            done[g] = 1;
+            e_new[g] = from + (end[g] - from_op) * scale[m];
+            placed[g] = 3;
         }
     }
 #undef CP_BEGIN
+#undef CP_S
+#undef CP_E
     double mx = e_new[order[0]];
     for (int64_t k = 1; k < n; k++)
         if (e_new[order[k]] > mx) mx = e_new[order[k]];
-    for (int64_t k = 0; k < n; k++) {  /* as found, for the next replay */
-        int64_t i = order[k];
-        s_new[i] = start[i];
-        e_new[i] = end[i];
-        done[i] = 0;
-    }
+    for (int64_t k = 0; k < n; k++) placed[order[k]] = 0;  /* for the next replay */
     return mx;
 }
 
@@ -786,7 +792,7 @@ static void cp_sort_segs(cp_seg *a, cp_seg *tmp, int64_t n) {
 int64_t cp_segments(int64_t n_steps, int64_t n_pieces, const int64_t *roff, const int64_t *ra, const int64_t *ri,
                     const double *rt, const double *rlo, const int64_t *xoff, const int64_t *xpiece,
                     const int8_t *xkind, const double *xs, const double *xe, const double *start,
-                    const double *end, const int64_t *group, const uint8_t *on_cpu, int32_t *out_step,
+                    const double *end, const int32_t *group, const uint8_t *on_cpu, int32_t *out_step,
                     int64_t *out_piece, int8_t *out_kind, double *out_s, double *out_e) {
     int64_t most = 0, count = 0;
     for (int64_t k = 0; k < n_steps; k++) {  /* the most segments one step can make */

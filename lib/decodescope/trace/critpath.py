@@ -290,7 +290,7 @@ def ordered_segments(p: Pieces, walks: list[Walk]) -> dict[str, np.ndarray]:
     cols = [np.fromiter((r[c] for r in rs), np.int64 if c < 2 else np.float64, len(rs)) for c in range(4)]
     cols += [np.fromiter((x[c] for x in xs), (np.int64, np.int8, np.float64, np.float64)[c], len(xs)) for c in range(4)]
     cols += [np.ascontiguousarray(p.start, dtype=np.float64), np.ascontiguousarray(p.end, dtype=np.float64),
-             np.ascontiguousarray(p.group, dtype=np.int64), np.ascontiguousarray(p.on_cpu, dtype=np.uint8)]
+             np.ascontiguousarray(p.group, dtype=np.int32), np.ascontiguousarray(p.on_cpu, dtype=np.uint8)]
     args = [len(walks), len(p), roff.ctypes.data] + [c.ctypes.data for c in cols[:4]] + [xoff.ctypes.data] + \
         [c.ctypes.data for c in cols[4:]]  # cols holds every array C reads until it returns
     n = lib.cp_segments(*args, None, None, None, None, None)  # counted first, then written into arrays of that size

@@ -151,11 +151,12 @@ def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
     gpu = ops.attrs.get("device") == "gpu"
     coll = ops["category"].isin(collective_categories()).to_numpy() & ops["counted"].to_numpy(bool)
     rank, tid = ops["rank"].to_numpy(np.int64), ops["lane"].to_numpy(np.int64)
+    rank32 = rank.astype(np.int32)  # a piece's rank, lane, op row, launch and group: 32 bits
     ts = ops["ts_us"].to_numpy(float)
     end = ts + ops["dur_us"].to_numpy(float)
     name, cat = codes(ops["name"]), codes(ops["category"])
     if gpu:
-        row, s, e = np.arange(len(ops)), ts, end
+        row, s, e = np.arange(len(ops), dtype=np.int32), ts, end
         calls = events[events["cat"].isin(CALL_CATS).to_numpy()]
         c_rank, c_tid = calls["rank"].to_numpy(np.int64), calls["tid"].to_numpy(np.int64)
         c_ts = calls["ts_us"].to_numpy(float)
@@ -164,13 +165,15 @@ def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
         c_host = (calls["cat"] == "cpu_op").to_numpy()[c_row]
         (cats, c_cat), cat_labels = joint_codes([cat, (np.where(c_host, 0, 1), np.array([HOST_CATEGORY, LAUNCH_CATEGORY],
                                                                                            dtype=object))])
-        parts = [[rank, tid, s, e, row, names, cats, False],
-                 [c_rank[c_row], c_tid[c_row], c_s, c_e, -1 - c_row, c_name[c_row], c_cat, True]]
+        parts = [[rank32, tid, s, e, row, names, cats, False],
+                 [c_rank[c_row].astype(np.int32), c_tid[c_row], c_s, c_e, (-1 - c_row).astype(np.int32), c_name[c_row],
+                  c_cat, True]]
     else:
         row, s, e = cut_nested(rank, tid, ts, end, whole=coll)
         (names,), name_labels = joint_codes([name])
         (cats,), cat_labels = joint_codes([cat])
-        parts = [[rank[row], tid[row], s, e, row, names[row], cats[row], True]]
+        parts = [[rank32[row], tid[row], s, e, row.astype(np.int32), names[row], cats[row], True]]
+        del row
     lab = _assemble(parts, name_labels, cat_labels)
     lab.pieces.group[:] = _groups(lab, ops, coll)
     if gpu:
@@ -183,8 +186,8 @@ def _lane_ids(rank: np.ndarray, on_cpu: np.ndarray, tid: np.ndarray) -> np.ndarr
     key = ((rank.astype(np.int64) * 2 + on_cpu.astype(np.int64)) << 40) | (tid.astype(np.int64) & ((1 << 40) - 1))
     step = np.diff(key)
     if (step >= 0).all():  # the keys already in order (no negative thread id): no sort
-        return np.r_[0, np.cumsum(step > 0)].astype(np.int64)
-    return np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1)
+        return np.r_[np.int32(0), np.cumsum(step > 0, dtype=np.int32)]
+    return np.unique(key, return_inverse=True)[1].astype(np.int32).reshape(-1)
 
 
 def _assemble(parts: list[list], name_labels: np.ndarray, cat_labels: np.ndarray) -> Labelled:
@@ -207,9 +210,9 @@ def _assemble(parts: list[list], name_labels: np.ndarray, cat_labels: np.ndarray
     n = len(s)
     lane = _lane_ids(rank, on_cpu, tid) if n else rank
     pieces = Pieces(rank=rank, lane=lane, on_cpu=on_cpu, start=s.astype(float, copy=False),
-                    end=e.astype(float, copy=False), launch=np.full(n, -1), group=np.full(n, -1))
+                    end=e.astype(float, copy=False), launch=np.full(n, -1, np.int32), group=np.full(n, -1, np.int32))
     return Labelled(pieces=pieces, name_code=name, name_labels=name_labels, category_code=cat,
-                    category_labels=cat_labels, lane_id=tid, op=row.astype(np.int64, copy=False))
+                    category_labels=cat_labels, lane_id=tid, op=row.astype(np.int32, copy=False))
 
 
 def _groups(lab: Labelled, ops: pd.DataFrame, coll: np.ndarray) -> np.ndarray:

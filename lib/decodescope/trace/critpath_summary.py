@@ -72,7 +72,7 @@ def collective_waits(cp: CriticalPaths, kind: str = "decode") -> pd.DataFrame:
     cat = lab.category_labels
     late_work = np.where(before >= 0, cat[lab.category_code[np.clip(before, 0, None)]], "(step start)")
     df = pd.DataFrame({"step": w["step"].to_numpy()[order][pos], "category": cat[lab.category_code[rows]],
-                       "late_rank": p.rank[last], "late_work": late_work, "wait_us": ln.entry[rows] - p.start[rows]})
+                       "late_rank": p.rank[last].astype(np.int64), "late_work": late_work, "wait_us": ln.entry[rows] - p.start[rows]})
     g = df.groupby(["category", "late_rank", "late_work", "step"])["wait_us"].agg(["sum", "size"]).reset_index()
     out = g.groupby(["category", "late_rank", "late_work"]).agg(
         wait_us_per_step=("sum", lambda s: float(np.median(np.r_[s.to_numpy(), np.zeros(len(w) - len(s))]))),

@@ -112,26 +112,33 @@ def member_chains(p: Pieces, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _CReplay:
-    """replay_step in C: the pieces' arrays as C reads them, and its scratch (each piece's new start and
-    end, and whether it is placed), made once for all the replays."""
+    """replay_step in C: the pieces' arrays as C reads them (32-bit positions: fewer than 2**31 pieces), and
+    its scratch (each piece's new start and end, and whether it is placed), made once for all the replays
+    and touched at the replayed steps' pieces only."""
 
     def __init__(self, lib, p: Pieces, ln: Links):
         def f64(a):
             return np.ascontiguousarray(a, dtype=np.float64)
 
-        def i64(a):
-            return np.ascontiguousarray(a, dtype=np.int64)
+        def i32(a):
+            return np.ascontiguousarray(a, dtype=np.int32)
 
         self.lib, self.end = lib, f64(p.end)
-        self.cols = [f64(p.start), self.end, i64(ln.kind), i64(ln.pred), f64(ln.ready), i64(p.group),
-                     f64(ln.entry), i64(_lane_prev(p)), i64(p.launch)]
-        self.scratch = [self.cols[0].copy(), self.end.copy(), np.zeros(len(p), np.uint8)]
+        self.cols = [f64(p.start), self.end, np.ascontiguousarray(ln.kind, dtype=np.int8), i32(ln.pred), f64(ln.ready),
+                     i32(p.group), f64(ln.entry), i32(p.lane), i32(p.rank), i32(p.launch)]
+        self.scratch = [np.empty(len(p)), np.empty(len(p)), np.zeros(len(p), np.uint8)]  # pages made as touched
 
     def __call__(self, rows: np.ndarray, chains: tuple, scale: np.ndarray, w0: float, w1: float) -> float:
+        """The step's wall time, `scale` per piece."""
+        return self.replay(rows, chains, np.asarray(scale, dtype=np.float64)[rows], w0, w1)
+
+    def replay(self, rows: np.ndarray, chains: tuple, row_scale: np.ndarray, w0: float, w1: float) -> float:
+        """The step's wall time, `row_scale` per piece of `rows`."""
         if not len(rows):
             return w1 - w0
         order = np.ascontiguousarray(rows, dtype=np.int64)
-        ptrs = [a.ctypes.data for a in (order, *chains, *self.cols, scale, *self.scratch)]
+        row_scale = np.ascontiguousarray(row_scale, dtype=np.float64)
+        ptrs = [a.ctypes.data for a in (order, *chains, *self.cols, row_scale, *self.scratch)]
         last_end = self.lib.cp_replay(len(order), *ptrs)
         tail = w1 - float(np.minimum(self.end[rows], w1).max())
         return last_end + tail - w0
@@ -142,15 +149,19 @@ def bounds(p: Pieces, ln: Links, w0: np.ndarray, w1: np.ndarray, category: np.nd
     """Per category: each step's wall time with that category's pieces `speedup` times faster (inf: free).
     `category` per piece and `categories` alike: labels, or codes (critpath_pieces.Labelled.category_code)."""
     lib = library()
-    fast = _CReplay(lib, p, ln) if lib is not None else None
+    fast = _CReplay(lib, p, ln) if lib is not None and len(p) < 2**31 else None
     flat = _Flat(p, ln) if fast is None else None
     walls: dict = {c: [] for c in categories}
-    scale = np.ones(len(p))  # read only at each step's rows: set there, step by step
+    scale = np.ones(len(p)) if fast is None else None  # read only at each step's rows: set there, step by step
     for a, b in zip(w0.tolist(), w1.tolist()):  # one step's rows held at a time
         r = step_rows(p, ln, a, b)
         ch = member_chains(p, r) if fast is not None else ()
         cat = category[r]
         for c in categories:
-            scale[r] = np.where(cat == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
-            walls[c].append(fast(r, ch, scale, a, b) if fast is not None else replay_step(p, ln, a, b, scale, flat, r))
+            sc = np.where(cat == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
+            if fast is not None:
+                walls[c].append(fast.replay(r, ch, sc, a, b))
+            else:
+                scale[r] = sc
+                walls[c].append(replay_step(p, ln, a, b, scale, flat, r))
     return {c: np.array(v) for c, v in walls.items()}
