@@ -144,3 +144,21 @@ def test_analyze_trace_critical_path_writes_the_segments_and_the_shares(tmp_path
     assert {r["category"] for r in got["shares"]} >= {"allreduce", "host"}
     assert seg.groupby("step")["dur_us"].sum().gt(0).all()
     assert "on the critical path beside its summed share" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("trace", ["vllm_cpu_tp2_c4", "h200x2_step_replay_graph"])
+def test_the_shares_summed_a_few_steps_at_a_time_are_the_shares_summed_at_once(trace, monkeypatch):
+    import pandas as pd
+
+    from decodescope.trace import critpath_summary
+    from decodescope.trace.analyze import find_steps, op_table
+    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.trace.load import load_trace_dir
+
+    loaded = load_trace_dir(FIXTURES / trace)
+    ops = op_table(loaded.events)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    monkeypatch.setattr(critpath_summary, "STEPS_AT_ONCE", 10**9)
+    at_once = critpath_summary.attribution(cp, ops, "all")
+    monkeypatch.setattr(critpath_summary, "STEPS_AT_ONCE", 3)
+    pd.testing.assert_frame_equal(critpath_summary.attribution(cp, ops, "all"), at_once, check_exact=True)
