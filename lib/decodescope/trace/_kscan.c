@@ -558,9 +558,10 @@ void kr_pairs(const kred *r, int32_t *child, int32_t *parent, int64_t *count) {
    order; -1: none) and `scale` is its piece's duration factor. A piece's new start and end (s_new, e_new)
    are read only where `placed` says they were set (bit 1: start, bit 2: end), its own otherwise: the
    scratch is touched at the step's pieces only, and `placed` is left all zero. A piece's lane_prev is the
-   piece before it where that is on its lane (same lane and rank). */
+   piece before it where that is on its lane (same lane and rank); its ready, its dependency's end (start,
+   for a launch) or its own start where earlier; a collective's entry, its instance's (group_entry). */
 static inline double cp_begin(int64_t i, const double *start, const double *end, const int8_t *kind,
-                              const int32_t *pred, const double *ready, const int32_t *lane, const int32_t *rank,
+                              const int32_t *pred, const int32_t *lane, const int32_t *rank,
                               const int32_t *launch, const double *s_new, const double *e_new,
                               const uint8_t *placed) {
 #define CP_S(j) ((placed[j] & 1) ? s_new[j] : start[j])
@@ -570,7 +571,8 @@ static inline double cp_begin(int64_t i, const double *start, const double *end,
     if (k == 0 || j < 0) {
         t = start[i];
     } else {
-        double d = start[i] - ready[i];
+        double ready = k == 2 ? start[j] : end[j];
+        double d = start[i] - (start[i] < ready ? start[i] : ready);
         t = (k == 2 ? CP_S(j) : CP_E(j)) + (d > 0.0 ? d : 0.0);
     }
     if (lp >= 0 && k != 1 && CP_E(lp) > t) t = CP_E(lp);
@@ -579,10 +581,10 @@ static inline double cp_begin(int64_t i, const double *start, const double *end,
 }
 
 double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const int64_t *next, const double *start,
-                 const double *end, const int8_t *kind, const int32_t *pred, const double *ready,
-                 const int32_t *group, const double *entry, const int32_t *lane, const int32_t *rank,
+                 const double *end, const int8_t *kind, const int32_t *pred, const int32_t *group,
+                 const double *group_entry, const int32_t *lane, const int32_t *rank,
                  const int32_t *launch, const double *scale, double *s_new, double *e_new, uint8_t *placed) {
-#define CP_BEGIN(i) cp_begin(i, start, end, kind, pred, ready, lane, rank, launch, s_new, e_new, placed)
+#define CP_BEGIN(i) cp_begin(i, start, end, kind, pred, lane, rank, launch, s_new, e_new, placed)
     for (int64_t k = 0; k < n; k++) {
         int64_t i = order[k];
         if (placed[i] & 2) continue;
@@ -601,9 +603,10 @@ double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const in
             if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
         for (int64_t m = first[k]; m >= 0; m = next[m]) {
             int64_t g = order[m];
-            int synced = entry[g] <= end[g];
+            double entry = group_entry[group[g]];
+            int synced = entry <= end[g];
             double from = synced && last_in > s_new[g] ? last_in : s_new[g];
-            double from_op = synced && entry[g] > start[g] ? entry[g] : start[g];
+            double from_op = synced && entry > start[g] ? entry : start[g];
             e_new[g] = from + (end[g] - from_op) * scale[m];
             placed[g] = 3;
         }

@@ -50,90 +50,146 @@ class Pieces:
 
 @dataclass
 class Links:
-    """What each piece's start waited for: `kind` (NONE, LANE, LAUNCH, CROSS), `pred` (the piece), `ready`
-    (when it allowed the start); for a collective, `entry` (its last rank's entry, its start elsewhere)
-    and `last` (the last rank's piece; -1 where this rank was the last)."""
+    """What each piece's start waited for: `kind` (NONE, LANE, LAUNCH, CROSS) and `pred` (the piece), per
+    piece. The rest is kept small and read through: `ready` (when the dependency allowed the start, at
+    most the start; -inf: none) follows from kind and pred; a collective's `entry` (its last rank's entry,
+    its start elsewhere) is its instance's (`group_entry`); `last` (the last rank's piece, where this rank
+    entered early; -1 elsewhere) is kept for those pieces only (`late`, in order, and `late_last`); `head`
+    (the nearest piece at or before each on its lane not bound by the one before) is found among those
+    pieces (`heads`, in order). The properties make each per-piece array; the *_of methods read one."""
 
+    pieces: Pieces
     kind: np.ndarray
     pred: np.ndarray
-    ready: np.ndarray
-    entry: np.ndarray
-    last: np.ndarray
-    head: np.ndarray  # the nearest piece at or before each on its lane that is not bound by the one before
+    group_entry: np.ndarray
+    late: np.ndarray
+    late_last: np.ndarray
+    heads: np.ndarray
+
+    @property
+    def ready(self) -> np.ndarray:
+        p, j = self.pieces, np.clip(self.pred, 0, None)
+        dep = np.where(self.kind == LAUNCH, p.start[j], p.end[j])
+        return np.where(self.kind == NONE, -np.inf, np.minimum(dep, p.start))
+
+    def entry_at(self, idx: np.ndarray) -> np.ndarray:
+        p = self.pieces
+        g = p.group[idx]
+        if not len(self.group_entry):  # no collective instance
+            return p.start[idx]
+        return np.where(g >= 0, self.group_entry[np.clip(g, 0, None)], p.start[idx])
+
+    @property
+    def entry(self) -> np.ndarray:
+        return self.entry_at(np.arange(len(self.pieces)))
+
+    @property
+    def last(self) -> np.ndarray:
+        out = np.full(len(self.pieces), -1, self.late_last.dtype)
+        out[self.late] = self.late_last
+        return out
+
+    @property
+    def head(self) -> np.ndarray:
+        return self.heads[np.searchsorted(self.heads, np.arange(len(self.pieces)), side="right") - 1]
+
+    def ready_of(self, j: int) -> float:
+        k = self.kind[j]
+        if k == NONE:
+            return -np.inf
+        q, p = int(self.pred[j]), self.pieces
+        return min(float(p.start[q]) if k == LAUNCH else float(p.end[q]), float(p.start[j]))
+
+    def last_of(self, i: int) -> int:
+        at = int(np.searchsorted(self.late, i))
+        return int(self.late_last[at]) if at < len(self.late) and self.late[at] == i else -1
+
+    def entry_of(self, i: int) -> float:
+        g = int(self.pieces.group[i])
+        return float(self.group_entry[g]) if g >= 0 else float(self.pieces.start[i])
+
+    def head_of(self, i: int) -> int:
+        return int(self.heads[int(np.searchsorted(self.heads, i, side="right")) - 1])
 
 
-def _lane_prev(p: Pieces) -> np.ndarray:
+def _lane_prev(p: Pieces, dtype=np.int64) -> np.ndarray:
     n = len(p)
-    prev = np.arange(-1, n - 1)
+    prev = np.arange(-1, n - 1, dtype=dtype)
     if n:
-        same = np.r_[False, (p.lane[1:] == p.lane[:-1]) & (p.rank[1:] == p.rank[:-1])]
-        prev[~same] = -1
+        prev[0] = -1
+        prev[1:][(p.lane[1:] != p.lane[:-1]) | (p.rank[1:] != p.rank[:-1])] = -1
     return prev
 
 
-def _collective_entries(p: Pieces) -> tuple[np.ndarray, np.ndarray]:
-    """(entry, last): per piece, its instance's last entry over the ranks, and that rank's piece where
-    another rank was last (-1 otherwise)."""
-    entry = p.start.copy()
-    last = np.full(len(p), -1)
+def _collective_entries(p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(group_entry, late, late_last): per collective instance, its last entry over the ranks; the pieces
+    of an instance entered before that (in order), and the last rank's piece of each."""
     rows = np.flatnonzero(p.group >= 0)
+    n_groups = int(p.group[rows].max()) + 1 if len(rows) else 0
+    group_entry = np.zeros(n_groups)
     if not len(rows):
-        return entry, last
+        return group_entry, rows, rows.copy()
     g = p.group[rows]
     order = np.lexsort((p.start[rows], g))  # by group, the last entry last
     rows, g = rows[order], g[order]
     tail = np.r_[g[1:] != g[:-1], True]
     last_of = np.repeat(rows[tail], np.diff(np.r_[0, np.flatnonzero(tail) + 1]))
-    entry[rows] = p.start[last_of]
+    group_entry[g[tail]] = p.start[rows[tail]]
+    entry = p.start[last_of]
     # where this rank's op ended before the last one entered, it did not wait for it (an async call)
-    waited = (entry[rows] > p.start[rows]) & (entry[rows] <= p.end[rows])
-    last[rows[waited]] = last_of[waited]
-    return entry, last
+    waited = (entry > p.start[rows]) & (entry <= p.end[rows])
+    late = rows[waited]
+    by = np.argsort(late, kind="stable")
+    return group_entry, late[by], last_of[waited][by]
 
 
-def _cross_stream(p: Pieces, ready: np.ndarray) -> np.ndarray:
-    """Per GPU piece whose start nothing else explains: the piece of another stream of its rank that
-    ended latest, within CROSS_STREAM_US, before it started (-1: none)."""
-    out = np.full(len(p), -1)
-    gpu = np.flatnonzero(~p.on_cpu)
-    want = gpu[ready[gpu] < p.start[gpu] - CROSS_STREAM_US]
+def _cross_stream(p: Pieces, gpu: np.ndarray, ready: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, pieces): the GPU pieces (`gpu`, their dependencies ready at `ready`) whose start nothing else
+    explains, and for each the piece of another stream of its rank that ended latest, within
+    CROSS_STREAM_US, before it started (-1: none)."""
+    want = gpu[ready < p.start[gpu] - CROSS_STREAM_US]
+    out = np.full(len(want), -1)
     for r in np.unique(p.rank[want]):
         mine = gpu[p.rank[gpu] == r]
         by_end = mine[np.argsort(p.end[mine], kind="stable")]
-        w = want[p.rank[want] == r]
+        at = np.flatnonzero(p.rank[want] == r)
+        w = want[at]
         pos = np.searchsorted(p.end[by_end], p.start[w], side="right")
         for back in (1, 2):  # the latest, or the one before where the latest is on the piece's own lane
             cand = pos - back
             ok = cand >= 0
             piece = by_end[np.where(ok, cand, 0)]
-            ok &= (p.lane[piece] != p.lane[w]) & (p.end[piece] >= p.start[w] - CROSS_STREAM_US) & (out[w] < 0)
-            out[w[ok]] = piece[ok]
-    return out
+            ok &= (p.lane[piece] != p.lane[w]) & (p.end[piece] >= p.start[w] - CROSS_STREAM_US) & (out[at] < 0)
+            out[at[ok]] = piece[ok]
+    return want, out
 
 
 def link(p: Pieces) -> Links:
-    """Each piece's binding dependency, found with vector passes (each temporary let go once used: the
-    peak of memory is a few columns of the pieces, not a dozen)."""
+    """Each piece's binding dependency, found with vector passes over the pieces a launch or another stream
+    may explain (the GPU ones): over the rest, nothing but the piece before on the lane, in 32 bits."""
     n = len(p)
     pos = np.int32 if n < 2**31 else np.int64  # positions of pieces: half the memory where they fit
-    pred = _lane_prev(p)
-    ready = np.where(pred >= 0, p.end[np.clip(pred, 0, None)], -np.inf)
-    kind = np.where(pred >= 0, LANE, NONE).astype(np.int8)
-    r_launch = np.where(p.launch >= 0, p.start[np.clip(p.launch, 0, None)], -np.inf)
-    by_launch = r_launch > ready
-    kind[by_launch], pred[by_launch], ready[by_launch] = LAUNCH, p.launch[by_launch], r_launch[by_launch]
-    del r_launch, by_launch
-    cross = _cross_stream(p, ready)
-    by_cross = cross >= 0
-    kind[by_cross], pred[by_cross] = CROSS, cross[by_cross]
-    ready[by_cross] = p.end[cross[by_cross]]
-    del cross, by_cross
-    entry, last = _collective_entries(p)
-    plain = (kind == LANE) & (last < 0)
-    head = np.maximum.accumulate(np.where(plain, -1, np.arange(n, dtype=pos))) if n else np.arange(n, dtype=pos)
+    pred = _lane_prev(p, pos)
+    kind = np.where(pred >= 0, np.int8(LANE), np.int8(NONE))
+    at = np.flatnonzero(p.launch >= 0)  # launched: bound by the launch where it started later
+    dep = np.where(pred[at] >= 0, p.end[np.clip(pred[at], 0, None)], -np.inf)
+    by = at[p.start[p.launch[at]] > dep]
+    kind[by], pred[by] = LAUNCH, p.launch[by]
+    del at, dep, by
+    gpu = np.flatnonzero(~p.on_cpu)
+    j = np.clip(pred[gpu], 0, None)
+    ready = np.where(kind[gpu] == LAUNCH, p.start[j], np.where(pred[gpu] >= 0, p.end[j], -np.inf))
+    rows, cross = _cross_stream(p, gpu, ready)
+    del gpu, j, ready
+    rows = rows[cross >= 0]
+    kind[rows], pred[rows] = CROSS, cross[cross >= 0]
+    group_entry, late, late_last = _collective_entries(p)
+    plain = kind == LANE
+    plain[late] = False
+    heads = np.flatnonzero(~plain).astype(pos)
     del plain
-    np.minimum(ready, p.start, out=ready)
-    return Links(kind=kind, pred=pred.astype(pos), ready=ready, entry=entry, last=last.astype(pos), head=head)
+    return Links(pieces=p, kind=kind, pred=pred, group_entry=group_entry, late=late.astype(pos),
+                 late_last=late_last.astype(pos), heads=heads)
 
 
 @dataclass
@@ -160,7 +216,7 @@ def walk_step(p: Pieces, ln: Links, w0: float, w1: float, terminal: int) -> Walk
         while True:  # explain piece j's start; a launch call's own start in turn
             s = float(p.start[j])
             kind, pred = int(ln.kind[j]), int(ln.pred[j])
-            g0 = w0 if kind == NONE else max(min(float(ln.ready[j]), s), w0)
+            g0 = w0 if kind == NONE else max(min(ln.ready_of(j), s), w0)
             if s > g0:
                 gap = LAUNCH_GAP if kind == LAUNCH else (HOST if p.on_cpu[j] else IDLE)
                 walk.extra.append((j, gap, g0, s))
@@ -202,12 +258,12 @@ def _take_run(p: Pieces, ln: Links, walk: Walk, i: int, t: float, w0: float) -> 
     """Pieces head[i]..i onto the path (the segment of i ending at t); returns the piece whose start
     explains the run's (the last rank's piece of a collective this rank entered early), or -1 where the
     step starts inside the run."""
-    h = int(ln.head[i])
-    jump = ln.last[h] >= 0
-    lo = float(ln.entry[h]) if jump else float(p.start[h])
+    h = ln.head_of(i)
+    last = ln.last_of(h)
+    lo = ln.entry_of(h) if last >= 0 else float(p.start[h])
     if lo > w0:
         walk.ranges.append((h, i, t, lo))
-        return int(ln.last[h]) if jump else h
+        return last if last >= 0 else h
     if i == h:
         walk.ranges.append((h, i, t, w0))
         return -1

@@ -34,16 +34,16 @@ def collective_categories() -> set[str]:
 @dataclass
 class Labelled:
     """The pieces, and per piece: its name and category (codes into sorted lists of distinct labels: equal
-    codes, equal labels; `name` and `category` make the arrays of str), lane number (stream or thread id)
-    and whether the source row is a GPU op (`op` is its row in the op table, -1 for a CPU call of a GPU
-    trace)."""
+    codes, equal labels; `name` and `category` make the arrays of str), its lane's number (stream or thread
+    id: `lane_tid` per lane, `lane_id` per piece) and whether the source row is a GPU op (`op` is its row in
+    the op table, -1 for a CPU call of a GPU trace)."""
 
     pieces: Pieces
     name_code: np.ndarray
     name_labels: np.ndarray
     category_code: np.ndarray
     category_labels: np.ndarray
-    lane_id: np.ndarray
+    lane_tid: np.ndarray
     op: np.ndarray
 
     @property
@@ -53,6 +53,10 @@ class Labelled:
     @property
     def category(self) -> np.ndarray:
         return self.category_labels[self.category_code]
+
+    @property
+    def lane_id(self) -> np.ndarray:
+        return self.lane_tid[self.pieces.lane]
 
 
 def codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
@@ -209,10 +213,13 @@ def _assemble(parts: list[list], name_labels: np.ndarray, cat_labels: np.ndarray
     rank, tid, s, e, row, name, cat = cols
     n = len(s)
     lane = _lane_ids(rank, on_cpu, tid) if n else rank
+    lane_tid = np.zeros(int(lane.max()) + 1 if n else 0, np.int64)
+    lane_tid[lane] = tid
+    del tid
     pieces = Pieces(rank=rank, lane=lane, on_cpu=on_cpu, start=s.astype(float, copy=False),
                     end=e.astype(float, copy=False), launch=np.full(n, -1, np.int32), group=np.full(n, -1, np.int32))
     return Labelled(pieces=pieces, name_code=name, name_labels=name_labels, category_code=cat,
-                    category_labels=cat_labels, lane_id=tid, op=row.astype(np.int32, copy=False))
+                    category_labels=cat_labels, lane_tid=lane_tid, op=row.astype(np.int32, copy=False))
 
 
 def _groups(lab: Labelled, ops: pd.DataFrame, coll: np.ndarray) -> np.ndarray:

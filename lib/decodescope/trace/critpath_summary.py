@@ -109,7 +109,7 @@ def collective_waits(cp: CriticalPaths, kind: str = "decode") -> pd.DataFrame:
     `kind`, summed over the waiting ranks) and the work that rank ran just before it entered."""
     p, ln, lab = cp.labelled.pieces, cp.links, cp.labelled
     w = _chosen(cp, kind)
-    rows = np.flatnonzero(ln.last >= 0)
+    rows, last = ln.late.astype(np.int64), ln.late_last.astype(np.int64)
     cols = ["category", "late_rank", "late_work", "wait_us_per_step", "instances"]
     if not len(rows) or w.empty:
         return pd.DataFrame(columns=cols)
@@ -117,13 +117,13 @@ def collective_waits(cp: CriticalPaths, kind: str = "decode") -> pd.DataFrame:
     starts, ends = w["start_us"].to_numpy()[order], w["end_us"].to_numpy()[order]
     pos = np.searchsorted(starts, p.start[rows], side="right") - 1
     ok = (pos >= 0) & (p.start[rows] < ends[np.clip(pos, 0, None)])
-    rows, pos = rows[ok], pos[ok]
-    last = ln.last[rows]
+    rows, pos, last = rows[ok], pos[ok], last[ok]
     before = ln.pred[last]
     cat = lab.category_labels
     late_work = np.where(before >= 0, cat[lab.category_code[np.clip(before, 0, None)]], "(step start)")
     df = pd.DataFrame({"step": w["step"].to_numpy()[order][pos], "category": cat[lab.category_code[rows]],
-                       "late_rank": p.rank[last].astype(np.int64), "late_work": late_work, "wait_us": ln.entry[rows] - p.start[rows]})
+                       "late_rank": p.rank[last].astype(np.int64), "late_work": late_work,
+                       "wait_us": ln.entry_at(rows) - p.start[rows]})
     g = df.groupby(["category", "late_rank", "late_work", "step"])["wait_us"].agg(["sum", "size"]).reset_index()
     out = g.groupby(["category", "late_rank", "late_work"]).agg(
         wait_us_per_step=("sum", lambda s: float(np.median(np.r_[s.to_numpy(), np.zeros(len(w) - len(s))]))),

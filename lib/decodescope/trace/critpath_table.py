@@ -71,7 +71,7 @@ def _label(seg: dict, lab: Labelled, windows: pd.DataFrame) -> pd.DataFrame:
         "step": windows["step"].to_numpy()[step_pos] if len(step_pos) else np.empty(0, np.int64),
         "step_kind": _categorical_codes(step_pos, windows["kind"].to_numpy()),
         "rank": np.where(piece >= 0, p.rank[safe], np.int64(-1)) if len(p) else -1,  # int64, as the rank held
-        "lane": np.where(piece >= 0, lab.lane_id[safe], -1) if len(p) else -1,
+        "lane": np.where(piece >= 0, lab.lane_tid[p.lane[safe]], -1) if len(p) else -1,
         "on_cpu": p.on_cpu[safe] if len(p) else False,
         "name": name,
         "category": category,

@@ -39,7 +39,8 @@ class _Flat:
 def step_rows(p: Pieces, ln: Links, w0: float, w1: float) -> np.ndarray:
     """The pieces of the step [w0, w1] in the order a replay takes them (a collective at its last entry)."""
     rows = np.flatnonzero((p.end > w0) & (p.start < w1))
-    key = np.where(ln.entry[rows] > p.start[rows], ln.entry[rows], p.start[rows])
+    entry = ln.entry_at(rows)
+    key = np.where(entry > p.start[rows], entry, p.start[rows])
     return rows[np.lexsort((p.start[rows], key))]
 
 
@@ -124,8 +125,8 @@ class _CReplay:
             return np.ascontiguousarray(a, dtype=np.int32)
 
         self.lib, self.end = lib, f64(p.end)
-        self.cols = [f64(p.start), self.end, np.ascontiguousarray(ln.kind, dtype=np.int8), i32(ln.pred), f64(ln.ready),
-                     i32(p.group), f64(ln.entry), i32(p.lane), i32(p.rank), i32(p.launch)]
+        self.cols = [f64(p.start), self.end, np.ascontiguousarray(ln.kind, dtype=np.int8), i32(ln.pred), i32(p.group),
+                     f64(ln.group_entry), i32(p.lane), i32(p.rank), i32(p.launch)]
         self.scratch = [np.empty(len(p)), np.empty(len(p)), np.zeros(len(p), np.uint8)]  # pages made as touched
 
     def __call__(self, rows: np.ndarray, chains: tuple, scale: np.ndarray, w0: float, w1: float) -> float:
