@@ -229,15 +229,32 @@ def walk_step(p: Pieces, ln: Links, w0: float, w1: float, terminal: int) -> Walk
     raise RuntimeError("critical path walk did not end: a dependency cycle in the pieces")
 
 
+def _latest(p: Pieces, key: np.ndarray, t: np.ndarray, side: str) -> np.ndarray:
+    """Per time in t: the piece with the greatest key at or before t (side "right") or before it ("left"),
+    the last such piece where several share that key (-1: none): searched lane by lane (a lane's pieces
+    come in start order, so a lane's keys are mostly in order already), not over the pieces sorted whole."""
+    best = np.full(len(t), -1)
+    best_key = np.zeros(len(t))
+    cuts = np.r_[0, np.flatnonzero((p.lane[1:] != p.lane[:-1]) | (p.rank[1:] != p.rank[:-1])) + 1, len(p)]
+    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+        k = key[a:b]
+        by = None if (k[1:] >= k[:-1]).all() else np.argsort(k, kind="stable")
+        at = np.searchsorted(k, t, side=side, sorter=by) - 1
+        found = at >= 0
+        piece = a + (at if by is None else by[np.clip(at, 0, None)])
+        kp = k[piece - a]
+        take = found & ((best < 0) | (kp >= best_key))  # later lanes hold later pieces: a tie goes to them
+        best[take], best_key[take] = piece[take], kp[take]
+    return best
+
+
 def terminals(p: Pieces, w0: np.ndarray, w1: np.ndarray) -> np.ndarray:
     """Per step window: the piece that ends it, the last to end by w1 (or one still running at w1);
     -1 where no piece falls in the window."""
-    by_end = np.argsort(p.end, kind="stable")
-    pos = np.searchsorted(p.end[by_end], w1, side="right") - 1
-    out = np.where(pos >= 0, by_end[np.clip(pos, 0, None)], -1)
-    by_start = np.argsort(p.start, kind="stable")
-    run = by_start[np.clip(np.searchsorted(p.start[by_start], w1, side="left") - 1, 0, None)]
-    running = (p.start[run] < w1) & (p.end[run] > w1) & (p.start[run] >= w0)
+    out = _latest(p, p.end, w1, "right")
+    run = _latest(p, p.start, w1, "left")
+    r = np.clip(run, 0, None)
+    running = (run >= 0) & (p.start[r] < w1) & (p.end[r] > w1) & (p.start[r] >= w0)
     out = np.where(running, run, out)
     ok = out >= 0
     ok[ok] &= p.end[out[ok]] > w0[ok]
