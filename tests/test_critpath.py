@@ -187,3 +187,18 @@ def test_the_piece_that_ends_a_step_is_the_last_to_end_by_its_end_a_tie_to_the_l
         w0 = np.round(rng.uniform(-5, 35, 8))
         w1 = w0 + np.round(rng.uniform(0, 12, 8))
         assert terminals(p, w0, w1).tolist() == [by_hand(p, a, b) for a, b in zip(w0, w1)]
+
+
+@pytest.mark.parametrize("trace", ["vllm_cpu_tp2_c4", "vllm_gpu_h200_c16"])
+def test_a_steps_pieces_found_lane_by_lane_are_those_a_pass_over_every_piece_finds(trace):
+    from decodescope.trace.analyze import find_steps, op_table
+    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.trace.critpath_whatif import ordered_lanes, step_rows
+    from decodescope.trace.load import load_trace_dir
+
+    loaded = load_trace_dir(FIXTURES / trace)
+    ops = op_table(loaded.events)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    p, lanes = cp.labelled.pieces, ordered_lanes(cp.labelled.pieces)
+    for a, b in zip(cp.windows["start_us"], cp.windows["end_us"]):
+        np.testing.assert_array_equal(step_rows(p, cp.links, a, b, lanes), step_rows(p, cp.links, a, b))

@@ -229,14 +229,19 @@ def walk_step(p: Pieces, ln: Links, w0: float, w1: float, terminal: int) -> Walk
     raise RuntimeError("critical path walk did not end: a dependency cycle in the pieces")
 
 
+def lane_runs(p: Pieces) -> list[tuple[int, int]]:
+    """Each lane's pieces, (first, end): a run of positions (the pieces come by rank, lane, start)."""
+    cuts = np.r_[0, np.flatnonzero((p.lane[1:] != p.lane[:-1]) | (p.rank[1:] != p.rank[:-1])) + 1, len(p)]
+    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist())) if len(p) else []
+
+
 def _latest(p: Pieces, key: np.ndarray, t: np.ndarray, side: str) -> np.ndarray:
     """Per time in t: the piece with the greatest key at or before t (side "right") or before it ("left"),
     the last such piece where several share that key (-1: none): searched lane by lane (a lane's pieces
     come in start order, so a lane's keys are mostly in order already), not over the pieces sorted whole."""
     best = np.full(len(t), -1)
     best_key = np.zeros(len(t))
-    cuts = np.r_[0, np.flatnonzero((p.lane[1:] != p.lane[:-1]) | (p.rank[1:] != p.rank[:-1])) + 1, len(p)]
-    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+    for a, b in lane_runs(p):
         k = key[a:b]
         by = None if (k[1:] >= k[:-1]).all() else np.argsort(k, kind="stable")
         at = np.searchsorted(k, t, side=side, sorter=by) - 1

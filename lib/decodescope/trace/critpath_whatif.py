@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from decodescope.trace.critpath import LANE, LAUNCH, NONE, Links, Pieces
+from decodescope.trace.critpath import LANE, LAUNCH, NONE, Links, Pieces, lane_runs
 from decodescope.trace.cscan import library
 
 
@@ -36,9 +36,29 @@ class _Flat:
         self.lane_prev, self.launch = _lane_prev(p).tolist(), p.launch.tolist()
 
 
-def step_rows(p: Pieces, ln: Links, w0: float, w1: float) -> np.ndarray:
-    """The pieces of the step [w0, w1] in the order a replay takes them (a collective at its last entry)."""
-    rows = np.flatnonzero((p.end > w0) & (p.start < w1))
+def ordered_lanes(p: Pieces) -> list[tuple[int, int, bool]]:
+    """Each lane's run of pieces (critpath.lane_runs), and whether both their starts and their ends are in
+    order (pieces that do not overlap): then a step's pieces on it are found by bisection."""
+    def in_order(a: np.ndarray) -> bool:
+        return bool((a[1:] >= a[:-1]).all())
+
+    return [(a, b, in_order(p.start[a:b]) and in_order(p.end[a:b])) for a, b in lane_runs(p)]
+
+
+def step_rows(p: Pieces, ln: Links, w0: float, w1: float,
+              lanes: "list[tuple[int, int, bool]] | None" = None) -> np.ndarray:
+    """The pieces of the step [w0, w1] in the order a replay takes them (a collective at its last entry);
+    `lanes` (ordered_lanes) to find them lane by lane rather than with a pass over every piece."""
+    if lanes is None:
+        rows = np.flatnonzero((p.end > w0) & (p.start < w1))
+    else:  # in position order, as the pass finds them
+        parts = []
+        for a, b, ordered in lanes:
+            hi = a + int(np.searchsorted(p.start[a:b], w1, side="left")) if ordered else b
+            lo = a + int(np.searchsorted(p.end[a:b], w0, side="right")) if ordered else a
+            parts.append(np.arange(lo, hi) if ordered else
+                         a + np.flatnonzero((p.end[a:b] > w0) & (p.start[a:b] < w1)))
+        rows = np.concatenate(parts) if parts else np.flatnonzero((p.end > w0) & (p.start < w1))
     entry = ln.entry_at(rows)
     key = np.where(entry > p.start[rows], entry, p.start[rows])
     return rows[np.lexsort((p.start[rows], key))]
@@ -154,8 +174,9 @@ def bounds(p: Pieces, ln: Links, w0: np.ndarray, w1: np.ndarray, category: np.nd
     flat = _Flat(p, ln) if fast is None else None
     walls: dict = {c: [] for c in categories}
     scale = np.ones(len(p)) if fast is None else None  # read only at each step's rows: set there, step by step
+    lanes = ordered_lanes(p)
     for a, b in zip(w0.tolist(), w1.tolist()):  # one step's rows held at a time
-        r = step_rows(p, ln, a, b)
+        r = step_rows(p, ln, a, b, lanes)
         ch = member_chains(p, r) if fast is not None else ()
         cat = category[r]
         for c in categories:
