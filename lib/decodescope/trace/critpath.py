@@ -17,6 +17,7 @@ walk's Python loop turns once per change of lane, not once per piece.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -235,7 +236,7 @@ def lane_runs(p: Pieces) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1].tolist(), cuts[1:].tolist())) if len(p) else []
 
 
-def _latest(p: Pieces, key: np.ndarray, t: np.ndarray, side: str) -> np.ndarray:
+def _latest(p: Pieces, key: np.ndarray, t: np.ndarray, side: Literal["left", "right"]) -> np.ndarray:
     """Per time in t: the piece with the greatest key at or before t (side "right") or before it ("left"),
     the last such piece where several share that key (-1: none): searched lane by lane (a lane's pieces
     come in start order, so a lane's keys are mostly in order already), not over the pieces sorted whole."""

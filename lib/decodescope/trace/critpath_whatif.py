@@ -173,7 +173,7 @@ def bounds(p: Pieces, ln: Links, w0: np.ndarray, w1: np.ndarray, category: np.nd
     fast = _CReplay(lib, p, ln) if lib is not None and len(p) < 2**31 else None
     flat = _Flat(p, ln) if fast is None else None
     walls: dict = {c: [] for c in categories}
-    scale = np.ones(len(p)) if fast is None else None  # read only at each step's rows: set there, step by step
+    scale = np.ones(len(p) if fast is None else 0)  # the Python replay's: read at each step's rows, set there
     lanes = ordered_lanes(p)
     for a, b in zip(w0.tolist(), w1.tolist()):  # one step's rows held at a time
         r = step_rows(p, ln, a, b, lanes)
