@@ -144,3 +144,61 @@ def test_analyze_trace_critical_path_writes_the_segments_and_the_shares(tmp_path
     assert {r["category"] for r in got["shares"]} >= {"allreduce", "host"}
     assert seg.groupby("step")["dur_us"].sum().gt(0).all()
     assert "on the critical path beside its summed share" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("trace", ["vllm_cpu_tp2_c4", "h200x2_step_replay_graph"])
+def test_the_shares_summed_a_few_steps_at_a_time_are_the_shares_summed_at_once(trace, monkeypatch):
+    import pandas as pd
+
+    from decodescope.trace import critpath_summary
+    from decodescope.trace.analyze import find_steps, op_table
+    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.trace.load import load_trace_dir
+
+    loaded = load_trace_dir(FIXTURES / trace)
+    ops = op_table(loaded.events)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    monkeypatch.setattr(critpath_summary, "STEPS_AT_ONCE", 10**9)
+    at_once = critpath_summary.attribution(cp, ops, "all")
+    monkeypatch.setattr(critpath_summary, "STEPS_AT_ONCE", 3)
+    pd.testing.assert_frame_equal(critpath_summary.attribution(cp, ops, "all"), at_once, check_exact=True)
+
+
+def test_the_piece_that_ends_a_step_is_the_last_to_end_by_its_end_a_tie_to_the_later_piece():
+    from decodescope.trace.critpath import terminals
+
+    def by_hand(p, a, b):
+        n = len(p)
+        ended = max((i for i in range(n) if p.end[i] <= b), key=lambda i: (p.end[i], i), default=-1)
+        run = max((i for i in range(n) if p.start[i] < b), key=lambda i: (p.start[i], i), default=-1)
+        if run >= 0 and p.end[run] > b and p.start[run] >= a:
+            ended = run
+        return ended if ended >= 0 and p.end[ended] > a else -1
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        lane = np.sort(rng.integers(0, 4, n))
+        start = np.round(rng.uniform(0, 30, n))
+        start = start[np.lexsort((start, lane))]
+        end = start + np.round(rng.exponential(3, n))  # pieces of a lane may overlap: their ends out of order
+        p = Pieces(rank=lane // 2, lane=lane, on_cpu=np.ones(n, bool), start=start, end=end,
+                   launch=np.full(n, -1), group=np.full(n, -1))
+        w0 = np.round(rng.uniform(-5, 35, 8))
+        w1 = w0 + np.round(rng.uniform(0, 12, 8))
+        assert terminals(p, w0, w1).tolist() == [by_hand(p, a, b) for a, b in zip(w0, w1)]
+
+
+@pytest.mark.parametrize("trace", ["vllm_cpu_tp2_c4", "vllm_gpu_h200_c16"])
+def test_a_steps_pieces_found_lane_by_lane_are_those_a_pass_over_every_piece_finds(trace):
+    from decodescope.trace.analyze import find_steps, op_table
+    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.trace.critpath_whatif import ordered_lanes, step_rows
+    from decodescope.trace.load import load_trace_dir
+
+    loaded = load_trace_dir(FIXTURES / trace)
+    ops = op_table(loaded.events)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    p, lanes = cp.labelled.pieces, ordered_lanes(cp.labelled.pieces)
+    for a, b in zip(cp.windows["start_us"], cp.windows["end_us"]):
+        np.testing.assert_array_equal(step_rows(p, cp.links, a, b, lanes), step_rows(p, cp.links, a, b))

@@ -41,9 +41,9 @@ def critical_path_figure(cp: CriticalPaths, step: int) -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Bar(x=(np.minimum(p.end[rows], w1) - np.maximum(p.start[rows], w0)) / 1e3,
                          base=(np.maximum(p.start[rows], w0) - w0) / 1e3,
-                         y=_lane_label(p.rank[rows], lab.lane_id[rows], p.on_cpu[rows]), orientation="h",
+                         y=_lane_label(p.rank[rows], lab.lane_tid[p.lane[rows]], p.on_cpu[rows]), orientation="h",
                          name="off the path", marker_color="rgba(160,160,160,0.35)",
-                         customdata=lab.name[rows].astype(str),
+                         customdata=lab.name_labels[lab.name_code[rows]].astype(str),
                          hovertemplate="%{customdata}<br>start %{base:.3f} ms, %{x:.4f} ms<extra></extra>"))
     seg = cp.segments[cp.segments["step"] == step]
     for cat, g in seg.groupby(seg["category"].astype(str), observed=True):
@@ -54,7 +54,7 @@ def critical_path_figure(cp: CriticalPaths, step: int) -> go.Figure:
                              customdata=np.c_[g["name"].astype(str), g["segment"].astype(str)],
                              hovertemplate="%{customdata[0]} (%{customdata[1]})<br>start %{base:.3f} ms, "
                                            "%{x:.4f} ms<extra></extra>"))
-    lanes = len(set(_lane_label(p.rank[rows], lab.lane_id[rows], p.on_cpu[rows])) | {"path gap (no lane)"})
+    lanes = len(set(_lane_label(p.rank[rows], lab.lane_tid[p.lane[rows]], p.on_cpu[rows])) | {"path gap (no lane)"})
     fig.update_layout(barmode="overlay", height=280 + 28 * lanes, xaxis_title="ms from the step's start",
                       title=f"Step {step}'s critical path ({(w1 - w0) / 1e3:.3f} ms wall): outlined bars are the path")
     return fig

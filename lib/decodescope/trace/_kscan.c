@@ -555,59 +555,296 @@ void kr_pairs(const kred *r, int32_t *child, int32_t *parent, int64_t *count) {
 /* ---- the critical path's what-if replay (critpath_whatif.py: replay_step, the same arithmetic in the same
    order, so the two agree to the bit). Indices are global piece positions; `order` holds the step's pieces
    in replay order, and per position in it `first`/`next` chain the members of its collective instance (in
-   order; -1: none). s_new/e_new hold every piece's start/end on entry and are left so; `done` all zero. */
-static inline double cp_begin(int64_t i, const double *start, const int64_t *kind, const int64_t *pred,
-                              const double *ready, const int64_t *lane_prev, const int64_t *launch,
-                              const double *s_new, const double *e_new) {
-    int64_t k = kind[i], j = pred[i];
+   order; -1: none) and `scale` is its piece's duration factor. A piece's new start and end (s_new, e_new)
+   are read only where `placed` says they were set (bit 1: start, bit 2: end), its own otherwise: the
+   scratch is touched at the step's pieces only, and `placed` is left all zero. A piece's lane_prev is the
+   piece before it where that is on its lane (same lane and rank); its ready, its dependency's end (start,
+   for a launch) or its own start where earlier; a collective's entry, its instance's (group_entry). */
+static inline double cp_begin(int64_t i, const double *start, const double *end, const int8_t *kind,
+                              const int32_t *pred, const int32_t *lane, const int32_t *rank,
+                              const int32_t *launch, const double *s_new, const double *e_new,
+                              const uint8_t *placed) {
+#define CP_S(j) ((placed[j] & 1) ? s_new[j] : start[j])
+#define CP_E(j) ((placed[j] & 2) ? e_new[j] : end[j])
+    int64_t k = kind[i], j = pred[i], lp = i > 0 && lane[i - 1] == lane[i] && rank[i - 1] == rank[i] ? i - 1 : -1;
     double t;
     if (k == 0 || j < 0) {
         t = start[i];
     } else {
-        double d = start[i] - ready[i];
-        t = (k == 2 ? s_new[j] : e_new[j]) + (d > 0.0 ? d : 0.0);
+        double ready = k == 2 ? start[j] : end[j];
+        double d = start[i] - (start[i] < ready ? start[i] : ready);
+        t = (k == 2 ? CP_S(j) : CP_E(j)) + (d > 0.0 ? d : 0.0);
     }
-    if (lane_prev[i] >= 0 && k != 1 && e_new[lane_prev[i]] > t) t = e_new[lane_prev[i]];
-    if (launch[i] >= 0 && k != 2 && s_new[launch[i]] > t) t = s_new[launch[i]];
+    if (lp >= 0 && k != 1 && CP_E(lp) > t) t = CP_E(lp);
+    if (launch[i] >= 0 && k != 2 && CP_S(launch[i]) > t) t = CP_S(launch[i]);
     return start[i] < t ? start[i] : t;
 }
 
-double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const int64_t *next,
-                 const double *start, const double *end, const int64_t *kind, const int64_t *pred,
-                 const double *ready, const int64_t *group, const double *entry, const int64_t *lane_prev,
-                 const int64_t *launch, const double *scale, double *s_new, double *e_new, uint8_t *done) {
-#define CP_BEGIN(i) cp_begin(i, start, kind, pred, ready, lane_prev, launch, s_new, e_new)
+double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const int64_t *next, const double *start,
+                 const double *end, const int8_t *kind, const int32_t *pred, const int32_t *group,
+                 const double *group_entry, const int32_t *lane, const int32_t *rank,
+                 const int32_t *launch, const double *scale, double *s_new, double *e_new, uint8_t *placed) {
+#define CP_BEGIN(i) cp_begin(i, start, end, kind, pred, lane, rank, launch, s_new, e_new, placed)
     for (int64_t k = 0; k < n; k++) {
         int64_t i = order[k];
-        if (done[i]) continue;
+        if (placed[i] & 2) continue;
         if (group[i] < 0) {
             s_new[i] = CP_BEGIN(i);
-            e_new[i] = s_new[i] + (end[i] - start[i]) * scale[i];
-            done[i] = 1;
+            e_new[i] = s_new[i] + (end[i] - start[i]) * scale[k];
+            placed[i] = 3;
             continue;
         }
-        for (int64_t m = first[k]; m >= 0; m = next[m]) s_new[order[m]] = CP_BEGIN(order[m]);
+        for (int64_t m = first[k]; m >= 0; m = next[m]) {
+            s_new[order[m]] = CP_BEGIN(order[m]);
+            placed[order[m]] |= 1;
+        }
         double last_in = s_new[order[first[k]]];
         for (int64_t m = next[first[k]]; m >= 0; m = next[m])
             if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
         for (int64_t m = first[k]; m >= 0; m = next[m]) {
             int64_t g = order[m];
-            int synced = entry[g] <= end[g];
+            double entry = group_entry[group[g]];
+            int synced = entry <= end[g];
             double from = synced && last_in > s_new[g] ? last_in : s_new[g];
-            double from_op = synced && entry[g] > start[g] ? entry[g] : start[g];
-            e_new[g] = from + (end[g] - from_op) * scale[g];
-            done[g] = 1;
+            double from_op = synced && entry > start[g] ? entry : start[g];
+            e_new[g] = from + (end[g] - from_op) * scale[m];
+            placed[g] = 3;
         }
     }
 #undef CP_BEGIN
+#undef CP_S
+#undef CP_E
     double mx = e_new[order[0]];
     for (int64_t k = 1; k < n; k++)
         if (e_new[order[k]] > mx) mx = e_new[order[k]];
-    for (int64_t k = 0; k < n; k++) {  /* as found, for the next replay */
-        int64_t i = order[k];
-        s_new[i] = start[i];
-        e_new[i] = end[i];
-        done[i] = 0;
-    }
+    for (int64_t k = 0; k < n; k++) placed[order[k]] = 0;  /* for the next replay */
     return mx;
+}
+
+/* ---- the critical path's pieces (critpath_pieces.py: cut_nested; its numpy passes are the reference, and
+   the fallback). Rows come in `order`, by rank, thread, start, longest first. A row's parent is the latest
+   earlier row of its thread still open at its start (ending more than 1e-9 us after it): the rows met on the
+   way up from the row before, parent by parent, are a stack of open ops, so the walk up finds it and every
+   row it passes is closed. Each op's self time is cut into stretches: its head (its start to its first
+   child's start, or its end) and, after each child, the child's end to the next sibling's start (or the op's
+   end), a child's end clipped to its parent's. Rows inside a `whole` row (may be NULL) are dropped, the
+   row itself kept uncut. Out: the stretches of positive length, thread by thread, by start, a head before an
+   after-stretch, heads by position, after-stretches by parent, then child: the order np.lexsort((start, tid,
+   rank)) gives cut_nested's concatenation (heads, then after-stretches by parent and child). Returns their
+   count (only counted where out_row is NULL), -1 where memory ran out. Finite times only. */
+typedef struct { double s, e; int64_t row; } cp_head;
+typedef struct { double s, e; int64_t p, c; } cp_after;
+
+typedef struct {
+    const int64_t *order;
+    const double *ts, *end;
+    const uint8_t *whole;
+    int64_t *parent;
+    uint8_t *drop;
+    cp_head *h;
+    cp_after *a, *tmp;
+    int64_t nh, na, count;
+    int64_t *out_row;
+    double *out_s, *out_e;
+} cp_cutter;
+
+static inline double cp_min(double a, double b) { return b < a ? b : a; }
+
+static inline int cp_after_le(const cp_after *x, const cp_after *y) {
+    if (x->s != y->s) return x->s < y->s;
+    if (x->p != y->p) return x->p < y->p;
+    return x->c <= y->c;
+}
+
+/* a merge sort by (start, parent, child): the keys are unique, so any sort gives this order */
+static void cp_sort_afters(cp_after *a, cp_after *tmp, int64_t n) {
+    if (n <= 16) {
+        for (int64_t i = 1; i < n; i++) {
+            cp_after x = a[i];
+            int64_t j = i;
+            for (; j > 0 && !cp_after_le(&a[j - 1], &x); j--) a[j] = a[j - 1];
+            a[j] = x;
+        }
+        return;
+    }
+    int64_t h = n / 2, i = 0, j = h, k = 0;
+    cp_sort_afters(a, tmp, h);
+    cp_sort_afters(a + h, tmp, n - h);
+    if (cp_after_le(&a[h - 1], &a[h])) return;
+    memcpy(tmp, a, (size_t)h * sizeof *a);
+    while (i < h && j < n) a[k++] = cp_after_le(&tmp[i], &a[j]) ? tmp[i++] : a[j++];
+    while (i < h) a[k++] = tmp[i++];
+}
+
+static inline double cp_ts(const cp_cutter *c, int64_t k) { return c->ts[c->order[k]]; }
+static inline double cp_end(const cp_cutter *c, int64_t k) { return c->end[c->order[k]]; }
+
+/* a row's end clipped to its parent's */
+static inline double cp_clipped(const cp_cutter *c, int64_t k) {
+    return c->parent[k] >= 0 ? cp_min(cp_end(c, k), cp_end(c, c->parent[k])) : cp_end(c, k);
+}
+
+/* the stretch of parent p after its child k, up to t */
+static inline void cp_after_stretch(cp_cutter *c, int64_t k, int64_t p, double t) {
+    double s = cp_min(cp_end(c, k), cp_end(c, p));
+    if (c->drop[k] || !(t > s)) return;
+    if (c->out_row) c->a[c->na++] = (cp_after){s, t, p, k};
+    else c->count++;
+}
+
+/* row k's head, its first child `first` (-1: none) */
+static inline void cp_head_stretch(cp_cutter *c, int64_t k, int64_t first) {
+    double s = cp_ts(c, k), e = cp_clipped(c, k);
+    if (first >= 0) e = cp_min(cp_ts(c, first), e);
+    if (c->drop[k] || !(e > s)) return;
+    if (c->out_row) c->h[c->nh++] = (cp_head){s, e, c->order[k]};
+    else c->count++;
+}
+
+/* the thread [t0, t1) done: every op still open closes, then its stretches go out in order */
+static void cp_end_thread(cp_cutter *c, int64_t t1) {
+    cp_head_stretch(c, t1 - 1, -1);
+    for (int64_t last = t1 - 1, cur = c->parent[last]; cur >= 0; last = cur, cur = c->parent[cur])
+        cp_after_stretch(c, last, cur, cp_clipped(c, cur));
+    if (!c->out_row) return;
+    cp_sort_afters(c->a, c->tmp, c->na);
+    int64_t i = 0, j = 0, k = c->count;
+    while (i < c->nh || j < c->na) {
+        if (j >= c->na || (i < c->nh && c->h[i].s <= c->a[j].s)) {
+            c->out_row[k] = c->h[i].row, c->out_s[k] = c->h[i].s, c->out_e[k] = c->h[i].e;
+            i++;
+        } else {
+            c->out_row[k] = c->order[c->a[j].p], c->out_s[k] = c->a[j].s, c->out_e[k] = c->a[j].e;
+            j++;
+        }
+        k++;
+    }
+    c->count = k;
+    c->nh = c->na = 0;
+}
+
+int64_t cp_cut(int64_t n, const int64_t *order, const int64_t *rank, const int64_t *tid, const double *ts,
+               const double *end, const uint8_t *whole, int64_t *out_row, double *out_s, double *out_e) {
+    cp_cutter c = {order, ts, end, whole, malloc((size_t)(n ? n : 1) * sizeof(int64_t)), malloc(n ? n : 1),
+                   NULL, NULL, NULL, 0, 0, 0, out_row, out_s, out_e};
+    if (out_row) {  /* buffers for one thread at most: pages never touched cost nothing */
+        c.h = malloc((size_t)(n ? n : 1) * sizeof(cp_head));
+        c.a = malloc((size_t)(n ? n : 1) * sizeof(cp_after));
+        c.tmp = malloc((size_t)(n / 2 + 1) * sizeof(cp_after));
+    }
+    int64_t ret = -1;
+    if (!c.parent || !c.drop || (out_row && (!c.h || !c.a || !c.tmp))) goto done;
+    for (int64_t k = 0; k < n; k++) {
+        int64_t r = order[k];
+        if (k == 0 || rank[r] != rank[order[k - 1]] || tid[r] != tid[order[k - 1]]) {
+            if (k > 0) cp_end_thread(&c, k);
+            c.parent[k] = -1, c.drop[k] = 0;
+            continue;
+        }
+        double thr = ts[r] + 1e-9;
+        int64_t cur = k - 1, last = -1;
+        for (; cur >= 0 && cp_end(&c, cur) <= thr; last = cur, cur = c.parent[cur])
+            if (last >= 0) cp_after_stretch(&c, last, cur, cp_clipped(&c, cur));  /* cur closes */
+        if (last >= 0 && cur >= 0) cp_after_stretch(&c, last, cur, ts[r]);  /* k is last's next sibling */
+        c.parent[k] = cur;
+        c.drop[k] = cur >= 0 && (c.drop[cur] || (whole && whole[order[cur]]));
+        cp_head_stretch(&c, k - 1, cur == k - 1 && !c.drop[k] ? k : -1);
+    }
+    if (n) cp_end_thread(&c, n);
+    ret = c.count;
+done:
+    free(c.parent), free(c.drop), free(c.h), free(c.a), free(c.tmp);
+    return ret;
+}
+
+/* ---- the critical path's segments (critpath.py: segments, then sorted as critpath_table._label sorts them;
+   those numpy passes are the reference, and the fallback). Per step k: its ranges r in [roff[k], roff[k+1])
+   (pieces a..i taken whole, the last one's segment ending at t, the first one's starting at lo) and its
+   other segments x in [xoff[k], xoff[k+1]]. A range gives each piece's own segment (a transfer where the
+   piece is a collective's, else an op) and, before each piece but its first, the gap from the piece before's
+   end. Out: the segments of positive length, step by step, by start; at a tie, own segments before gaps
+   before the others, each in the order made (what the stable lexsort of the parts, joined, gives). Returns
+   their count (only counted where out_step is NULL), -1 where memory ran out. */
+typedef struct { double s, e; int64_t piece, pos; int8_t kind, part; } cp_seg;
+
+static inline int cp_seg_le(const cp_seg *x, const cp_seg *y) {
+    if (x->s != y->s) return x->s < y->s;
+    if (x->part != y->part) return x->part < y->part;
+    return x->pos <= y->pos;
+}
+
+static void cp_sort_segs(cp_seg *a, cp_seg *tmp, int64_t n) {
+    if (n <= 16) {
+        for (int64_t i = 1; i < n; i++) {
+            cp_seg x = a[i];
+            int64_t j = i;
+            for (; j > 0 && !cp_seg_le(&a[j - 1], &x); j--) a[j] = a[j - 1];
+            a[j] = x;
+        }
+        return;
+    }
+    int64_t h = n / 2, i = 0, j = h, k = 0;
+    cp_sort_segs(a, tmp, h);
+    cp_sort_segs(a + h, tmp, n - h);
+    if (cp_seg_le(&a[h - 1], &a[h])) return;
+    memcpy(tmp, a, (size_t)h * sizeof *a);
+    while (i < h && j < n) a[k++] = cp_seg_le(&tmp[i], &a[j]) ? tmp[i++] : a[j++];
+    while (i < h) a[k++] = tmp[i++];
+}
+
+int64_t cp_segments(int64_t n_steps, int64_t n_pieces, const int64_t *roff, const int64_t *ra, const int64_t *ri,
+                    const double *rt, const double *rlo, const int64_t *xoff, const int64_t *xpiece,
+                    const int8_t *xkind, const double *xs, const double *xe, const double *start,
+                    const double *end, const int32_t *group, const uint8_t *on_cpu, int32_t *out_step,
+                    int64_t *out_piece, int8_t *out_kind, double *out_s, double *out_e) {
+    int64_t most = 0, count = 0;
+    for (int64_t k = 0; k < n_steps; k++) {  /* the most segments one step can make */
+        int64_t m = xoff[k + 1] - xoff[k];
+        for (int64_t r = roff[k]; r < roff[k + 1]; r++) m += 2 * (ri[r] - ra[r] + 1);
+        if (m > most) most = m;
+    }
+    cp_seg *buf = out_step ? malloc((size_t)(most ? most : 1) * sizeof *buf) : NULL;
+    cp_seg *tmp = out_step ? malloc((size_t)(most / 2 + 1) * sizeof *tmp) : NULL;
+    if (out_step && (!buf || !tmp)) {
+        free(buf), free(tmp);
+        return -1;
+    }
+    int64_t own = 0, gap = 0;  /* positions in the parts, as joined over the steps */
+    for (int64_t k = 0; k < n_steps; k++) {
+        int64_t m = 0;
+#define CP_SEG(S, E, PIECE, KIND, PART, POS)                                                \
+    do {                                                                                    \
+        double s_ = (S), e_ = (E);                                                          \
+        if (e_ > s_) {                                                                      \
+            if (buf) buf[m] = (cp_seg){s_, e_, (PIECE), (POS), (int8_t)(KIND), (int8_t)(PART)}; \
+            m++;                                                                            \
+        }                                                                                   \
+    } while (0)
+        for (int64_t r = roff[k]; r < roff[k + 1]; r++) {
+            for (int64_t j = ra[r]; j <= ri[r]; j++) {
+                int64_t nx = j + 1 < n_pieces ? j + 1 : n_pieces - 1;
+                double e = j == ri[r] ? rt[r] : (start[nx] < end[j] ? start[nx] : end[j]);
+                CP_SEG(j == ra[r] ? rlo[r] : start[j], e, j, group[j] >= 0 ? 1 : 0, 0, own);
+                own++;
+            }
+        }
+        for (int64_t r = roff[k]; r < roff[k + 1]; r++) {
+            for (int64_t j = ra[r] + 1; j <= ri[r]; j++) {
+                CP_SEG(start[j] < end[j - 1] ? start[j] : end[j - 1], start[j], j, on_cpu[j] ? 2 : 4, 1, gap);
+                gap++;
+            }
+        }
+        for (int64_t x = xoff[k]; x < xoff[k + 1]; x++) CP_SEG(xs[x], xe[x], xpiece[x], xkind[x], 2, x);
+#undef CP_SEG
+        if (buf) {
+            cp_sort_segs(buf, tmp, m);
+            for (int64_t q = 0; q < m; q++) {
+                out_step[count + q] = (int32_t)k, out_piece[count + q] = buf[q].piece, out_kind[count + q] = buf[q].kind;
+                out_s[count + q] = buf[q].s, out_e[count + q] = buf[q].e;
+            }
+        }
+        count += m;
+    }
+    free(buf), free(tmp);
+    return count;
 }

@@ -41,7 +41,7 @@ def self_times(ops: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     parent = np.full(n, -1)
     if not n:
         return out, parent
-    order = _thread_order(ops["rank"].to_numpy(), ops["tid"].to_numpy(), ops["ts_us"].to_numpy(),
+    order = thread_order(ops["rank"].to_numpy(), ops["tid"].to_numpy(), ops["ts_us"].to_numpy(),
                           ops["dur_us"].to_numpy())
     ts = ops["ts_us"].to_numpy()[order]
     end = ts + ops["dur_us"].to_numpy()[order]
@@ -58,7 +58,7 @@ def self_times(ops: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return np.maximum(out, 0.0), parent
 
 
-def _thread_order(rank: np.ndarray, tid: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
+def thread_order(rank: np.ndarray, tid: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
     """np.lexsort((-dur, ts, tid, rank)): rows by rank, thread, start, longest first (stable). Rows
     already in (rank, start) order, as op_table hands them over, need only a stable grouping by thread
     and a sort of the rows that start together, much cheaper than four sorts."""

@@ -22,8 +22,11 @@ So the walk's Python loop turns once per change of lane, not once per piece.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+from decodescope.trace.cscan import library
 
 # binding dependency of a piece's start
 NONE, LANE, LAUNCH, CROSS = 0, 1, 2, 3
@@ -53,90 +56,146 @@ class Pieces:
 
 @dataclass
 class Links:
-    """What each piece's start waited for: `kind` (NONE, LANE, LAUNCH, CROSS), `pred` (the piece), `ready`
-    (when it allowed the start); for a collective, `entry` (its last rank's entry, its start elsewhere)
-    and `last` (the last rank's piece; -1 where this rank was the last)."""
+    """What each piece's start waited for: `kind` (NONE, LANE, LAUNCH, CROSS) and `pred` (the piece), per
+    piece. The rest is kept small and read through: `ready` (when the dependency allowed the start, at
+    most the start; -inf: none) follows from kind and pred; a collective's `entry` (its last rank's entry,
+    its start elsewhere) is its instance's (`group_entry`); `last` (the last rank's piece, where this rank
+    entered early; -1 elsewhere) is kept for those pieces only (`late`, in order, and `late_last`); `head`
+    (the nearest piece at or before each on its lane not bound by the one before) is found among those
+    pieces (`heads`, in order). The properties make each per-piece array; the *_of methods read one."""
 
+    pieces: Pieces
     kind: np.ndarray
     pred: np.ndarray
-    ready: np.ndarray
-    entry: np.ndarray
-    last: np.ndarray
-    head: np.ndarray  # the nearest piece at or before each on its lane that is not bound by the one before
+    group_entry: np.ndarray
+    late: np.ndarray
+    late_last: np.ndarray
+    heads: np.ndarray
+
+    @property
+    def ready(self) -> np.ndarray:
+        p, j = self.pieces, np.clip(self.pred, 0, None)
+        dep = np.where(self.kind == LAUNCH, p.start[j], p.end[j])
+        return np.where(self.kind == NONE, -np.inf, np.minimum(dep, p.start))
+
+    def entry_at(self, idx: np.ndarray) -> np.ndarray:
+        p = self.pieces
+        g = p.group[idx]
+        if not len(self.group_entry):  # no collective instance
+            return p.start[idx]
+        return np.where(g >= 0, self.group_entry[np.clip(g, 0, None)], p.start[idx])
+
+    @property
+    def entry(self) -> np.ndarray:
+        return self.entry_at(np.arange(len(self.pieces)))
+
+    @property
+    def last(self) -> np.ndarray:
+        out = np.full(len(self.pieces), -1, self.late_last.dtype)
+        out[self.late] = self.late_last
+        return out
+
+    @property
+    def head(self) -> np.ndarray:
+        return self.heads[np.searchsorted(self.heads, np.arange(len(self.pieces)), side="right") - 1]
+
+    def ready_of(self, j: int) -> float:
+        k = self.kind[j]
+        if k == NONE:
+            return -np.inf
+        q, p = int(self.pred[j]), self.pieces
+        return min(float(p.start[q]) if k == LAUNCH else float(p.end[q]), float(p.start[j]))
+
+    def last_of(self, i: int) -> int:
+        at = int(np.searchsorted(self.late, i))
+        return int(self.late_last[at]) if at < len(self.late) and self.late[at] == i else -1
+
+    def entry_of(self, i: int) -> float:
+        g = int(self.pieces.group[i])
+        return float(self.group_entry[g]) if g >= 0 else float(self.pieces.start[i])
+
+    def head_of(self, i: int) -> int:
+        return int(self.heads[int(np.searchsorted(self.heads, i, side="right")) - 1])
 
 
-def _lane_prev(p: Pieces) -> np.ndarray:
+def _lane_prev(p: Pieces, dtype=np.int64) -> np.ndarray:
     n = len(p)
-    prev = np.arange(-1, n - 1)
+    prev = np.arange(-1, n - 1, dtype=dtype)
     if n:
-        same = np.r_[False, (p.lane[1:] == p.lane[:-1]) & (p.rank[1:] == p.rank[:-1])]
-        prev[~same] = -1
+        prev[0] = -1
+        prev[1:][(p.lane[1:] != p.lane[:-1]) | (p.rank[1:] != p.rank[:-1])] = -1
     return prev
 
 
-def _collective_entries(p: Pieces) -> tuple[np.ndarray, np.ndarray]:
-    """(entry, last): per piece, its instance's last entry over the ranks, and that rank's piece where
-    another rank was last (-1 otherwise)."""
-    entry = p.start.copy()
-    last = np.full(len(p), -1)
+def _collective_entries(p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(group_entry, late, late_last): per collective instance, its last entry over the ranks; the pieces
+    of an instance entered before that (in order), and the last rank's piece of each."""
     rows = np.flatnonzero(p.group >= 0)
+    n_groups = int(p.group[rows].max()) + 1 if len(rows) else 0
+    group_entry = np.zeros(n_groups)
     if not len(rows):
-        return entry, last
+        return group_entry, rows, rows.copy()
     g = p.group[rows]
     order = np.lexsort((p.start[rows], g))  # by group, the last entry last
     rows, g = rows[order], g[order]
     tail = np.r_[g[1:] != g[:-1], True]
     last_of = np.repeat(rows[tail], np.diff(np.r_[0, np.flatnonzero(tail) + 1]))
-    entry[rows] = p.start[last_of]
+    group_entry[g[tail]] = p.start[rows[tail]]
+    entry = p.start[last_of]
     # where this rank's op ended before the last one entered, it did not wait for it (an async call)
-    waited = (entry[rows] > p.start[rows]) & (entry[rows] <= p.end[rows])
-    last[rows[waited]] = last_of[waited]
-    return entry, last
+    waited = (entry > p.start[rows]) & (entry <= p.end[rows])
+    late = rows[waited]
+    by = np.argsort(late, kind="stable")
+    return group_entry, late[by], last_of[waited][by]
 
 
-def _cross_stream(p: Pieces, ready: np.ndarray) -> np.ndarray:
-    """Per GPU piece whose start nothing else explains: the piece of another stream of its rank that
-    ended latest, within CROSS_STREAM_US, before it started (-1: none)."""
-    out = np.full(len(p), -1)
-    gpu = np.flatnonzero(~p.on_cpu)
-    want = gpu[ready[gpu] < p.start[gpu] - CROSS_STREAM_US]
+def _cross_stream(p: Pieces, gpu: np.ndarray, ready: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, pieces): the GPU pieces (`gpu`, their dependencies ready at `ready`) whose start nothing else
+    explains, and for each the piece of another stream of its rank that ended latest, within
+    CROSS_STREAM_US, before it started (-1: none)."""
+    want = gpu[ready < p.start[gpu] - CROSS_STREAM_US]
+    out = np.full(len(want), -1)
     for r in np.unique(p.rank[want]):
         mine = gpu[p.rank[gpu] == r]
         by_end = mine[np.argsort(p.end[mine], kind="stable")]
-        w = want[p.rank[want] == r]
+        at = np.flatnonzero(p.rank[want] == r)
+        w = want[at]
         pos = np.searchsorted(p.end[by_end], p.start[w], side="right")
         for back in (1, 2):  # the latest, or the one before where the latest is on the piece's own lane
             cand = pos - back
             ok = cand >= 0
             piece = by_end[np.where(ok, cand, 0)]
-            ok &= (p.lane[piece] != p.lane[w]) & (p.end[piece] >= p.start[w] - CROSS_STREAM_US) & (out[w] < 0)
-            out[w[ok]] = piece[ok]
-    return out
+            ok &= (p.lane[piece] != p.lane[w]) & (p.end[piece] >= p.start[w] - CROSS_STREAM_US) & (out[at] < 0)
+            out[at[ok]] = piece[ok]
+    return want, out
 
 
 def link(p: Pieces) -> Links:
-    """Each piece's binding dependency, found with vector passes (each temporary let go once used: the
-    peak of memory is a few columns of the pieces, not a dozen)."""
+    """Each piece's binding dependency, found with vector passes over the pieces a launch or another stream
+    may explain (the GPU ones): over the rest, nothing but the piece before on the lane, in 32 bits."""
     n = len(p)
     pos = np.int32 if n < 2**31 else np.int64  # positions of pieces: half the memory where they fit
-    pred = _lane_prev(p)
-    ready = np.where(pred >= 0, p.end[np.clip(pred, 0, None)], -np.inf)
-    kind = np.where(pred >= 0, LANE, NONE).astype(np.int8)
-    r_launch = np.where(p.launch >= 0, p.start[np.clip(p.launch, 0, None)], -np.inf)
-    by_launch = r_launch > ready
-    kind[by_launch], pred[by_launch], ready[by_launch] = LAUNCH, p.launch[by_launch], r_launch[by_launch]
-    del r_launch, by_launch
-    cross = _cross_stream(p, ready)
-    by_cross = cross >= 0
-    kind[by_cross], pred[by_cross] = CROSS, cross[by_cross]
-    ready[by_cross] = p.end[cross[by_cross]]
-    del cross, by_cross
-    entry, last = _collective_entries(p)
-    plain = (kind == LANE) & (last < 0)
-    head = np.maximum.accumulate(np.where(plain, -1, np.arange(n, dtype=pos))) if n else np.arange(n, dtype=pos)
+    pred = _lane_prev(p, pos)
+    kind = np.where(pred >= 0, np.int8(LANE), np.int8(NONE))
+    at = np.flatnonzero(p.launch >= 0)  # launched: bound by the launch where it started later
+    dep = np.where(pred[at] >= 0, p.end[np.clip(pred[at], 0, None)], -np.inf)
+    by = at[p.start[p.launch[at]] > dep]
+    kind[by], pred[by] = LAUNCH, p.launch[by]
+    del at, dep, by
+    gpu = np.flatnonzero(~p.on_cpu)
+    j = np.clip(pred[gpu], 0, None)
+    ready = np.where(kind[gpu] == LAUNCH, p.start[j], np.where(pred[gpu] >= 0, p.end[j], -np.inf))
+    rows, cross = _cross_stream(p, gpu, ready)
+    del gpu, j, ready
+    rows = rows[cross >= 0]
+    kind[rows], pred[rows] = CROSS, cross[cross >= 0]
+    group_entry, late, late_last = _collective_entries(p)
+    plain = kind == LANE
+    plain[late] = False
+    heads = np.flatnonzero(~plain).astype(pos)
     del plain
-    np.minimum(ready, p.start, out=ready)
-    return Links(kind=kind, pred=pred.astype(pos), ready=ready, entry=entry, last=last.astype(pos), head=head)
+    return Links(pieces=p, kind=kind, pred=pred, group_entry=group_entry, late=late.astype(pos),
+                 late_last=late_last.astype(pos), heads=heads)
 
 
 @dataclass
@@ -163,7 +222,7 @@ def walk_step(p: Pieces, ln: Links, w0: float, w1: float, terminal: int) -> Walk
         while True:  # explain piece j's start; a launch call's own start in turn
             s = float(p.start[j])
             kind, pred = int(ln.kind[j]), int(ln.pred[j])
-            g0 = w0 if kind == NONE else max(min(float(ln.ready[j]), s), w0)
+            g0 = w0 if kind == NONE else max(min(ln.ready_of(j), s), w0)
             if s > g0:
                 gap = LAUNCH_GAP if kind == LAUNCH else (HOST if p.on_cpu[j] else IDLE)
                 walk.extra.append((j, gap, g0, s))
@@ -176,15 +235,37 @@ def walk_step(p: Pieces, ln: Links, w0: float, w1: float, terminal: int) -> Walk
     raise RuntimeError("critical path walk did not end: a dependency cycle in the pieces")
 
 
+def lane_runs(p: Pieces) -> list[tuple[int, int]]:
+    """Each lane's pieces, (first, end): a run of positions (the pieces come by rank, lane, start)."""
+    cuts = np.r_[0, np.flatnonzero((p.lane[1:] != p.lane[:-1]) | (p.rank[1:] != p.rank[:-1])) + 1, len(p)]
+    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist())) if len(p) else []
+
+
+def _latest(p: Pieces, key: np.ndarray, t: np.ndarray, side: Literal["left", "right"]) -> np.ndarray:
+    """Per time in t: the piece with the greatest key at or before t (side "right") or before it ("left"),
+    the last such piece where several share that key (-1: none): searched lane by lane (a lane's pieces
+    come in start order, so a lane's keys are mostly in order already), not over the pieces sorted whole."""
+    best = np.full(len(t), -1)
+    best_key = np.zeros(len(t))
+    for a, b in lane_runs(p):
+        k = key[a:b]
+        by = None if (k[1:] >= k[:-1]).all() else np.argsort(k, kind="stable")
+        at = np.searchsorted(k, t, side=side, sorter=by) - 1
+        found = at >= 0
+        piece = a + (at if by is None else by[np.clip(at, 0, None)])
+        kp = k[piece - a]
+        take = found & ((best < 0) | (kp >= best_key))  # later lanes hold later pieces: a tie goes to them
+        best[take], best_key[take] = piece[take], kp[take]
+    return best
+
+
 def terminals(p: Pieces, w0: np.ndarray, w1: np.ndarray) -> np.ndarray:
     """Per step window: the piece that ends it, the last to end by w1 (or one still running at w1);
     -1 where no piece falls in the window."""
-    by_end = np.argsort(p.end, kind="stable")
-    pos = np.searchsorted(p.end[by_end], w1, side="right") - 1
-    out = np.where(pos >= 0, by_end[np.clip(pos, 0, None)], -1)
-    by_start = np.argsort(p.start, kind="stable")
-    run = by_start[np.clip(np.searchsorted(p.start[by_start], w1, side="left") - 1, 0, None)]
-    running = (p.start[run] < w1) & (p.end[run] > w1) & (p.start[run] >= w0)
+    out = _latest(p, p.end, w1, "right")
+    run = _latest(p, p.start, w1, "left")
+    r = np.clip(run, 0, None)
+    running = (run >= 0) & (p.start[r] < w1) & (p.end[r] > w1) & (p.start[r] >= w0)
     out = np.where(running, run, out)
     ok = out >= 0
     ok[ok] &= p.end[out[ok]] > w0[ok]
@@ -205,21 +286,37 @@ def _take_run(p: Pieces, ln: Links, walk: Walk, i: int, t: float, w0: float) -> 
     """Pieces head[i]..i onto the path (the segment of i ending at t); returns the piece whose start
     explains the run's (the last rank's piece of a collective this rank entered early), or -1 where the
     step starts inside the run."""
-    h = int(ln.head[i])
-    jump = ln.last[h] >= 0
-    lo = float(ln.entry[h]) if jump else float(p.start[h])
+    h = ln.head_of(i)
+    last = ln.last_of(h)
+    lo = ln.entry_of(h) if last >= 0 else float(p.start[h])
     if lo > w0:
         walk.ranges.append((h, i, t, lo))
-        return int(ln.last[h]) if jump else h
+        return last if last >= 0 else h
     if i == h:
         walk.ranges.append((h, i, t, w0))
         return -1
-    ends = np.minimum(p.end[h:i], p.start[h + 1:i + 1])
-    a = h + int(np.searchsorted(ends, w0, side="right"))
+    a = h + _ends_at_or_before(p, h, i, w0)
     if a > h and p.start[a] > w0:
         walk.extra.append((a, HOST if p.on_cpu[a] else IDLE, w0, float(p.start[a])))
     walk.ranges.append((a, i, t, max(w0, float(p.start[a])) if a > h else w0))
     return -1
+
+
+def _ends_at_or_before(p: Pieces, h: int, i: int, t: float) -> int:
+    """How many of pieces h..i-1 end their segment (their end, or the next piece's start) by t: what
+    np.searchsorted(np.minimum(p.end[h:i], p.start[h + 1:i + 1]), t, side="right") gives, probing the
+    same positions, without making the run's ends (a run can hold a lane's pieces since the trace began:
+    made per step, they cost time and memory growing with the trace, not the step)."""
+    end, start = p.end, p.start
+    lo, hi = 0, i - h
+    while lo < hi:
+        mid = lo + ((hi - lo) >> 1)
+        k = h + mid
+        if t < min(end[k], start[k + 1]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _range_segments(p: Pieces, walks: list[Walk]) -> list[list[np.ndarray]]:
@@ -258,3 +355,31 @@ def segments(p: Pieces, walks: list[Walk]) -> dict[str, np.ndarray]:
     if not parts:
         return {c: np.empty(0, np.int64) if c in ("step", "piece", "kind") else np.empty(0) for c in names}
     return {c: np.concatenate([part[j] for part in parts]) for j, c in enumerate(names)}
+
+
+def ordered_segments(p: Pieces, walks: list[Walk]) -> dict[str, np.ndarray]:
+    """segments() in the table's order: step by step (`walks` in step order), by start within a step, at a
+    tie as the parts were joined; `step` as int32 positions, `kind` as int8. Made in C where the scanner is
+    built (_kscan.c: cp_segments: each step's few hundred sorted, nothing the size of the path made twice)."""
+    lib = library()
+    if lib is None:
+        seg = segments(p, walks)
+        order = np.lexsort((seg["start_us"], seg["step"]))
+        return {c: v[order].astype(np.int32 if c == "step" else np.int8 if c == "kind" else v.dtype, copy=False)
+                for c, v in seg.items()}
+    rs = [r for w in walks for r in w.ranges]
+    xs = [x for w in walks for x in w.extra]
+    roff = np.r_[0, np.cumsum([len(w.ranges) for w in walks], dtype=np.int64)].astype(np.int64)
+    xoff = np.r_[0, np.cumsum([len(w.extra) for w in walks], dtype=np.int64)].astype(np.int64)
+    cols = [np.fromiter((r[c] for r in rs), np.int64 if c < 2 else np.float64, len(rs)) for c in range(4)]
+    cols += [np.fromiter((x[c] for x in xs), (np.int64, np.int8, np.float64, np.float64)[c], len(xs)) for c in range(4)]
+    cols += [np.ascontiguousarray(p.start, dtype=np.float64), np.ascontiguousarray(p.end, dtype=np.float64),
+             np.ascontiguousarray(p.group, dtype=np.int32), np.ascontiguousarray(p.on_cpu, dtype=np.uint8)]
+    args = [len(walks), len(p), roff.ctypes.data] + [c.ctypes.data for c in cols[:4]] + [xoff.ctypes.data] + \
+        [c.ctypes.data for c in cols[4:]]  # cols holds every array C reads until it returns
+    n = lib.cp_segments(*args, None, None, None, None, None)  # counted first, then written into arrays of that size
+    out = {"step": np.empty(max(n, 0), np.int32), "piece": np.empty(max(n, 0), np.int64),
+           "kind": np.empty(max(n, 0), np.int8), "start_us": np.empty(max(n, 0)), "end_us": np.empty(max(n, 0))}
+    if n < 0 or lib.cp_segments(*args, *(v.ctypes.data for v in out.values())) != n:
+        raise MemoryError(f"cp_segments: no memory to sort the segments of {len(walks)} steps")
+    return out

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from decodescope.trace.analyze import thread_order
 from decodescope.trace.categorize import default_rules
 from decodescope.trace.critpath import Pieces
+from decodescope.trace.cscan import library
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
 
 CALL_CATS = ("cuda_runtime", "cuda_driver", "cpu_op")
@@ -31,30 +33,57 @@ def collective_categories() -> set[str]:
 
 @dataclass
 class Labelled:
-    """The pieces, and per piece: its name, category, lane number (stream or thread id) and whether the
-    source row is a GPU op (`op` is its row in the op table, -1 for a CPU call of a GPU trace)."""
+    """The pieces, and per piece: its name and category (codes into sorted lists of distinct labels: equal
+    codes, equal labels; `name` and `category` make the arrays of str), its lane's number (stream or thread
+    id: `lane_tid` per lane, `lane_id` per piece) and whether the source row is a GPU op (`op` is its row in
+    the op table, -1 for a CPU call of a GPU trace)."""
 
     pieces: Pieces
-    name: np.ndarray
-    category: np.ndarray
-    lane_id: np.ndarray
+    name_code: np.ndarray
+    name_labels: np.ndarray
+    category_code: np.ndarray
+    category_labels: np.ndarray
+    lane_tid: np.ndarray
     op: np.ndarray
 
+    @property
+    def name(self) -> np.ndarray:
+        return self.name_labels[self.name_code]
 
-def strings(col: pd.Series) -> np.ndarray:
-    """A column's values as an object array of str, as .astype(str) gives them, but sharing one str per
-    distinct value (a categorical's categories) rather than making one per row."""
+    @property
+    def category(self) -> np.ndarray:
+        return self.category_labels[self.category_code]
+
+    @property
+    def lane_id(self) -> np.ndarray:
+        return self.lane_tid[self.pieces.lane]
+
+
+def codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """A column's values as (codes, labels): labels[codes] is the array of str .astype(str) gives, one str
+    per distinct value (a categorical's categories; a missing value's label is "nan")."""
     c = col if isinstance(col.dtype, pd.CategoricalDtype) else col.astype("category")
-    labels = np.array([str(v) for v in c.cat.categories] + ["nan"], dtype=object)  # code -1: a missing value
-    return labels[c.cat.codes.to_numpy()]
+    labels = np.array([str(v) for v in c.cat.categories] + ["nan"], dtype=object)
+    raw = c.cat.codes.to_numpy().astype(np.int32)
+    return np.where(raw < 0, np.int32(len(labels) - 1), raw), labels
 
 
-def _parents(rank: np.ndarray, tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, parent): rows in (rank, thread, start, longest first) order, and each one's parent
-    position in that order (-1 at top level)."""
-    order = np.lexsort((-(end - ts), ts, tid, rank))
+def joint_codes(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
+    """(codes, labels) of several parts -> each part's codes into one list of labels, their distinct values
+    sorted (so codes compare and sort as their labels do), in the smallest integer that holds them."""
+    labels, inv = np.unique(np.concatenate([lab for _, lab in parts]), return_inverse=True)
+    dtype = np.int16 if len(labels) < 2**15 else np.int32
+    out, at = [], 0
+    for c, lab in parts:
+        out.append(inv.reshape(-1)[at:at + len(lab)].astype(dtype)[c])
+        at += len(lab)
+    return out, labels
+
+
+def _parents(order: np.ndarray, rank: np.ndarray, tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Each row's parent position in `order` (rows by rank, thread, start, longest first); -1 at top level."""
     prev = prev_in_thread(len(ts), tid[order], rank[order]).astype(np.int64)
-    return order, parents_in_order(prev, ts[order], end[order]).astype(np.int64)
+    return parents_in_order(prev, ts[order], end[order]).astype(np.int64)
 
 
 def _inside(parent: np.ndarray, mark: np.ndarray) -> np.ndarray:
@@ -70,8 +99,27 @@ def _inside(parent: np.ndarray, mark: np.ndarray) -> np.ndarray:
 
 def cut_nested(rank, tid, ts, end, whole=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Nested ops of each thread -> (row, start, end) of their self-time stretches, in (rank, thread,
-    start) order; rows marked `whole` are not cut and what they hold is dropped."""
-    order, parent = _parents(rank, tid, ts, end)
+    start) order; rows marked `whole` are not cut and what they hold is dropped. One sweep in C
+    (_kscan.c: cp_cut) where the scanner is built and the times are numbers, numpy passes elsewhere."""
+    rank, tid = np.asarray(rank, dtype=np.int64), np.asarray(tid, dtype=np.int64)
+    ts, end = np.asarray(ts, dtype=np.float64), np.asarray(end, dtype=np.float64)
+    order = thread_order(rank, tid, ts, end - ts)
+    lib = library()
+    if lib is None or np.isnan(ts).any() or np.isnan(end).any():
+        return _cut_in_numpy(order, rank, tid, ts, end, whole)
+    args = [np.ascontiguousarray(a) for a in (order.astype(np.int64, copy=False), rank, tid, ts, end)]
+    flags = None if whole is None else np.ascontiguousarray(whole, dtype=np.uint8)
+    ptrs = [a.ctypes.data for a in args] + [None if flags is None else flags.ctypes.data]
+    n = lib.cp_cut(len(ts), *ptrs, None, None, None)  # counted first, then written into arrays of that size
+    out = (np.empty(max(n, 0), np.int64), np.empty(max(n, 0)), np.empty(max(n, 0)))
+    if n < 0 or lib.cp_cut(len(ts), *ptrs, *(a.ctypes.data for a in out)) != n:
+        raise MemoryError(f"cp_cut: no memory to cut {len(ts)} nested ops into stretches")
+    return out
+
+
+def _cut_in_numpy(order, rank, tid, ts, end, whole) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """cut_nested's reference: rows in `order` (by rank, thread, start, longest first), cut with vector passes."""
+    parent = _parents(order, rank, tid, ts, end)
     s, e = ts[order], end[order]
     if whole is not None:
         drop = _inside(parent, np.asarray(whole)[order])
@@ -107,23 +155,30 @@ def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
     gpu = ops.attrs.get("device") == "gpu"
     coll = ops["category"].isin(collective_categories()).to_numpy() & ops["counted"].to_numpy(bool)
     rank, tid = ops["rank"].to_numpy(np.int64), ops["lane"].to_numpy(np.int64)
+    rank32 = rank.astype(np.int32)  # a piece's rank, lane, op row, launch and group: 32 bits
     ts = ops["ts_us"].to_numpy(float)
     end = ts + ops["dur_us"].to_numpy(float)
-    names, cats = strings(ops["name"]), strings(ops["category"])
+    name, cat = codes(ops["name"]), codes(ops["category"])
     if gpu:
-        row, s, e = np.arange(len(ops)), ts, end
+        row, s, e = np.arange(len(ops), dtype=np.int32), ts, end
         calls = events[events["cat"].isin(CALL_CATS).to_numpy()]
         c_rank, c_tid = calls["rank"].to_numpy(np.int64), calls["tid"].to_numpy(np.int64)
         c_ts = calls["ts_us"].to_numpy(float)
         c_row, c_s, c_e = cut_nested(c_rank, c_tid, c_ts, c_ts + calls["dur_us"].to_numpy(float))
-        c_name = strings(calls["name"])[c_row]
-        c_cat = np.where(strings(calls["cat"])[c_row] == "cpu_op", HOST_CATEGORY, LAUNCH_CATEGORY)
-        parts = [[rank, tid, s, e, row, names, cats, False],
-                 [c_rank[c_row], c_tid[c_row], c_s, c_e, -1 - c_row, c_name, c_cat, True]]
+        (names, c_name), name_labels = joint_codes([name, codes(calls["name"])])
+        c_host = (calls["cat"] == "cpu_op").to_numpy()[c_row]
+        (cats, c_cat), cat_labels = joint_codes([cat, (np.where(c_host, 0, 1), np.array([HOST_CATEGORY, LAUNCH_CATEGORY],
+                                                                                           dtype=object))])
+        parts = [[rank32, tid, s, e, row, names, cats, False],
+                 [c_rank[c_row].astype(np.int32), c_tid[c_row], c_s, c_e, (-1 - c_row).astype(np.int32), c_name[c_row],
+                  c_cat, True]]
     else:
         row, s, e = cut_nested(rank, tid, ts, end, whole=coll)
-        parts = [[rank[row], tid[row], s, e, row, names[row], cats[row], True]]
-    lab = _assemble(parts)
+        (names,), name_labels = joint_codes([name])
+        (cats,), cat_labels = joint_codes([cat])
+        parts = [[rank32[row], tid[row], s, e, row.astype(np.int32), names[row], cats[row], True]]
+        del row
+    lab = _assemble(parts, name_labels, cat_labels)
     lab.pieces.group[:] = _groups(lab, ops, coll)
     if gpu:
         lab.pieces.launch[:] = _launches(lab, ops, events)
@@ -135,11 +190,11 @@ def _lane_ids(rank: np.ndarray, on_cpu: np.ndarray, tid: np.ndarray) -> np.ndarr
     key = ((rank.astype(np.int64) * 2 + on_cpu.astype(np.int64)) << 40) | (tid.astype(np.int64) & ((1 << 40) - 1))
     step = np.diff(key)
     if (step >= 0).all():  # the keys already in order (no negative thread id): no sort
-        return np.r_[0, np.cumsum(step > 0)].astype(np.int64)
-    return np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1)
+        return np.r_[np.int32(0), np.cumsum(step > 0, dtype=np.int32)]
+    return np.unique(key, return_inverse=True)[1].astype(np.int32).reshape(-1)
 
 
-def _assemble(parts: list[list]) -> Labelled:
+def _assemble(parts: list[list], name_labels: np.ndarray, cat_labels: np.ndarray) -> Labelled:
     """The parts' columns joined, sorted by (rank, on_cpu, thread, start) a column at a time, and each part's
     array let go once joined (one part comes in that order from cut_nested: nothing to sort)."""
     on_cpu = np.concatenate([np.full(len(p[2]), p[7]) for p in parts]).astype(bool)
@@ -158,9 +213,13 @@ def _assemble(parts: list[list]) -> Labelled:
     rank, tid, s, e, row, name, cat = cols
     n = len(s)
     lane = _lane_ids(rank, on_cpu, tid) if n else rank
+    lane_tid = np.zeros(int(lane.max()) + 1 if n else 0, np.int64)
+    lane_tid[lane] = tid
+    del tid
     pieces = Pieces(rank=rank, lane=lane, on_cpu=on_cpu, start=s.astype(float, copy=False),
-                    end=e.astype(float, copy=False), launch=np.full(n, -1), group=np.full(n, -1))
-    return Labelled(pieces=pieces, name=name, category=cat, lane_id=tid, op=row.astype(np.int64, copy=False))
+                    end=e.astype(float, copy=False), launch=np.full(n, -1, np.int32), group=np.full(n, -1, np.int32))
+    return Labelled(pieces=pieces, name_code=name, name_labels=name_labels, category_code=cat,
+                    category_labels=cat_labels, lane_tid=lane_tid, op=row.astype(np.int32, copy=False))
 
 
 def _groups(lab: Labelled, ops: pd.DataFrame, coll: np.ndarray) -> np.ndarray:
@@ -171,7 +230,7 @@ def _groups(lab: Labelled, ops: pd.DataFrame, coll: np.ndarray) -> np.ndarray:
     n_ranks = len(np.unique(p.rank))
     if not len(sel) or n_ranks < 2:
         return out
-    first = pd.DataFrame({"piece": sel, "op": lab.op[sel], "rank": p.rank[sel], "cat": lab.category[sel],
+    first = pd.DataFrame({"piece": sel, "op": lab.op[sel], "rank": p.rank[sel], "cat": lab.category_code[sel],
                           "start": p.start[sel]}).drop_duplicates("op")  # an op's first piece
     first = first.sort_values(["rank", "start"], kind="stable")
     first["k"] = first.groupby(["rank", "cat"]).cumcount()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from decodescope.trace.critpath import SEGMENT_KINDS, Links, Walk, segments, walk_all
+from decodescope.trace.critpath import SEGMENT_KINDS, Links, Walk, ordered_segments, walk_all
 from decodescope.trace.critpath_pieces import Labelled, pieces_of
 
 SEGMENT_COLUMNS = ["step", "step_kind", "rank", "lane", "on_cpu", "name", "category", "segment", "start_us",
@@ -45,35 +45,53 @@ def critical_paths(events: pd.DataFrame, ops: pd.DataFrame, steps: pd.DataFrame)
     lab = pieces_of(events, ops)
     windows = step_windows(steps)
     ln, walks = walk_all(lab.pieces, windows["start_us"].to_numpy(float), windows["end_us"].to_numpy(float))
-    seg = segments(lab.pieces, walks)
+    seg = ordered_segments(lab.pieces, walks)
     return CriticalPaths(windows=windows, segments=_label(seg, lab, windows), labelled=lab, links=ln, walks=walks)
 
 
 def _label(seg: dict, lab: Labelled, windows: pd.DataFrame) -> pd.DataFrame:
-    """The segments labelled, in (step, start) order: each column made in that order at once (no sorted
-    copy of the table)."""
-    step_pos = seg["step"].astype(np.int64)
-    step = windows["step"].to_numpy()[step_pos] if len(step_pos) else np.empty(0, np.int64)
-    order = np.lexsort((seg["start_us"], step))
-    piece, kind, step_pos, step = seg["piece"].astype(np.int64)[order], seg["kind"].astype(np.int64)[order], \
-        step_pos[order], step[order]
-    safe = np.clip(piece, 0, None)
+    """The segments (in the table's order: critpath.ordered_segments) labelled, each column made once from
+    codes, and each of `seg`'s columns let go (popped) once used."""
+    step_pos, piece, kind = seg.pop("step"), seg.pop("piece"), seg.pop("kind")
+    start, dur = seg.pop("start_us"), seg.pop("end_us")
+    dur -= start
     p = lab.pieces
-    names = np.array(SEGMENT_KINDS, dtype=object)[kind]
+    safe = np.clip(piece, 0, None)
     is_op = (kind <= 1) & (piece >= 0)
+    kinds = np.array(SEGMENT_KINDS, dtype=object)
+    if len(p):  # an op's name and category, a gap's kind: codes into the labels with the kinds after them
+        name = _categorical_codes(np.where(is_op, lab.name_code[safe], len(lab.name_labels)),
+                                  np.r_[lab.name_labels, np.array([""], dtype=object)])
+        gap = kind.astype(np.int32) + len(lab.category_labels)
+        category = _categorical_codes(np.where(is_op, lab.category_code[safe], gap), np.r_[lab.category_labels, kinds])
+        del gap
+    else:
+        name, category = _categorical(np.where(is_op, "", "")), _categorical(kinds[kind])
     return pd.DataFrame({
-        "step": step,
-        "step_kind": _categorical(windows["kind"].to_numpy()[step_pos] if len(step_pos) else np.empty(0, object)),
-        "rank": np.where(piece >= 0, p.rank[safe], -1) if len(p) else -1,
-        "lane": np.where(piece >= 0, lab.lane_id[safe], -1) if len(p) else -1,
+        "step": windows["step"].to_numpy()[step_pos] if len(step_pos) else np.empty(0, np.int64),
+        "step_kind": _categorical_codes(step_pos, windows["kind"].to_numpy()),
+        "rank": np.where(piece >= 0, p.rank[safe], np.int64(-1)) if len(p) else -1,  # int64, as the rank held
+        "lane": np.where(piece >= 0, lab.lane_tid[p.lane[safe]], -1) if len(p) else -1,
         "on_cpu": p.on_cpu[safe] if len(p) else False,
-        "name": _categorical(np.where(is_op, lab.name[safe] if len(p) else "", "")),
-        "category": _categorical(np.where(is_op, lab.category[safe] if len(p) else "", names)),
-        "segment": _categorical(names),
-        "start_us": seg["start_us"][order],
-        "dur_us": (seg["end_us"] - seg["start_us"])[order],
+        "name": name,
+        "category": category,
+        "segment": _categorical_codes(kind, kinds),
+        "start_us": start,
+        "dur_us": dur,
         "piece": piece,
     }, copy=False)
+
+
+def _categorical_codes(codes: np.ndarray, labels: np.ndarray) -> pd.Categorical:
+    """_categorical(labels[codes]), made from the codes: only the labels used are factorized (labels may
+    repeat: equal ones become one category)."""
+    if not len(codes):
+        return _categorical(labels[codes])
+    used = np.flatnonzero(np.bincount(codes, minlength=len(labels)))
+    sub, uniques = pd.factorize(labels[used], sort=True)
+    remap = np.full(len(labels), -1, np.int64)
+    remap[used] = sub
+    return pd.Categorical.from_codes(remap[codes], categories=pd.Index(uniques, dtype="str"))
 
 
 def _categorical(values: np.ndarray) -> pd.Categorical:

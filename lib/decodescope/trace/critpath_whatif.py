@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from decodescope.trace.critpath import LANE, LAUNCH, NONE, Links, Pieces
+from decodescope.trace.critpath import LANE, LAUNCH, NONE, Links, Pieces, lane_runs
 from decodescope.trace.cscan import library
 
 
@@ -36,10 +36,31 @@ class _Flat:
         self.lane_prev, self.launch = _lane_prev(p).tolist(), p.launch.tolist()
 
 
-def step_rows(p: Pieces, ln: Links, w0: float, w1: float) -> np.ndarray:
-    """The pieces of the step [w0, w1] in the order a replay takes them (a collective at its last entry)."""
-    rows = np.flatnonzero((p.end > w0) & (p.start < w1))
-    key = np.where(ln.entry[rows] > p.start[rows], ln.entry[rows], p.start[rows])
+def ordered_lanes(p: Pieces) -> list[tuple[int, int, bool]]:
+    """Each lane's run of pieces (critpath.lane_runs), and whether both their starts and their ends are in
+    order (pieces that do not overlap): then a step's pieces on it are found by bisection."""
+    def in_order(a: np.ndarray) -> bool:
+        return bool((a[1:] >= a[:-1]).all())
+
+    return [(a, b, in_order(p.start[a:b]) and in_order(p.end[a:b])) for a, b in lane_runs(p)]
+
+
+def step_rows(p: Pieces, ln: Links, w0: float, w1: float,
+              lanes: "list[tuple[int, int, bool]] | None" = None) -> np.ndarray:
+    """The pieces of the step [w0, w1] in the order a replay takes them (a collective at its last entry);
+    `lanes` (ordered_lanes) to find them lane by lane rather than with a pass over every piece."""
+    if lanes is None:
+        rows = np.flatnonzero((p.end > w0) & (p.start < w1))
+    else:  # in position order, as the pass finds them
+        parts = []
+        for a, b, ordered in lanes:
+            hi = a + int(np.searchsorted(p.start[a:b], w1, side="left")) if ordered else b
+            lo = a + int(np.searchsorted(p.end[a:b], w0, side="right")) if ordered else a
+            parts.append(np.arange(lo, hi) if ordered else
+                         a + np.flatnonzero((p.end[a:b] > w0) & (p.start[a:b] < w1)))
+        rows = np.concatenate(parts) if parts else np.flatnonzero((p.end > w0) & (p.start < w1))
+    entry = ln.entry_at(rows)
+    key = np.where(entry > p.start[rows], entry, p.start[rows])
     return rows[np.lexsort((p.start[rows], key))]
 
 
@@ -112,44 +133,57 @@ def member_chains(p: Pieces, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _CReplay:
-    """replay_step in C: the pieces' arrays as C reads them, and its scratch (each piece's new start and
-    end, and whether it is placed), made once for all the replays."""
+    """replay_step in C: the pieces' arrays as C reads them (32-bit positions: fewer than 2**31 pieces), and
+    its scratch (each piece's new start and end, and whether it is placed), made once for all the replays
+    and touched at the replayed steps' pieces only."""
 
     def __init__(self, lib, p: Pieces, ln: Links):
         def f64(a):
             return np.ascontiguousarray(a, dtype=np.float64)
 
-        def i64(a):
-            return np.ascontiguousarray(a, dtype=np.int64)
+        def i32(a):
+            return np.ascontiguousarray(a, dtype=np.int32)
 
         self.lib, self.end = lib, f64(p.end)
-        self.cols = [f64(p.start), self.end, i64(ln.kind), i64(ln.pred), f64(ln.ready), i64(p.group),
-                     f64(ln.entry), i64(_lane_prev(p)), i64(p.launch)]
-        self.scratch = [self.cols[0].copy(), self.end.copy(), np.zeros(len(p), np.uint8)]
+        self.cols = [f64(p.start), self.end, np.ascontiguousarray(ln.kind, dtype=np.int8), i32(ln.pred), i32(p.group),
+                     f64(ln.group_entry), i32(p.lane), i32(p.rank), i32(p.launch)]
+        self.scratch = [np.empty(len(p)), np.empty(len(p)), np.zeros(len(p), np.uint8)]  # pages made as touched
 
     def __call__(self, rows: np.ndarray, chains: tuple, scale: np.ndarray, w0: float, w1: float) -> float:
+        """The step's wall time, `scale` per piece."""
+        return self.replay(rows, chains, np.asarray(scale, dtype=np.float64)[rows], w0, w1)
+
+    def replay(self, rows: np.ndarray, chains: tuple, row_scale: np.ndarray, w0: float, w1: float) -> float:
+        """The step's wall time, `row_scale` per piece of `rows`."""
         if not len(rows):
             return w1 - w0
         order = np.ascontiguousarray(rows, dtype=np.int64)
-        ptrs = [a.ctypes.data for a in (order, *chains, *self.cols, scale, *self.scratch)]
+        row_scale = np.ascontiguousarray(row_scale, dtype=np.float64)
+        ptrs = [a.ctypes.data for a in (order, *chains, *self.cols, row_scale, *self.scratch)]
         last_end = self.lib.cp_replay(len(order), *ptrs)
         tail = w1 - float(np.minimum(self.end[rows], w1).max())
         return last_end + tail - w0
 
 
 def bounds(p: Pieces, ln: Links, w0: np.ndarray, w1: np.ndarray, category: np.ndarray,
-           categories: list[str], speedup: float = float("inf")) -> dict[str, np.ndarray]:
-    """Per category: each step's wall time with that category's pieces `speedup` times faster (inf: free)."""
+           categories: list, speedup: float = float("inf")) -> dict:
+    """Per category: each step's wall time with that category's pieces `speedup` times faster (inf: free).
+    `category` per piece and `categories` alike: labels, or codes (critpath_pieces.Labelled.category_code)."""
     lib = library()
-    fast = _CReplay(lib, p, ln) if lib is not None else None
+    fast = _CReplay(lib, p, ln) if lib is not None and len(p) < 2**31 else None
     flat = _Flat(p, ln) if fast is None else None
-    walls: dict[str, list[float]] = {c: [] for c in categories}
-    scale = np.ones(len(p))  # read only at each step's rows: set there, step by step
+    walls: dict = {c: [] for c in categories}
+    scale = np.ones(len(p) if fast is None else 0)  # the Python replay's: read at each step's rows, set there
+    lanes = ordered_lanes(p)
     for a, b in zip(w0.tolist(), w1.tolist()):  # one step's rows held at a time
-        r = step_rows(p, ln, a, b)
+        r = step_rows(p, ln, a, b, lanes)
         ch = member_chains(p, r) if fast is not None else ()
         cat = category[r]
         for c in categories:
-            scale[r] = np.where(cat == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
-            walls[c].append(fast(r, ch, scale, a, b) if fast is not None else replay_step(p, ln, a, b, scale, flat, r))
+            sc = np.where(cat == c, 0.0 if np.isinf(speedup) else 1.0 / speedup, 1.0)
+            if fast is not None:
+                walls[c].append(fast.replay(r, ch, sc, a, b))
+            else:
+                scale[r] = sc
+                walls[c].append(replay_step(p, ln, a, b, scale, flat, r))
     return {c: np.array(v) for c, v in walls.items()}
