@@ -656,25 +656,29 @@ static inline int cp_after_le(const cp_after *x, const cp_after *y) {
     return x->c <= y->c;
 }
 
-/* a merge sort by (start, parent, child): the keys are unique, so any sort gives this order */
-static void cp_sort_afters(cp_after *a, cp_after *tmp, int64_t n) {
-    if (n <= 16) {
-        for (int64_t i = 1; i < n; i++) {
-            cp_after x = a[i];
-            int64_t j = i;
-            for (; j > 0 && !cp_after_le(&a[j - 1], &x); j--) a[j] = a[j - 1];
-            a[j] = x;
-        }
-        return;
+/* A stable merge sort of `type` by `le` (insertion below 17 items); tmp holds n / 2 items. */
+#define CP_DEFINE_MERGE_SORT(name, type, le)                                              \
+    static void name(type *a, type *tmp, int64_t n) {                                     \
+        if (n <= 16) {                                                                    \
+            for (int64_t i = 1; i < n; i++) {                                             \
+                type x = a[i];                                                            \
+                int64_t j = i;                                                            \
+                for (; j > 0 && !le(&a[j - 1], &x); j--) a[j] = a[j - 1];                 \
+                a[j] = x;                                                                 \
+            }                                                                             \
+            return;                                                                       \
+        }                                                                                 \
+        int64_t h = n / 2, i = 0, j = h, k = 0;                                           \
+        name(a, tmp, h);                                                                  \
+        name(a + h, tmp, n - h);                                                          \
+        if (le(&a[h - 1], &a[h])) return;                                                 \
+        memcpy(tmp, a, (size_t)h * sizeof *a);                                            \
+        while (i < h && j < n) a[k++] = le(&tmp[i], &a[j]) ? tmp[i++] : a[j++];           \
+        while (i < h) a[k++] = tmp[i++];                                                  \
     }
-    int64_t h = n / 2, i = 0, j = h, k = 0;
-    cp_sort_afters(a, tmp, h);
-    cp_sort_afters(a + h, tmp, n - h);
-    if (cp_after_le(&a[h - 1], &a[h])) return;
-    memcpy(tmp, a, (size_t)h * sizeof *a);
-    while (i < h && j < n) a[k++] = cp_after_le(&tmp[i], &a[j]) ? tmp[i++] : a[j++];
-    while (i < h) a[k++] = tmp[i++];
-}
+
+/* by (start, parent, child): the keys are unique, so any sort gives this order */
+CP_DEFINE_MERGE_SORT(cp_sort_afters, cp_after, cp_after_le)
 
 static inline double cp_ts(const cp_cutter *c, int64_t k) { return c->ts[c->order[k]]; }
 static inline double cp_end(const cp_cutter *c, int64_t k) { return c->end[c->order[k]]; }
@@ -773,24 +777,7 @@ static inline int cp_seg_le(const cp_seg *x, const cp_seg *y) {
     return x->pos <= y->pos;
 }
 
-static void cp_sort_segs(cp_seg *a, cp_seg *tmp, int64_t n) {
-    if (n <= 16) {
-        for (int64_t i = 1; i < n; i++) {
-            cp_seg x = a[i];
-            int64_t j = i;
-            for (; j > 0 && !cp_seg_le(&a[j - 1], &x); j--) a[j] = a[j - 1];
-            a[j] = x;
-        }
-        return;
-    }
-    int64_t h = n / 2, i = 0, j = h, k = 0;
-    cp_sort_segs(a, tmp, h);
-    cp_sort_segs(a + h, tmp, n - h);
-    if (cp_seg_le(&a[h - 1], &a[h])) return;
-    memcpy(tmp, a, (size_t)h * sizeof *a);
-    while (i < h && j < n) a[k++] = cp_seg_le(&tmp[i], &a[j]) ? tmp[i++] : a[j++];
-    while (i < h) a[k++] = tmp[i++];
-}
+CP_DEFINE_MERGE_SORT(cp_sort_segs, cp_seg, cp_seg_le)
 
 int64_t cp_segments(int64_t n_steps, int64_t n_pieces, const int64_t *roff, const int64_t *ra, const int64_t *ri,
                     const double *rt, const double *rlo, const int64_t *xoff, const int64_t *xpiece,
