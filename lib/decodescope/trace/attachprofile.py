@@ -36,16 +36,18 @@ WINDOW_PARTS = ("start_profile_s", "workload_s", "stop_profile_s", "flush_wait_s
 _FREE_DISK = "import os, sys\nst = os.statvfs(sys.argv[1])\nprint(st.f_bavail * st.f_frsize)\n"
 
 
-def _steps_in(trace: Optional[Path]) -> Optional[int]:
-    """The engine steps annotated in a rank trace; None where there is none or it cannot be read (the plan
-    then takes vLLM's step counter)."""
-    if trace is None:
-        return None
+def _largest_trace(rank_files) -> tuple[int, Optional[int]]:
+    """The largest rank trace's bytes and the engine steps annotated in it; (0, None) where there is none.
+    Steps are None where the file cannot be read (the plan then takes vLLM's step counter)."""
+    sized = [(Path(p).stat().st_size, Path(p)) for p in rank_files]
+    if not sized:
+        return 0, None
+    size, trace = max(sized, key=lambda x: x[0])   # the first of equal sizes, as before
     try:
-        return annotated_steps(trace)
+        return size, annotated_steps(trace)
     except TraceError as e:
         log.warning("profile: the attach guard could not count the steps in %s: %s", trace, e)
-        return None
+        return size, None
 
 
 def export_bytes(reading: dict) -> Optional[int]:
@@ -122,9 +124,9 @@ class AttachedProfiler:
         """A probe's or slice's cost; its files filed into traces/attach_probe/<label>/."""
         rank_names = {p.name for p in fields["rank_files"]}
         files = file_into(fields["rank_files"] + fields["frontend_files"], trace_dir / PROBES_DIR / label, self.params)
-        largest = max((p for p in files if p.name in rank_names), key=lambda p: p.stat().st_size, default=None)
+        trace_bytes, trace_steps = _largest_trace([p for p in files if p.name in rank_names])
         return WindowCost(label=label, requests=requests, steps=float(steps), tokens=float(tokens), span_s=span_s,
-                          trace_bytes=largest.stat().st_size if largest else 0, trace_steps=_steps_in(largest),
+                          trace_bytes=trace_bytes, trace_steps=trace_steps,
                           export_bytes=export_bytes(watch.reading), window_s=sum(fields[k] for k in WINDOW_PARTS))
 
     def _slice(self, label: str, work, seconds: float, trace_dir: Path, wave_s: float) -> WindowCost:
@@ -188,11 +190,11 @@ class AttachedProfiler:
 
     def measured(self, label: str, requests: int, steps: Optional[float], result, watch: TreeWatch) -> None:
         """What the level's window cost, beside its plan."""
-        largest = max((Path(p) for p in result.rank_files), key=lambda p: p.stat().st_size, default=None)
+        trace_bytes, trace_steps = _largest_trace(result.rank_files)
         self.record.levels.append(WindowCost(
             label=label, requests=requests, steps=float(steps or 0.0),
             tokens=float(requests * self.params.profile.output_tokens),
-            trace_bytes=largest.stat().st_size if largest else 0, trace_steps=_steps_in(largest),
+            trace_bytes=trace_bytes, trace_steps=trace_steps,
             export_bytes=export_bytes(watch.reading), span_s=result.workload_s,
             window_s=sum(getattr(result, k) for k in WINDOW_PARTS)))
         self._save()
