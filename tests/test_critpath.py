@@ -115,19 +115,96 @@ def test_on_one_gpu_with_cuda_graphs_a_decode_steps_path_is_kernels_and_gaps():
     assert kernels > 0.8 * seg["dur_us"].sum()
 
 
-def test_a_replay_with_nothing_changed_takes_each_steps_wall_time():
+@pytest.mark.parametrize("trace", ["vllm_cpu_tp2_c4", "h200x2_step_replay_graph", "vllm_gpu_h200_c16",
+                                   "vllm_gpu_h200_kimi_int4_c64", "vllm_gpu_h200_kimi_int4_10l_host_ops"])
+def test_a_replay_with_nothing_changed_takes_each_steps_wall_time(trace):
+    # in Python and in C (bounds at a speed-up of 1); on the GPU traces a kernel still running at a step's
+    # end once made two steps of the eager capture replay 12.4-12.6 us longer than they took
     from decodescope.trace.analyze import find_steps, op_table
     from decodescope.trace.critpath_table import critical_paths
     from decodescope.trace.critpath_whatif import replay_step
     from decodescope.trace.load import load_trace_dir
 
-    loaded = load_trace_dir(FIXTURES / "vllm_cpu_tp2_c4")
+    loaded = load_trace_dir(FIXTURES / trace)
     ops = op_table(loaded.events)
     cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
     p = cp.labelled.pieces
-    w = cp.windows.head(8)
+    w = cp.windows.head(12)
     got = [replay_step(p, cp.links, a, b, np.ones(len(p))) for a, b in zip(w["start_us"], w["end_us"])]
     np.testing.assert_allclose(got, w["wall_us"].to_numpy(), rtol=1e-12, atol=1e-6)
+    in_c = bounds(p, cp.links, w["start_us"].to_numpy(float), w["end_us"].to_numpy(float),
+                  cp.labelled.category, ["x"], speedup=1.0)["x"]
+    np.testing.assert_allclose(in_c, w["wall_us"].to_numpy(), rtol=1e-12, atol=1e-6)
+
+
+def test_a_kernel_still_running_at_the_steps_end_counts_to_its_point_there():
+    # a call [0,1] launches k0 [2,12]; the step ends at 8, inside k0
+    p = pieces([(0, 0, 1, 0, 1, -1, -1), (0, 1, 0, 2, 12, 0, -1)])
+    from decodescope.trace.critpath import link
+    from decodescope.trace.critpath_whatif import replay_step
+
+    ln = link(p)
+    assert replay_step(p, ln, 0.0, 8.0, np.ones(2)) == 8.0
+    assert replay_step(p, ln, 0.0, 8.0, np.array([1.0, 0.5])) == 5.0  # k0's 6 us inside the step at half
+    got = bounds(p, ln, np.array([0.0]), np.array([8.0]), np.array(["launch", "k"], dtype=object), ["k", "launch"])
+    # k0 free: the step ends where k0 starts; the launch free: k0 still starts 2 us after the call's start
+    assert got["k"][0] == 2.0 and got["launch"][0] == 8.0
+
+
+def sync_pieces(wait: bool):
+    """A host thread (lane 0): a launch [0,1] of k0 [2,20] on stream 1, a cudaEventSynchronize piece that
+    waited for k0 (from 3; its piece starts at k0's end, 20, and returns at 22), then host work [22,25]."""
+    p = pieces([(0, 0, 1, 0, 1, -1, -1), (0, 0, 1, 20, 22, -1, -1), (0, 0, 1, 22, 25, -1, -1),
+                (0, 1, 0, 2, 20, 0, -1)])
+    p.wait = np.array([-1, 3, -1, -1]) if wait else None
+    return p
+
+
+def test_a_host_call_that_waited_for_the_gpu_puts_the_gpu_work_on_the_path():
+    from decodescope.trace.critpath import SYNC, link
+
+    got = path(sync_pieces(wait=True), 0, 25)
+    # k0's launch gap runs from its call's start, as for any launch; then k0, the call's return, the host
+    assert got == [(3, "launch", 2.0), (3, "op", 18.0), (1, "op", 2.0), (2, "op", 3.0)]
+    assert link(sync_pieces(wait=True)).kind[1] == SYNC
+    # without the edge the wait is a host gap: the path never reaches the kernel
+    assert (3, "op", 18.0) not in path(sync_pieces(wait=False), 0, 25)
+
+
+def test_a_free_kernel_the_host_waited_for_shortens_the_host_too():
+    from decodescope.trace.critpath import link
+
+    cat = np.array(["launch", "launch", "host", "k"], dtype=object)
+    p = sync_pieces(wait=True)
+    got = bounds(p, link(p), np.array([0.0]), np.array([25.0]), cat, ["k"])
+    assert got["k"][0] == 7.0  # k0 free at 2: the sync [2,4], the host work [4,7]
+    p = sync_pieces(wait=False)
+    assert bounds(p, link(p), np.array([0.0]), np.array([25.0]), cat, ["k"])["k"][0] == 25.0  # understated
+
+
+def test_on_the_eager_gpu_capture_the_syncs_bind_the_host_to_the_gpu_and_raise_the_bounds():
+    # vLLM's eager step waits in cudaEventSynchronize (16% of its time in this capture); without the edge
+    # a free GEMM bought 0.4% of the step, as if the host had waited for nothing
+    from decodescope.trace.analyze import find_steps, op_table
+    from decodescope.trace.critpath import SYNC, link
+    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.trace.load import load_trace_dir
+
+    loaded = load_trace_dir(FIXTURES / "vllm_gpu_h200_kimi_int4_10l_host_ops")
+    ops = op_table(loaded.events)
+    cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))
+    lab, ln = cp.labelled, cp.links
+    p = lab.pieces
+    synced = np.flatnonzero(ln.kind == SYNC)
+    assert len(synced) >= 8 and set(lab.name[synced]) <= {"cudaEventSynchronize", "cudaDeviceSynchronize"}
+    assert (p.start[synced] == p.end[ln.pred[synced]]).all() and (~p.on_cpu[ln.pred[synced]]).all()
+    w = cp.windows[cp.windows["kind"] == "decode"]
+    w0, w1 = w["start_us"].to_numpy(float), w["end_us"].to_numpy(float)
+    gain = 1 - bounds(p, ln, w0, w1, lab.category, ["gemm_dense"])["gemm_dense"] / (w1 - w0)
+    p.wait = None
+    gain_unbound = 1 - bounds(p, link(p), w0, w1, lab.category, ["gemm_dense"])["gemm_dense"] / (w1 - w0)
+    assert np.median(gain) > 0.05 and np.median(gain) > 5 * np.median(gain_unbound), (gain, gain_unbound)
+    assert (gain >= gain_unbound - 1e-9).all()
 
 
 def test_analyze_trace_critical_path_writes_the_segments_and_the_shares(tmp_path, capsys):

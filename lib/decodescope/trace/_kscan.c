@@ -583,7 +583,8 @@ static inline double cp_begin(int64_t i, const double *start, const double *end,
 double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const int64_t *next, const double *start,
                  const double *end, const int8_t *kind, const int32_t *pred, const int32_t *group,
                  const double *group_entry, const int32_t *lane, const int32_t *rank,
-                 const int32_t *launch, const double *scale, double *s_new, double *e_new, uint8_t *placed) {
+                 const int32_t *launch, const double *scale, double *s_new, double *e_new, uint8_t *placed,
+                 double w1) {
 #define CP_BEGIN(i) cp_begin(i, start, end, kind, pred, lane, rank, launch, s_new, e_new, placed)
     for (int64_t k = 0; k < n; k++) {
         int64_t i = order[k];
@@ -614,9 +615,13 @@ double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const in
 #undef CP_BEGIN
 #undef CP_S
 #undef CP_E
-    double mx = e_new[order[0]];
-    for (int64_t k = 1; k < n; k++)
-        if (e_new[order[k]] > mx) mx = e_new[order[k]];
+    /* where the step ends: a piece still running at w1 counts to its point at w1, not to its end */
+    double mx = -1.0 / 0.0;
+    for (int64_t k = 0; k < n; k++) {
+        int64_t g = order[k];
+        double e = end[g] > w1 ? s_new[g] + (w1 - start[g]) * scale[k] : e_new[g];
+        if (e > mx) mx = e;
+    }
     for (int64_t k = 0; k < n; k++) placed[order[k]] = 0;  /* for the next replay */
     return mx;
 }

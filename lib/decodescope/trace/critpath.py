@@ -9,6 +9,8 @@ That dependency is one of three:
 - a piece on another stream of its rank that ended just before it: a cross-stream wait.
   The traces record no stream in cudaStreamWaitEvent.
   So a cross-stream wait is inferred only where nothing else explains the start.
+- for a host call that waits for the GPU (cudaEventSynchronize and its kin), the GPU piece it waited for.
+  Its piece starts where that GPU piece ended: the time before is the GPU's, not the host's.
 A collective ends on every rank only after its last rank has entered it.
 On an earlier rank, its time before that entry is waiting.
 The path goes on from the last rank's entry.
@@ -22,14 +24,14 @@ So the walk's Python loop turns once per change of lane, not once per piece.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 import numpy as np
 
 from decodescope.trace.cscan import library
 
 # binding dependency of a piece's start
-NONE, LANE, LAUNCH, CROSS = 0, 1, 2, 3
+NONE, LANE, LAUNCH, CROSS, SYNC = 0, 1, 2, 3, 4
 # segment kinds
 OP, TRANSFER, HOST, LAUNCH_GAP, IDLE = 0, 1, 2, 3, 4
 SEGMENT_KINDS = ("op", "transfer", "host", "launch", "idle")
@@ -40,7 +42,8 @@ CROSS_STREAM_US = 2.0  # a GPU piece starting this soon after another stream's p
 class Pieces:
     """Pieces sorted by (rank, lane, start): their lane ids are unique across ranks; `launch` is the
     position of the CPU piece that launched a GPU piece (-1: none); `group` numbers a collective
-    instance, the same on every rank (-1: not a collective)."""
+    instance, the same on every rank (-1: not a collective); `wait`, where given, the GPU piece a host
+    call waited for (-1: none), the call's piece starting at that piece's end."""
 
     rank: np.ndarray
     lane: np.ndarray
@@ -49,6 +52,7 @@ class Pieces:
     end: np.ndarray
     launch: np.ndarray
     group: np.ndarray
+    wait: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return len(self.start)
@@ -56,7 +60,7 @@ class Pieces:
 
 @dataclass
 class Links:
-    """What each piece's start waited for: `kind` (NONE, LANE, LAUNCH, CROSS) and `pred` (the piece), per
+    """What each piece's start waited for: `kind` (NONE, LANE, LAUNCH, CROSS, SYNC) and `pred` (the piece), per
     piece. The rest is kept small and read through: `ready` (when the dependency allowed the start, at
     most the start; -inf: none) follows from kind and pred; a collective's `entry` (its last rank's entry,
     its start elsewhere) is its instance's (`group_entry`); `last` (the last rank's piece, where this rank
@@ -189,6 +193,13 @@ def link(p: Pieces) -> Links:
     del gpu, j, ready
     rows = rows[cross >= 0]
     kind[rows], pred[rows] = CROSS, cross[cross >= 0]
+    del rows, cross
+    if p.wait is not None:  # a host call bound by the GPU piece it waited for, where that ended after its lane's
+        at = np.flatnonzero(p.wait >= 0)
+        dep = np.where(kind[at] == LANE, p.end[np.clip(pred[at], 0, None)], -np.inf)
+        by = at[p.end[p.wait[at]] > dep]
+        kind[by], pred[by] = SYNC, p.wait[by]
+        del at, dep, by
     group_entry, late, late_last = _collective_entries(p)
     plain = kind == LANE
     plain[late] = False

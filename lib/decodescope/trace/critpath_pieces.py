@@ -21,6 +21,9 @@ from decodescope.trace.cscan import library
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
 
 CALL_CATS = ("cuda_runtime", "cuda_driver", "cpu_op")
+# host calls that return only once GPU work has ended: their time up to that end is the GPU's
+SYNC_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+              "cuEventSynchronize", "cuStreamSynchronize", "cuCtxSynchronize")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "dispatch_combine", "other")
 LAUNCH_CATEGORY = "launch"  # a CUDA runtime or driver call on the path
 HOST_CATEGORY = "host"  # a CPU op of a GPU trace (a collective's enqueue) on the path
@@ -182,7 +185,30 @@ def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
     lab.pieces.group[:] = _groups(lab, ops, coll)
     if gpu:
         lab.pieces.launch[:] = _launches(lab, ops, events)
+        lab.pieces.wait = sync_waits(lab)
     return lab
+
+
+def sync_waits(lab: Labelled) -> np.ndarray:
+    """Per piece, the GPU piece a synchronizing call (SYNC_CALLS) waited for (-1: none): of its rank's GPU
+    pieces, the last to end by the call's end, where that end falls inside the call. Such a call's piece
+    is made to start at that end (it stays in its lane's order: the start moves later within the piece).
+    Which stream's work the call waited for, the trace does not say; a piece of another stream that ended
+    between the awaited one and the call's return (its last few microseconds) would be taken instead."""
+    p = lab.pieces
+    out = np.full(len(p), -1, np.int32)
+    sync = np.isin(lab.name_labels, SYNC_CALLS)[lab.name_code] & p.on_cpu
+    for r in np.unique(p.rank[sync]):
+        gpu = np.flatnonzero(~p.on_cpu & (p.rank == r))
+        by_end = gpu[np.argsort(p.end[gpu], kind="stable")]
+        calls = np.flatnonzero(sync & (p.rank == r))
+        at = np.searchsorted(p.end[by_end], p.end[calls], side="right") - 1
+        g = by_end[np.clip(at, 0, None)]
+        ok = (at >= 0) & (p.end[g] > p.start[calls]) if len(by_end) else np.zeros(len(calls), bool)
+        out[calls[ok]] = g[ok]
+    has = np.flatnonzero(out >= 0)
+    p.start[has] = p.end[out[has]]
+    return out
 
 
 def _lane_ids(rank: np.ndarray, on_cpu: np.ndarray, tid: np.ndarray) -> np.ndarray:

@@ -7,6 +7,7 @@ exactly its wall time; with a category's pieces shortened, no piece can start la
 step's new wall time is the least a fix of that category leaves (the bound is on the trace's own
 dependencies: it cannot know what a fix would add).
 
+A piece still running at the step's end counts to its point there.
 The replay walks a step's pieces one by one; it runs in C (_kscan.c: cp_replay, the same arithmetic in the
 same order, so the bounds agree to the bit) where the scanner is built, in Python (replay_step) elsewhere.
 """
@@ -113,7 +114,9 @@ def replay_step(p: Pieces, ln: Links, w0: float, w1: float, scale: np.ndarray, f
             from_ = max(s_new[m], last_in) if synced else s_new[m]
             e_new[m] = from_ + (end[m] - max(start[m], entry[m] if synced else start[m])) * sc[m]
     tail = w1 - float(np.minimum(p.end[rows], w1).max())
-    return max(e_new[i] for i in order) + tail - w0
+    # a piece still running at w1 counts to its point at w1, not to its end
+    last_end = max(s_new[i] + (w1 - start[i]) * sc[i] if end[i] > w1 else e_new[i] for i in order)
+    return last_end + tail - w0
 
 
 def member_chains(p: Pieces, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -160,7 +163,7 @@ class _CReplay:
         order = np.ascontiguousarray(rows, dtype=np.int64)
         row_scale = np.ascontiguousarray(row_scale, dtype=np.float64)
         ptrs = [a.ctypes.data for a in (order, *chains, *self.cols, row_scale, *self.scratch)]
-        last_end = self.lib.cp_replay(len(order), *ptrs)
+        last_end = self.lib.cp_replay(len(order), *ptrs, w1)
         tail = w1 - float(np.minimum(self.end[rows], w1).max())
         return last_end + tail - w0
 

@@ -33,13 +33,13 @@ KEPT_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "user_
 # what the breakdowns count as GPU work: the streamed one and the table's (analyze.GPU_WORK_CATS)
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # CPU ops kept on a GPU trace: those that describe communication (their args carry message sizes).
-# Runtime calls kept: those that launch work.
+# Runtime calls kept: those that launch work, and those that wait for it (the critical path's sync edges).
 # name_rule says which applies where.
 # The patterns are written once and used in three places: on decoded events, in a lookahead on the raw
 # text (parse._keep_pattern), and on the names the layout reader and the C scanner slice.
 COMM_NAME = (r"nccl|gloo|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
              r"broadcast|send|recv|barrier")
-LAUNCH_NAME = r"Launch|GraphLaunch|Memcpy|Memset"
+LAUNCH_NAME = r"Launch|GraphLaunch|Memcpy|Memset|Synchronize"
 COMM_CPU_OP = re.compile(COMM_NAME, re.I)
 LAUNCH_RUNTIME = re.compile(LAUNCH_NAME, re.I)
 RANK_IN_NAME = re.compile(r"(?:^|[_.\-])rank[_\-]?(\d+)(?=[_.\-])")
@@ -83,7 +83,7 @@ def _rank_from_name(path: Path) -> Optional[int]:
 def name_rule(cat: str, is_gpu: bool) -> Optional[re.Pattern]:
     """The pattern an event of a kept category must match by its name to be kept, or None where every
     name is kept: CPU ops on a GPU trace only where they communicate, runtime and driver calls only
-    where they launch work (on any trace). The one statement of the rule: _wanted, _keep_pattern, the
+    where they launch work or wait for it (on any trace). The one statement of the rule: _wanted, _keep_pattern, the
     layout reader, the C scanner and the C reduction's count of kept events all follow it."""
     if cat == "cpu_op":
         return COMM_CPU_OP if is_gpu else None
