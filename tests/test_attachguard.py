@@ -21,7 +21,8 @@ from decodescope.schema.params import load_params
 from decodescope.schema.records_attach import WindowCost
 from decodescope.trace.attachguard import (EXPORT_PER_TRACE_BYTE, MEMORY_SHARE, SLICE_MAX_S,
                                            STACK_WINDOW_EXPORT_BYTES, bytes_per_step, export_ratio, plan_window,
-                                           slice_seconds, stack_refusal, window_span_s, window_steps)
+                                           pricing_window, saw_steps, slice_seconds, stack_refusal, window_span_s,
+                                           window_steps)
 
 REPO = Path(__file__).resolve().parents[1]
 MiB, GiB = 2**20, 2**30
@@ -106,6 +107,27 @@ def test_a_window_is_priced_at_its_most_steps_whatever_pace_its_slice_ran_at():
     # shrunk (0.5 x 16 GiB / (300 x 2) = 13.65 MiB of 16.32: 10 of 12 requests), its steps shrink with them
     tight = plan_window("c4", batched, 12, 192, 4, ranks=2, ratio=300.0, mem_available=16 * GiB, disk_free=None)
     assert tight.allowed_requests == 10 and tight.est_steps == pytest.approx(170.0)
+
+
+def test_a_slice_that_saw_no_step_prices_nothing_and_the_most_bytes_a_step_measured_prices_the_window():
+    # CI's servers lane: the c4 slice started after its 12 requests of 16 tokens had ended: 814 bytes, no
+    # step, no token in 0.126 s. Priced from it, c4's window read 166 KB and then wrote 325 KB. The windows
+    # measured before it: probe-1 (7,713 B over 2 steps) and c1's slice (1,094,771 B over 187 steps)
+    empty = WindowCost(label="slice-c4", requests=12, steps=0.0, trace_steps=0, tokens=0.0, span_s=0.126,
+                       trace_bytes=814, window_s=4.26)
+    probe = WindowCost(label="probe-1", requests=1, steps=1.0, trace_steps=2, tokens=1.0, span_s=0.0235,
+                       trace_bytes=7713, window_s=4.1)
+    c1 = WindowCost(label="slice-c1", requests=12, steps=176.0, trace_steps=187, tokens=176.0, span_s=1.38,
+                    trace_bytes=1_094_771, window_s=8.7)
+    assert not saw_steps(empty) and saw_steps(probe) and saw_steps(c1)
+    assert pricing_window(empty, [probe, c1, empty]) is c1  # 5,854 bytes a step against probe-1's 3,857
+    assert pricing_window(c1, [probe, empty]) is c1  # a slice that saw steps prices its own level
+    assert pricing_window(empty, [empty]) is empty  # nothing better measured: the slice, as before
+    plan = plan_window("c4", pricing_window(empty, [probe, c1, empty]), 12, 192, 4, ranks=2, ratio=134.0,
+                       mem_available=20 * GiB, disk_free=None)
+    # by the step 1,094,771 / 187 x 204 = 1,194,295 B; by the span 192 tokens at c1's 127.5 a second,
+    # 1.506 s at 793,312 B a second, about as much: c1's 1.19 MB, against the 325 KB c4 then wrote
+    assert plan.priced_by == "slice-c1" and plan.est_trace_bytes == int(1_094_771 / 187 * 204)
 
 
 def test_a_window_too_large_is_shrunk_to_the_requests_that_fit():

@@ -34,6 +34,8 @@ class WindowPlan(_Model):
     label: str
     planned_requests: int = Field(description="profile.requests at this level (at least one batch)")
     planned_tokens: float = Field(description="output tokens of that workload (requests x profile.output_tokens)")
+    priced_by: Optional[str] = Field(None, description="the measured window it was priced from: its slice, or "
+                                     "where that saw no engine step, the window with the most trace bytes a step")
     est_span_s: float = Field(description="its profiled span at the slice's output tokens per second")
     est_steps: Optional[float] = Field(None, description="the most engine steps it can take: each request "
                                        "alone, a prefill step, one a further token and one after its last")

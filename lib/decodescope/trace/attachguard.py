@@ -36,6 +36,9 @@ So the cost is read per second of profiled span, at the level's own load:
    In the second, the client process stood still for about 1 s at a time (its event loop's lag, measured).
    The requests then ran one by one.
    No slice foretells that.
+   A slice can see no step: at concurrency 4, 12 requests of 16 tokens ended before the profiler had started.
+   It says nothing of the level then, so the level is priced from the window measured so far with the most
+   trace bytes a step (pricing_window).
    Each rank's export is the trace times the largest export ratio measured.
    That ratio is at least EXPORT_PER_TRACE_BYTE.
    The floor is there because a worker reuses memory an earlier export left it, and then shows no growth.
@@ -100,6 +103,21 @@ def bytes_per_step(cost: WindowCost) -> float:
     return cost.trace_bytes / max(float(cost.trace_steps or cost.steps), 1.0)
 
 
+def saw_steps(cost: WindowCost) -> bool:
+    """Whether a window profiled any engine step that generated tokens: else its bytes priced nothing."""
+    return bool(cost.trace_steps or cost.steps) and cost.tokens > 0
+
+
+def pricing_window(slice_cost: WindowCost, measured: list[WindowCost]) -> WindowCost:
+    """What a level's window is priced from: its slice, where that saw steps; else, of the windows measured
+    (probes, slices, levels), the one with the most trace bytes a step (a trace grows by the step); the
+    slice itself where none saw a step."""
+    if saw_steps(slice_cost):
+        return slice_cost
+    seen = [c for c in measured if saw_steps(c)]
+    return max(seen, key=bytes_per_step) if seen else slice_cost
+
+
 def window_steps(requests: int, tokens: float) -> float:
     """The most engine steps `requests` requests of `tokens` output tokens in all can take: each one alone,
     its prefill step (which makes its first token), one step a further token, and one step after its last
@@ -127,6 +145,7 @@ def plan_window(label: str, slice_cost: WindowCost, planned_requests: int, plann
         limits.append(("disk", DISK_SHARE * disk_free / (ranks + 1)))  # the ranks' and the front end's traces
     bound = min(limits, key=lambda x: x[1]) if limits else None
     common = dict(label=label, planned_requests=planned_requests, planned_tokens=planned_tokens, est_span_s=span,
+                  priced_by=slice_cost.label,
                   mem_available_bytes=mem_available, disk_free_bytes=disk_free)
 
     def plan(requests: int, decision: str) -> WindowPlan:

@@ -21,7 +21,8 @@ from decodescope.schema.rundata import RunDir
 from decodescope.serving.client import run_async
 from decodescope.serving.promtext import ENGINE_STEPS, Scraper, counter_delta
 from decodescope.serving.sweep import SweepConfig, build_prompts, run_level
-from decodescope.trace.attachguard import export_ratio, plan_window, refusal_message, slice_seconds, stack_refusal
+from decodescope.trace.attachguard import (export_ratio, plan_window, pricing_window, refusal_message, slice_seconds,
+                                           stack_refusal)
 from decodescope.trace.profiledwindow import CaptureError, file_into, profiled_window
 from decodescope.trace.reader import TraceError, annotated_steps
 
@@ -175,8 +176,13 @@ class AttachedProfiler:
                 mem, self._disk_free()), self.ranks))
         cut = self._slice(label, work, seconds, trace_dir, wave_s)
         self.record.slices.append(cut)
-        ratio = export_ratio(self.record.probes + self.record.slices + self.record.levels, self.ranks)
-        plan = plan_window(label, cut, work.n_requests, tokens, work.concurrency, self.ranks, ratio,
+        measured = self.record.probes + self.record.slices + self.record.levels
+        ratio = export_ratio(measured, self.ranks)
+        basis = pricing_window(cut, measured)
+        if basis is not cut:
+            log.info("profile: %s: its slice saw no engine step (the workload ended before the profiler started); "
+                     "priced from %s, the window measured with the most trace bytes a step", label, basis.label)
+        plan = plan_window(label, basis, work.n_requests, tokens, work.concurrency, self.ranks, ratio,
                            self._mem_available(), self._disk_free())
         self.record.plans.append(plan)
         self.record.export_per_trace_byte = ratio
