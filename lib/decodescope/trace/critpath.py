@@ -3,7 +3,7 @@
 A piece is one stretch of one op on one lane: a GPU stream or a CPU thread of a rank.
 The pieces of a lane never overlap (critpath_pieces.py cuts nested CPU ops into them).
 A piece starts once its binding dependency is met.
-That dependency is one of three:
+That dependency is one of four:
 - the piece before it on its lane;
 - the CPU call that launched it: a GPU piece's correlation id, a CUDA graph's launch included;
 - a piece on another stream of its rank that ended just before it: a cross-stream wait.
