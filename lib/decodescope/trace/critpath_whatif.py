@@ -15,16 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from decodescope.trace.critpath import LANE, LAUNCH, NONE, Links, Pieces, lane_runs
+from decodescope.trace.critpath import LANE, LAUNCH, NONE, Links, Pieces, _lane_prev, lane_runs
 from decodescope.trace.cscan import library
-
-
-def _lane_prev(p: Pieces) -> np.ndarray:
-    prev = np.arange(-1, len(p) - 1)
-    if len(p):
-        same = np.r_[False, (p.lane[1:] == p.lane[:-1]) & (p.rank[1:] == p.rank[:-1])]
-        prev[~same] = -1
-    return prev
 
 
 class _Flat:
