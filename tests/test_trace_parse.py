@@ -440,3 +440,19 @@ def test_the_steps_a_trace_annotates_are_counted_in_one_pass_whatever_the_chunks
     for chunk in (97, 4099, 1 << 20):
         monkeypatch.setattr(reader, "CHUNK_BYTES", chunk)
         assert reader.annotated_steps(src) == want
+
+
+def test_named_cpu_ops_are_read_in_one_pass_whatever_the_chunks(monkeypatch):
+    """The drafter's marks on a GPU trace (which the column readers leave out there), against json.load, with
+    chunk sizes that cut the events' heads at every place."""
+    from decodescope.trace import reader
+
+    src = sorted((Path(__file__).parent / "fixtures/traces/vllm_gpu_h200_c16").glob("*rank0*.pt.trace.json.gz"))[0]
+    names = ("aten::argmax", "Pregraph bytecode")
+    events = json.loads(gzip.decompress(src.read_bytes()))["traceEvents"]
+    want = sorted((e["name"], float(e["ts"]), float(e["dur"]), int(e["tid"])) for e in events
+                  if e.get("cat") == "cpu_op" and e.get("name") in names)
+    assert {w[0] for w in want} == set(names) and len(want) > 50
+    for chunk in (97, 4099, 1 << 20):
+        monkeypatch.setattr(reader, "CHUNK_BYTES", chunk)
+        assert sorted(reader.named_cpu_ops(src, names)) == want

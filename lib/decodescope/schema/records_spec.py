@@ -28,6 +28,6 @@ class DrafterSteps(Record):
                                              "end at one pass): it also takes the tokens the verify accepted")
     next_pass_us: Optional[float] = Field(None, description="each later pass, start to start (the last to the "
                                           "drafter's end); None at one pass")
-    forward_us: float = Field(description="one draft forward alone (the compiled model call), all passes")
+    forward_us: float = Field(description="one draft forward and its logits (Dynamo's prologue to the argmax), all passes")
     drafter_us: float = Field(description="the verify's end to the drafter's end: lead and passes")
     between_us: float = Field(description="the drafter's end to the next step's start")

@@ -16,7 +16,7 @@ from decodescope.schema.rundata import PROFILE_SUMMARY, RunDir
 from decodescope.trace import analyze as an
 from decodescope.trace.capture import host_ops_prompt_tokens
 from decodescope.trace.capturephase import capture_for_phase
-from decodescope.trace.draftsteps import DRAFTER_STEPS, drafter_steps
+from decodescope.trace.draftsteps import DRAFTER_STEPS, drafter_steps, gpu_drafter_ops
 from decodescope.trace.hostops import HOST_OPS_RECORD, host_op_costs, read_host_events
 from decodescope.trace.categorize import communicator_of
 from decodescope.trace.classtime import class_time_per_step
@@ -234,7 +234,7 @@ def profile_for_phase(ctx: PhaseContext) -> tuple[list[ProfiledLevel], list[str]
                                 batch=cap.concurrency)
         level_dir = RunDir(ctx.run_dir).level_dir(cap.concurrency)
         summary = write_profile(result, level_dir, cap.concurrency)
-        drafter = drafter_steps(result.ops, result.steps, result.step_kind, cap.concurrency)
+        drafter = level_drafter(loaded, result, cap.concurrency)
         if drafter is not None:  # a speculative step: its drafter's passes, for the verdict's pricing
             write_record(level_dir / DRAFTER_STEPS, drafter)
         out.append(ProfiledLevel(cap, result, summary))
@@ -242,6 +242,16 @@ def profile_for_phase(ctx: PhaseContext) -> tuple[list[ProfiledLevel], list[str]
                                                     cap.concurrency)
     write_profile(out[0].result, RunDir(ctx.run_dir).data, out[0].capture.concurrency)
     return out, notes
+
+
+def level_drafter(loaded: LoadedTraces, result: ProfileResult, concurrency: Optional[int]):
+    """The level's drafter (draftsteps), or None. On a GPU trace its marks are the host's, read from the rank
+    files, and its steps the host's annotations: a GPU step's own span is its kernels'."""
+    if result.device != "gpu":
+        return drafter_steps(result.ops, result.steps, result.step_kind, concurrency)
+    files = {int(m.rank): Path(m.path) for m in loaded.metas if m.rank is not None}
+    steps = result.host_steps if result.host_steps is not None else result.steps
+    return drafter_steps(gpu_drafter_ops(loaded.events, files), steps, result.step_kind, concurrency)
 
 
 def growth_table(levels: list[ProfiledLevel]) -> pd.DataFrame:

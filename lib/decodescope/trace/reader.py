@@ -401,6 +401,35 @@ _STEP_ANNOTATION = re.compile(rb'"cat":\s*"user_annotation",\s*"name":\s*"execut
 _STEP_ANNOTATION_MAX_BYTES = 160   # no match is longer: a chunk's tail this long is read again with the next
 
 
+# a CPU op of the given names as Kineto writes its head; the names are matched literally
+_CPU_OP_HEAD = (rb'"cat":\s*"cpu_op",\s*"name":\s*"(%s)",\s*"pid":\s*(-?\d+),\s*"tid":\s*(-?\d+),\s*'
+                rb'"ts":\s*([-+.\deE]+),\s*"dur":\s*([-+.\deE]+)')
+_CPU_OP_HEAD_MAX_BYTES = 400   # longer than any head of the names asked for: a chunk's tail this long is read again
+
+
+def named_cpu_ops(path: Path, names: tuple[str, ...]) -> list[tuple[str, float, float, int]]:
+    """(name, ts_us, dur_us, tid) of every CPU op of a rank trace named one of `names`, in one streamed pass.
+
+    The column readers keep no such op on a GPU trace (name_rule), so a reader that needs a few names reads them here.
+    Memory is a chunk, whatever the file's size; a read that fails raises TraceError naming the file."""
+    head = re.compile(_CPU_OP_HEAD % b"|".join(re.escape(n.encode()) for n in names))
+    out: list[tuple[str, float, float, int]] = []
+    tail = b""
+    with opened(Path(path)) as (_, chunks):
+        for chunk in chunks:
+            text = tail + chunk
+            cut = max(len(text) - _CPU_OP_HEAD_MAX_BYTES, 0)
+            # a head that starts in the kept tail is read with the next chunk, never twice
+            out += [_cpu_op_row(m) for m in head.finditer(text) if m.start() < cut]
+            tail = text[cut:]
+        out += [_cpu_op_row(m) for m in head.finditer(tail)]
+    return out
+
+
+def _cpu_op_row(m: "re.Match[bytes]") -> tuple[str, float, float, int]:
+    return m.group(1).decode(), float(m.group(4)), float(m.group(5)), int(m.group(3))
+
+
 def annotated_steps(path: Path) -> int:
     """The engine steps in a rank trace, counted from their annotations in one streamed pass (memory: a
     chunk, whatever the file's size); a read that fails raises TraceError naming the file."""
