@@ -239,3 +239,25 @@ def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
     draft = with_experiment(params, "spec-draft2l-k3")
     (cfg,) = placeholder_configs(draft.server.engine_args)
     assert params.resolve(cfg).is_file() and '"num_hidden_layers": 2' in params.resolve(cfg).read_text()
+
+
+def test_on_a_gpu_the_drafters_lead_counts_only_past_the_verifys_priced_step():
+    """The H100 run's c8 level (self-draft, k = 3), by hand: under the profiler the host's verify took
+    4,629 us and the lead 4,008 us, x 0.617 unprofiled = 5,330 us from the verify's start to the first
+    draft forward. The verify of 32 tokens as priced is longer, so the lead is hidden under it."""
+    from decodescope.verdict.speculative import DrafterCost, drafter_us
+
+    gpu = DrafterCost("self-k3", 3, 8.0, lead_us=4008, first_pass_us=9497, next_pass_us=8401, scale=0.617,
+                      verify_host_us=4629, apart=True)
+    passes = 0.617 * (9497 + 2 * 8401)
+    assert gpu.lead_on_path(7149) == 0.0 and gpu.at_k(3, 7149) == pytest.approx(passes)
+    # a verify priced shorter than the host's own verify and lead: their excess lengthens the step
+    assert gpu.lead_on_path(4000) == pytest.approx(0.617 * (4629 + 4008) - 4000)
+    assert gpu.at_k(3) == pytest.approx(0.617 * 4008 + passes)      # no verify priced: the lead whole
+    # on vLLM CPU the host is the device: the lead follows the verify whole, whatever the verify's price
+    cpu = DrafterCost("self-k3", 3, 8.0, lead_us=4008, first_pass_us=9497, next_pass_us=8401, scale=0.617,
+                      verify_host_us=4629, apart=False)
+    assert cpu.at_k(3, 7149) == pytest.approx(0.617 * 4008 + passes)
+    us, how = drafter_us([gpu], 3, 8.0, 7149)
+    assert us == pytest.approx(passes) and "past the verify's device work" in how and "x 0.62" in how
+    assert "past the verify" not in drafter_us([cpu], 3, 8.0, 7149)[1]

@@ -42,17 +42,19 @@ class MeasuredDrafter:
         """The acceptance per position at the serving level nearest `batch`."""
         return self.acceptance[min(self.acceptance, key=lambda b: abs(b - batch))]
 
-    def drafter_us(self, k: int, batch: float) -> tuple[float, str]:
+    def drafter_us(self, inp: ModelInputs, k: int, batch: float) -> tuple[float, str]:
         """The drafter's time a verify step at k and `batch`, from the variant that ran k where it was
-        profiled, else the profiled variant nearest in k (speculative.nearest_drafter)."""
-        return drafter_us(nearest_drafter(self.costs, self.variants.get(k, ""), k) or [], k, batch)
+        profiled, else the profiled variant nearest in k (speculative.nearest_drafter); against the verify
+        step the step model prices at batch x (k + 1)."""
+        return drafter_us(nearest_drafter(self.costs, self.variants.get(k, ""), k) or [], k, batch,
+                          inp.predict(batch * (k + 1)).wall_us)
 
     def tpot_by_k(self, inp: ModelInputs, batch: float, scale: float) -> tuple[int, dict[int, float]]:
         """(the best k, TPOT per k in SPEC_KS): the verify step (the step model at batch x (k + 1),
         calibrated by `scale`) plus the drafter, over the tokens a verify step yields at the measured
         acceptance per position (speculative.best_k)."""
         return best_k(lambda k: inp.predict(batch * (k + 1)).period_us * scale,
-                      lambda k: self.drafter_us(k, batch)[0], self.at(batch), SPEC_KS)
+                      lambda k: self.drafter_us(inp, k, batch)[0], self.at(batch), SPEC_KS)
 
 
 def _speculative_variants(params) -> list[tuple[str, dict, bool]]:
@@ -114,7 +116,7 @@ def spec_k_rows(run_dir: Path, params, inp: ModelInputs, levels: Optional[pd.Dat
             base = inp.predict(b).period_us
             best, tpot = d.tpot_by_k(inp, b, calibration.get(b, base) / base)
             for k in SPEC_KS:
-                drafter, how = d.drafter_us(k, b)
+                drafter, how = d.drafter_us(inp, k, b)
                 row = {"drafter": d.label, "level": int(b), "k": k, "projected_tpot_us": tpot[k], "drafter_us": drafter,
                        "tokens_per_verify": tokens_per_verify_at_k(d.at(b), k), "acceptance_from": d.acceptance_from,
                        "drafter_from": how, "variant": d.variants.get(k, ""), "best_projected": k == best}
@@ -133,7 +135,7 @@ def measured_spec_fixes(inp: ModelInputs, batch: float, drafters: list[MeasuredD
     for d in drafters:
         k, _ = d.tpot_by_k(inp, batch, scale)
         verify = inp.predict(batch * (k + 1))
-        drafter, how = d.drafter_us(k, batch)
+        drafter, how = d.drafter_us(inp, k, batch)
         tokens = tokens_per_verify_at_k(d.at(batch), k)
         out.append(Fix(f"speculative decoding k={k}, {d.label} drafter (measured acceptance and drafter)",
                        sm.StepPrediction(verify.batch, verify.components + [drafter_component(drafter, how)],

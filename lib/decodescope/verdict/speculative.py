@@ -88,7 +88,10 @@ def drafter_of(spec_config: dict, target_model: Optional[str]) -> str:
 class DrafterCost:
     """A drafter's time per verify step as one profiled level of a speculative variant measured it (04's
     drafter_steps.json), scaled to the unprofiled step: x the level's unprofiled over profiled inter-token
-    latency (its profile_capture.json), as the profiler slows each host op alike."""
+    latency (its profile_capture.json), as the profiler slows each host op alike.
+
+    verify_host_us is the verify step's host time there; apart says the engine's device runs apart from its
+    host (a GPU trace), so the drafter's lead can overlap the verify's device work."""
 
     variant: str
     k: int
@@ -97,23 +100,47 @@ class DrafterCost:
     first_pass_us: float
     next_pass_us: Optional[float]
     scale: float
+    verify_host_us: Optional[float] = None
+    apart: bool = False
 
-    def at_k(self, k: int) -> float:
-        """lead + the first pass + (k - 1) later passes, unprofiled; a later pass costs the first where
-        this level ran one pass only."""
+    def at_k(self, k: int, verify_us: Optional[float] = None) -> float:
+        """The lead on the step's path + the first pass + (k - 1) later passes, unprofiled; a later pass costs
+        the first where this level ran one pass only. verify_us: the verify step as priced."""
         later = self.next_pass_us if self.next_pass_us is not None else self.first_pass_us
+        if self.overlaps_verify(verify_us):
+            return self.lead_on_path(verify_us) + self.scale * (self.first_pass_us + (k - 1) * later)
         return self.scale * (self.lead_us + self.first_pass_us + (k - 1) * later)
 
+    def overlaps_verify(self, verify_us: Optional[float]) -> bool:
+        """Whether the lead can run beside the verify's device work: a GPU's, with the verify priced."""
+        return self.apart and verify_us is not None and self.verify_host_us is not None
 
-def drafter_us(costs: Sequence[DrafterCost], k: int, batch: float) -> tuple[float, str]:
+    def lead_on_path(self, verify_us: Optional[float]) -> float:
+        """The lead's unprofiled time that lengthens the step.
+
+        The lead starts when the host has launched the verify.
+        On a GPU the device still runs the verify then, and the host prepares the drafter meanwhile.
+        The step waits for both, so only what the host's verify and lead take past the verify as priced counts.
+        Where the host is the device (vLLM CPU), the host's verify is the verify's work: the lead follows it whole."""
+        if not self.overlaps_verify(verify_us) or verify_us is None or self.verify_host_us is None:
+            return self.scale * self.lead_us
+        return max(0.0, self.scale * (self.verify_host_us + self.lead_us) - verify_us)
+
+
+def drafter_us(costs: Sequence[DrafterCost], k: int, batch: float,
+               verify_us: Optional[float] = None) -> tuple[float, str]:
     """The drafter's time per verify step at k draft tokens and `batch`, from one variant's profiled levels:
-    linear in batch between them, held at the nearest one outside. costs: one variant's, any order."""
+    linear in batch between them, held at the nearest one outside. costs: one variant's, any order.
+    verify_us: the verify step as priced, which a GPU's lead overlaps (DrafterCost.lead_on_path)."""
     pts = sorted(costs, key=lambda c: c.batch)
-    xs, ys = [c.batch for c in pts], [c.at_k(k) for c in pts]
+    xs, ys = [c.batch for c in pts], [c.at_k(k, verify_us) for c in pts]
     src = pts[0]
+    scales = sorted({f"{c.scale:.2f}" for c in pts})
+    lead = ("rejection and inputs past the verify's device work" if src.overlaps_verify(verify_us)
+            else "rejection and inputs")
     how = (f"drafter measured in {src.variant}'s profile (k={src.k}, levels "
            + ", ".join(f"c{c.batch:g}" for c in pts)
-           + f"): rejection and inputs + first pass + {k - 1} later passes, x {src.scale:.2f} unprofiled")
+           + f"): {lead} + first pass + {k - 1} later passes, x {'-'.join(scales)} unprofiled")
     if len(xs) == 1 or batch <= xs[0]:
         return ys[0], how
     if batch >= xs[-1]:

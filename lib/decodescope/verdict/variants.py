@@ -20,7 +20,7 @@ from decodescope.schema.records import ProfileCapture, ProfileSummary, read_reco
 from decodescope.schema.records_manifest import VariantEntry
 from decodescope.schema.records_spec import DrafterSteps
 from decodescope.trace.draftsteps import DRAFTER_STEPS
-from decodescope.schema.rundata import RunDir
+from decodescope.schema.rundata import PROFILE_SUMMARY, RunDir
 from decodescope.verdict.speculative import DrafterCost, drafter_key, drafter_of, drafter_us, nearest_drafter
 from decodescope.verdict.fixes import (EAGER_STEP, Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix,
                                        eager_fix, expected_tokens_per_verify, level_tpot, profile_summaries)
@@ -82,8 +82,10 @@ def drafter_sources(run_dir: Path, params) -> dict[str, dict[str, list[DrafterCo
             m = read_record(path, DrafterSteps)
             scale = (cap.engine_itl_unprofiled_us / cap.engine_itl_profiled_us
                      if cap.engine_itl_unprofiled_us and cap.engine_itl_profiled_us else 1.0)
+            summary = vdir.level_file(level, PROFILE_SUMMARY)
+            apart = summary.is_file() and read_record(summary, ProfileSummary).device == "gpu"
             costs.append(DrafterCost(exp.name, int(spec.get("num_speculative_tokens", 1)), float(level), m.lead_us,
-                                     m.first_pass_us, m.next_pass_us, scale))
+                                     m.first_pass_us, m.next_pass_us, scale, m.verify_us, apart))
         out.setdefault(drafter_key(spec), {})[exp.name] = costs
     return out
 
@@ -136,7 +138,7 @@ def spec_fix(inp: ModelInputs, batch: float, k: int, spec: dict, alpha: float, a
     notes = [f"verify step = the step model at batch {batch:g} x {k + 1}"]
     comps = list(verify.components)
     if measured:
-        d_us, how = drafter_us(measured, k, batch)
+        d_us, how = drafter_us(measured, k, batch, verify.wall_us)
         comps.append(drafter_component(d_us, how))
         notes.append(f"drafter: {drafter}, {d_us:,.0f} us a verify step, {how}")
     elif drafter == "self":
