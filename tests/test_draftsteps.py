@@ -142,3 +142,18 @@ def test_a_gpu_traces_drafter_is_read_from_its_host_marks_and_the_hosts_annotati
     assert d.lead_us == pytest.approx(400) and d.first_pass_us == pytest.approx(1000)
     assert d.next_pass_us == pytest.approx(930)                    # to the last argmax's end
     assert d.forward_us == pytest.approx(900) and d.drafter_us == pytest.approx(2330)
+
+
+def test_analyze_trace_writes_the_drafter_beside_the_breakdown(tmp_path, capsys):
+    from decodescope.cli.main import main
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "dp0_pp0_tp0_rank0.pt.trace.json").write_text(_gpu_kineto(4))
+    assert main(["analyze-trace", str(traces), "--out", str(tmp_path / "out")]) == 0
+    from decodescope.schema.records import read_record
+    from decodescope.schema.records_spec import DrafterSteps
+
+    d = read_record(tmp_path / "out" / "drafter_steps.json", DrafterSteps)
+    assert d.passes == 2 and d.lead_us == pytest.approx(400)
+    assert "Drafter after each verify step (median of 3): 2 passes" in capsys.readouterr().out

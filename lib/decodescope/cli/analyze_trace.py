@@ -61,11 +61,16 @@ def _analyze(args) -> int:
             return 2
     import pandas as pd
 
-    from decodescope.trace.profile import analyze_traces, write_profile
+    from decodescope.schema.records import write_record
+    from decodescope.trace.draftsteps import DRAFTER_STEPS
+    from decodescope.trace.profile import analyze_traces, level_drafter, write_profile
 
     result = analyze_traces(loaded, config, args.tp)
     out = Path(args.out) if args.out else Path(args.trace_dir) / "analysis"
     summary = write_profile(result, out)
+    drafter = level_drafter(loaded, result, None)
+    if drafter is not None:  # speculative steps: their drafter, as 04 writes it per level
+        write_record(out / DRAFTER_STEPS, drafter)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(f"{result.device} traces, ranks {summary.ranks}, steps {summary.steps}, "
               f"parsed and analysed in {time.monotonic() - t0:.1f} s")
@@ -78,7 +83,11 @@ def _analyze(args) -> int:
         if ps.summed_us_median is not None:
             print(f"\nMedian {result.step_kind} step: summed {ps.summed_us_median:,.1f} us, busy (union) "
                   f"{ps.busy_us_median:,.1f} us, wall {ps.wall_us_median:,.1f} us")
-    print(f"\nwrote {out}/kernels.parquet and {out}/profile_summary.json")
+        if drafter is not None:
+            print(f"\nDrafter after each verify step (median of {drafter.steps}): {drafter.passes} passes, lead "
+                  f"{drafter.lead_us:,.1f} us, first pass {drafter.first_pass_us:,.1f} us, whole {drafter.drafter_us:,.1f} us")
+    print(f"\nwrote {out}/kernels.parquet and {out}/profile_summary.json"
+          + (f" and {out}/{DRAFTER_STEPS}" if drafter is not None else ""))
     return 0
 
 
