@@ -182,7 +182,7 @@ def test_profiler_launch_flags_leave_python_stacks_out_unless_asked(repo, tmp_pa
         if style == "config":
             cfg = _json.loads(spec.argv[spec.argv.index("--profiler-config") + 1])
             assert cfg == {"profiler": "torch", "torch_profiler_dir": str((tmp_path / "traces").resolve()),
-                           "torch_profiler_with_stack": with_stack}
+                           "torch_profiler_with_stack": with_stack, "torch_profiler_dump_cuda_time_total": False}
         else:
             assert spec.env["VLLM_TORCH_PROFILER_WITH_STACK"] == ("1" if with_stack else "0")
             assert "--profiler-config" not in spec.argv

@@ -19,7 +19,7 @@ from decodescope.exec.hostcore import HostError
 
 PROFILE_PHASE = "04_profile"
 FLAG_EXAMPLE = ('--profiler-config \'{"profiler": "torch", "torch_profiler_dir": "/abs/traces", '
-                '"torch_profiler_with_stack": false}\'')
+                '"torch_profiler_with_stack": false, "torch_profiler_dump_cuda_time_total": false}\'')
 
 
 class AttachError(HostError):
