@@ -20,8 +20,10 @@
 #                          with none starts afresh)
 #   poll SECONDS           wait until the run ends or SECONDS pass; print the log's tail (300 at most: a lent
 #                          machine was released under a 560 s poll, and its run's files with it)
-#   collect                tar the run directories into $OUT (pieces of at most 15 MiB; traces left out when
-#                          the whole would pass the tool's 8 files)
+#   collect                tar the run directories into 15 MiB pieces (traces left out when the whole would pass
+#                          110 MiB) and put the first four into $OUT: a call brings back ~64 MiB in all (on
+#                          2026-12-05 a fifth to eighth piece came back "left out (total)")
+#   more N                 the pieces from N on, four a call, into $OUT (collect says which are left)
 # A JOB is '[VAR=VALUE ..] PARAMS [ARGS..]': the assignments go to decodescope's own environment, where 03's
 # probes run (server.env does not reach them), e.g. 'NCCL_P2P_DISABLE=1 params/h200x2-qwen3moe-pcie.yaml'.
 # CLIENT_CPUS=LIST in this script's environment runs decodescope under taskset -c LIST (the pinned params put
@@ -77,7 +79,7 @@ queue_jobs() {
   setsid nohup bash $q >> $LOG 2>&1 < /dev/null & echo $! > $QPID
   sleep 5; cat $q; tail -5 $LOG
 }
-case "${1:?pack|stash|setup|start|queue|gputests|resume|poll|collect}" in
+case "${1:?pack|stash|setup|start|queue|gputests|resume|poll|collect|more}" in
 pack)
   set -e; rm -rf .gpu/stage .gpu/p? && mkdir -p .gpu/stage/wh
   cp "${2:?bundle parts dir}"/* .gpu/stage/ && cp "${3:?wheelhouse}"/*.whl .gpu/stage/wh/ && rm -f .gpu/stage/wh/decodescope-*.whl
@@ -110,5 +112,11 @@ collect)
   for n in $names; do cp $LOG "$REPO/outputs/$n/logs/decodescope-run.log" 2>/dev/null; done
   tar -C $REPO/outputs -czf /root/run.tgz $names
   [ "$(stat -c %s /root/run.tgz)" -gt $((110 << 20)) ] && tar -C $REPO/outputs --exclude='*trace.json*' -czf /root/run.tgz $names
-  split -b 15M -d /root/run.tgz "$OUT/run.tgz.part-" && ls -l $OUT ;;
+  rm -rf /root/pieces && mkdir /root/pieces && split -b 15M -d /root/run.tgz /root/pieces/run.tgz.part-
+  (cd /root/pieces && sha256sum run.tgz.part-* > SHA256SUMS) && cp /root/pieces/SHA256SUMS "$OUT/"
+  bash "$0" more 0 ;;
+more)
+  n=$(ls /root/pieces/run.tgz.part-* | wc -l); first=${2:?the first piece}
+  for i in $(seq "$first" $((first + 3))); do p=/root/pieces/run.tgz.part-$(printf %02d "$i"); [ -f "$p" ] && cp "$p" "$OUT/"; done
+  ls -l "$OUT"; [ $((first + 4)) -lt "$n" ] && echo "== $((n - first - 4)) pieces left: more $((first + 4))" || echo "== all $n pieces out" ;;
 esac
