@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import pandas as pd
 
@@ -42,19 +42,29 @@ class MeasuredDrafter:
         """The acceptance per position at the serving level nearest `batch`."""
         return self.acceptance[min(self.acceptance, key=lambda b: abs(b - batch))]
 
-    def drafter_us(self, inp: ModelInputs, k: int, batch: float) -> tuple[float, str]:
+    def drafter_us(self, k: int, batch: float, verify_us: float) -> tuple[float, str]:
         """The drafter's time a verify step at k and `batch`, from the variant that ran k where it was
-        profiled, else the profiled variant nearest in k (speculative.nearest_drafter); against the verify
-        step the step model prices at batch x (k + 1)."""
-        return drafter_us(nearest_drafter(self.costs, self.variants.get(k, ""), k) or [], k, batch,
-                          inp.predict(batch * (k + 1)).wall_us)
+        profiled, else the profiled variant nearest in k (speculative.nearest_drafter); verify_us: the verify
+        step as priced, which a GPU's lead overlaps."""
+        return drafter_us(nearest_drafter(self.costs, self.variants.get(k, ""), k) or [], k, batch, verify_us)
 
-    def tpot_by_k(self, inp: ModelInputs, batch: float, scale: float) -> tuple[int, dict[int, float]]:
-        """(the best k, TPOT per k in SPEC_KS): the verify step (the step model at batch x (k + 1),
-        calibrated by `scale`) plus the drafter, over the tokens a verify step yields at the measured
-        acceptance per position (speculative.best_k)."""
-        return best_k(lambda k: inp.predict(batch * (k + 1)).period_us * scale,
-                      lambda k: self.drafter_us(inp, k, batch)[0], self.at(batch), SPEC_KS)
+    def by_k(self, inp: ModelInputs, batch: float, scale: float) -> tuple[int, dict[int, "AtK"]]:
+        """(the best k, each k in SPEC_KS priced): the verify step (the step model at batch x (k + 1), priced
+        once a k), the drafter against it, and the TPOT (the verify calibrated by `scale`, plus the drafter,
+        over the tokens a verify step yields at the measured acceptance per position: speculative.best_k)."""
+        verify = {k: inp.predict(batch * (k + 1)) for k in SPEC_KS}
+        drafter = {k: self.drafter_us(k, batch, verify[k].wall_us) for k in SPEC_KS}
+        best, tpot = best_k(lambda k: verify[k].period_us * scale, lambda k: drafter[k][0], self.at(batch), SPEC_KS)
+        return best, {k: AtK(tpot[k], verify[k], *drafter[k]) for k in SPEC_KS}
+
+
+class AtK(NamedTuple):
+    """One k of a measured drafter at one batch, priced (MeasuredDrafter.by_k)."""
+
+    tpot_us: float
+    verify: sm.StepPrediction
+    drafter_us: float
+    drafter_from: str
 
 
 def _speculative_variants(params) -> list[tuple[str, dict, bool]]:
@@ -114,12 +124,12 @@ def spec_k_rows(run_dir: Path, params, inp: ModelInputs, levels: Optional[pd.Dat
         for lv in levels.sort_values("level").itertuples():
             b = float(lv.level)
             base = inp.predict(b).period_us
-            best, tpot = d.tpot_by_k(inp, b, calibration.get(b, base) / base)
-            for k in SPEC_KS:
-                drafter, how = d.drafter_us(inp, k, b)
-                row = {"drafter": d.label, "level": int(b), "k": k, "projected_tpot_us": tpot[k], "drafter_us": drafter,
-                       "tokens_per_verify": tokens_per_verify_at_k(d.at(b), k), "acceptance_from": d.acceptance_from,
-                       "drafter_from": how, "variant": d.variants.get(k, ""), "best_projected": k == best}
+            best, priced = d.by_k(inp, b, calibration.get(b, base) / base)
+            for k, at in priced.items():
+                row = {"drafter": d.label, "level": int(b), "k": k, "projected_tpot_us": at.tpot_us,
+                       "drafter_us": at.drafter_us, "tokens_per_verify": tokens_per_verify_at_k(d.at(b), k),
+                       "acceptance_from": d.acceptance_from, "drafter_from": at.drafter_from,
+                       "variant": d.variants.get(k, ""), "best_projected": k == best}
                 vlev = measured.get(k)
                 hit = vlev[vlev["level"] == lv.level] if vlev is not None else None
                 if hit is not None and not hit.empty:
@@ -133,9 +143,8 @@ def measured_spec_fixes(inp: ModelInputs, batch: float, drafters: list[MeasuredD
     spec_k_rows picks it), the drafter a part measured whole."""
     out = []
     for d in drafters:
-        k, _ = d.tpot_by_k(inp, batch, scale)
-        verify = inp.predict(batch * (k + 1))
-        drafter, how = d.drafter_us(inp, k, batch)
+        k, priced = d.by_k(inp, batch, scale)
+        verify, drafter, how = priced[k].verify, priced[k].drafter_us, priced[k].drafter_from
         tokens = tokens_per_verify_at_k(d.at(batch), k)
         out.append(Fix(f"speculative decoding k={k}, {d.label} drafter (measured acceptance and drafter)",
                        sm.StepPrediction(verify.batch, verify.components + [drafter_component(drafter, how)],
