@@ -413,17 +413,7 @@ def named_cpu_ops(path: Path, names: tuple[str, ...]) -> list[tuple[str, float, 
     The column readers keep no such op on a GPU trace (name_rule), so a reader that needs a few names reads them here.
     Memory is a chunk, whatever the file's size; a read that fails raises TraceError naming the file."""
     head = re.compile(_CPU_OP_HEAD % b"|".join(re.escape(n.encode()) for n in names))
-    out: list[tuple[str, float, float, int]] = []
-    tail = b""
-    with opened(Path(path)) as (_, chunks):
-        for chunk in chunks:
-            text = tail + chunk
-            cut = max(len(text) - _CPU_OP_HEAD_MAX_BYTES, 0)
-            # a head that starts in the kept tail is read with the next chunk, never twice
-            out += [_cpu_op_row(m) for m in head.finditer(text) if m.start() < cut]
-            tail = text[cut:]
-        out += [_cpu_op_row(m) for m in head.finditer(tail)]
-    return out
+    return [_cpu_op_row(m) for m in _streamed_matches(path, head, _CPU_OP_HEAD_MAX_BYTES)]
 
 
 def _cpu_op_row(m: "re.Match[bytes]") -> tuple[str, float, float, int]:
@@ -433,13 +423,18 @@ def _cpu_op_row(m: "re.Match[bytes]") -> tuple[str, float, float, int]:
 def annotated_steps(path: Path) -> int:
     """The engine steps in a rank trace, counted from their annotations in one streamed pass (memory: a
     chunk, whatever the file's size); a read that fails raises TraceError naming the file."""
-    count, tail = 0, b""
+    return sum(1 for _ in _streamed_matches(path, _STEP_ANNOTATION, _STEP_ANNOTATION_MAX_BYTES))
+
+
+def _streamed_matches(path: Path, pattern: "re.Pattern[bytes]", max_bytes: int) -> Iterator["re.Match[bytes]"]:
+    """Each match of `pattern` in a trace's decompressed text, once, read a chunk at a time; no match is longer
+    than max_bytes, so a chunk's tail that long is read again with the next chunk."""
+    tail = b""
     with opened(Path(path)) as (_, chunks):
         for chunk in chunks:
             text = tail + chunk
-            cut = max(len(text) - _STEP_ANNOTATION_MAX_BYTES, 0)
-            # a match that starts in the kept tail is counted with the next chunk, never twice
-            count += sum(1 for m in _STEP_ANNOTATION.finditer(text) if m.start() < cut)
+            cut = max(len(text) - max_bytes, 0)
+            # a match that starts in the kept tail is taken with the next chunk, never twice
+            yield from (m for m in pattern.finditer(text) if m.start() < cut)
             tail = text[cut:]
-        count += len(_STEP_ANNOTATION.findall(tail))
-    return count
+        yield from pattern.finditer(tail)
