@@ -106,14 +106,14 @@ def test_real_speculative_steps_have_k_passes_and_their_parts_add_up_to_the_draf
         assert d.next_pass_us == pytest.approx(d.first_pass_us, rel=0.25)   # one forward at one batch a pass
 
 
-def _gpu_kineto(steps: int) -> str:
+def _gpu_kineto(steps: int, step: str = "execute_context_0(0)_generation_1(3)") -> str:
     """A one-rank GPU trace as torch's Kineto writer lays it out: each step's host annotation [t, t + 1000), its
-    GPU span later and longer, then a drafter of two passes on the host: prologue, launches, logits' argmax."""
+    GPU span later and longer, then a drafter of two passes on the host: prologue, launches, logits' argmax.
+    The default step verifies two drafts of one request (3 tokens)."""
     ev = []
     for i in range(steps):
         t = 10_000 * i
-        ev += [("user_annotation", "execute_context_0(0)_generation_1(3)", t, 1000, 7),
-               ("gpu_user_annotation", "execute_context_0(0)_generation_1(3)", t + 200, 3000, 0),
+        ev += [("user_annotation", step, t, 1000, 7), ("gpu_user_annotation", step, t + 200, 3000, 0),
                ("kernel", "verify_kernel", t + 200, 2900, 0)]
         for p, start in enumerate((t + 1400, t + 2400)):
             ev += [("cpu_op", FORWARD, start, 20, 7), ("cuda_runtime", "cudaLaunchKernel", start + 300, 10, 7),
@@ -142,6 +142,23 @@ def test_a_gpu_traces_drafter_is_read_from_its_host_marks_and_the_hosts_annotati
     assert d.lead_us == pytest.approx(400) and d.first_pass_us == pytest.approx(1000)
     assert d.next_pass_us == pytest.approx(930)                    # to the last argmax's end
     assert d.forward_us == pytest.approx(900) and d.drafter_us == pytest.approx(2330)
+
+
+def test_a_gpu_trace_whose_steps_verify_no_drafts_is_not_read_again(tmp_path, monkeypatch):
+    """One token a request a step: no verify, so 04 reads no drafter and opens no rank file a second time."""
+    from decodescope.trace import draftsteps
+    from decodescope.trace.load import load_trace_dir
+    from decodescope.trace.profile import analyze_traces, level_drafter
+
+    (tmp_path / "dp0_pp0_tp0_rank0.pt.trace.json").write_text(_gpu_kineto(4, "execute_context_0(0)_generation_1(1)"))
+    loaded = load_trace_dir(tmp_path)
+    result = analyze_traces(loaded, None, 1, batch=1)
+
+    def no_second_pass(*args):
+        raise AssertionError("a rank file read for the drafter's marks")
+
+    monkeypatch.setattr(draftsteps, "named_cpu_ops", no_second_pass)
+    assert result.device == "gpu" and level_drafter(loaded, result, 1) is None
 
 
 def test_analyze_trace_writes_the_drafter_beside_the_breakdown(tmp_path, capsys):

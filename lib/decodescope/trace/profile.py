@@ -249,8 +249,10 @@ def level_drafter(loaded: LoadedTraces, result: ProfileResult, concurrency: Opti
     files, and its steps the host's annotations: a GPU step's own span is its kernels'."""
     if result.device != "gpu":
         return drafter_steps(result.ops, result.steps, result.step_kind, concurrency)
-    files = {int(m.rank): Path(m.path) for m in loaded.metas if m.rank is not None}
     steps = result.host_steps if result.host_steps is not None else result.steps
+    if not (steps["gen_tokens"] > steps["gen_reqs"]).any():
+        return None  # no step verified drafts (one token a request): no second pass over the rank files
+    files = {int(m.rank): Path(m.path) for m in loaded.metas if m.rank is not None}
     return drafter_steps(gpu_drafter_ops(loaded.events, files), steps, result.step_kind, concurrency)
 
 
