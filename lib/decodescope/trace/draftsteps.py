@@ -50,7 +50,7 @@ def _step_drafter(ts: np.ndarray, dur: np.ndarray, fwd: np.ndarray, logit: np.nd
     if not w_fwd.any():
         return None
     starts = w_ts[w_fwd]
-    closes = _forward_ends(starts, w_ts[w_fwd] + w_dur[w_fwd], w_ts[logit[lo:hi]])
+    closes = _forward_ends(starts, starts + w_dur[w_fwd], w_ts[logit[lo:hi]])
     after = w_ts >= closes[-1]
     stop = float(closes[-1])
     for t, d in zip(w_ts[after].tolist(), w_dur[after].tolist()):
