@@ -77,6 +77,78 @@ class TreeWatch:
             pass
 
 
+# Run on the server's host (here or over ssh), so that server.url means what it means there: what answers
+# at the URL. Prints one JSON line: listening, and the status and body head of GET /health and /version
+# (neither needs the API key in vLLM, so no secret goes on a command line).
+_PROBE = ("import json, socket, sys, urllib.error, urllib.request\n"
+          "from urllib.parse import urlsplit\n"
+          "url = sys.argv[1].rstrip('/'); u = urlsplit(url)\n"
+          "port = u.port or (443 if u.scheme == 'https' else 80)\n"
+          "out = {'listening': False}\n"
+          "try:\n"
+          "    socket.create_connection((u.hostname, port), timeout=3.0).close(); out['listening'] = True\n"
+          "except OSError as e:\n"
+          "    out['error'] = str(e)\n"
+          "for path in ('/health', '/version') if out['listening'] else ():\n"
+          "    try:\n"
+          "        with urllib.request.urlopen(url + path, timeout=5.0) as r:\n"
+          "            out[path] = [r.status, r.read(2000).decode('utf-8', 'replace')]\n"
+          "    except urllib.error.HTTPError as e:\n"
+          "        out[path] = [e.code, '']\n"
+          "    except (OSError, ValueError) as e:\n"
+          "        out[path] = [None, str(e)]\n"
+          "print(json.dumps(out))\n")
+
+
+def probe_url(host, url: str, timeout_s: float = 30.0) -> dict:
+    """What answers at `url` as the server's host sees it: {"listening": bool, "/health": [status, body],
+    "/version": [status, body]} (status None when the request got no HTTP answer)."""
+    r = host.run([host.python, "-c", _PROBE, url], timeout_s=timeout_s)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise AttachError(f"server.mode attach: could not probe server.url {url} on "
+                          f"{'this host' if not host.remote else host.name}: {r.stderr.strip()[-300:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _vllm_version(answer: dict) -> Optional[str]:
+    """vLLM's /version body ({"version": "0.x"}), else None."""
+    status, body = answer.get("/version") or [None, ""]
+    try:
+        version = json.loads(body).get("version") if status == 200 else None
+    except (ValueError, AttributeError):
+        return None
+    return str(version) if version else None
+
+
+def check_reachable(params, host, phases) -> dict:
+    """Before any phase runs, when a selected phase needs the attached server: something listens at
+    server.url, and it is a vLLM server (GET /health 200 and GET /version naming a vLLM version). Raises
+    AttachError with a message of its own for each; returns the probe's answer ({} when not checked)."""
+    from decodescope.core.phases import SERVER_PHASES
+
+    if params.server.mode != "attach" or not set(phases) & SERVER_PHASES:
+        return {}
+    url = str(params.server.url).rstrip("/")
+    where = "this host" if not host.remote else host.name
+    answer = probe_url(host, url)
+    if not answer["listening"]:
+        raise AttachError(f"server.mode attach: nothing listens at server.url {url} (as {where} sees it: "
+                          f"{answer.get('error', 'connection refused')}). Start the vLLM server first, or fix "
+                          "server.url (scheme, host and port of its OpenAI API), or use server.mode: launch")
+    health = answer.get("/health") or [None, ""]
+    if health[0] is None:
+        raise AttachError(f"server.mode attach: something listens at server.url {url} ({where}) but does not answer "
+                          f"HTTP (GET /health: {health[1][:200]}); it is not a vLLM server, or it is stuck. "
+                          "Point server.url at the vLLM OpenAI server (vllm serve ...)")
+    version = _vllm_version(answer)
+    if health[0] != 200 or version is None:
+        raise AttachError(f"server.mode attach: the server at server.url {url} ({where}) is not a vLLM server: "
+                          f"GET /health answered {health[0]}, GET /version answered "
+                          f"{(answer.get('/version') or [None])[0]} without a vLLM version. Point server.url at "
+                          "a vLLM OpenAI server (vllm serve ...), which answers both")
+    return answer
+
+
 def trace_dir_on_host(params, reading: dict) -> Optional[str]:
     """Where the attached server writes its traces: host.trace_dir, else its own --profiler-config."""
     return params.host.trace_dir or (reading.get("profiler") or {}).get("torch_profiler_dir")

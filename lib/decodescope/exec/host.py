@@ -46,10 +46,10 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from decodescope.exec.attached import PROFILE_PHASE, check_attached
+from decodescope.exec.attached import PROFILE_PHASE, check_attached, check_reachable
 from decodescope.exec.hostcore import RSYNC_TIMEOUT_S, LocalHost
 from decodescope.core.io import gzip_complete
-from decodescope.core.phases import HOST_PHASES
+from decodescope.core.phases import HOST_PHASES, PHASES
 from decodescope.exec.sshhost import SshHost
 
 _HOSTS: dict[str, LocalHost | SshHost] = {}
@@ -87,8 +87,9 @@ def node_hosts(params) -> list["LocalHost | SshHost"]:
 
 def preflight(params, resume: Optional[Path] = None, phases: Optional[Sequence[str]] = None) -> "LocalHost | SshHost":
     """Before a run makes anything: connect (one connection for the run), check the host's decodescope;
-    on --resume, copy back what finished there while the link was down; an attached server's profiler and
-    trace directory checked for 04 (exec.attached.check_attached). Raises HostError (AttachError). Nothing
+    on --resume, copy back what finished there while the link was down; an attached server: a vLLM server
+    answering at server.url when a server phase runs (exec.attached.check_reachable), its profiler and trace
+    directory checked for 04 (exec.attached.check_attached). Raises HostError (AttachError). Nothing
     is done on the host when none of `phases` runs anything there."""
     host = host_for(params)
     if host.remote and (phases is None or set(phases) & set(HOST_PHASES)):
@@ -98,6 +99,7 @@ def preflight(params, resume: Optional[Path] = None, phases: Optional[Sequence[s
         if resume is not None:
             host.pull(Path(resume), quiet=True, extra=["--exclude=/manifest.json", "--exclude=/params.yaml",
                                                        "--exclude=/notebooks/", "--exclude=/report.html"])
+    check_reachable(params, host, list(phases) if phases is not None else PHASES)
     check_attached(params, host, list(phases) if phases is not None else [PROFILE_PHASE])
     return host
 
