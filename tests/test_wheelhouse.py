@@ -94,3 +94,25 @@ def test_a_fresh_venv_installs_from_the_wheelhouse_with_no_index_and_runs_a_phas
     host = json.loads((outside / run_dir / "data" / "host.json").read_text())
     assert host["has_gpu"] is False and host["cpu"]["logical_cores"] >= 1
     assert (outside / run_dir / "report.html").stat().st_size > 10_000
+
+
+@pytest.mark.integration
+def test_decodescopes_wheel_builds_from_a_python_whose_setuptools_has_no_bdist_wheel(repo, tmp_path):
+    """A fresh venv (ensurepip's setuptools, no `wheel`: `setup.py bdist_wheel` is not a command there) builds
+    decodescope's wheel in pip's isolated build environment instead of failing with "invalid command
+    'bdist_wheel'"; the wheel carries the notebooks and the C scanner's source."""
+    import zipfile
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", venv])
+    py = str(venv / "bin" / "python")
+    code = ("import sys; from pathlib import Path; from decodescope.exec.wheelhouse import build_wheel, local_build_gap\n"
+            "print(local_build_gap()); print(build_wheel(Path(sys.argv[1]), Path(sys.argv[2])))\n")
+    src = source_copy(repo, tmp_path / "src")
+    proc = subprocess.run([py, "-c", code, str(src), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=600, env={"PYTHONPATH": str(src / "lib"), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gap, wheel = proc.stdout.strip().splitlines()[-2:]
+    assert "without the wheel package" in gap or gap.startswith("no setuptools"), gap
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "decodescope/trace/_kscan.c" in names and "decodescope/_data/notebooks/05_verdict.ipynb" in names

@@ -17,6 +17,7 @@ Only wheels: the host may have no compiler.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Optional
 
 from decodescope.core.io import write_text_atomic
+
+log = logging.getLogger(__name__)
 
 # pip matches each manylinux tag exactly; these cover glibc 2.17 (CentOS 7) to 2.39 (Ubuntu 24.04).
 MANYLINUX_X86_64 = tuple(f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)) + ("manylinux2014_x86_64",
@@ -105,13 +108,61 @@ def _pip(args: list[str], what: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def local_build_gap() -> Optional[str]:
+    """Why this interpreter cannot build decodescope's wheel from its own setuptools (pyproject.toml's
+    setuptools>=64, and bdist_wheel: setuptools 70.1+ carries it, older ones need the `wheel` package), or
+    None when it can."""
+    from importlib import metadata
+
+    try:
+        setuptools = metadata.version("setuptools")
+    except metadata.PackageNotFoundError:
+        return "no setuptools"
+    if _version_tuple(setuptools) < (64,):
+        return f"setuptools {setuptools} (pyproject.toml asks for >=64)"
+    if _version_tuple(setuptools) >= (70, 1):
+        return None
+    try:
+        metadata.version("wheel")
+        return None
+    except metadata.PackageNotFoundError:
+        return f"setuptools {setuptools} without the wheel package (no bdist_wheel command)"
+
+
+def check_pip() -> None:
+    """Before anything: pip is what builds, resolves and downloads; say so when this Python has none."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise WheelhouseError(f"{sys.executable} has no pip (`{sys.executable} -m pip` failed); the wheelhouse is "
+                              f"built with pip: install it (`{sys.executable} -m ensurepip`) or run decodescope "
+                              "wheelhouse from a Python that has it")
+
+
 def build_wheel(project_dir: Path, out_dir: Path) -> Path:
-    """decodescope's own wheel from its source tree (no build isolation: setuptools is here)."""
+    """decodescope's own wheel from its source tree: with this Python's setuptools where it can build one
+    (no build isolation, nothing fetched), else in pip's isolated build environment, with setuptools and
+    wheel fetched from the index the wheelhouse downloads from anyway."""
     if not (Path(project_dir) / "pyproject.toml").is_file():
         raise WheelhouseError(f"{project_dir} has no pyproject.toml: give --project the decodescope source tree")
     for old in Path(out_dir).glob("decodescope-*.whl"):
         old.unlink()
-    _pip(["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out_dir), str(project_dir)], "wheel")
+    gap = local_build_gap()
+    args = ["wheel", "--no-deps", "-q", "-w", str(out_dir), str(project_dir)]
+    if gap is None:
+        _pip(args[:2] + ["--no-build-isolation"] + args[2:], "wheel")
+    else:
+        log.info("this Python has %s: decodescope's wheel is built in pip's isolated build environment "
+                 "(setuptools and wheel from the index)", gap)
+        try:
+            _pip(args, "wheel")
+        except WheelhouseError as e:
+            raise WheelhouseError(f"{sys.executable} has {gap}, and pip could not fetch setuptools>=64 and wheel "
+                                  f"for an isolated build: install them here (`{sys.executable} -m pip install "
+                                  f"'setuptools>=70.1'`) or give pip an index.\n{e}") from None
     wheels = sorted(Path(out_dir).glob("decodescope-*.whl"))
     if len(wheels) != 1:
         raise WheelhouseError(f"expected one decodescope wheel in {out_dir}, found {[w.name for w in wheels]}")
@@ -142,6 +193,7 @@ def build(out_dir: Path, project_dir: Path, extras: tuple[str, ...] = (), target
     out_dir.mkdir(parents=True, exist_ok=True)
     have = read_host_packages(host_packages) if host_packages else {}
     skip_set = {canonical(s) for s in skip}
+    check_pip()
     own = build_wheel(project_dir, out_dir)
     constraints = None
     if have:
