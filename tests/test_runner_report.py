@@ -154,3 +154,24 @@ def test_the_micro_benchmarks_run_before_the_server_phases_so_one_server_serves_
                                                                               "05_verdict"]
     assert execution_order(["00_host", "01_serving", "04_profile"]) == ["00_host", "01_serving", "04_profile"]
     assert execution_order(["02_gemm", "05_verdict"]) == ["02_gemm", "05_verdict"]
+
+
+def test_a_report_of_a_baseline_and_its_variants_draws_with_no_duplicate_cell_id_warning():
+    """A variant's executed notebooks are copies of the baseline's, so their cells share ids; the combined
+    page renames each repeat (`<id>-2`, ...) instead of nbformat warning once per cell (45 lines in a log)."""
+    import copy
+    import warnings
+
+    from pathlib import Path
+
+    from decodescope.report.html import notebook_html, unique_cell_ids
+
+    verdict = nbformat.read(str(Path(__file__).resolve().parents[1] / "notebooks/05_verdict.ipynb"), as_version=4)
+    cells = [copy.deepcopy(c) for _ in range(3) for c in verdict.cells]   # the baseline and two variants
+    ids = [c["id"] for c in unique_cell_ids(cells)]
+    assert len(set(ids)) == len(ids) and ids[:len(verdict.cells)] == [c["id"] for c in verdict.cells]
+    assert ids[len(verdict.cells)] == verdict.cells[0]["id"] + "-2"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        notebook_html(nbformat.v4.new_notebook(cells=cells))
+    assert not [w for w in caught if "cell id" in str(w.message)], [str(w.message) for w in caught][:3]

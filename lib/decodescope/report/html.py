@@ -119,9 +119,25 @@ def combined_notebook(run_dir: Path, manifest: RunManifest) -> nbformat.Notebook
         for nb_path in sorted((run_dir / "variants" / name / "notebooks").glob("*.ipynb")):
             cells.append(nbformat.v4.new_markdown_cell(f"<h3>{html_text(name)} &middot; {html_text(nb_path.stem)}</h3>"))
             cells += _executed_cells(nb_path)
-    nb = nbformat.v4.new_notebook(cells=cells)
+    nb = nbformat.v4.new_notebook(cells=unique_cell_ids(cells))
     nb.metadata["title"] = f"decodescope {manifest.run_id}"
     return nb
+
+
+def unique_cell_ids(cells: list) -> list:
+    """The cells with one id each: the baseline's and each variant's executed notebook are copies of one
+    notebook, so their cells share ids, and nbformat warned once per repeat (DuplicateCellId, 45 lines after
+    05 in a campaign's log). A repeat becomes `<id>-<n>`, in order, so a page rebuilt is the same page."""
+    seen: set[str] = set()
+    for cell in cells:
+        base = cell.get("id") or "cell"
+        new, n = base, 1
+        while new in seen:
+            n += 1
+            new = f"{base}-{n}"
+        cell["id"] = new
+        seen.add(new)
+    return cells
 
 
 def plotly_js() -> str:
