@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# decodescope's campaign on the lent H200 machine, which has torch 2.11.0+cu130 and no package index.
-# The vLLM 0.26.0 bundle (shared/tools/vllm-gpu-bundle.sh) and decodescope's wheelhouse (`decodescope
+# decodescope's campaign on a GPU host with torch 2.11.0+cu130 and no package index (an H200 reached through a
+# command-running tool that moves at most 64 MiB a call). The vLLM 0.26.0 bundle (benchmarks/device/vllm-gpu-bundle.sh)
+# and decodescope's wheelhouse (`decodescope
 # wheelhouse --python-version 3.12 --host-packages ...`) travel as one tar in pieces, one piece per call
 # (the tool's 64 MiB a call), each copied out of the tree at once; the campaign then runs in its own
 # process session, from a copy of the tree, so that later calls can poll it and a changed tree never
@@ -20,7 +21,9 @@
 #                          with none starts afresh)
 #   poll SECONDS           wait until the run ends or SECONDS pass; print the log's tail (300 at most: a lent
 #                          machine was released under a 560 s poll, and its run's files with it)
-#   collect                tar the run directories into 15 MiB pieces (traces left out when the whole would pass
+#   collect                each job's part of the queue log into its run directory's logs/decodescope-run.log (a
+#                          resumed job's into decodescope-run.2.log, .3, ..: no log is overwritten); tar the run
+#                          directories into 15 MiB pieces (traces left out when the whole would pass
 #                          110 MiB) and put the first four into $OUT: a call brings back ~64 MiB in all (on
 #                          2026-12-05 a fifth to eighth piece came back "left out (total)")
 #   more N                 the pieces from N on, four a call, into $OUT (collect says which are left)
@@ -47,7 +50,7 @@ set -u
 VB=/root/vb SITE=/tmp/site DS=/tmp/ds REPO=/root/ds-repo LOG=/root/ds-run.log QPID=/root/ds-queue.pid
 # --target puts the wheels' data files (nbconvert's templates) under $DS/share, where jupyter looks when told
 export PYTHONPATH=$REPO/lib:$DS:$SITE JUPYTER_PATH=$DS/share/jupyter VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-# NVLink multicast stays off on the lent machines (the device tool's KINDS.md); kept set for everything started here
+# NVLink multicast stays off (the GPU machines this ran on forbade it); kept set for everything started here
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 running() { pgrep -f "decodescope.cli.main run" >/dev/null || { [ -f $QPID ] && kill -0 "$(cat $QPID)" 2>/dev/null; }; }
 # job_line JOB [resume]: the shell line that runs JOB ('[VAR=VALUE ..] PARAMS [ARGS..]') in $REPO; with resume, with
@@ -108,8 +111,30 @@ poll)
   end=$((SECONDS + ${2:-60})); while running && [ $SECONDS -lt $end ]; do sleep 5; done
   running && echo "== still running" || echo "== finished"; tail -${3:-40} $LOG ;;
 collect)
+  python3 - "$LOG" "$REPO/outputs" <<'PY'
+import pathlib, re, sys
+log, outputs = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+jobs, cur = [], None  # the queue log cut at each job's "== queue: <line>" (its "== queue: exit" ends it)
+for line in log.read_text(errors="replace").splitlines(keepends=True) if log.exists() else []:
+    if line.startswith("== queue: ") and not line.startswith("== queue: exit"):
+        cur = [line]; jobs.append(cur)
+    elif cur is not None:
+        cur.append(line)
+for job in jobs:
+    text = "".join(job)
+    m = re.search(r"decodescope run \S*outputs/([^/\s]+)", text)
+    if not m or not (outputs / m.group(1)).is_dir():
+        continue
+    logs = outputs / m.group(1) / "logs"; logs.mkdir(exist_ok=True)
+    i = 1
+    while True:  # a log already there is kept: this job's goes beside it, unless it is the same
+        dest = logs / ("decodescope-run.log" if i == 1 else f"decodescope-run.{i}.log")
+        if not dest.exists() or dest.read_text(errors="replace") == text:
+            break
+        i += 1
+    dest.write_text(text); print("log:", dest)
+PY
   names=$(cd $REPO/outputs && ls -d */ | tr -d /)
-  for n in $names; do cp $LOG "$REPO/outputs/$n/logs/decodescope-run.log" 2>/dev/null; done
   tar -C $REPO/outputs -czf /root/run.tgz $names
   [ "$(stat -c %s /root/run.tgz)" -gt $((110 << 20)) ] && tar -C $REPO/outputs --exclude='*trace.json*' -czf /root/run.tgz $names
   rm -rf /root/pieces && mkdir /root/pieces && split -b 15M -d /root/run.tgz /root/pieces/run.tgz.part-
