@@ -23,8 +23,17 @@ def test_the_cpu_traces_critical_path_record_round_trips_with_shares_waits_and_b
     assert {"allreduce", "host"} <= cats
     # the path's shares of a step sum to (about) one: the segments sum to the wall step
     assert 0.9 < sum(r.path_share_median for r in rec.shares) < 1.1
-    ar = next(r for r in rec.fix_bounds if r.category == "allreduce")
+    ar = next(r for r in rec.fix_bounds if r.category == "allreduce transfer")
+    assert ar.kind == "transfer"
     assert 0.0 <= ar.gain_share_median <= 1.0 and ar.bound_wall_us_median <= ar.wall_us_median
+    kinds = {r.kind for r in rec.fix_bounds}
+    assert {"category", "transfer", "host", "skew"} <= kinds
+    # every collective category on the path is split per instance into skew and transfer
+    split = {r.category: r for r in rec.collective_split}
+    assert "allreduce" in split and split["allreduce"].instances_per_step == 9
+    s = split["allreduce"]
+    shares = s.share_skew_bound + s.share_transfer_bound + s.share_mixed + s.share_inconclusive
+    assert abs(shares - 1.0) < 1e-9 and s.skew_us_per_step >= 0 and s.transfer_us_per_step > 0
 
 
 def test_04s_view_draws_the_median_steps_path_and_sets_wall_shares_beside_summed(tmp_path):

@@ -52,6 +52,17 @@ class Headline:
     tpot_level: Optional[int] = None  # the concurrency the TPOT is at (the lowest level)
     bottleneck: Optional[str] = None
     bottleneck_share: Optional[float] = None
+    bottleneck_basis: Optional[str] = None  # critical path (share of the wall step) | summed op time
+    bottleneck_level: Optional[int] = None
+
+    def share_text(self) -> str:
+        """What the bottleneck's share is a share of."""
+        if self.bottleneck_share is None:
+            return ""
+        if self.bottleneck_basis == "critical path":
+            at = "" if self.bottleneck_level is None else f" at concurrency {self.bottleneck_level}"
+            return f" ({100 * self.bottleneck_share:.0f}% of the wall-clock decode step on its critical path{at})"
+        return f" ({100 * self.bottleneck_share:.0f}% of a decode step's op time on the median rank)"
 
     def peak_text(self) -> str:
         return MISSING if self.peak_output_tok_s is None else f"{self.peak_output_tok_s:,.1f}"
@@ -67,7 +78,9 @@ class Headline:
         if self.bottleneck is None:
             return MISSING
         share = "" if self.bottleneck_share is None else f" {100 * self.bottleneck_share:.0f}%"
-        return self.bottleneck + share
+        of = " of the wall step (path)" if self.bottleneck_basis == "critical path" and share else (
+            " of op time" if share else "")
+        return self.bottleneck + share + of
 
 
 def _number(value: Any) -> Optional[float]:
@@ -98,16 +111,20 @@ def _serving_headline(run_dir: Path) -> tuple[Optional[float], Optional[float], 
     return peak, tpot, level
 
 
-def _verdict_bottleneck(run_dir: Path) -> tuple[Optional[str], Optional[float], Optional[ServingHeadlineView]]:
-    """(class, share, the serving headline) from data/verdict.json, a verdict of any version
-    (decodescope.schema.views)."""
+def _verdict_bottleneck(run_dir: Path) -> tuple[dict, Optional[ServingHeadlineView]]:
+    """(the Headline's bottleneck fields, the serving headline) from data/verdict.json, a verdict of any
+    version (decodescope.schema.views): what holds the critical path where 04 walked one (its category),
+    else the summed op time's class."""
     try:
         v = read_view(RunDir(run_dir).file(VERDICT), VerdictView)
     except RecordError:
         v = None
     if v is None or v.bottleneck is None:
-        return None, None, (v.serving if v is not None else None)
-    return v.bottleneck.cls, _number(v.bottleneck.share), v.serving
+        return {}, (v.serving if v is not None else None)
+    b = v.bottleneck
+    name = b.category if b.basis == "critical path" and b.category else b.cls
+    return {"bottleneck": name, "bottleneck_share": _number(b.share) if name is not None else None,
+            "bottleneck_basis": b.basis or "summed op time", "bottleneck_level": b.level}, v.serving
 
 
 def headline(run_dir: Path) -> Headline:
@@ -116,7 +133,7 @@ def headline(run_dir: Path) -> Headline:
     the sweep's table is missing). Never raises for missing or unreadable files."""
     run_dir = Path(run_dir)
     peak, tpot, level = _serving_headline(run_dir)
-    cls, share, serving = _verdict_bottleneck(run_dir)
+    bottleneck, serving = _verdict_bottleneck(run_dir)
     if serving is not None:
         if peak is None:
             peak = _number(serving.max_output_tok_s)
@@ -124,16 +141,14 @@ def headline(run_dir: Path) -> Headline:
             tpot = _number(serving.tpot_p50_us)
             lvl = _number(serving.lowest_level)
             level = None if tpot is None or lvl is None else int(lvl)
-    return Headline(peak_output_tok_s=peak, tpot_p50_us=tpot, tpot_level=level, bottleneck=cls,
-                    bottleneck_share=share if cls is not None else None)
+    return Headline(peak_output_tok_s=peak, tpot_p50_us=tpot, tpot_level=level, **bottleneck)
 
 
 def headline_html(run_dir: Path) -> str:
     """The headline numbers as one line of the report header (escaped; '–' for what is missing)."""
     h = headline(run_dir)
     level = "the lowest concurrency" if h.tpot_level is None else f"concurrency {h.tpot_level}"
-    share = ("" if h.bottleneck_share is None else
-             f" ({100 * h.bottleneck_share:.0f}% of a decode step's op time on the median rank)")
+    share = h.share_text()
     peak = h.peak_text() + ("" if h.peak_output_tok_s is None else " tok/s")
     tpot = h.tpot_text() + ("" if h.tpot_p50_us is None else " ms")
     return (f'<p class="ds-headline"><b>peak output</b> {html_text(peak)} &middot; '
@@ -345,8 +360,9 @@ def render_index(rows: pd.DataFrame, compare: list[str], title: str = "decodesco
 <h1>{html_text(title)}</h1>
 <p>Every run of this folder, newest first. Click a column header to sort; type to filter.
 Peak output tok/s and TPOT p50 at the lowest concurrency come from each run's
-<code>data/serving_levels.parquet</code>; the bottleneck (the class with the largest share of a decode
-step's op time on the median rank) from <code>data/verdict.json</code>; {html_text(MISSING)} where a run has no such file.</p>
+<code>data/serving_levels.parquet</code>; the bottleneck (what holds the critical path of a decode step: its
+share of the wall-clock step at the lowest profiled level; for runs without a path, the class with the
+largest share of op time on the median rank) from <code>data/verdict.json</code>; {html_text(MISSING)} where a run has no such file.</p>
 {compare_html}
 <p><input id="ds-filter" type="search" placeholder="filter runs" aria-label="filter runs">
 <span id="ds-count">{len(rows)} runs</span></p>

@@ -39,12 +39,31 @@ class CritPathBoundRow(_Model):
     """One category's fix at its most (trace.critpath_summary.fix_bounds): the step replayed on the
     trace's own dependencies with that category's pieces `speedup` times faster (inf: free)."""
 
-    category: str
+    category: str = Field(description="what the fix frees: a category; '<collective> transfer' (its instances' "
+                          "transfer, waits included); '<class> (all)'; 'host'; 'arrival skew'")
+    kind: str = Field("category", description="category | transfer | class | host | skew")
     wall_us_median: float = Field(description="the replayed steps' measured wall time, median")
     bound_wall_us_median: float = Field(description="their wall time with the category sped up, median")
     gain_share_median: float = Field(description="1 - bound / wall per step, median: the most the fix buys")
     steps: int = Field(description="steps replayed")
     speedup: float = Field(description="inf: the category free")
+
+
+class CritPathSplitRow(_Model):
+    """One collective category: its instances split into arrival skew and transfer
+    (trace.critpath_split.split_summary), per step, medians over the steps."""
+
+    category: str = Field(description="the instance's category (its entering ops'; a wait counts as its collective)")
+    instances_per_step: float
+    skew_us_per_step: float = Field(description="summed over the step's instances: last entry - first entry")
+    transfer_us_per_step: float = Field(description="summed over the step's instances: end - last entry")
+    waited_us_per_step: float = Field(description="the ranks' summed time blocked before the last entry")
+    skew_on_path_us_per_step: float = Field(description="the skew of instances whose transfer is on the path")
+    transfer_on_path_us_per_step: float = Field(description="the transfer segments on the path")
+    share_skew_bound: float = Field(description="share of instances whose skew is >= 2x their transfer")
+    share_transfer_bound: float = Field(description="share of instances whose transfer is >= 2x their skew")
+    share_mixed: float
+    share_inconclusive: float = Field(description="skew + transfer under 2 us")
 
 
 class CriticalPathSummary(Record):
@@ -60,6 +79,7 @@ class CriticalPathSummary(Record):
     shares: list[CritPathShareRow] = Field(default_factory=list)
     collective_waits: list[CritPathWaitRow] = Field(default_factory=list)
     fix_bounds: list[CritPathBoundRow] = Field(default_factory=list)
+    collective_split: list[CritPathSplitRow] = Field(default_factory=list)
 
 
 class CritPathFixRow(_Model):

@@ -19,8 +19,21 @@ class AttributionRow(_Model):
 
 
 class Bottleneck(_Model):
-    cls: str = Field(alias="class", description="the class with the largest share on the median rank")
-    share: float
+    """What holds a decode step: from its critical path where 04 walked one (basis "critical path": the
+    category with the largest share of the wall step at the lowest profiled level), else from summed op
+    time (basis "summed op time": the class with the largest share on the median rank)."""
+
+    cls: str = Field(alias="class", description="the verdict class (a path gap: host, launch, idle)")
+    share: float = Field(description="of the wall step on the path (median over steps), or of summed op time")
+    basis: str = Field("summed op time", description="critical path | summed op time")
+    category: Optional[str] = Field(None, description="the category on the path (basis critical path)")
+    share_p10: Optional[float] = None
+    share_p90: Optional[float] = None
+    level: Optional[int] = Field(None, description="the profiled concurrency the path share is read at")
+    wall_us: Optional[float] = Field(None, description="that level's wall step, median")
+    summed_share: Optional[float] = Field(None, description="the category's summed share of op time, beside it")
+    summed_cls: Optional[str] = Field(None, description="the class summed op time puts first")
+    summed_cls_share: Optional[float] = None
 
 
 class ReconcileRow(_Model):

@@ -71,6 +71,9 @@ class ManifestView(View):
 class BottleneckView(_Part):
     cls: Optional[str] = Field(None, validation_alias=AliasChoices("class", "cls"))
     share: Optional[float] = None
+    basis: Optional[str] = None  # critical path | summed op time; verdicts before it: summed op time
+    category: Optional[str] = None
+    level: Optional[int] = None
 
 
 class ServingHeadlineView(_Part):

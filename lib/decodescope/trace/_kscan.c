@@ -563,7 +563,7 @@ void kr_pairs(const kred *r, int32_t *child, int32_t *parent, int64_t *count) {
 static inline double cp_begin(int64_t i, const double *start, const double *end, const int8_t *kind,
                               const int32_t *pred, const int32_t *lane, const int32_t *rank,
                               const int32_t *launch, const double *s_new, const double *e_new,
-                              const uint8_t *placed) {
+                              const uint8_t *placed, double gap_scale) {
 #define CP_S(j) ((placed[j] & 1) ? s_new[j] : start[j])
 #define CP_E(j) ((placed[j] & 2) ? e_new[j] : end[j])
     int64_t k = kind[i], j = pred[i], lp = i > 0 && lane[i - 1] == lane[i] && rank[i - 1] == rank[i] ? i - 1 : -1;
@@ -573,46 +573,73 @@ static inline double cp_begin(int64_t i, const double *start, const double *end,
     } else {
         double ready = k == 2 ? start[j] : end[j];
         double d = start[i] - (start[i] < ready ? start[i] : ready);
-        t = (k == 2 ? CP_S(j) : CP_E(j)) + (d > 0.0 ? d : 0.0);
+        t = (k == 2 ? CP_S(j) : CP_E(j)) + (d > 0.0 ? d * gap_scale : 0.0);
     }
     if (lp >= 0 && k != 1 && CP_E(lp) > t) t = CP_E(lp);
     if (launch[i] >= 0 && k != 2 && CP_S(launch[i]) > t) t = CP_S(launch[i]);
     return start[i] < t ? start[i] : t;
 }
 
+/* A collective member's new end: from its new start, or from the instance's last entry where it waited for
+   it (not with skew_free: every rank goes on as if the others had entered when it did), plus its own time
+   from the traced entry on, scaled. */
+static inline double cp_finish(int64_t g, const double *start, const double *end, const int32_t *group,
+                               const double *group_entry, const double *s_new, double last_in, double scale,
+                               int skew_free) {
+    double entry = group_entry[group[g]];
+    int synced = entry <= end[g];
+    double from = synced && !skew_free && last_in > s_new[g] ? last_in : s_new[g];
+    double from_op = synced && entry > start[g] ? entry : start[g];
+    return from + (end[g] - from_op) * scale;
+}
+
+/* replay_step (critpath_whatif.py) over `order`: first/next chain each instance's entering members; a wait
+   member (wait[i], NULL: none) has its instance's first entering member in `first` and is placed at its own
+   turn, after them. gap_scale (per row, NULL: 1) scales the delay before each piece. */
 double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const int64_t *next, const double *start,
                  const double *end, const int8_t *kind, const int32_t *pred, const int32_t *group,
                  const double *group_entry, const int32_t *lane, const int32_t *rank,
                  const int32_t *launch, const double *scale, double *s_new, double *e_new, uint8_t *placed,
-                 double w1) {
-#define CP_BEGIN(i) cp_begin(i, start, end, kind, pred, lane, rank, launch, s_new, e_new, placed)
+                 double w1, const uint8_t *wait, const double *gap_scale, int64_t skew_free) {
+#define CP_GS(k) (gap_scale ? gap_scale[k] : 1.0)
+#define CP_BEGIN(i, k) cp_begin(i, start, end, kind, pred, lane, rank, launch, s_new, e_new, placed, CP_GS(k))
     for (int64_t k = 0; k < n; k++) {
         int64_t i = order[k];
         if (placed[i] & 2) continue;
         if (group[i] < 0) {
-            s_new[i] = CP_BEGIN(i);
+            s_new[i] = CP_BEGIN(i, k);
             e_new[i] = s_new[i] + (end[i] - start[i]) * scale[k];
             placed[i] = 3;
             continue;
         }
-        for (int64_t m = first[k]; m >= 0; m = next[m]) {
-            s_new[order[m]] = CP_BEGIN(order[m]);
-            placed[order[m]] |= 1;
+        int64_t f = first[k];
+        double last_in = -1.0 / 0.0;
+        if (f >= 0 && !(placed[order[f]] & 2)) {  /* the entering members, placed together */
+            for (int64_t m = f; m >= 0; m = next[m]) {
+                s_new[order[m]] = CP_BEGIN(order[m], m);
+                placed[order[m]] |= 1;
+            }
+            last_in = s_new[order[f]];
+            for (int64_t m = next[f]; m >= 0; m = next[m])
+                if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
+            for (int64_t m = f; m >= 0; m = next[m]) {
+                int64_t g = order[m];
+                e_new[g] = cp_finish(g, start, end, group, group_entry, s_new, last_in, scale[m], (int)skew_free);
+                placed[g] = 3;
+            }
+        } else if (f >= 0) {
+            last_in = s_new[order[f]];
+            for (int64_t m = next[f]; m >= 0; m = next[m])
+                if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
         }
-        double last_in = s_new[order[first[k]]];
-        for (int64_t m = next[first[k]]; m >= 0; m = next[m])
-            if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
-        for (int64_t m = first[k]; m >= 0; m = next[m]) {
-            int64_t g = order[m];
-            double entry = group_entry[group[g]];
-            int synced = entry <= end[g];
-            double from = synced && last_in > s_new[g] ? last_in : s_new[g];
-            double from_op = synced && entry > start[g] ? entry : start[g];
-            e_new[g] = from + (end[g] - from_op) * scale[m];
-            placed[g] = 3;
+        if (wait && wait[i]) {
+            s_new[i] = CP_BEGIN(i, k);
+            e_new[i] = cp_finish(i, start, end, group, group_entry, s_new, last_in, scale[k], (int)skew_free);
+            placed[i] = 3;
         }
     }
 #undef CP_BEGIN
+#undef CP_GS
 #undef CP_S
 #undef CP_E
     /* where the step ends: a piece still running at w1 counts to its point at w1, not to its end */

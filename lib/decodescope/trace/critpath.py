@@ -9,6 +9,9 @@ That dependency is one of four:
 - a piece on another stream of its rank that ended just before it: a cross-stream wait.
   The traces record no stream in cudaStreamWaitEvent.
   So a cross-stream wait is inferred only where nothing else explains the start.
+  Likewise a rank's other CPU threads (an output thread woken by the main one, whose hand-over the trace
+  does not record) wait for its main thread (the one with the most pieces): where such a piece started after
+  a main-thread piece that ended later than its own lane's previous piece, that main-thread piece binds it.
 - for a host call that waits for the GPU (cudaEventSynchronize and its kin), the GPU piece it waited for.
   Its piece starts where that GPU piece ended: the time before is the GPU's, not the host's.
 A collective ends on every rank only after its last rank has entered it.
@@ -43,7 +46,9 @@ class Pieces:
     """Pieces sorted by (rank, lane, start): their lane ids are unique across ranks; `launch` is the
     position of the CPU piece that launched a GPU piece (-1: none); `group` numbers a collective
     instance, the same on every rank (-1: not a collective); `wait`, where given, the GPU piece a host
-    call waited for (-1: none), the call's piece starting at that piece's end."""
+    call waited for (-1: none), the call's piece starting at that piece's end; `member_wait`, where given,
+    marks the pieces of an instance that wait for it (gloo's wait_tensor after its async op): they do not
+    enter it, so its last entry is its other pieces' latest start."""
 
     rank: np.ndarray
     lane: np.ndarray
@@ -53,6 +58,7 @@ class Pieces:
     launch: np.ndarray
     group: np.ndarray
     wait: Optional[np.ndarray] = None
+    member_wait: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return len(self.start)
@@ -132,22 +138,26 @@ def _lane_prev(p: Pieces, dtype=np.int64) -> np.ndarray:
 
 
 def _collective_entries(p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(group_entry, late, late_last): per collective instance, its last entry over the ranks; the pieces
-    of an instance entered before that (in order), and the last rank's piece of each."""
+    """(group_entry, late, late_last): per collective instance, its last entry over the ranks (the latest
+    start of its entering pieces, member_wait ones left out); the pieces of an instance entered or waited
+    on before that (in order), and the last rank's entering piece of each."""
     rows = np.flatnonzero(p.group >= 0)
     n_groups = int(p.group[rows].max()) + 1 if len(rows) else 0
     group_entry = np.zeros(n_groups)
     if not len(rows):
         return group_entry, rows, rows.copy()
-    g = p.group[rows]
-    order = np.lexsort((p.start[rows], g))  # by group, the last entry last
-    rows, g = rows[order], g[order]
-    tail = np.r_[g[1:] != g[:-1], True]
-    last_of = np.repeat(rows[tail], np.diff(np.r_[0, np.flatnonzero(tail) + 1]))
-    group_entry[g[tail]] = p.start[rows[tail]]
-    entry = p.start[last_of]
+    ent = rows if p.member_wait is None else rows[~p.member_wait[rows]]
+    g = p.group[ent]
+    order = np.lexsort((p.start[ent], g))  # by group, the last entry last
+    ent, g = ent[order], g[order]
+    tail = np.r_[g[1:] != g[:-1], True] if len(g) else np.zeros(0, bool)
+    last_piece = np.full(n_groups, -1, np.int64)
+    last_piece[g[tail]] = ent[tail]
+    group_entry[g[tail]] = p.start[ent[tail]]
+    last_of = last_piece[p.group[rows]]
+    entry = group_entry[p.group[rows]]
     # where this rank's op ended before the last one entered, it did not wait for it (an async call)
-    waited = (entry > p.start[rows]) & (entry <= p.end[rows])
+    waited = (entry > p.start[rows]) & (entry <= p.end[rows]) & (last_of >= 0)
     late = rows[waited]
     by = np.argsort(late, kind="stable")
     return group_entry, late[by], last_of[waited][by]
@@ -174,6 +184,35 @@ def _cross_stream(p: Pieces, gpu: np.ndarray, ready: np.ndarray) -> tuple[np.nda
     return want, out
 
 
+def _thread_handoffs(p: Pieces, pred: np.ndarray, kind: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, pieces): the CPU pieces off their rank's main thread (its lane with the most CPU pieces) that
+    started after the end of a main-thread piece later than their own dependency's end, and for each the
+    latest such main-thread piece (critpath's module docstring)."""
+    cpu = np.flatnonzero(p.on_cpu & ((kind == LANE) | (kind == NONE)))
+    if not len(cpu):
+        return cpu, cpu
+    out_rows, out_pred = [], []
+    for r in np.unique(p.rank[cpu]):
+        mine = cpu[p.rank[cpu] == r]
+        lanes, counts = np.unique(p.lane[mine], return_counts=True)
+        if len(lanes) < 2:
+            continue
+        main_lane = lanes[np.argmax(counts)]
+        main = np.flatnonzero(p.on_cpu & (p.rank == r) & (p.lane == main_lane))
+        by_end = main[np.argsort(p.end[main], kind="stable")]
+        off = mine[p.lane[mine] != main_lane]
+        at = np.searchsorted(p.end[by_end], p.start[off], side="right") - 1
+        has = at >= 0
+        off, cand = off[has], by_end[at[has]]
+        own = np.where(kind[off] == LANE, p.end[np.clip(pred[off], 0, None)], -np.inf)
+        take = p.end[cand] > own
+        out_rows.append(off[take])
+        out_pred.append(cand[take])
+    if not out_rows:
+        return cpu[:0], cpu[:0]
+    return np.concatenate(out_rows), np.concatenate(out_pred).astype(pred.dtype)
+
+
 def link(p: Pieces) -> Links:
     """Each piece's binding dependency, found with vector passes over the pieces a launch or another stream
     may explain (the GPU ones): over the rest, nothing but the piece before on the lane, in 32 bits."""
@@ -194,6 +233,9 @@ def link(p: Pieces) -> Links:
     rows = rows[cross >= 0]
     kind[rows], pred[rows] = CROSS, cross[cross >= 0]
     del rows, cross
+    rows, woke = _thread_handoffs(p, pred, kind)
+    kind[rows], pred[rows] = CROSS, woke
+    del rows, woke
     if p.wait is not None:  # a host call bound by the GPU piece it waited for, where that ended after its lane's
         at = np.flatnonzero(p.wait >= 0)
         dep = np.where(kind[at] == LANE, p.end[np.clip(pred[at], 0, None)], -np.inf)

@@ -5,7 +5,10 @@ communication ops) are cut into pieces on their thread, and a GPU piece links to
 it by correlation id (a CUDA graph's kernels all carry its launch's). CPU traces: each thread's nested
 ops are cut at their children, so a piece is one stretch of an op's self time, except a collective, kept
 whole (what it calls is part of its transfer). A collective's k-th call of its category on every rank is
-one instance, as trace.analyze.collective_skew matches them.
+one instance, as trace.analyze.collective_skew matches them. A collective's wait is part of its instance:
+on CPUs a rank's wait op (gloo's wait_tensor after its async all-reduce) joins the instance of the latest
+collective that rank issued before it and waits for it (Pieces.member_wait); on GPUs a wait kernel (a
+symmetric-memory barrier) is an instance of its own, entered by every rank.
 """
 from __future__ import annotations
 
@@ -32,6 +35,11 @@ HOST_CATEGORY = "host"  # a CPU op of a GPU trace (a collective's enqueue) on th
 def collective_categories() -> set[str]:
     rules = default_rules()
     return {c for kind in COLLECTIVES for c in rules.categories(collective=kind)}
+
+
+def wait_categories() -> set[str]:
+    """The categories of a rank's wait for a collective (collective: wait in the category rules)."""
+    return set(default_rules().categories(collective="wait"))
 
 
 @dataclass
@@ -156,7 +164,11 @@ def _cut_in_numpy(order, rank, tid, ts, end, whole) -> tuple[np.ndarray, np.ndar
 def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
     """The pieces of a trace table and its op table (trace.analyze.op_table)."""
     gpu = ops.attrs.get("device") == "gpu"
-    coll = ops["category"].isin(collective_categories()).to_numpy() & ops["counted"].to_numpy(bool)
+    counted = ops["counted"].to_numpy(bool)
+    waits = ops["category"].isin(wait_categories()).to_numpy() & counted
+    coll = ops["category"].isin(collective_categories()).to_numpy() & counted
+    if gpu:  # a barrier kernel: every rank enters it, an instance of its own
+        coll, waits = coll | waits, np.zeros(len(ops), bool)
     rank, tid = ops["rank"].to_numpy(np.int64), ops["lane"].to_numpy(np.int64)
     rank32 = rank.astype(np.int32)  # a piece's rank, lane, op row, launch and group: 32 bits
     ts = ops["ts_us"].to_numpy(float)
@@ -176,13 +188,15 @@ def pieces_of(events: pd.DataFrame, ops: pd.DataFrame) -> Labelled:
                  [c_rank[c_row].astype(np.int32), c_tid[c_row], c_s, c_e, (-1 - c_row).astype(np.int32), c_name[c_row],
                   c_cat, True]]
     else:
-        row, s, e = cut_nested(rank, tid, ts, end, whole=coll)
+        row, s, e = cut_nested(rank, tid, ts, end, whole=coll | waits)
         (names,), name_labels = joint_codes([name])
         (cats,), cat_labels = joint_codes([cat])
         parts = [[rank32[row], tid[row], s, e, row.astype(np.int32), names[row], cats[row], True]]
         del row
     lab = _assemble(parts, name_labels, cat_labels)
     lab.pieces.group[:] = _groups(lab, ops, coll)
+    if waits.any():
+        lab.pieces.member_wait = _join_waits(lab, waits)
     if gpu:
         lab.pieces.launch[:] = _launches(lab, ops, events)
         lab.pieces.wait = sync_waits(lab)
@@ -263,6 +277,61 @@ def _groups(lab: Labelled, ops: pd.DataFrame, coll: np.ndarray) -> np.ndarray:
     complete = first.groupby(["cat", "k"])["rank"].transform("nunique") == n_ranks
     first = first[complete]
     out[first["piece"].to_numpy()] = first.groupby(["cat", "k"]).ngroup().to_numpy()
+    return out
+
+
+def instance_codes(lab: Labelled) -> np.ndarray:
+    """Per piece, the category code of the collective instance it belongs to (its entering pieces'
+    category: a wait op counts as the collective it waits for); -1 for a piece of no instance."""
+    p = lab.pieces
+    out = np.full(len(p), -1, np.int64)
+    rows = np.flatnonzero(p.group >= 0)
+    if not len(rows):
+        return out
+    enters = rows if p.member_wait is None else rows[~p.member_wait[rows]]
+    n = int(p.group[rows].max()) + 1
+    of_group = np.full(n, -1, np.int64)
+    of_group[p.group[enters]] = lab.category_code[enters]
+    out[rows] = of_group[p.group[rows]]
+    return np.where((out < 0) & (p.group >= 0), lab.category_code, out)
+
+
+def path_category_codes(lab: Labelled) -> np.ndarray:
+    """Per piece, the category it counts as on the path: its own, a collective's wait its instance's."""
+    inst = instance_codes(lab)
+    return np.where(inst >= 0, inst, lab.category_code)
+
+
+def _join_waits(lab: Labelled, waits: np.ndarray) -> np.ndarray:
+    """Each wait op's pieces join the instance of the latest collective its rank entered before the wait
+    began and no earlier wait took (an async call is waited for once); returns the member_wait mask. A wait
+    with no such collective, or one whose collective is no instance (not on every rank), stays alone."""
+    p = lab.pieces
+    out = np.zeros(len(p), bool)
+    op = lab.op
+    is_wait = (op >= 0) & waits[np.clip(op, 0, None)]
+    entering = np.flatnonzero((p.group >= 0) & ~is_wait)
+    for r in np.unique(p.rank[is_wait]):
+        mine = entering[p.rank[entering] == r]
+        # an instance's first piece on this rank is where the rank entered it
+        g_first = pd.DataFrame({"g": p.group[mine], "s": p.start[mine]}).groupby("g")["s"].min()
+        opened = list(zip(g_first.to_numpy().tolist(), g_first.index.to_numpy().tolist()))
+        opened.sort()
+        w_rows = np.flatnonzero(is_wait & (p.rank == r))
+        w_ops = pd.DataFrame({"piece": w_rows, "op": op[w_rows], "s": p.start[w_rows]}).groupby("op").agg(
+            s=("s", "min"), pieces=("piece", list)).sort_values("s")
+        pending: list[int] = []
+        at = 0
+        for s0, pieces in zip(w_ops["s"].tolist(), w_ops["pieces"].tolist()):
+            while at < len(opened) and opened[at][0] <= s0:
+                pending.append(opened[at][1])
+                at += 1
+            if not pending:
+                continue
+            g = pending.pop()  # the latest collective issued before the wait
+            idx = np.asarray(pieces)
+            p.group[idx] = g
+            out[idx] = True
     return out
 
 

@@ -10,6 +10,7 @@ import pandas as pd
 
 from decodescope.schema.recordbase import write_record
 from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary
+from decodescope.trace.critpath_split import collective_split, split_summary
 from decodescope.trace.critpath_summary import attribution, collective_waits, fix_bounds
 from decodescope.trace.critpath_table import CriticalPaths, critical_paths
 
@@ -29,7 +30,8 @@ def critical_path_summary(cp: CriticalPaths, ops: pd.DataFrame, ranks: list[int]
     if len(mine):
         fields.update(shares=attribution(cp, ops, kind).to_dict("records"),
                       collective_waits=collective_waits(cp, kind).to_dict("records"),
-                      fix_bounds=fix_bounds(cp, kind, speedup=speedup).to_dict("records"))
+                      fix_bounds=fix_bounds(cp, kind, speedup=speedup).to_dict("records"),
+                      collective_split=split_summary(collective_split(cp, kind), len(mine)).to_dict("records"))
     return CriticalPathSummary.model_validate(fields)
 
 

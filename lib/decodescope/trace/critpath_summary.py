@@ -6,7 +6,9 @@ import numpy as np
 import pandas as pd
 
 from decodescope.trace.critpath_table import CriticalPaths
-from decodescope.trace.critpath_whatif import bounds
+from decodescope.trace.categorize import class_of
+from decodescope.trace.critpath_pieces import instance_codes
+from decodescope.trace.critpath_whatif import Fix, fix_walls
 
 MAX_REPLAY_STEPS = 32  # steps replayed per category for the bounds, spread evenly over the steps of the kind
 STEPS_AT_ONCE = 256  # steps whose shares are summed at once: the sums' scratch a slice of the table's size
@@ -131,24 +133,58 @@ def collective_waits(cp: CriticalPaths, kind: str = "decode") -> pd.DataFrame:
     return out.sort_values("wait_us_per_step", ascending=False).reset_index(drop=True)[cols]
 
 
+HOST_CATEGORIES = ("host", "launch")  # the path's host-side categories (critpath_pieces: HOST_, LAUNCH_CATEGORY)
+
+
+def path_fixes(cp: CriticalPaths) -> tuple[list[Fix], dict]:
+    """The fixes a path can be replayed under, and the per-piece code arrays they read: each category on the
+    path free (a collective's category: its instances' transfer, waits included, the skew kept); each
+    verdict class with several categories on the path free at once; the host free (host and launch calls,
+    and the delay before every CPU piece); and no arrival skew (every rank going on as if the others had
+    entered with it)."""
+    lab = cp.labelled
+    seg = cp.segments
+    on_ops = seg["segment"].isin(["op"]).to_numpy()
+    on_tr = seg["segment"].isin(["transfer"]).to_numpy()
+    op_cats = {str(c) for c in seg.loc[on_ops, "category"].unique()} - set(HOST_CATEGORIES)
+    tr_cats = {str(c) for c in seg.loc[on_tr, "category"].unique()}
+    code_of = {str(c): k for k, c in enumerate(lab.category_labels)}
+    fields = {"category": lab.category_code, "instance": instance_codes(lab)}
+    fixes = [Fix(name=c, kind="category", codes=(code_of.get(c, -1),)) for c in sorted(op_cats - tr_cats)]
+    fixes += [Fix(name=f"{c} transfer", kind="transfer", field="instance", codes=(code_of.get(c, -1),))
+              for c in sorted(tr_cats)]
+    by_class: dict[str, list[str]] = {}
+    for c in sorted(op_cats - tr_cats):
+        by_class.setdefault(class_of(c), []).append(c)
+    fixes += [Fix(name=f"{cls} (all)", kind="class", codes=tuple(code_of[c] for c in cs if c in code_of))
+              for cls, cs in sorted(by_class.items()) if len(cs) > 1]
+    host = tuple(code_of[c] for c in HOST_CATEGORIES if c in code_of)
+    fixes.append(Fix(name="host", kind="host", codes=host, host=True))
+    if (lab.pieces.group >= 0).any():
+        fixes.append(Fix(name="arrival skew", kind="skew", skew_free=True))
+    return fixes, fields
+
+
 def fix_bounds(cp: CriticalPaths, kind: str = "decode", speedup: float = float("inf"),
                categories: list[str] | None = None, max_steps: int = MAX_REPLAY_STEPS) -> pd.DataFrame:
-    """Per category: the step's wall time with it `speedup` times faster (inf: free), median over up to
-    max_steps steps of `kind`, and the most a fix of it could gain (share of the wall step)."""
+    """Per fix (path_fixes; `categories`: only those categories, each freed alone): the step's wall time with
+    what it frees `speedup` times faster (inf: free), median over up to max_steps steps of `kind`, and the
+    most the fix could gain (share of the wall step)."""
     w = _chosen(cp, kind)
     if len(w) > max_steps:
         w = w.iloc[np.linspace(0, len(w) - 1, max_steps).round().astype(int)]
     lab = cp.labelled
-    on_ops = cp.segments["segment"].isin(["op", "transfer"]).to_numpy()
-    on_path = {str(c) for c in cp.segments.loc[on_ops, "category"].unique()}  # not a str per segment
-    cats = categories if categories is not None else sorted(on_path - {"launch", "host"})
+    if categories is not None:
+        code_of = {str(c): k for k, c in enumerate(lab.category_labels)}
+        fixes = [Fix(name=c, kind="category", codes=(code_of.get(c, -1 - k),)) for k, c in enumerate(categories)]
+        fields = {"category": lab.category_code}
+    else:
+        fixes, fields = path_fixes(cp)
     walls = w["wall_us"].to_numpy()
-    code_of = {str(c): k for k, c in enumerate(lab.category_labels)}
-    want = [code_of.get(c, -1 - k) for k, c in enumerate(cats)]  # a category no piece has: a code none has
-    got = bounds(lab.pieces, cp.links, w["start_us"].to_numpy(), w["end_us"].to_numpy(), lab.category_code, want,
-                 speedup)
-    rows = [{"category": c, "wall_us_median": float(np.median(walls)) if len(walls) else float("nan"),
+    got = fix_walls(lab.pieces, cp.links, w["start_us"].to_numpy(), w["end_us"].to_numpy(), fields, fixes, speedup)
+    rows = [{"category": f.name, "kind": f.kind,
+             "wall_us_median": float(np.median(walls)) if len(walls) else float("nan"),
              "bound_wall_us_median": float(np.median(v)) if len(v) else float("nan"),
              "gain_share_median": float(np.median(1 - v / walls)) if len(v) else float("nan"),
-             "steps": int(len(v)), "speedup": speedup} for c, v in zip(cats, got.values())]
+             "steps": int(len(v)), "speedup": speedup} for f, v in ((f, got[f.name]) for f in fixes)]
     return pd.DataFrame(rows).sort_values("gain_share_median", ascending=False).reset_index(drop=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from decodescope.trace.critpath import SEGMENT_KINDS, Links, Walk, ordered_segments, walk_all
-from decodescope.trace.critpath_pieces import Labelled, pieces_of
+from decodescope.trace.critpath_pieces import Labelled, path_category_codes, pieces_of
 
 SEGMENT_COLUMNS = ["step", "step_kind", "rank", "lane", "on_cpu", "name", "category", "segment", "start_us",
                    "dur_us", "piece"]
@@ -63,7 +63,8 @@ def _label(seg: dict, lab: Labelled, windows: pd.DataFrame) -> pd.DataFrame:
         name = _categorical_codes(np.where(is_op, lab.name_code[safe], len(lab.name_labels)),
                                   np.r_[lab.name_labels, np.array([""], dtype=object)])
         gap = kind.astype(np.int32) + len(lab.category_labels)
-        category = _categorical_codes(np.where(is_op, lab.category_code[safe], gap), np.r_[lab.category_labels, kinds])
+        cat_code = lab.category_code if p.member_wait is None else path_category_codes(lab)  # a wait: its collective
+        category = _categorical_codes(np.where(is_op, cat_code[safe], gap), np.r_[lab.category_labels, kinds])
         del gap
     else:
         name, category = _categorical(np.where(is_op, "", "")), _categorical(kinds[kind])

@@ -76,7 +76,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.kr_sums.argtypes, lib.kr_sums.restype = [p, p, p, p, p, p], None
     lib.kr_pairs.argtypes, lib.kr_pairs.restype = [p, p, p, p], None
     # the critical path's what-if replay (critpath_whatif.py)
-    lib.cp_replay.argtypes, lib.cp_replay.restype = [ctypes.c_int64] + [p] * 16 + [ctypes.c_double], ctypes.c_double
+    lib.cp_replay.argtypes, lib.cp_replay.restype = ([ctypes.c_int64] + [p] * 16 + [ctypes.c_double, p, p, ctypes.c_int64],
+                                                      ctypes.c_double)
     # the critical path's pieces (critpath_pieces.py)
     lib.cp_cut.argtypes, lib.cp_cut.restype = [ctypes.c_int64] + [p] * 9, ctypes.c_int64
     lib.cp_segments.argtypes, lib.cp_segments.restype = [ctypes.c_int64] * 2 + [p] * 19, ctypes.c_int64

@@ -1,28 +1,36 @@
-"""The verdict's reading of the critical paths (data/profile/c<N>/critical_path.json, 04): the wall-time
-share of the largest category and of all-reduce where it differs from the summed share, and each fix's
-bound on the path beside the step model's projection of that fix."""
+"""The verdict's reading of the critical paths (data/profile/c<N>/critical_path.json, 04): what holds the
+wall-clock step (the headline), where the summed view disagrees, the wall-time share of all-reduce where it
+differs from the summed share, and each fix's bound on the path beside the step model's projection of it."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
-from decodescope.schema.records import ProjectionRow
+from decodescope.schema.records import Bottleneck, ProjectionRow
 from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary, CritPathFixRow
 from decodescope.schema.rundata import RunDir
 from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, class_of
 
-# a projection's name -> the verdict class of the categories its fix speeds up
-FIX_CLASSES = {"GEMMs": "gemm", "all-reduce": "communication"}
+# a projection's name -> the bounds on the path that free what that fix frees (critpath_summary.path_fixes)
 DIFFERS_PTS = 0.05  # the wall share is said beside the summed one when they differ by this much (share points)
+GAPS = ("host", "launch", "idle")  # the path's gaps: no op, so no class of the rules file
+
+
+def _bounds_for_fix(fix: str, rec: CriticalPathSummary) -> list:
+    """The path's bounds a projected fix is held to: GEMMs -> the gemm class freed whole (or its one
+    category); all-reduce -> the transfer of every all-reduce instance (its waits included)."""
+    b = rec.fix_bounds
+    if fix.startswith("GEMMs"):
+        whole = [x for x in b if x.kind == "class" and x.category == "gemm (all)"]
+        return whole or [x for x in b if x.kind == "category" and class_of(x.category) == "gemm"]
+    if fix.startswith("all-reduce"):
+        return [x for x in b if x.kind == "transfer" and x.category.removesuffix(" transfer") in ALLREDUCE_CATEGORIES]
+    return []
 
 
 def critical_path_records(run_dir: Path) -> dict[int, CriticalPathSummary]:
     """Every profiled level's record, by concurrency; empty for runs written before them."""
     return RunDir(Path(run_dir)).critical_paths()
-
-
-def _fix_class(fix: str) -> Optional[str]:
-    return next((c for name, c in FIX_CLASSES.items() if fix.startswith(name)), None)
 
 
 def _nearest(projections: list[ProjectionRow], batch: Optional[int]) -> list[ProjectionRow]:
@@ -36,26 +44,86 @@ def _nearest(projections: list[ProjectionRow], batch: Optional[int]) -> list[Pro
 
 
 def fix_rows(records: dict[int, CriticalPathSummary], projections: list[ProjectionRow]) -> list[CritPathFixRow]:
-    """Per level and category bound: the bound beside each projection of a fix of that category's class.
-    A projection's gain past the bound is more than the trace's own dependencies allow; where the class
-    has several categories on the path each bound is one category's, so it is compared but not judged."""
+    """Per level and bound: the bound, beside each projection of a fix that frees what it frees. A projection
+    past its bound saves more than the trace's own dependencies allow (exceeds_bound); where one fix has
+    several bounds (several all-reduce communicators), none of them alone judges it."""
     rows = []
     for conc, rec in sorted(records.items()):
         near = _nearest(projections, conc)
+        held: dict[str, list] = {p.fix: _bounds_for_fix(p.fix, rec) for p in near}
         for b in rec.fix_bounds:
-            cls = class_of(b.category)
-            same_class = [x for x in rec.fix_bounds if class_of(x.category) == cls]
             base = {"concurrency": conc, "bound": f"{b.category} free", "bound_gain_pct": 100 * b.gain_share_median,
                     "bound_wall_us": b.bound_wall_us_median, "wall_us": b.wall_us_median}
-            matched = [p for p in near if _fix_class(p.fix) == cls]
+            matched = [p for p in near if b in held[p.fix]]
             if not matched:
                 rows.append(CritPathFixRow.model_validate(base))
             for p in matched:
                 gain = -p.gain_pct
                 rows.append(CritPathFixRow.model_validate({
                     **base, "fix": p.fix, "projected_gain_pct": gain, "projection_batch": p.batch,
-                    "exceeds_bound": gain > 100 * b.gain_share_median if len(same_class) == 1 else None}))
+                    "exceeds_bound": gain > 100 * b.gain_share_median if len(held[p.fix]) == 1 else None}))
     return rows
+
+
+def _cls(category: str) -> str:
+    return category if category in GAPS else class_of(category)
+
+
+def path_bottleneck(records: dict[int, CriticalPathSummary], summed_cls: Optional[str] = None,
+                    summed_share: Optional[float] = None) -> Optional[Bottleneck]:
+    """What holds the wall step at the lowest profiled level with a path: its category with the largest
+    median share of the wall step; the summed view's class beside it. None without shares."""
+    recs = [r for _, r in sorted(records.items()) if r.shares]
+    if not recs:
+        return None
+    rec = recs[0]
+    top = max(rec.shares, key=lambda r: r.path_share_median)
+    return Bottleneck.model_validate({
+        "class": _cls(top.category), "share": top.path_share_median, "basis": "critical path",
+        "category": top.category, "share_p10": top.path_share_p10, "share_p90": top.path_share_p90,
+        "level": rec.concurrency, "wall_us": rec.wall_us_median, "summed_share": top.summed_share_median,
+        "summed_cls": summed_cls, "summed_cls_share": summed_share})
+
+
+def _pct(x: Optional[float]) -> str:
+    return f"{100 * (x or 0.0):.0f}%"
+
+
+def headline(records: dict[int, CriticalPathSummary], b: Bottleneck) -> str:
+    """The verdict's first sentence from the path: what holds the wall step at each profiled level (median
+    and p10-p90 over the steps), the summed op share beside it, then the collectives' split on the path."""
+    per_level = []
+    for conc, rec in sorted(records.items()):
+        mine = next((r for r in rec.shares if r.category == b.category), None)
+        if mine is None:
+            continue
+        per_level.append(f"{_pct(mine.path_share_median)} (p10-p90 {_pct(mine.path_share_p10)}-"
+                         f"{_pct(mine.path_share_p90)}) of the {(rec.wall_us_median or 0) / 1e3:.2f} ms wall step at "
+                         f"concurrency {conc}")
+    what = f"{b.category} ({b.cls})" if b.category != b.cls else str(b.category)
+    text = (f"{what} holds the critical path of a decode step: " + "; ".join(per_level)
+            + f"; {_pct(b.summed_share)} of summed op time" + (" (a gap between ops: no op time)" if b.category in GAPS
+                                                               else "") + ".")
+    rec = records.get(b.level) if b.level is not None else None
+    if rec is not None and rec.collective_split and rec.wall_us_median:
+        wall = rec.wall_us_median
+        parts = [f"{s.category}: transfer {_pct(s.transfer_on_path_us_per_step / wall)} and arrival skew "
+                 f"{_pct(s.skew_on_path_us_per_step / wall)} of the wall step on the path "
+                 f"({_pct(s.share_skew_bound)} of instances skew-bound)" for s in rec.collective_split[:2]]
+        text += " Its collectives at concurrency " + f"{b.level}: " + "; ".join(parts) + "."
+    return text
+
+
+def disagreement(b: Bottleneck, summed_us: Optional[float], wall_us: Optional[float]) -> Optional[str]:
+    """One sentence where the path and the summed shares name different classes: which holds, and why."""
+    if b.summed_cls is None or b.summed_cls == b.cls:
+        return None
+    why = (f"summed op time ({summed_us / 1e3:.2f} ms per step) exceeds the wall step ({wall_us / 1e3:.2f} ms) because "
+           "streams and ranks overlap" if summed_us and wall_us and summed_us > wall_us else
+           "summed op time leaves out the host's time between ops and counts every rank's waiting as its own")
+    return (f"The two views disagree: summed op time puts {b.summed_cls} first ({_pct(b.summed_cls_share)} of op time "
+            f"on the median rank), the critical path {b.category} ({_pct(b.share)} of the wall step); the path holds, "
+            f"since it attributes the wall-clock step exactly, while {why}.")
 
 
 def wall_share_sentence(rec: CriticalPathSummary) -> Optional[str]:

@@ -25,9 +25,13 @@ def _bottleneck_findings(v: Verdict, summary: Optional[ProfileSummary], tp: int)
     prof = ["data/profile_summary.json"]
     if v.bottleneck and summary:
         ar = ", ".join(f"rank {r} {100 * x:.0f}%" for r, x in summary.allreduce_share_of_time.items())
-        out.append({"topic": "bottleneck", "figure": "profile-breakdown", "files": prof, "text":
-                    f"The largest share of a decode step is {v.bottleneck.cls}: {100 * v.bottleneck.share:.0f}% of op time "
-                    f"on the median rank; all-reduce alone takes {ar} of all op time."})
+        b = v.bottleneck
+        cls, share = (b.summed_cls, b.summed_cls_share) if b.basis == "critical path" else (b.cls, b.share)
+        if cls is not None:
+            out.append({"topic": "bottleneck", "figure": "profile-breakdown", "files": prof, "text":
+                        f"By summed op time (context: the critical path above attributes the wall step), the largest "
+                        f"share is {cls}: {100 * (share or 0.0):.0f}% of op time on the median rank; all-reduce alone "
+                        f"takes {ar} of all op time."})
         out += _collective_count_findings(summary, tp)
         ps = summary.per_step
         if ps.summed_us_median and ps.wall_us_median:

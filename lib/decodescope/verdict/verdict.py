@@ -17,7 +17,8 @@ from decodescope.schema.records import (AttributionRow, Bottleneck, CurveRow, Fi
 from decodescope.schema.records_serving import ServingLevel
 from decodescope.model import arch as archmod
 from decodescope.verdict import leveldrift, stepmodel as sm, stepparts as sp
-from decodescope.verdict.critpath_view import critical_path_findings, critical_path_records, fix_rows
+from decodescope.verdict.critpath_view import (critical_path_findings, critical_path_records, disagreement, fix_rows,
+                                               headline, path_bottleneck)
 from decodescope.exec.engine_comm import micro_communicator_for
 from decodescope.core.enginelog import last_engine_modes
 from decodescope.micro.bench import with_timing_columns
@@ -333,7 +334,8 @@ def verdict(run_dir: Path, params) -> Verdict:
     out.engine = modes.describe() if modes else ""
     paths = critical_path_records(run_dir)
     out.critical_path = fix_rows(paths, out.projections)
-    out.findings = [Finding.model_validate(f) for f in findings(out, summary, params.server.tensor_parallel)
+    path_first = _answer_from_path(out, paths, summary)
+    out.findings = [Finding.model_validate(f) for f in path_first + findings(out, summary, params.server.tensor_parallel)
                     + critical_path_findings(paths, out.critical_path)]
     if levels is not None and not levels.empty:
         lv = [ServingLevel.model_validate(r) for r in levels.sort_values("level").to_dict("records")]
@@ -343,6 +345,25 @@ def verdict(run_dir: Path, params) -> Verdict:
                                                            default=float("nan")),
                                       source="serving_levels.parquet (01_serving)")
     return out
+
+
+def _answer_from_path(out: Verdict, paths: dict, summary: Optional[ProfileSummary]) -> list[dict]:
+    """The headline from the wall-clock step where 04 walked its critical path: out.bottleneck and
+    out.verdict say what holds the path, the summed op share beside it as context; returns the sentence
+    saying which view holds where the two disagree (none where they agree or there is no path)."""
+    summed = out.bottleneck
+    b = path_bottleneck(paths, summed.cls if summed else None, summed.share if summed else None)
+    if b is None:
+        return []
+    out.bottleneck = b
+    context = (f" By summed op time, which overlaps streams and leaves gaps out, {summed.cls} comes first "
+               f"({100 * summed.share:.0f}% on the median rank)." if summed else "")
+    out.verdict = headline(paths, b) + context
+    out.sources["bottleneck"] = f"profile/c{b.level}/critical_path.json (04_profile)"
+    ps = summary.per_step if summary else None
+    said = disagreement(b, ps.summed_us_median if ps else None, ps.wall_us_median if ps else None)
+    files = [f"data/profile/c{b.level}/critical_path.json", "data/profile_summary.json"]
+    return [{"topic": "bottleneck", "figure": "profile-critical-path", "files": files, "text": said}] if said else []
 
 
 def verdict_for_phase(ctx: PhaseContext) -> Verdict:
