@@ -25,6 +25,13 @@ On GPUs they are also captured as one CUDA graph, as vLLM replays decode steps.
 A barrier aligns the ranks before each timed step.
 `warmup` untimed steps run, then `iters` timed ones; the median and p10/p90 are reported.
 Each rank writes step_rank<r>.json atomically after each batch.
+
+`--skew-us D --skew-rank R` makes rank R late by a known D us before every collective (timed and profiled
+steps alike; both recorded in the meta), to calibrate the critical path's arrival skew against
+(decodescope.micro.skewcal). On CPUs the rank spins (busy, as a slow rank is) inside a
+record_function("decodescope::injected_skew") range. On GPUs it queues torch.cuda._sleep for D us on its
+stream (captured into the graph too; in a replayed graph the trace shows the sleep kernel, not the range);
+that path has not been run yet.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -186,6 +194,33 @@ def profile_steps(items, batch: int, steps: int, use_cuda: bool, rank: int, out_
     return raw + ".gz"
 
 
+SKEW_RANGE = "decodescope::injected_skew"
+
+
+def with_skew(items, skew_us: float, device) -> list:
+    """`items` with a D us delay before each collective (a CPU busy wait, or a GPU sleep kernel)."""
+    if skew_us <= 0:
+        return items
+    if device.type == "cuda":
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        torch.cuda._sleep(1_000_000)
+        t1.record()
+        t1.synchronize()
+        cycles = int(skew_us * 1_000_000 / (t0.elapsed_time(t1) * 1e3))
+
+        def delay():
+            with record_function(SKEW_RANGE):
+                torch.cuda._sleep(cycles)
+    else:
+        def delay():
+            with record_function(SKEW_RANGE):
+                end = time.perf_counter_ns() + int(skew_us * 1e3)
+                while time.perf_counter_ns() < end:
+                    pass
+    return [(kind, (lambda f=fn: (delay(), f())) if kind == "comm" else fn) for kind, fn in items]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="decode-step replay probe (run under torchrun)")
     ap.add_argument("--plan", required=True)
@@ -195,7 +230,12 @@ def main(argv=None) -> int:
                     help="also capture this many full steps per batch under torch.profiler (CUDA graph on GPUs), "
                          "one trace per rank in --out-dir, each step marked as vLLM marks its steps")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--skew-us", type=float, default=0.0,
+                    help="make --skew-rank late by this many us before every collective (a busy wait on CPUs)")
+    ap.add_argument("--skew-rank", type=int, default=1, help="the rank --skew-us delays (default 1)")
     args = ap.parse_args(argv)
+    if args.skew_us < 0:
+        ap.error(f"--skew-us {args.skew_us:g}: give a delay of 0 us or more")
     plan = json.load(open(args.plan))
     use_cuda, device, rank, world = init_ranks(args.device, plan.get("rank_cpus"))
     timer = Timer(device)
@@ -203,7 +243,10 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "dtype": plan["dtype"], "iters": plan["iters"], "warmup": plan["warmup"],
             "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
             "gpu": torch.cuda.get_device_name(device) if use_cuda else None,
-            "cpus": None if use_cuda else sorted(os.sched_getaffinity(0))}
+            "cpus": None if use_cuda else sorted(os.sched_getaffinity(0)),
+            "skew_us": args.skew_us, "skew_rank": args.skew_rank}
+    if args.skew_us and not 0 <= args.skew_rank < world:
+        raise SystemExit(f"--skew-rank {args.skew_rank}: expected a rank from 0 to {world - 1}")
     comm, comm_note = step_communicator(plan.get("communicator", "torch"), device, world, rank)
     meta.update(communicator=comm.name, communicator_note=comm_note)
     out = os.path.join(args.out_dir, f"step_rank{rank}.json")
@@ -211,6 +254,7 @@ def main(argv=None) -> int:
     for step in plan["steps"]:
         items, skipped, reused = build_step(step["program"], plan["dtype"], device, world,
                                             weight_budget_bytes(plan, device), step.get("batch"), comm)
+        items = with_skew(items, args.skew_us if rank == args.skew_rank else 0.0, device)
         for variant in [v for v in args.variants.split(",") if v]:
             rows += time_variant(items, variant, step["batch"], plan, timer, use_cuda, device, rank, world,
                                  comm.name, {"gemms_skipped": skipped, "gemms_reusing_weights": reused})
