@@ -138,17 +138,32 @@ def _cmd_index(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from decodescope.report.compare import CompareError, build_compare
+    """The page and compare.json; with a gate, the exit status says whether a figure regressed (README:
+    "Exit status": 0 none, 1 a regression, 2 bad input, 3 a write failed, 4 runs not comparable)."""
+    from decodescope.report.compare import CompareError, run_compare
+    from decodescope.report.compare_gate import (EXIT_BAD_INPUT, EXIT_WRITE_FAILED, GateError, parse_allowed,
+                                                 parse_gates, resolve_baseline, summary_lines)
 
     try:
-        print(build_compare(args.runs, Path(args.out) if args.out else None))
-    except CompareError as e:
+        gates = parse_gates(args.gate, args.gate_metric or [])
+        allowed = parse_allowed(args.allow_mismatch or [])
+        specs = list(args.runs)
+        if args.baseline:
+            base = resolve_baseline(args.baseline, specs, Path(args.output_dir) if args.output_dir else None)
+            print(f"baseline {args.baseline}: {base}", file=sys.stderr)
+            specs = [base, *specs]
+        page, record, result = run_compare(specs, Path(args.out) if args.out else None, gates, allowed)
+    except (CompareError, GateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:
         print(f"error: could not write the compare page: {e}", file=sys.stderr)
         return EXIT_WRITE_FAILED
-    return 0
+    for line in summary_lines(result):
+        print(line, file=sys.stderr)
+    print(f"compare.json: {record}", file=sys.stderr)
+    print(page)
+    return result.exit_status
 
 
 def _cmd_analyze_trace(args) -> int:
@@ -173,6 +188,29 @@ def _cmd_wheelhouse(args) -> int:
           f"({len(made['left_to_host'])} left to the host)")
     print(f"on the host: pip install --no-index --find-links {args.out} decodescope")
     return 0
+
+
+def _add_compare(sub) -> None:
+    """`compare`'s arguments (the page, the gate, named baselines)."""
+    cmp = sub.add_parser("compare", help="two or more runs or variants side by side on one offline page")
+    cmp.add_argument("runs", nargs="+", metavar="RUN",
+                     help="run directories (outputs/<run>), or variants as RUN_DIR/variants/NAME or RUN_DIR:NAME; "
+                          "the first is the base")
+    cmp.add_argument("--out", help="the page (default: <the first run's output folder>/compare/<A>-vs-<B>.html); "
+                                   "compare.json is written beside it (<page>.json)")
+    cmp.add_argument("--gate", metavar="PCT", help="exit 1 when a later run is worse than the base by more than PCT%% "
+                     "and by more than the noise (the 95%% band over repeats) in any serving figure (throughput, "
+                     "TPOT, TTFT, E2E p50, per level) or the step's wall time; without repeats the gate alone")
+    cmp.add_argument("--gate-metric", action="append", metavar="NAME=PCT",
+                     help="a gate for one family (throughput, tpot, ttft, e2e, step, category), part (step.busy, "
+                          "category.gemm) or level (tpot@4), or `off`; repeatable; the most specific wins")
+    cmp.add_argument("--baseline", metavar="NAME", help="the base: a run directory, or a run in the output folder "
+                     "by directory name, run_id or params name (the newest); the RUNs are set against it")
+    cmp.add_argument("--output-dir", help="where --baseline looks (default: the RUNs' folders, then outputs/)")
+    cmp.add_argument("--allow-mismatch", action="append", metavar="KEY",
+                     help="gate runs that differ in this (model, tensor_parallel, engine_version, all_reduce, host, "
+                          "or all; repeatable); otherwise a gate refuses them (exit 4)")
+    cmp.set_defaults(func=_cmd_compare)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,12 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     idx.add_argument("output_dir", nargs="?", help="folder of run directories (default: the repository's outputs/)")
     idx.set_defaults(func=_cmd_index)
 
-    cmp = sub.add_parser("compare", help="two or more runs or variants side by side on one offline page")
-    cmp.add_argument("runs", nargs="+", metavar="RUN",
-                     help="run directories (outputs/<run>), or variants as RUN_DIR/variants/NAME or RUN_DIR:NAME; "
-                          "the first is the base")
-    cmp.add_argument("--out", help="the page (default: <the first run's output folder>/compare/<A>-vs-<B>.html)")
-    cmp.set_defaults(func=_cmd_compare)
+    _add_compare(sub)
 
     at = sub.add_parser("analyze-trace", help="per-rank breakdown of a directory of torch.profiler traces")
     at.add_argument("trace_dir")

@@ -32,6 +32,8 @@ A path that is not a run (or variant) is a CompareError naming it (the CLI's exi
 `comparison_blocks(sources)` builds the page's parts: headings, HTML, figures (the notebook 06 shows them).
 `write_compare(sources, out)` writes the page atomically through the report's shell (report.html.notebook_html).
 `build_compare(specs, out)` does all three and rebuilds the output folder's index.html.
+`run_compare(specs, out, gates, allowed)` does the same and writes compare.json beside the page
+(report.compare_gate: what makes the runs comparable, the figures held to a gate, the exit status).
 Every string from files goes through report.escape.
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import nbformat
 import pandas as pd
@@ -54,7 +56,10 @@ from decodescope.show.display import figure_bundle, show, table_html
 from decodescope.show.escape import html_text
 from decodescope.report.html import notebook_html
 from decodescope.report.index import COMPARE_DIR, build_index
+from decodescope.report.compare_gate import Gates, comparability, evaluate, gate_table, mismatch_text
 from decodescope.report.compare_sources import Source, _read_table, load_sources
+from decodescope.schema.recordbase import write_record
+from decodescope.schema.records_compare import CompareResult
 # re-exported (__all__): the CLI, notebook 06 and the tests name them as report.compare's
 from decodescope.report.compare_sources import VARIANTS, CompareError, default_runs, resolve
 from decodescope.report.compare_tables import (MAX_ROWS, SERVING_METRICS, category_delta_figure, category_differences,
@@ -112,6 +117,27 @@ def _head_blocks(sources: list[Source], out_dir: Optional[Path]) -> list[Block]:
         _table(runs_table(sources), "the sources (A is the base) - manifest.json, params, data/"),
         Block("html", "<p>" + " &middot; ".join(links) + "</p>" if links else ""),
         _note(CALLS_NOTE)]
+
+
+def _comparability_blocks(sources: list[Source], result: Optional[CompareResult] = None) -> list[Block]:
+    """What makes the runs comparable (flagged where it differs), and the gate's figures when one was asked."""
+    checks = result.comparability if result is not None else comparability(sources)
+    out = [Block("heading", "Comparable?", "comparable")]
+    rows = pd.DataFrame([{"": f"{c.run} vs {c.base}", "what": c.key, "base": c.value_a or MISSING,
+                          "run": c.value_b or MISSING, "status": c.status, "from": c.source} for c in checks])
+    differs = mismatch_text(checks, ("differs", "allowed"))
+    out.append(_note("The runs differ in what makes them comparable: " + "; ".join(differs) + "." if differs else
+                     "Model, tensor-parallel size, engine version, all-reduce path and host match (or are not "
+                     "recorded)."))
+    out.append(_table(rows, "model, TP, engine version, all-reduce path, host - params, manifest.json, data/host.json"))
+    if result is not None and result.gates:
+        verdict = ("refused: not gated" if result.refused else
+                   f"{result.regressions} regression(s)" if result.regressions else "no regression")
+        out.append(Block("heading", f"Gate: {verdict}", "gate"))
+        t = gate_table(result)
+        out.append(_table(t, "figures held to a gate - compare.json") if len(t) else
+                   _note("No figure was gated."))
+    return out
 
 
 def _params_blocks(sources: list[Source]) -> list[Block]:
@@ -230,9 +256,12 @@ def _micro_blocks(sources: list[Source]) -> list[Block]:
     return out
 
 
-def comparison_blocks(sources: list[Source], out_dir: Optional[Path] = None) -> list[Block]:
-    """Every part of the page, in order (out_dir: where the page goes, for relative links)."""
-    return [*_head_blocks(sources, out_dir), *_params_blocks(sources), *_serving_blocks(sources),
+def comparison_blocks(sources: list[Source], out_dir: Optional[Path] = None,
+                      result: Optional[CompareResult] = None) -> list[Block]:
+    """Every part of the page, in order (out_dir: where the page goes, for relative links; result: the
+    gate's compare_gate.CompareResult, shown where given)."""
+    return [*_head_blocks(sources, out_dir), *_comparability_blocks(sources, result), *_params_blocks(sources),
+            *_serving_blocks(sources),
             *_profile_blocks(sources), *_micro_blocks(sources)]
 
 
@@ -273,11 +302,11 @@ def default_out(sources: list[Source]) -> Path:
     return sources[0].run_dir.parent / COMPARE_DIR / f"{name[:200]}.html"
 
 
-def write_compare(sources: list[Source], out: Optional[Path] = None) -> Path:
+def write_compare(sources: list[Source], out: Optional[Path] = None, result: Optional[CompareResult] = None) -> Path:
     """The page, written atomically; returns its path."""
     out = Path(out) if out else default_out(sources)
     out_dir = out.resolve().parent
-    blocks = comparison_blocks(sources, out_dir)
+    blocks = comparison_blocks(sources, out_dir, result)
     nb = blocks_notebook(blocks, "decodescope compare " + " vs ".join(s.label for s in sources))
     return write_text_atomic(out, notebook_html(nb))
 
@@ -285,16 +314,35 @@ def write_compare(sources: list[Source], out: Optional[Path] = None) -> Path:
 def build_compare(specs: Sequence[str], out: Optional[Path] = None) -> Path:
     """Reads the sources, writes the page, and rebuilds the index of the first run's output folder when
     the page is in it (or in its compare/); a failure to write the index only warns."""
+    return run_compare(specs, out)[0]
+
+
+def compare_json_path(page: Path) -> Path:
+    """compare.json's path beside a page: <page stem>.json."""
+    return Path(page).with_suffix(".json")
+
+
+def run_compare(specs: Sequence[str], out: Optional[Path] = None, gates: Optional[Gates] = None,
+                allowed: Collection[str] = frozenset()) -> tuple[Path, Path, CompareResult]:
+    """build_compare, with the gate: (page, compare.json's path, compare_gate.CompareResult). The record is
+    written (atomically) after the page, beside it; the index is rebuilt last."""
     sources = load_sources(specs)
-    path = write_compare(sources, out)
+    page = Path(out) if out else default_out(sources)
+    result = evaluate(sources, gates or Gates(), set(allowed), page)
+    path = write_compare(sources, page, result)
+    record = write_record(compare_json_path(path), result)
+    _rebuild_index(sources, path)
+    return path, record, result
+
+
+def _rebuild_index(sources: list[Source], path: Path) -> None:
     root = sources[0].run_dir.parent
     if path.resolve().parent in (root, root / COMPARE_DIR):
         try:
             build_index(root)
         except OSError as e:
             log.warning("could not rebuild %s: %s", root / "index.html", e)
-    return path
 
 
-__all__ = ["Block", "blocks_notebook", "build_compare", "CALLS_NOTE", "CompareError", "comparison_blocks",
-           "default_out", "default_runs", "MISSING", "resolve", "show_blocks", "VARIANTS", "write_compare"]
+__all__ = ["Block", "blocks_notebook", "build_compare", "compare_json_path", "run_compare", "CALLS_NOTE",
+           "CompareError", "comparison_blocks", "default_out", "default_runs", "MISSING", "resolve", "show_blocks", "VARIANTS", "write_compare"]

@@ -30,7 +30,8 @@ MAX_ROWS = 400
 SERVING_METRICS = (("output_throughput_tok_s", "output tok/s", 1.0),
                    ("tpot_p50_us", "TPOT p50 (ms)", 1e-3),
                    ("ttft_p50_us", "TTFT p50 (ms)", 1e-3),
-                   ("e2e_p50_us", "E2E p50 (ms)", 1e-3))
+                   ("e2e_p50_us", "E2E p50 (ms)", 1e-3),
+                   ("server_tpot_mean_us", "TPOT mean, the server's (vLLM /metrics) (ms)", 1e-3))
 
 
 # ---- differences, generic --------------------------------------------------------------------------
