@@ -21,6 +21,7 @@ def critical_path_command(args, read_or_report) -> int:
 
     from decodescope.schema.recordbase import write_record
     from decodescope.trace.analyze import find_steps, op_table
+    from decodescope.trace.critpath_chrome import CHROME_TRACE, write_chrome_trace
     from decodescope.trace.critpath_record import critical_path_summary
     from decodescope.trace.critpath_table import critical_paths
 
@@ -30,6 +31,7 @@ def critical_path_command(args, read_or_report) -> int:
     out = Path(args.out) if args.out else Path(args.trace_dir) / "analysis"
     write_parquet_atomic(out / "critical_path.parquet", cp.segments)
     write_record(out / "critical_path.json", rec)
+    write_chrome_trace(cp, out / CHROME_TRACE, source=str(args.trace_dir))
 
     def table(rows: list) -> pd.DataFrame:
         return pd.DataFrame([r.model_dump() for r in rows])
@@ -44,8 +46,14 @@ def critical_path_command(args, read_or_report) -> int:
         if not waits.empty:
             print("\nCollectives waiting for a later rank (per step, summed over the waiting ranks):")
             print(waits.to_string(**fmt))
+        split = table(rec.collective_split)
+        if not split.empty:
+            print("\nEach collective instance split into arrival skew (first rank in to last rank in) and transfer "
+                  "(last rank in to end), per step:")
+            print(split.to_string(**fmt))
         how = "free" if math.isinf(args.speedup) else f"{args.speedup:g}x faster"
         print(f"\nWhat a fix could buy at most (the step replayed with the category {how}):")
         print(fixes.to_string(**fmt))
-    print(f"\nwrote {out}/critical_path.parquet and {out}/critical_path.json")
+    print(f"\nwrote {out}/critical_path.parquet, {out}/critical_path.json and {out}/{CHROME_TRACE} (the path as a "
+          "trace: open it in Perfetto or chrome://tracing beside the rank traces)")
     return 0

@@ -21,6 +21,7 @@ from decodescope.trace.hostops import HOST_OPS_RECORD, host_op_costs, read_host_
 from decodescope.trace.categorize import communicator_of
 from decodescope.trace.classtime import class_time_per_step
 from decodescope.trace.load import LoadedTraces, load_trace_dir
+from decodescope.trace.critpath_chrome import CHROME_TRACE, write_chrome_trace
 from decodescope.trace.critpath_record import write_critical_path
 from decodescope.trace.critpath_table import CriticalPaths
 
@@ -240,6 +241,8 @@ def profile_for_phase(ctx: PhaseContext) -> tuple[list[ProfiledLevel], list[str]
         out.append(ProfiledLevel(cap, result, summary))
         out[-1].critical_path = write_critical_path(loaded.events, result.ops, result.steps, level_dir,
                                                     cap.concurrency)
+        # the path as a Chrome trace, to open beside the level's rank traces (Perfetto, chrome://tracing)
+        write_chrome_trace(out[-1].critical_path, level_dir / CHROME_TRACE, source=str(cap.trace_dir))
     write_profile(out[0].result, RunDir(ctx.run_dir).data, out[0].capture.concurrency)
     return out, notes
 
