@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from decodescope.schema.params import load_params
 from decodescope.trace.attachguard import DISK_SHARE, MEMORY_SHARE
 from tests.browser import inspect_report
 from tests.test_faults import Run, digests, manifest, record_fault, wait_until
-from tests.test_integration_vllm import sweep_to_1mib
+from tests.test_integration_vllm import DECODESCOPE, sweep_to_1mib
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -344,3 +345,53 @@ def test_a_server_without_a_profiler_is_refused_before_any_workload(tmp_path):
 def _requests_total(metrics: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("vllm:request_success_total"))
+
+
+# ---- server.mode attach: what answers at server.url, refused before any phase runs -------------------------------
+def _attach_run(tmp_path, url: str) -> tuple[int, str, float]:
+    """`decodescope run` of the embedded default attached to `url`, every phase: exit status, stderr, seconds."""
+    params = tmp_path / "attach.yaml"
+    params.write_text((REPO / "params/default.yaml").read_text()
+                      .replace("  mode: launch\n", f"  mode: attach\n  url: {url}\n")
+                      .replace("config: models/", f"config: {REPO / 'params/models'}/")
+                      .replace("output_dir: outputs", f"output_dir: {tmp_path / 'out'}"))
+    t0 = time.monotonic()
+    r = subprocess.run(DECODESCOPE + ["run", str(params)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return r.returncode, r.stderr, time.monotonic() - t0
+
+
+def test_an_attach_run_with_nothing_listening_is_refused_before_any_phase(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]   # bound, not listening: a real port with nothing on it
+        rc, err, took_s = _attach_run(tmp_path, f"http://127.0.0.1:{port}")
+    assert rc == EXIT_BAD_INPUT and f"nothing listens at server.url http://127.0.0.1:{port}" in err, err
+    assert "not a vLLM server" not in err and "without a torch profiler" not in err
+    assert not list(tmp_path.glob("out/*"))          # no run directory: no phase ran
+    assert took_s < 60, took_s                         # seconds, not the 2 min 9 s of 00, 02, 03 first
+    print(f"nothing listening: refused in {took_s:.1f} s")
+
+
+def test_an_attach_run_to_a_plain_http_server_is_refused_as_not_vllm(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                            "--directory", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as c:
+                if c.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        rc, err, took_s = _attach_run(tmp_path, f"http://127.0.0.1:{port}")
+    finally:
+        web.terminate()
+        log = web.communicate(timeout=30)[1]
+    assert rc == EXIT_BAD_INPUT and f"server.url http://127.0.0.1:{port}" in err and "is not a vLLM server" in err, err
+    assert "GET /health answered 404" in err and "without a torch profiler" not in err
+    assert "GET /health" in log and "POST" not in log   # it was asked what it is, and sent no work
+    assert not list(tmp_path.glob("out/*"))
+    assert took_s < 60, took_s
+    print(f"plain HTTP server: refused in {took_s:.1f} s")

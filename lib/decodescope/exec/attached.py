@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 from typing import Optional
 from urllib.parse import urlsplit
 
+from decodescope.core.phases import SERVER_PHASES
 from decodescope.exec.hostcore import HostError
 
 PROFILE_PHASE = "04_profile"
@@ -124,8 +125,6 @@ def check_reachable(params, host, phases) -> dict:
     """Before any phase runs, when a selected phase needs the attached server: something listens at
     server.url, and it is a vLLM server (GET /health 200 and GET /version naming a vLLM version). Raises
     AttachError with a message of its own for each; returns the probe's answer ({} when not checked)."""
-    from decodescope.core.phases import SERVER_PHASES
-
     if params.server.mode != "attach" or not set(phases) & SERVER_PHASES:
         return {}
     url = str(params.server.url).rstrip("/")

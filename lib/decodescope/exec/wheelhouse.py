@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
@@ -116,8 +117,6 @@ def local_build_gap() -> Optional[str]:
     """Why this interpreter cannot build decodescope's wheel from its own setuptools (pyproject.toml's
     setuptools>=64, and bdist_wheel: setuptools 70.1+ carries it, older ones need the `wheel` package), or
     None when it can."""
-    from importlib import metadata
-
     try:
         setuptools = metadata.version("setuptools")
     except metadata.PackageNotFoundError:
