@@ -256,6 +256,35 @@ def test_profile_finds_the_allreduces_the_architecture_expects(e2e):
     assert list((e2e["run_dir"] / "traces").rglob("*profiler_out*"))
 
 
+def test_the_verdict_answers_from_the_critical_path_and_its_collective_bound_moves_it(e2e):
+    """On a real vLLM CPU TP=2 run (shm or gloo, as the host's vLLM takes it): the headline names what holds the
+    critical path of a decode step, read from 04's critical_path.json; the all-reduce's instances (9 a step:
+    the embedding's and two per layer, gloo's wait ops counted with their async calls) are split into skew and
+    transfer; and where the transfer holds a fifth of the wall step or more, freeing it moves the replayed step
+    by at least a quarter of that share (the gloo path's largest part had no bound that moved it)."""
+    v, run = e2e["verdict"], e2e["run_dir"]
+    b = v["bottleneck"]
+    assert b["basis"] == "critical path"
+    rec = json.loads((run / "data" / "profile" / f"c{b['level']}" / "critical_path.json").read_text())
+    top = max(rec["shares"], key=lambda r: r["path_share_median"])
+    assert (b["category"], b["share"]) == (top["category"], top["path_share_median"])
+    assert v["verdict"].startswith(b["category"]) and "of summed op time" in v["verdict"]
+    assert "of the wall-clock decode step on its critical path" in e2e["report"].read_text()
+    split = {r["category"]: r for r in rec["collective_split"]}
+    ar = split["allreduce"]
+    assert ar["instances_per_step"] == 1 + 2 * 4
+    assert ar["skew_us_per_step"] >= 0 and ar["transfer_us_per_step"] > 0
+    wall = rec["wall_us_median"]
+    bound = next(x for x in rec["fix_bounds"] if x["category"] == "allreduce transfer")
+    on_path = ar["transfer_on_path_us_per_step"] / wall
+    print(f"{b['category']} {100 * b['share']:.0f}% of the wall step; allreduce transfer {100 * on_path:.0f}% and skew "
+          f"{100 * ar['skew_on_path_us_per_step'] / wall:.0f}% on the path; freeing the transfer buys "
+          f"{100 * bound['gain_share_median']:.0f}%")
+    if on_path >= 0.2:
+        assert bound["gain_share_median"] >= 0.25 * on_path
+    assert "collective_wait" not in {x["category"] for x in rec["fix_bounds"]}
+
+
 def test_the_ungraphed_capture_prices_the_custom_ops_of_a_real_engine(e2e):
     """Asked for (profile.host_ops_tokens: 256), 04 profiled one request of 256 prompt tokens on the real CPU
     engine into traces/host_ops/ (both ranks) and priced each outermost vllm:: op of its prefill step."""

@@ -593,9 +593,11 @@ static inline double cp_finish(int64_t g, const double *start, const double *end
     return from + (end[g] - from_op) * scale;
 }
 
-/* replay_step (critpath_whatif.py) over `order`: first/next chain each instance's entering members; a wait
-   member (wait[i], NULL: none) has its instance's first entering member in `first` and is placed at its own
-   turn, after them. gap_scale (per row, NULL: 1) scales the delay before each piece. */
+/* replay_step (critpath_whatif.py) over `order`: first/next chain each instance's entering members; those
+   not placed yet are placed together at the first of them met that waited (an async call that ended before
+   the last entry is placed alone at its own turn); a wait member (wait[i], NULL: none) has its instance's
+   first entering member in `first` and is placed at its own turn, after them. gap_scale (per row, NULL: 1)
+   scales the delay before each piece. */
 double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const int64_t *next, const double *start,
                  const double *end, const int8_t *kind, const int32_t *pred, const int32_t *group,
                  const double *group_entry, const int32_t *lane, const int32_t *rank,
@@ -612,25 +614,27 @@ double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const in
             placed[i] = 3;
             continue;
         }
+        if (!(wait && wait[i]) && group_entry[group[i]] > end[i]) {  /* an async call that did not wait */
+            s_new[i] = CP_BEGIN(i, k);
+            e_new[i] = s_new[i] + (end[i] - start[i]) * scale[k];
+            placed[i] = 3;
+            continue;
+        }
         int64_t f = first[k];
         double last_in = -1.0 / 0.0;
-        if (f >= 0 && !(placed[order[f]] & 2)) {  /* the entering members, placed together */
-            for (int64_t m = f; m >= 0; m = next[m]) {
-                s_new[order[m]] = CP_BEGIN(order[m], m);
-                placed[order[m]] |= 1;
-            }
-            last_in = s_new[order[f]];
-            for (int64_t m = next[f]; m >= 0; m = next[m])
-                if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
-            for (int64_t m = f; m >= 0; m = next[m]) {
-                int64_t g = order[m];
-                e_new[g] = cp_finish(g, start, end, group, group_entry, s_new, last_in, scale[m], (int)skew_free);
-                placed[g] = 3;
-            }
-        } else if (f >= 0) {
-            last_in = s_new[order[f]];
-            for (int64_t m = next[f]; m >= 0; m = next[m])
-                if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
+        for (int64_t m = f; m >= 0; m = next[m]) {  /* the entering members not placed yet, placed together */
+            int64_t g = order[m];
+            if (placed[g] & 2) continue;
+            s_new[g] = CP_BEGIN(g, m);
+            placed[g] |= 1;
+        }
+        for (int64_t m = f; m >= 0; m = next[m])
+            if (s_new[order[m]] > last_in) last_in = s_new[order[m]];
+        for (int64_t m = f; m >= 0; m = next[m]) {
+            int64_t g = order[m];
+            if (placed[g] & 2) continue;
+            e_new[g] = cp_finish(g, start, end, group, group_entry, s_new, last_in, scale[m], (int)skew_free);
+            placed[g] = 3;
         }
         if (wait && wait[i]) {
             s_new[i] = CP_BEGIN(i, k);

@@ -55,7 +55,9 @@ def step_rows(p: Pieces, ln: Links, w0: float, w1: float,
                          a + np.flatnonzero((p.end[a:b] > w0) & (p.start[a:b] < w1)))
         rows = np.concatenate(parts) if parts else np.flatnonzero((p.end > w0) & (p.start < w1))
     entry = ln.entry_at(rows)
-    key = np.where(entry > p.start[rows], entry, p.start[rows])
+    # a piece that waited for its instance's last entry comes at that entry; one that ended before it (an
+    # async call) at its start, so that what follows it on its lane finds it placed
+    key = np.where((entry > p.start[rows]) & (entry <= p.end[rows]), entry, p.start[rows])
     return rows[np.lexsort((p.start[rows], key))]
 
 
@@ -78,7 +80,6 @@ def replay_step(p: Pieces, ln: Links, w0: float, w1: float, scale: np.ndarray, f
     s_new: dict[int, float] = {}
     e_new: dict[int, float] = {}
     members: dict[int, list[int]] = {}
-    last_in_of: dict[int, float] = {}
     for i in order:
         if group[i] >= 0 and i not in waits:
             members.setdefault(group[i], []).append(i)
@@ -106,20 +107,20 @@ def replay_step(p: Pieces, ln: Links, w0: float, w1: float, scale: np.ndarray, f
         if i in e_new:
             continue
         g = group[i]
-        if g < 0:
+        if g < 0 or (i not in waits and entry[i] > end[i]):  # no collective, or an async call that did not wait
             s_new[i] = begin(i)
             e_new[i] = s_new[i] + (end[i] - start[i]) * sc[i]
             continue
-        if g not in last_in_of:  # the instance's entering pieces, placed together
-            mem = members.get(g, [])
-            for m in mem:
-                s_new[m] = begin(m)
-            last_in_of[g] = max((s_new[m] for m in mem), default=-np.inf)
-            for m in mem:
-                e_new[m] = finish(m, last_in_of[g])
+        mem = members.get(g, [])
+        todo = [m for m in mem if m not in e_new]  # the entering pieces not placed yet, placed together
+        for m in todo:
+            s_new[m] = begin(m)
+        last_in = max((s_new[m] for m in mem), default=-np.inf)
+        for m in todo:
+            e_new[m] = finish(m, last_in)
         if i in waits:  # a wait: from its own start, until the instance's last entry and its transfer
             s_new[i] = begin(i)
-            e_new[i] = finish(i, last_in_of[g])
+            e_new[i] = finish(i, last_in)
     tail = w1 - float(np.minimum(p.end[rows], w1).max())
     # a piece still running at w1 counts to its point at w1, not to its end
     last_end = max(s_new[i] + (w1 - start[i]) * sc[i] if end[i] > w1 else e_new[i] for i in order)
