@@ -138,7 +138,7 @@ def test_the_step_and_its_categories_are_gated_when_named(tmp_path, capsys):
     b = make_run(out, "20260102T000000Z-b", tpots=A_TPOTS, repeats=True, categories=slower, wall_us=1300)
     assert main(["compare", str(a), str(b), "--gate", "20"]) == 1  # the step's wall: +30%, no repeats
     err = capsys.readouterr().err
-    assert "REGRESSION (noise unknown): B against A: the step's wall-clock step" in err and "+30.0% worse" in err
+    assert "REGRESSION (noise unknown): B against A: decode step, wall-clock step" in err and "+30.0% worse" in err
     assert "gemm per decode step" not in err  # categories only where named
     assert main(["compare", str(a), str(b), "--gate-metric", "category.gemm=40"]) == 1
     assert "B against A: gemm per decode step" in capsys.readouterr().err

@@ -307,7 +307,7 @@ def gated_metrics(sources: list[Source], gates: Gates) -> list[GatedMetric]:
         where = "profiled concurrency not recorded" if c is None else f"profiled at concurrency {c}"
         for r in step_differences(summaries).to_dict("records"):
             key, part = by_label[r["figure"]]
-            out.append(_metric("step", key, c, f"the step's {r['figure']} ({where})", "us", "lower", r,
+            out.append(_metric("step", key, c, f"decode step, {r['figure']} ({where})", "us", "lower", r,
                                gates.gate_for("step", part, c)))
         cats = category_differences(summaries)
         for r in cats.to_dict("records"):
