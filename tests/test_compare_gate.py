@@ -210,3 +210,14 @@ def test_tpot_and_ttft_of_a_level_delivered_in_bursts_are_named_not_gated(tmp_pa
     verdicts = {(m.family, m.level): m.verdict for m in _json_of(cap.out.strip()).metrics}
     assert verdicts[("tpot", 1)] == verdicts[("ttft", 1)] == "not gated: burst delivery"
     assert verdicts[("tpot", 2)] == "ok"
+
+
+def test_a_gate_that_holds_no_figure_both_runs_measured_exits_2(tmp_path, capsys):
+    out = tmp_path / "outputs"
+    a = make_run(out, "20260101T000000Z-a", tpots=A_TPOTS, repeats=True)
+    b = make_run(out, "20260102T000000Z-b", tpots={4: [4000, 4100, 3950]}, repeats=True)  # no level in common
+    assert main(["compare", str(a), str(b), "--gate", "10"]) == 2
+    cap = capsys.readouterr()
+    assert "error: the gate held no figure: no gated figure was measured by both runs" in cap.err
+    assert _json_of(cap.out.strip()).exit_status == 2
+    assert main(["compare", str(a), str(b)]) == 0  # without a gate: the page alone

@@ -342,7 +342,10 @@ def evaluate(sources: list[Source], gates: Gates, allowed: Collection[str], page
     refused = gates.any and any(c.status == "differs" for c in checks)
     metrics = [] if refused else gated_metrics(sources, gates)
     regressions = sum(m.verdict.startswith("regression") for m in metrics)
-    status = EXIT_INCOMPARABLE if refused else EXIT_REGRESSION if regressions else EXIT_OK
+    held = [m for m in metrics if m.gate_pct is not None and not m.verdict.startswith("not ")]
+    empty = gates.any and not refused and not held  # a gate that held nothing must not pass a CI job
+    status = (EXIT_INCOMPARABLE if refused else EXIT_REGRESSION if regressions else
+              EXIT_BAD_INPUT if empty else EXIT_OK)
     return CompareResult(sources=[CompareSource(letter=s.letter, label=s.label, run_dir=str(s.run_dir),
                                                 variant=s.variant) for s in sources],
                          page=str(page), comparability=checks, refused=refused, gates=gates.as_dict(),
@@ -362,6 +365,9 @@ def summary_lines(result: CompareResult) -> list[str]:
     gated = [m for m in result.metrics if m.gate_pct is not None and not m.verdict.startswith("not ")]
     if not result.gates:
         return lines
+    if not gated and result.exit_status == EXIT_BAD_INPUT:
+        return lines + ["error: the gate held no figure: no gated figure was measured by both runs (serving levels "
+                        "or profiled concurrencies in common; see the page's phase status) (exit status 2)"]
     for m in result.metrics:
         if m.verdict.startswith("regression"):
             lines.append(f"REGRESSION{' (noise unknown)' if 'unknown' in m.verdict else ''}: {describe(m)}")

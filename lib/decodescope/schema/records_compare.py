@@ -74,5 +74,6 @@ class CompareResult(Record):
                                               description="--gate and --gate-metric as given: name -> percent")
     metrics: list[GatedMetric] = Field(default_factory=list)
     regressions: int = 0
-    exit_status: int = Field(0, description="0 no regression; 1 a regression; 4 refused (README: compare's exit status)")
+    exit_status: int = Field(0, description="0 no regression; 1 a regression; 2 a gate that held no figure both runs "
+                                             "measured; 4 refused (README: compare's exit status)")
     method: str = Field(description="how the noise band is made")
