@@ -267,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--critical-path", action="store_true",
                     help="each step's critical path across streams, threads and ranks: the wall step by category "
                          "beside the summed shares, collective waits, what a fix could buy at most (writes "
-                         "critical_path.parquet and critical_path.json)")
+                         "critical_path.parquet, critical_path.json and critical_path.trace.json.gz: the path as a "
+                         "Chrome trace for Perfetto, beside the rank traces)")
     at.add_argument("--speedup", type=float, default=float("inf"),
                     help="with --critical-path: the bounds with a category this many times faster (default: free)")
     at.set_defaults(func=_cmd_analyze_trace)
