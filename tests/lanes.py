@@ -17,6 +17,7 @@ Two processes rather than pytest-xdist's groups: with pytest 9.2, xdist 3.8's `-
 groups (it renames `item._nodeid`, which pytest no longer reads), and both workers started servers at once.
 
     python -m tests.lanes [pytest arguments for every lane]
+    python -m tests.lanes --fast [pytest arguments]   # make test-fast: the unit tests over two lanes, see fast_argvs
 
 The lane of servers and the lone stage write to the terminal as they run; the unit lane's output comes whole
 once it ends. The exit status is the first failing lane's.
@@ -38,8 +39,7 @@ HANDOFF_ENV = "DECODESCOPE_TEST_HANDOFF"
 FAULTS = ("test_faults.py", "test_attach.py", "test_host_ssh.py")
 BESIDE_SERVERS = ("test_integration_ssh.py",)
 ALONE = ("test_integration_vllm.py", "test_experiments_vllm.py", "test_probes.py",
-         "test_stepmodel.py", "test_engine_comm.py", "test_serving_client.py", "test_telemetry.py",
-         "test_compare_gate_vllm.py")
+         "test_stepmodel.py", "test_engine_comm.py", "test_serving_client.py", "test_telemetry.py")
 LATE = ("test_integration_ssh.py::test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run",)
 SERVERS = FAULTS + BESIDE_SERVERS + ALONE  # every module that starts a server, an sshd or probe ranks
 
@@ -75,6 +75,42 @@ def stage_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> li
     ]
 
 
+# make test-fast selects no server, sshd, torchrun or browser test, so the stage-1 modules' unit tests split
+# over two processes, one a core, instead of one lane beside a lane of deselected servers; the ALONE modules'
+# unit tests still run after, alone. The split's weights: each module's selected tests' seconds (junit, on this
+# 2-core machine under other sessions' load, 2026-12-06: 319 s in one process, 329 s wall); a module not
+# listed counts FAST_DEFAULT_S.
+FAST_WEIGHT_S = {
+    "test_trace_stream.py": 61.8, "test_compare.py": 27.9, "test_trace_parse.py": 24.4,
+    "test_runner_report.py": 17.7, "test_lanes.py": 14.7, "test_imports.py": 13.2, "test_packaging.py": 10.5,
+    "test_compare_gate.py": 10.4, "test_records_probe.py": 9.7, "test_critpath_chrome.py": 5.4,
+    "test_fixture_verdicts.py": 5.2, "test_critpath.py": 4.1, "test_speculative.py": 4.1,
+    "test_capture_window.py": 3.5, "test_params.py": 3.3, "test_vllm_gpu_kimi.py": 2.7, "test_attachguard.py": 2.6,
+    "test_records.py": 2.6, "test_procs.py": 2.5, "test_step_model_page.py": 2.3, "test_vllm_gpu.py": 2.1,
+}
+FAST_DEFAULT_S = 1.0
+
+
+def fast_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> list[dict[str, list[str]]]:
+    """make test-fast's stages: every module but ALONE's over two lanes at once, balanced by FAST_WEIGHT_S
+    (the heaviest first, each to the lighter lane), then the ALONE modules in one lane."""
+    pytest = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider"]
+    own = basetemp_root is not None and not any(a.startswith("--basetemp") for a in pytest_args)
+
+    def temp(lane: str) -> list[str]:
+        return [f"--basetemp={basetemp_root / lane}"] if own and basetemp_root is not None else []
+    modules = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in ALONE)
+    lanes: dict[str, list[str]] = {"units-a": [], "units-b": []}
+    load = dict.fromkeys(lanes, 0.0)
+    for m in sorted(modules, key=lambda m: (-FAST_WEIGHT_S.get(m, FAST_DEFAULT_S), m)):
+        lane = min(load, key=lambda k: (load[k], k))
+        lanes[lane].append(m)
+        load[lane] += FAST_WEIGHT_S.get(m, FAST_DEFAULT_S)
+    return [{name: pytest + [str(TESTS / m) for m in sorted(ms)] + temp(name) + pytest_args
+             for name, ms in lanes.items()},
+            {"alone": pytest + [str(TESTS / m) for m in ALONE] + temp("alone") + pytest_args}]
+
+
 def _print_when_done(proc: subprocess.Popen, name: str, log) -> None:
     proc.wait()
     log.seek(0)
@@ -108,7 +144,9 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="decodescope-lanes-") as handoff:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{HANDOFF_ENV: handoff})
         try:
-            for stage in stage_argvs(argv, Path(handoff)):
+            fast = argv[:1] == ["--fast"]
+            stages = fast_argvs(argv[1:], Path(handoff)) if fast else stage_argvs(argv, Path(handoff))
+            for stage in stages:
                 codes.update(run_stage(stage, env, procs))
         except KeyboardInterrupt:
             # the terminal's Ctrl-C reached the lanes too (one process group); wait for them to stop

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from tests.conftest import Handoff
-from tests.lanes import (ALONE, BESIDE_SERVERS, FAULTS, HANDOFF_ENV, LATE, NO_TESTS, SERVERS, TESTS, lanes_status,
-                         stage_argvs, unit_modules)
+from tests.lanes import (ALONE, BESIDE_SERVERS, FAST_DEFAULT_S, FAST_WEIGHT_S, FAULTS, HANDOFF_ENV, LATE, NO_TESTS,
+                         SERVERS, TESTS, fast_argvs, lanes_status, stage_argvs, unit_modules)
 
 
 def _modules(argv: list[str]) -> list[str]:
@@ -27,6 +27,20 @@ def test_every_test_module_runs_in_exactly_one_lane():
     assert _modules(stages[0]["units"]) == unit_modules() + list(BESIDE_SERVERS)
     assert _modules(stages[1]["alone"]) == list(ALONE)
     assert all(argv[-1] == "-q" for argv in lanes)
+
+
+def test_make_test_fast_splits_the_modules_over_two_lanes_by_weight_then_runs_the_timing_ones_alone(tmp_path):
+    stages = fast_argvs(["-m", "not integration"], tmp_path)
+    assert [sorted(s) for s in stages] == [["units-a", "units-b"], ["alone"]]
+    lanes = {name: _modules(argv) for stage in stages for name, argv in stage.items()}
+    ran = [m for ms in lanes.values() for m in ms]
+    assert sorted(ran) == sorted(p.name for p in TESTS.glob("test_*.py"))   # each once
+    assert lanes["alone"] == list(ALONE) and not set(ALONE) & set(lanes["units-a"] + lanes["units-b"])
+    load = {name: sum(FAST_WEIGHT_S.get(m, FAST_DEFAULT_S) for m in lanes[name]) for name in ("units-a", "units-b")}
+    assert abs(load["units-a"] - load["units-b"]) <= max(FAST_WEIGHT_S.values())   # balanced as greedily as can be
+    assert all(argv[-2:] == ["-m", "not integration"] for stage in stages for argv in stage.values())
+    assert {a for stage in stages for argv in stage.values() for a in argv if a.startswith("--basetemp")} == {
+        f"--basetemp={tmp_path / n}" for n in ("units-a", "units-b", "alone")}
 
 
 def test_each_lane_has_a_basetemp_of_its_own_that_no_other_pytest_session_prunes(tmp_path):
