@@ -3,8 +3,8 @@
 Stage 1, two lanes at once. The modules there that start vLLM servers, sshds and probe ranks assert exit
 statuses, files, messages and what is left running (their own: by run token, run directory or port), never
 how fast anything ran beyond seconds-scale limits, so two of them may share the two cores: FAULTS (the fault
-tests, then the ssh host's, one server at a time) in one lane; the unit tests (parsing, records, reports,
-packaging, type checks) and then BESIDE_SERVERS (the runs over ssh) in the other.
+and attach tests, one server at a time) in one lane; the unit tests (parsing, records, reports, packaging,
+type checks) and then BESIDE_SERVERS (the ssh host's tests, the runs over ssh) in the other.
 Stage 2, one lane alone on the machine: ALONE, the modules that time the engine, a client or a probe, one
 after the other; then LATE, tests that read what both stages made (the report over ssh of stage 1 set
 against the local end-to-end run of stage 2).
@@ -36,8 +36,11 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 NO_TESTS = 5  # pytest's exit status when no test was selected
 HANDOFF_ENV = "DECODESCOPE_TEST_HANDOFF"
-FAULTS = ("test_faults.py", "test_attach.py", "test_host_ssh.py")
-BESIDE_SERVERS = ("test_integration_ssh.py",)
+FAULTS = ("test_faults.py", "test_attach.py")
+# test_host_ssh.py (sshd, torchrun over ssh, no vLLM; 88 s alone) runs in the unit lane: the lane of servers
+# was the longer by ~260 s (test_faults ~470 s + test_attach 342 s + it, against ~320 s of unit tests and
+# test_integration_ssh's runs), so stage 1 waited on it
+BESIDE_SERVERS = ("test_host_ssh.py", "test_integration_ssh.py")
 ALONE = ("test_integration_vllm.py", "test_experiments_vllm.py", "test_probes.py",
          "test_stepmodel.py", "test_engine_comm.py", "test_serving_client.py", "test_telemetry.py")
 LATE = ("test_integration_ssh.py::test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run",)
