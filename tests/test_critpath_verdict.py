@@ -93,3 +93,15 @@ def test_a_gemm_projection_is_held_to_the_gemm_class_freed_whole():
     rows = fix_rows({4: rec}, [projection("GEMMs 2x faster", -20.0, 4.0)])
     held = [r for r in rows if r.fix]
     assert [(r.bound, r.exceeds_bound) for r in held] == [("gemm (all) free", True)]
+
+
+def test_03s_all_reduces_are_set_beside_the_profiles_transfer_alone_with_the_skew_set_apart():
+    from decodescope.schema.records import ReconcileRow
+    from decodescope.verdict.critpath_view import transfer_reconcile_row
+    micro = ReconcileRow(piece="all-reduces per step (vllm_shm)", micro_benchmark_us=20.0,
+                         micro_source="collectives.parquet sweep, vllm_shm back_to_back", profile_us=30.0,
+                         profile_source="profile_summary.json")
+    row = transfer_reconcile_row([micro], {4: record()}, 4)
+    assert (row.micro_benchmark_us, row.profile_us, row.profile_over_micro) == (20.0, 20.0, 1.0)
+    assert "c4/critical_path.json collective_split" in row.profile_source and "700 us per step" in row.note
+    assert transfer_reconcile_row([], {4: record()}, 4) is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from decodescope.schema.records import Bottleneck, ProjectionRow
+from decodescope.schema.records import Bottleneck, ProjectionRow, ReconcileRow
 from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary, CritPathFixRow
 from decodescope.schema.rundata import RunDir
 from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, class_of
@@ -142,6 +142,33 @@ def wall_share_sentence(rec: CriticalPathSummary) -> Optional[str]:
         text += "; " + ", ".join(f"{r.category} {100 * r.path_share_median:.0f}% of the wall step against "
                                  f"{100 * r.summed_share_median:.0f}% of summed op time" for r in shown)
     return text + "."
+
+
+def transfer_reconcile_row(rows: list[ReconcileRow], records: dict[int, CriticalPathSummary],
+                           batch: int) -> Optional[ReconcileRow]:
+    """03's all-reduces per step beside the profile's transfer part alone, like for like: 03 times the calls
+    with the ranks in together (no arrival skew), the split takes the skew out of the profile's side. The
+    micro-benchmark side is the all-reduce row reconcile() priced (its communicator and timing); None where
+    there is no such row or no split at the profiled level (the nearest profiled level's otherwise)."""
+    micro = next((r for r in rows if r.piece.startswith("all-reduces per step") and r.micro_benchmark_us
+                  and r.micro_benchmark_us == r.micro_benchmark_us), None)
+    if micro is None or not records:
+        return None
+    conc = min(records, key=lambda c: (abs(c - batch), c))
+    split = [x for x in records[conc].collective_split if x.category in ALLREDUCE_CATEGORIES]
+    if not split:
+        return None
+    transfer = sum(x.transfer_us_per_step for x in split)
+    skew = sum(x.skew_us_per_step for x in split)
+    assert micro.micro_benchmark_us is not None  # chosen above for a figure
+    return ReconcileRow(
+        piece="all-reduce transfer per step (critical path split)", micro_benchmark_us=micro.micro_benchmark_us,
+        micro_source=micro.micro_source, profile_us=transfer,
+        profile_source=(f"profile/c{conc}/critical_path.json collective_split: each all-reduce from its last rank's "
+                        "entry to its end, summed over a step's instances (median over the steps)"),
+        profile_over_micro=transfer / micro.micro_benchmark_us,
+        note=(f"like for like: 03 runs the calls with the ranks in together; the profile's arrival skew "
+              f"({skew:,.0f} us per step, first rank in to last) is set apart, not priced as transfer"))
 
 
 def critical_path_findings(records: dict[int, CriticalPathSummary], rows: list[CritPathFixRow]) -> list[dict]:

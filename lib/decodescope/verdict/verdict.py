@@ -18,7 +18,7 @@ from decodescope.schema.records_serving import ServingLevel
 from decodescope.model import arch as archmod
 from decodescope.verdict import leveldrift, stepmodel as sm, stepparts as sp
 from decodescope.verdict.critpath_view import (critical_path_findings, critical_path_records, disagreement, fix_rows,
-                                               headline, path_bottleneck)
+                                               headline, path_bottleneck, transfer_reconcile_row)
 from decodescope.exec.engine_comm import micro_communicator_for
 from decodescope.core.enginelog import last_engine_modes
 from decodescope.micro.bench import with_timing_columns
@@ -334,6 +334,9 @@ def verdict(run_dir: Path, params) -> Verdict:
     out.engine = modes.describe() if modes else ""
     paths = critical_path_records(run_dir)
     out.critical_path = fix_rows(paths, out.projections)
+    like_for_like = transfer_reconcile_row(out.reconcile, paths, profile_batch)
+    if like_for_like is not None:
+        out.reconcile.append(like_for_like)
     path_first = _answer_from_path(out, paths, summary)
     out.findings = [Finding.model_validate(f) for f in path_first + findings(out, summary, params.server.tensor_parallel)
                     + critical_path_findings(paths, out.critical_path)]
