@@ -182,6 +182,7 @@ def _teardown(spec: dict, child: subprocess.Popen, token: str, shm: set[Path], r
             rc = child.wait(timeout=5)
         except subprocess.TimeoutExpired:
             rc = None
+    procs.wait_gone(lambda: procs.run_processes(token, [pgid]), 30.0)  # no process left to make one more
     for pattern in spec.get("shm_globs", []):
         shm |= set(procs.SHM_DIR.glob(pattern))
     removed = procs.remove_shm(procs.shm_idents(shm), shm)

@@ -15,8 +15,8 @@ from decodescope.exec import procs
 from decodescope.schema.records_server import LinkMeasure
 
 SESSION_ENV = "DECODESCOPE_SSH_SESSION"      # the run's ControlMaster, inherited by its kernels
-HOST_RUN_ID_ENV = "DECODESCOPE_HOST_RUN_ID"  # the run id, on every process the run starts on the host
-RUN_ID_ENV = "DECODESCOPE_RUN_ID"            # decodescope.orchestration.runner's, on every local process of the run
+HOST_RUN_ID_ENV = procs.HOST_RUN_ID_ENV  # the run id, on every process the run starts on the host
+RUN_ID_ENV = procs.RUN_ID_ENV            # decodescope.orchestration.runner's, on every local process of the run
 SSH_RUN_ID_ENV = "DECODESCOPE_SSH_RUN_ID"    # the run id on this side's ssh and rsync processes
 RSYNC_TIMEOUT_S = 60
 
@@ -113,6 +113,9 @@ class LocalHandle:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        # the tree's segments are swept by their names (its token) once none of its processes is alive to
+        # make one more: what the ranks had mapped when the stop began may be fewer than they made
+        procs.wait_gone(self.tree, 30.0)
         for pattern in self.shm_globs:
             shm |= set(procs.SHM_DIR.glob(pattern))
         removed = procs.remove_shm(procs.shm_idents(shm), shm)

@@ -8,16 +8,26 @@ walk /proc by process group and by that token instead.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import re
 import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 RUN_TOKEN_ENV = "DECODESCOPE_RUN_TOKEN"
 SHM_DIR = Path("/dev/shm")
+# The run id on every process of a run here (decodescope.orchestration.runner sets it), and on the processes
+# a run starts on an ssh host (decodescope.exec.sshhost): decodescope.exec.hostcore re-exports both.
+RUN_ID_ENV = "DECODESCOPE_RUN_ID"
+HOST_RUN_ID_ENV = "DECODESCOPE_HOST_RUN_ID"
+# A probe rank's shared-memory segments (vLLM CPU's shm all-reduce, decodescope.probes.communicators) are named
+# decodescope-probe-<token12>-<run key>-<stamp>_<rank>: the launcher that holds the token sweeps its probe's
+# segments, the runner that holds the run id sweeps every probe's of the run, each once every process
+# that could make one is gone (a name is owned, not found by looking at the ranks that made it).
+PROBE_SHM_PREFIX = "decodescope-probe-"
 # vLLM CPU workers name their shared-memory segments after the distributed init file
 # (file:///tmp/vllm_dist_<hex>): <ident>-<group>-[ranks]-cpushm...; all segments of one server share it.
 _VLLM_DIST_IDENT = re.compile(r"(vllm_dist_[0-9a-f]{16,})")
@@ -77,6 +87,51 @@ def _cpuset_files(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Pa
 
 def new_run_token() -> str:
     return uuid.uuid4().hex
+
+
+def probe_run_key(run_id: Optional[str]) -> str:
+    """The run's part of a probe segment's name: 12 hex digits of the run id ('norun' outside a run)."""
+    return hashlib.sha1(run_id.encode()).hexdigest()[:12] if run_id else "norun"
+
+
+def probe_shm_name(environ: Mapping[str, str], stamp: str) -> str:
+    """The name (without the _<rank> vLLM adds) of a probe's shm segments, from the rank's environment: its
+    launcher's run token and its run's id (here, or on the ssh host)."""
+    token = environ.get(RUN_TOKEN_ENV) or f"pid{os.getpid()}"
+    run_id = environ.get(RUN_ID_ENV) or environ.get(HOST_RUN_ID_ENV)
+    return f"{PROBE_SHM_PREFIX}{token[:12]}-{probe_run_key(run_id)}-{stamp}"
+
+
+def probe_shm_of_token(token: str) -> list[Path]:
+    """The shm segments of the probe launched with this run token."""
+    return sorted(SHM_DIR.glob(f"{PROBE_SHM_PREFIX}{token[:12]}-*"))
+
+
+def probe_shm_of_run(run_id: str) -> list[Path]:
+    """The shm segments of every probe of this run (its run id), whatever launched them."""
+    return sorted(SHM_DIR.glob(f"{PROBE_SHM_PREFIX}*-{probe_run_key(run_id)}-*"))
+
+
+def unlink_all(paths: Iterable[Path]) -> list[Path]:
+    """Remove these files; those already gone are left out of the answer."""
+    removed = []
+    for p in paths:
+        try:
+            p.unlink()
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
+def wait_gone(find, timeout_s: float = 30.0, poll_s: float = 0.05) -> list[int]:
+    """Wait until find() (live pids) is empty, or timeout_s; returns what is still alive then."""
+    deadline = time.monotonic() + timeout_s
+    left = find()
+    while left and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        left = find()
+    return left
 
 
 def _environ_has(pid: int, needle: bytes) -> bool:
@@ -190,14 +245,16 @@ def _is_resource_tracker(pid: int) -> bool:
         return False
 
 
-def terminate_pids(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
-    """SIGTERM these processes, SIGKILL the ones still alive after grace_s."""
+def terminate_pids(pids: Iterable[int], grace_s: float = 5.0, dead_s: float = 10.0) -> list[int]:
+    """SIGTERM these processes, SIGKILL the ones still alive after grace_s, and wait (up to dead_s) until
+    the killed ones are dead: a caller that removes what they made does so after they can make no more."""
     pids = [p for p in pids if p != os.getpid()]
     _signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(not _is_zombie(p) for p in pids):
         time.sleep(0.1)
     _signal_all([p for p in pids if not _is_zombie(p)], signal.SIGKILL)
+    wait_gone(lambda: [p for p in pids if not _is_zombie(p)], dead_s)
     return pids
 
 

@@ -67,8 +67,8 @@ def collectives_plan(params, dtype: str = "bf16") -> dict:
             "all_to_all": [{"tokens_per_gpu": x["tokens_per_gpu"], "dispatch_bytes": x["dispatch_bytes"]} for x in a2a]}
 
 
-# shared-memory segments of vLLM's shm all-reduce, named after the probe's run token (probes/communicators.py)
-PROBE_SHM_GLOBS = ("decodescope-probe-{token12}*",)
+# shared-memory segments of vLLM's shm all-reduce, named after the probe's run token (procs.probe_shm_name)
+PROBE_SHM_GLOBS = ("decodescope-probe-{token12}-*",)
 
 
 def _run(argv: list[str], log_path: Path, timeout_s: float, host, env: Optional[dict] = None,

