@@ -104,12 +104,12 @@ def headline(records: dict[int, CriticalPathSummary], b: Bottleneck) -> str:
     text = (f"{what} holds the critical path of a decode step: " + "; ".join(per_level)
             + f"; {_pct(b.summed_share)} of summed op time" + (" (a gap between ops: no op time)" if b.category in GAPS
                                                                else "") + ".")
-    rec = records.get(b.level) if b.level is not None else None
-    if rec is not None and rec.collective_split and rec.wall_us_median:
-        wall = rec.wall_us_median
+    at = records.get(b.level) if b.level is not None else None
+    if at is not None and at.collective_split and at.wall_us_median:
+        wall = at.wall_us_median
         parts = [f"{s.category}: transfer {_pct(s.transfer_on_path_us_per_step / wall)} and arrival skew "
                  f"{_pct(s.skew_on_path_us_per_step / wall)} of the wall step on the path "
-                 f"({_pct(s.share_skew_bound)} of instances skew-bound)" for s in rec.collective_split[:2]]
+                 f"({_pct(s.share_skew_bound)} of instances skew-bound)" for s in at.collective_split[:2]]
         text += " Its collectives at concurrency " + f"{b.level}: " + "; ".join(parts) + "."
     return text
 
