@@ -1,0 +1,211 @@
+"""The critical path's arrival skew calibrated against a known one (issue 51, item 4).
+
+03's step replay (decodescope.probes.step, real torchrun ranks, the engine's communicator) runs with
+`--skew-us D --skew-rank R`: rank R spins D us before every collective. Its profile (one trace per rank,
+steps marked as vLLM marks decode steps) goes through decodescope's own reader and critical path
+(trace.load, trace.analyze, trace.critpath_table) and trace.critpath_split.collective_split attributes
+each collective instance's arrival skew (last entry - first entry) and its late rank. The skew recovers
+the delay where its median over the instances is within RECOVERY_SHARE of D or RECOVERY_US of it.
+
+Beside it, read off the same events without the critical path: each collective's entry on rank R minus
+the other ranks' last entry, the k-th collective of a step on every rank paired (raw_entry_skew), and the
+spin's own duration in the trace (the decodescope::injected_skew ranges): where the split misses, these
+tell whether the injection or the attribution missed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from decodescope.core.cpupath import AVX2_ENV, AVX2_ONLY_DIR, CPU_PATH_ENV, apply_cpu_path
+from decodescope.core.io import write_json_atomic
+from decodescope.exec.hostcore import LocalHost
+from decodescope.exec.server import log_tail
+from decodescope.micro.bench import PROBE_SHM_GLOBS
+from decodescope.model import arch as archmod
+from decodescope.schema.records_probe import read_probe_output
+from decodescope.trace.analyze import find_steps, op_table
+from decodescope.trace.critpath_split import collective_split
+from decodescope.trace.critpath_table import critical_paths
+from decodescope.trace.load import load_trace_dir
+
+log = logging.getLogger(__name__)
+
+RECOVERY_SHARE = 0.10
+RECOVERY_US = 20.0
+SKEW_RANGE = "decodescope::injected_skew"  # probes.step.SKEW_RANGE (that module imports torch)
+# the entering op of a collective instance on a CPU trace (gloo's wait_tensor joins it; not an entry)
+COLLECTIVE_CATEGORIES = ("allreduce", "allgather", "all_to_all", "reduce_scatter", "broadcast")
+
+
+class CalibrationError(RuntimeError):
+    pass
+
+
+@dataclass
+class SkewSetting:
+    """One delay setting's calibration row (one trace set)."""
+
+    cpu_path: str
+    communicator: str
+    injected_us: float
+    skew_rank: int
+    instances: int
+    late_rank_share: float  # the share of instances whose attributed late rank is the delayed one
+    skew_us_median: float
+    skew_us_p10: float
+    skew_us_p90: float
+    error_us: float  # attributed median - injected
+    recovered: bool
+    raw_skew_us_median: float  # rank R's entry minus the others' last entry, off the events
+    spin_us_median: float  # the injected_skew ranges' own duration in the trace (0 where D = 0)
+    transfer_us_median: float
+
+    def line(self) -> str:
+        return (f"{self.cpu_path:>6} {self.communicator:>10} {self.injected_us:>8.0f} {self.instances:>5} "
+                f"{self.skew_us_median:>9.1f} {self.skew_us_p10:>8.1f}-{self.skew_us_p90:<8.1f} {self.error_us:>+7.1f} "
+                f"{'yes' if self.recovered else 'NO':>4} {self.late_rank_share:>6.0%} {self.raw_skew_us_median:>8.1f} "
+                f"{self.spin_us_median:>7.1f} {self.transfer_us_median:>8.1f}")
+
+
+HEADER = ("  path communicator  inj_us  inst  skew_med   p10-p90          err_us  ok? late=R  raw_med  spin_us "
+          "xfer_med")
+
+
+def recovered(attributed_us: float, injected_us: float) -> bool:
+    """Within RECOVERY_SHARE of the delay injected, or RECOVERY_US of it."""
+    return abs(attributed_us - injected_us) <= max(RECOVERY_SHARE * injected_us, RECOVERY_US)
+
+
+def step_replay_plan(config: dict, tp: int, batch: int, rank_cpus: Optional[list[str]] = None) -> dict:
+    """A profile-only step replay plan (no timed iterations) through the engine's communicator."""
+    plan = {"dtype": "bf16", "iters": 1, "warmup": 1, "communicator": "engine",
+            "steps": [{"batch": batch, "program": archmod.step_program(archmod.normalize_config(config), tp, batch)}]}
+    if rank_cpus:
+        plan["rank_cpus"] = rank_cpus
+    return plan
+
+
+def cpu_path_env(cpu_path: Optional[str]) -> dict:
+    """The environment that puts the replay's ranks on `cpu_path` (None: this process's own)."""
+    if cpu_path is None:
+        return {}
+    if cpu_path == "native" and (os.environ.get(CPU_PATH_ENV) == "avx2"
+                                 or str(AVX2_ONLY_DIR) in os.environ.get("PYTHONPATH", "")):
+        raise CalibrationError(f"cpu path native asked for, but this process runs with {CPU_PATH_ENV}=avx2 (its "
+                               "children inherit it): start it without, or ask for avx2")
+    env: dict = {k: os.environ[k] for k in ("PYTHONPATH", *AVX2_ENV) if k in os.environ}
+    apply_cpu_path(cpu_path, env)
+    return env
+
+
+def run_skewed_replay(plan: dict, out_dir: Path, skew_us: float, skew_rank: int = 1, steps: int = 10,
+                      world: int = 2, cpu_path: Optional[str] = None, timeout_s: float = 600.0) -> Path:
+    """The step replay on `world` torchrun ranks, `steps` steps profiled with rank `skew_rank` late by
+    `skew_us` before every collective; returns `out_dir` (its traces and step_rank<r>.json)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = out_dir / "plan.json"
+    write_json_atomic(plan_path, plan)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            "-m", "decodescope.probes.step", "--plan", str(plan_path), "--out-dir", str(out_dir), "--variants", "",
+            "--profile-steps", str(steps), "--skew-us", f"{skew_us:g}", "--skew-rank", str(skew_rank)]
+    env = {"OMP_NUM_THREADS": "1", **cpu_path_env(cpu_path)}
+    log_path = out_dir / "step_replay.log"
+    rc = LocalHost().run_job(argv, log_path, timeout_s, env=env, shm_globs=PROBE_SHM_GLOBS)
+    if rc != 0:
+        raise CalibrationError(f"step replay at --skew-us {skew_us:g} exited with {rc}; last lines of {log_path}:\n"
+                               f"{log_tail(log_path, 25)}")
+    return out_dir
+
+
+def _paired_entries(ops: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """The entering op of every collective on every rank, with its step and its order k in the step."""
+    coll = ops[ops["category"].astype(str).isin(COLLECTIVE_CATEGORIES)]
+    out = []
+    for rank, g in coll.groupby("rank"):
+        s = steps[steps["rank"] == rank].sort_values("start_us")
+        g = g.sort_values("ts_us")
+        pos = np.searchsorted(s["start_us"].to_numpy(), g["ts_us"].to_numpy(), side="right") - 1
+        inside = (pos >= 0) & (g["ts_us"].to_numpy() < s["end_us"].to_numpy()[np.clip(pos, 0, None)])
+        g = g[inside].assign(step=s["step"].to_numpy()[pos[inside]])
+        g["k"] = g.groupby("step").cumcount()
+        out.append(g[["rank", "step", "k", "ts_us"]])
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=["rank", "step", "k", "ts_us"])
+
+
+def raw_entry_skew(ops: pd.DataFrame, steps: pd.DataFrame, skew_rank: int) -> np.ndarray:
+    """Per collective (the k-th of a step on every rank): rank `skew_rank`'s entry minus the last entry of
+    the other ranks, us; off the ops, without the critical path."""
+    e = _paired_entries(ops, steps)
+    if e.empty:
+        return np.empty(0)
+    t = e.pivot_table(index=["step", "k"], columns="rank", values="ts_us", aggfunc="first").dropna()
+    if skew_rank not in t.columns:
+        raise CalibrationError(f"rank {skew_rank} has no collective in the traces (ranks: {list(t.columns)})")
+    others = t.drop(columns=[skew_rank])
+    return (t[skew_rank] - others.max(axis=1)).to_numpy(float)
+
+
+def spin_durations(events: pd.DataFrame, skew_rank: int) -> np.ndarray:
+    ev = events[(events["name"] == SKEW_RANGE) & (events["rank"] == skew_rank)]
+    return ev["dur_us"].to_numpy(float)
+
+
+def read_setting(trace_dir: Path, kind: str = "decode") -> tuple[pd.DataFrame, dict]:
+    """One trace set through decodescope's reader and critical path: the collective split
+    (trace.critpath_split.collective_split) and the raw figures beside it."""
+    meta = read_probe_output(Path(trace_dir) / "step_rank0.json", "step").meta
+    loaded = load_trace_dir(Path(trace_dir))
+    ops = op_table(loaded.events)
+    steps = find_steps(loaded.events, ops)
+    split = collective_split(critical_paths(loaded.events, ops, steps), kind)
+    rank = int(meta["skew_rank"])
+    raw = {"raw_skew_us": raw_entry_skew(ops, steps, rank), "spin_us": spin_durations(loaded.events, rank)}
+    return split, {**meta, **raw}
+
+
+def calibrate(split: pd.DataFrame, injected_us: float, skew_rank: int, cpu_path: str, communicator: str,
+              raw_skew_us: np.ndarray = np.empty(0), spin_us: np.ndarray = np.empty(0)) -> SkewSetting:
+    """One setting's row from its collective split: the attributed skew's median and p10-p90 over the
+    instances, against the delay injected."""
+    if split.empty:
+        raise CalibrationError(f"no collective instance in the traces at {injected_us:g} us injected: the critical "
+                               "path found no step every rank has, or no collective in them")
+    skew = split["skew_us"].to_numpy(float)
+    med = float(np.median(skew))
+    late = (split["late_rank"].to_numpy() == skew_rank).mean() if injected_us > 0 else float("nan")
+    return SkewSetting(
+        cpu_path=cpu_path, communicator=communicator, injected_us=float(injected_us), skew_rank=skew_rank,
+        instances=len(split), late_rank_share=float(late), skew_us_median=med,
+        skew_us_p10=float(np.percentile(skew, 10)), skew_us_p90=float(np.percentile(skew, 90)),
+        error_us=med - injected_us, recovered=recovered(med, injected_us),
+        raw_skew_us_median=float(np.median(raw_skew_us)) if len(raw_skew_us) else float("nan"),
+        spin_us_median=float(np.median(spin_us)) if len(spin_us) else 0.0,
+        transfer_us_median=float(split["transfer_us"].median()))
+
+
+def calibrate_dir(trace_dir: Path, cpu_path: str, kind: str = "decode") -> SkewSetting:
+    split, meta = read_setting(trace_dir, kind)
+    return calibrate(split, float(meta["skew_us"]), int(meta["skew_rank"]), cpu_path, str(meta["communicator"]),
+                     meta["raw_skew_us"], meta["spin_us"])
+
+
+def write_settings(path: Path, rows: list[SkewSetting]) -> None:
+    write_json_atomic(path, [asdict(r) for r in rows])
+
+
+def settings_table(rows: list[SkewSetting]) -> str:
+    return "\n".join([HEADER] + [r.line() for r in rows])
+
+
+def load_settings(path: Path) -> list[SkewSetting]:
+    return [SkewSetting(**r) for r in json.loads(Path(path).read_text())]
