@@ -133,23 +133,35 @@ def spec_rows():
     return [r if isinstance(r, dict) else r.model_dump() for r in rows]
 
 
-# the embedded default, profiled (04): its drafter read from the variants' own traces, the verify step priced by
-# the step model. The misses over 10%: self-draft k=3 at c=4 (-14%) and the one-layer draft at c=2 and 4
-# (-13%, -10%); there the variants' steps spent 1,250-1,930 us between steps under the profiler against the
-# baseline's 865-1,143 us, a cost of the speculative step outside the drafter that the model does not price yet.
+# the embedded default, each variant priced without its own measurements (issue 52: speccurve.loo_rows, the
+# verify from the step model, L + k x P fitted to the other self-draft variants at the level). One self-draft
+# row misses 10%: k=3 at temperature 0, c=4 (+13%), where the other three variants' fit puts L at 1,762 us. The
+# one-layer draft, its pass the self drafter's x 1/4 layers, is underpriced at every level (-13 to -22%): on the
+# CPU a pass has a part that does not scale with the layers (its inputs, sampling, the framework's host work),
+# which the layer ratio leaves out; the GPU run's two-layer draft is within 10% at c1 and c32.
 SELF = ("spec-self-k1", "spec-self-k3", "spec-self-k5", "spec-self-k3-greedy")
+SELF_MISSES = {("spec-self-k3-greedy", 4)}
 
 
-def test_the_measured_drafter_prices_every_drafting_variant_within_15_percent_and_most_within_5(spec_rows):
-    rows = [r for r in spec_rows if r["variant"] in SELF + ("spec-draft1l-k3",) and r.get("level")]
-    assert len(rows) == 15
-    errors = sorted(abs(r["projection_error_pct"]) for r in rows)
+def test_each_self_draft_variant_is_priced_without_its_own_measurements_within_10_percent(spec_rows):
+    rows = [r for r in spec_rows if r["variant"] in SELF and r.get("level")]
+    assert len(rows) == 12
     for r in rows:
-        assert "drafter measured in spec-" in r["notes"] and "profile" in r["notes"], r["notes"]
-        assert abs(r["projection_error_pct"]) <= 15.0, r
-    assert errors[len(errors) // 2] <= 5.0, errors                    # the median row within the goal
+        fitted = r["notes"].split("fitted to ")[1].split(")")[0].split(", ")
+        assert r["variant"] not in fitted and len(fitted) == 3, r       # the other three, never its own
+        if (r["variant"], r["level"]) in SELF_MISSES:
+            assert abs(r["projection_error_pct"]) > 10.0, r      # a known miss: this test fails once it is fixed
+        else:
+            assert abs(r["projection_error_pct"]) <= 10.0, r
     greedy = [r for r in rows if r["variant"] == "spec-self-k3-greedy"]
-    assert all("4.00 tokens a verify step" in r["projection"] for r in greedy)   # temperature 0: every draft kept
+    assert all("over 4.00 tokens" in r["notes"] for r in greedy)   # temperature 0: every draft kept
+
+
+def test_the_one_layer_draft_is_underpriced_by_the_layer_ratio_on_the_cpu(spec_rows):
+    rows = [r for r in spec_rows if r["variant"] == "spec-draft1l-k3" and r.get("level")]
+    assert len(rows) == 3
+    assert all(-25.0 < r["projection_error_pct"] < -10.0 for r in rows), rows
+    assert all("x 1/4 layers" in r["notes"] for r in rows)
 
 
 def test_whole_decode_steps_as_the_drafter_missed_by_more_than_the_measured_drafter(spec_rows):
@@ -224,7 +236,8 @@ def test_a_drafters_cost_is_its_lead_first_pass_and_later_passes_unprofiled():
 
 
 def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
-    """Issue 43 item 6, prepared: draft-model variants on the GPU engine, the drafters profiled."""
+    """Issue 52: draft-model, two-layer and n-gram variants on the GPU engine, each unprofiled (01 only): each is
+    projected from the baseline and the others (speccurve.loo_rows), so none needs its own profile."""
     from pathlib import Path
 
     from decodescope.schema.params import placeholder_configs
@@ -233,10 +246,12 @@ def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
     params = load_params(Path(__file__).resolve().parents[1] / "params/h200-qwen3moe-spec.yaml")
     assert params.hardware.gpu is None and params.server.tensor_parallel == 1   # detected: an H100 or an H200
     names = {e.name: e for e in params.experiments}
-    assert {"spec-self-k1", "spec-self-k3", "spec-self-k5", "spec-draft2l-k3"} <= {n for n, e in names.items()
-                                                                                   if e.profile}
+    assert {"spec-self-k1-greedy", "spec-self-k3-greedy", "spec-self-k5-greedy", "spec-self-k1", "spec-self-k3",
+            "spec-draft2l-k3-greedy", "spec-ngram-k3-greedy"} == set(names)
+    assert not any(e.profile for e in names.values())
     assert with_experiment(params, "spec-self-k3-greedy").workload.temperature == 0.0
-    draft = with_experiment(params, "spec-draft2l-k3")
+    assert with_experiment(params, "spec-self-k3").workload.temperature is None
+    draft = with_experiment(params, "spec-draft2l-k3-greedy")
     (cfg,) = placeholder_configs(draft.server.engine_args)
     assert params.resolve(cfg).is_file() and '"num_hidden_layers": 2' in params.resolve(cfg).read_text()
 

@@ -224,6 +224,9 @@ class Fix:
     # a part of the period measured whole (a profiled drafter): the calibration, which corrects the model's
     # own error at the level, leaves it as measured
     measured_us: float = 0.0
+    # an input assumed, not measured (speculative decoding at a given acceptance with the drafter free): such a
+    # fix is no ranked gain, only a break-even condition (speccurve.ranked_fixes)
+    assumed: bool = False
 
     def calibrated_us(self, period_us: float, scale: float) -> float:
         """A period of this fix's prediction (value or band end) under the calibration `scale`."""
@@ -320,7 +323,7 @@ def fixes_at(inp: ModelInputs, batch: float, params) -> list[Fix]:
             out.append(Fix(f"speculative decoding k={k}, alpha={alpha:g}", verify, tokens, tp, [
                 f"verify step = the step model at batch {batch:g} x {k + 1}; {tokens:.2f} tokens per verify step "
                 "((1 - a^(k+1)) / (1 - a)); drafter assumed free (an n-gram's host time; a draft model's passes "
-                "are priced only where a variant measured one)"]))
+                "are priced only where a variant measured one)"], assumed=True))
     g = inp.predict(batch).components[0]
     half = sp.Component("gemm", g.us / 2, g.low_us / 2, g.high_us / 2, g.source, ["every GEMM twice as fast"])
     out.append(Fix("GEMMs 2x faster", _with_component(inp.predict(batch), half), 1.0, tp,

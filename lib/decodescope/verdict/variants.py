@@ -263,10 +263,13 @@ def _gist(error: str) -> str:
 
 def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Optional[pd.DataFrame],
                  captures: Optional[dict[int, ProfileCapture]] = None,
-                 drafters: Optional[dict[str, dict[str, list[DrafterCost]]]] = None) -> list[dict]:
+                 drafters: Optional[dict[str, dict[str, list[DrafterCost]]]] = None,
+                 priced: Optional[list[dict]] = None) -> list[dict]:
     """Per variant and serving level: its TPOT against the baseline's (01) and against its projection
     (calibrated like the fixes: the baseline's TPOT, baseline_tpot, x fix / base model). drafters:
-    drafter_sources where the caller read them already."""
+    drafter_sources where the caller read them already. priced: speccurve.loo_rows, each speculative variant
+    projected from the baseline and the other variants, never its own measurements; where a row has one, it
+    is the variant's projection (else its profiled drafter, or whole decode steps, price it)."""
     run = RunDir(run_dir)
     manifest = run.manifest()
     states = manifest.variants if manifest is not None else {}
@@ -277,6 +280,7 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
     base_modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
     base_profiles = profile_summaries(run_dir, params)
     drafters = drafter_sources(run_dir, params) if drafters is None else drafters
+    loo = {(r["variant"], r["level"]): r for r in priced or [] if "projected_tpot_us" in r}
     rows = []
     for exp in params.experiments:
         state = states.get(exp.name) or VariantEntry(status="not run")
@@ -323,12 +327,24 @@ def variant_rows(run_dir: Path, params, inp: Optional[ModelInputs], levels: Opti
                                notes=how + "".join(f"; {a}" for a in said)
                                + _implied_host_per_kernel(fix, tpot) + ("" if priced_sync else lost_async)
                                + own_profile_note(own_profiles.get(int(lv.level)), base_profiles.get(int(lv.level))))
+            if (exp.name, int(lv.level)) in loo:
+                row.update(_left_out_projection(loo[(exp.name, int(lv.level))], tpot,
+                                                own_profile_note(own_profiles.get(int(lv.level)),
+                                                                 base_profiles.get(int(lv.level)))))
             if split:
                 row["gpu_host_split"] = split
             if modes:
                 row["engine_modes"] = modes.describe()
             rows.append(row)
     return rows
+
+
+def _left_out_projection(priced: dict, tpot_us: float, note: str) -> dict:
+    """A speculative variant's row fields from its projection without its own measurements (speccurve.loo_rows)."""
+    proj = priced["projected_tpot_us"]
+    return {"projection": f"speculative decoding k={priced['k']}, {priced['drafter']} drafter, priced without its "
+                          "own measurements", "projected_tpot_us": proj, "projected_low_us": proj,
+            "projected_high_us": proj, "projection_error_pct": 100 * (proj / tpot_us - 1), "notes": priced["how"] + note}
 
 
 def gpu_host_split(base_tpot_us: float, base_util_pct: Optional[float], tpot_us: float,

@@ -32,7 +32,7 @@ from decodescope.verdict.fixes import (NO_STEP_MODEL, ModelInputs, _engine_itls,
                                        baseline_tpot, curves, level_tpot, model_inputs, profile_captures,
                                        profile_summaries, served_batches)
 from decodescope.verdict.findings import LEVEL_TOLERANCE, NO_HELP_PCT, RECONCILE_TOLERANCE, findings
-from decodescope.verdict.speccurve import measured_drafters, measured_spec_fixes, spec_k_rows
+from decodescope.verdict.speccurve import loo_rows, measured_drafters, measured_spec_fixes, unprofiled_k_rows
 from decodescope.verdict.variants import drafter_sources, gpu_host_split, replay_rows, variant_rows
 
 
@@ -313,7 +313,7 @@ def verdict(run_dir: Path, params) -> Verdict:
         curve_rows, comp_rows, proj_rows = curves(inp, params, levels, captures,
                                                   more_fixes=lambda b, scale: measured_spec_fixes(inp, b, drafters,
                                                                                                   scale))
-        out.spec_k = [SpecKRow.model_validate(r) for r in spec_k_rows(run_dir, params, inp, levels, captures, drafters)]
+        out.spec_k = [SpecKRow.model_validate(r) for r in unprofiled_k_rows(run_dir, params, inp, levels, captures)]
         out.curves = [CurveRow.model_validate(r) for r in curve_rows]
         out.step_model = comp_rows
         out.projections = [ProjectionRow.model_validate(r) for r in proj_rows]
@@ -327,8 +327,9 @@ def verdict(run_dir: Path, params) -> Verdict:
         out.levels = [LevelReconcileRow.model_validate(r) for r in level_reconcile(
             levels, summaries, model, captures, _read_parquet(run_dir, SERVING_REQUESTS))]
     if params.experiments:
+        loo = loo_rows(run_dir, params, inp, levels, captures) if inp is not None else []
         out.variants = [VariantRow.model_validate(r) for r in variant_rows(run_dir, params, inp, levels, captures,
-                                                                                      sources)]
+                                                                                      sources, loo)]
     out.replay = [ReplayRow.model_validate(r) for r in replay_rows(run_dir, params, inp)]
     modes = last_engine_modes(Path(run_dir) / "logs" / "server.log")
     out.engine = modes.describe() if modes else ""
