@@ -22,7 +22,8 @@ from decodescope.exec.host import close_all as close_hosts, preflight
 from decodescope.exec.hostcore import RUN_ID_ENV
 from decodescope.core.io import write_text_atomic
 from decodescope.exec.locks import holder_info, run_dir_lock
-from decodescope.schema.params import Params, dump_yaml, load_params, params_as_dict, with_overrides
+from decodescope.schema.params import (Params, ParamsError, dump_yaml, load_params, params_as_dict, with_experiment,
+                                       with_overrides)
 from decodescope.core.phases import SERVER_PHASES, execution_order
 from decodescope.report.html import build_report
 from decodescope.report import index as run_index
@@ -75,10 +76,13 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
         apply_cpu_path_here()
     except CpuPathError as e:
         raise RunError(str(e)) from None
-    if resume and not overrides and (Path(resume) / "manifest.json").is_file():
-        overrides = Manifest.load(Path(resume)).record.overrides  # as the run began
+    if resume and (Path(resume) / "manifest.json").is_file():
+        # as the run began, with this command's overrides over them (--variants a first run did not list):
+        # the phases' notebooks read them from the manifest, so they must see what this run measures
+        overrides = {**Manifest.load(Path(resume)).record.overrides, **(overrides or {})}
     params = with_overrides(params, overrides or {})
     selected = select_phases(params, phases, notebook_dir)
+    _check_variants(params, overrides or {}, selected)
     needs_port = params.server.mode == "launch" and any(p in SERVER_PHASES for p in selected)
 
     # an ssh host: one connection for the run, its decodescope checked, before anything is made (HostError);
@@ -108,6 +112,22 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
         if needs_port:
             release_port(params.server.port)
         close_hosts()
+
+
+def _check_variants(params: Params, overrides: dict, selected: list[str]) -> None:
+    """Every variant this run will measure, as its phases' notebooks will load it (the params file, the
+    overrides, then the variant); ParamsError naming each that fails, before anything starts."""
+    if not params.experiments or "01_serving" not in selected or params.source_path is None:
+        return
+    seen = with_overrides(load_params(params.source_path), overrides)
+    bad = []
+    for exp in params.experiments:
+        try:
+            with_experiment(seen, exp.name)
+        except ParamsError as e:
+            bad.append((f"experiments[{exp.name}]", f"the variant's phases could not load it: {e}"))
+    if bad:
+        raise ParamsError(params.source_path, bad)
 
 
 def _run_locked(params: Params, selected: list[str], run_dir: Path, resume: Optional[Path],
@@ -156,6 +176,7 @@ def _open_manifest(params: Params, selected: list[str], run_dir: Path, resume: O
             manifest.phase(p)
         manifest.record.status = "running"
         manifest.record.resumed = [*manifest.record.resumed, utc_now()]
+        manifest.record.overrides = overrides  # the first run's, with this command's over them (run())
         manifest.record_params_change(params_as_dict(params), params.source_path)
         manifest.save()
     else:
@@ -270,13 +291,20 @@ class _PhaseLoop:
             self.progress.note("stopping the vLLM server and its workers ...")
             _stop_server(self.server, manifest)
         _reap_strays(self.run_dir.name, None, manifest)
-        ok = all(manifest.phase(p).status == "ok" for p in self.selected)
+        ok = all(manifest.phase(p).status == "ok" for p in self.selected) and not phase_failed_variants(manifest)
         manifest.record.status = "interrupted" if interrupted else "failed" if write_error or not ok else "ok"
         if write_error:
             manifest.record.error = str(write_error)
         manifest.record.finished = utc_now()
         final_save_error = manifest.try_save()  # always: after a failed write it uses the reserve
         return ok, write_error or final_save_error
+
+
+def phase_failed_variants(manifest: Manifest) -> list[str]:
+    """The variants whose phases ran and failed (a variant whose server did not start is recorded failed and
+    the run goes on; one whose 01 or 04 failed fails the run: no run says ok with a failed phase)."""
+    return [name for name, v in manifest.record.variants.items()
+            if v.status == "failed" and not (v.error or "").startswith("server did not start")]
 
 
 def _rebuild_index(output_dir: Path, progress: "Progress") -> None:
