@@ -141,17 +141,19 @@ def verdict_variants(v: Verdict) -> None:
 
 
 def verdict_spec_k(v: Verdict) -> None:
-    """Speculative decoding at k = 1..5 for each drafter a profiled variant measured: projected and measured."""
+    """Speculative decoding at k = 1..5 for each drafter and sampling the variants measured (greedy included):
+    projected from the unprofiled variants (speccurve.unprofiled_k_rows) and measured."""
     if not v.spec_k:
-        show_note("*No drafter measured: profile a speculative variant (`profile: true`) that drafts.*")
+        show_note("*No speculative variant measured with the server's spec-decode metrics, or the step model did "
+                  "not run: add a variant with a `speculative-config` to `experiments` (no profile needed).*")
         return
     df = frame(cast("list[BaseModel]", v.spec_k), SpecKRow)
     show(plots.spec_k_curves(df))
     best = df[df["best_projected"]]
     show_note("Best k projected: " + "; ".join(f"{r.drafter} drafter at c={r.level}: k={r.k} "
                                                f"({r.projected_tpot_us / 1e3:.2f} ms)" for r in best.itertuples()) + ".")
-    show_table(df, caption="speculative decoding across k - verdict.json (variants/<name>/data/profile/c<N>/"
-                           "drafter_steps.json, serving_levels.parquet)")
+    show_table(df, caption="speculative decoding across k, priced from the unprofiled variants - verdict.json "
+                           "(variants/<name>/data/serving_levels.parquet)")
 
 
 def verdict_serving(v: Verdict) -> None:
