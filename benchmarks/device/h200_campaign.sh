@@ -27,6 +27,13 @@
 #                          110 MiB) and put the first four into $OUT: a call brings back ~64 MiB in all (on
 #                          2026-12-05 a fifth to eighth piece came back "left out (total)")
 #   more N                 the pieces from N on, four a call, into $OUT (collect says which are left)
+# One H100 or H200, 30 minutes (issue 52, 2026-12-06: benchmarks/results/h100_vllm_qwen3-30b-a3b-16l/spec_20261206):
+# the tree travels with every piece, so with a 28 MiB tree use PIECE=32M (six pieces for the bundle and a
+# wheelhouse without jupyterlab, babel, jupyter_builder, jupyterlab_server, json5, jupyter_lsp, notebook_shim,
+# which papermill never imports); calls in a row keep the machine (30 s idle release). The shared working tree
+# may hold others' unfinished edits: carry `git archive HEAD lib notebooks params` as .gpu/p<last>/src.tar and
+# unpack it over lib/ notebooks/ params/ before setup. Baseline with all phases but 05 (about 4 min), variants
+# with 01 only (about 100 s each with the compile cache warm): seven variants and the baseline in 15 minutes.
 # A JOB is '[VAR=VALUE ..] PARAMS [ARGS..]': the assignments go to decodescope's own environment, where 03's
 # probes run (server.env does not reach them), e.g. 'NCCL_P2P_DISABLE=1 params/h200x2-qwen3moe-pcie.yaml'.
 # CLIENT_CPUS=LIST in this script's environment runs decodescope under taskset -c LIST (the pinned params put
