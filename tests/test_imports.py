@@ -202,7 +202,7 @@ def test_every_function_local_import_says_why_it_is_not_at_the_top():
 #   through decodescope.exec.host and the engine's communicator probe; the probes, the programs run there,
 #   are in the same layer.
 LAYERS = (
-    ("core", ("", "core", "_avx2_only")),
+    ("core", ("", "core", "engines", "_avx2_only")),
     ("show", ("show",)),
     ("model", ("model",)),
     ("schema", ("schema",)),

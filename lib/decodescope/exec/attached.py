@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from decodescope.core.phases import SERVER_PHASES
 from decodescope.exec.hostcore import HostError
+from decodescope.engines import engine
 
 PROFILE_PHASE = "04_profile"
 FLAG_EXAMPLE = ('--profiler-config \'{"profiler": "torch", "torch_profiler_dir": "/abs/traces", '
@@ -90,7 +91,7 @@ _PROBE = ("import json, socket, sys, urllib.error, urllib.request\n"
           "    socket.create_connection((u.hostname, port), timeout=3.0).close(); out['listening'] = True\n"
           "except OSError as e:\n"
           "    out['error'] = str(e)\n"
-          "for path in ('/health', '/version') if out['listening'] else ():\n"
+          "for path in sys.argv[2:] if out['listening'] else ():\n"
           "    try:\n"
           "        with urllib.request.urlopen(url + path, timeout=5.0) as r:\n"
           "            out[path] = [r.status, r.read(2000).decode('utf-8', 'replace')]\n"
@@ -104,7 +105,8 @@ _PROBE = ("import json, socket, sys, urllib.error, urllib.request\n"
 def probe_url(host, url: str, timeout_s: float = 30.0) -> dict:
     """What answers at `url` as the server's host sees it: {"listening": bool, "/health": [status, body],
     "/version": [status, body]} (status None when the request got no HTTP answer)."""
-    r = host.run([host.python, "-c", _PROBE, url], timeout_s=timeout_s)
+    e = engine()
+    r = host.run([host.python, "-c", _PROBE, url, e.health_path, e.version_path], timeout_s=timeout_s)
     if r.returncode != 0 or not r.stdout.strip():
         raise AttachError(f"server.mode attach: could not probe server.url {url} on "
                           f"{'this host' if not host.remote else host.name}: {r.stderr.strip()[-300:]}")
@@ -112,13 +114,10 @@ def probe_url(host, url: str, timeout_s: float = 30.0) -> dict:
 
 
 def _vllm_version(answer: dict) -> Optional[str]:
-    """vLLM's /version body ({"version": "0.x"}), else None."""
-    status, body = answer.get("/version") or [None, ""]
-    try:
-        version = json.loads(body).get("version") if status == 200 else None
-    except (ValueError, AttributeError):
-        return None
-    return str(version) if version else None
+    """The engine's version from its version endpoint's answer, else None."""
+    e = engine()
+    status, body = answer.get(e.version_path) or [None, ""]
+    return e.version_of(body) if status == 200 else None
 
 
 def check_reachable(params, host, phases) -> dict:
@@ -134,7 +133,7 @@ def check_reachable(params, host, phases) -> dict:
         raise AttachError(f"server.mode attach: nothing listens at server.url {url} (as {where} sees it: "
                           f"{answer.get('error', 'connection refused')}). Start the vLLM server first, or fix "
                           "server.url (scheme, host and port of its OpenAI API), or use server.mode: launch")
-    health = answer.get("/health") or [None, ""]
+    health = answer.get(engine().health_path) or [None, ""]
     if health[0] is None:
         raise AttachError(f"server.mode attach: something listens at server.url {url} ({where}) but does not answer "
                           f"HTTP (GET /health: {health[1][:200]}); it is not a vLLM server, or it is stuck. "

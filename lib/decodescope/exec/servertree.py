@@ -12,16 +12,14 @@ the tree's memory until STOP_FILE exists.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Optional
 
 import psutil
 
-# vLLM's ProfilerConfig defaults (vllm/config/profiler.py): stacks on unless the flag turns them off.
-PROFILER_FLAG = "--profiler-config"
-DEFAULT_WITH_STACK = True
+from decodescope.engines import DEFAULT_ENGINE, engine
+
 SAMPLE_INTERVAL_S = 0.05
 MAX_WATCH_S = 1800.0
 
@@ -43,49 +41,10 @@ def tree_of(pid: int) -> list[int]:
         return []
 
 
-def _json_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def profiler_settings(argv: list[str], environ: Optional[dict] = None) -> dict:
-    """What the server's own command line (or, on vLLM before 0.13, its environment) says of its profiler.
-
-    Returns {configured, profiler, torch_profiler_dir, torch_profiler_with_stack, source}; `configured` is
-    False when neither sets a torch profiler directory. Flag forms: `--profiler-config JSON`,
-    `--profiler-config=JSON`, and `--profiler-config.KEY VALUE` / `--profiler-config.KEY=VALUE`.
-    """
-    fields: dict[str, Any] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == PROFILER_FLAG or arg.startswith(PROFILER_FLAG + "="):
-            text = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            value = _json_value(text)
-            if isinstance(value, dict):
-                fields.update(value)
-            i += 1 if "=" in arg else 2
-            continue
-        if arg.startswith(PROFILER_FLAG + "."):
-            key, sep, text = arg[len(PROFILER_FLAG) + 1:].partition("=")
-            if not sep and i + 1 < len(argv):
-                text, i = argv[i + 1], i + 1
-            fields[key.replace("-", "_")] = _json_value(text)
-        i += 1
-    env = environ or {}
-    source = "command line" if fields else None
-    if not fields and env.get("VLLM_TORCH_PROFILER_DIR"):
-        fields = {"profiler": "torch", "torch_profiler_dir": env["VLLM_TORCH_PROFILER_DIR"],
-                  "torch_profiler_with_stack": env.get("VLLM_TORCH_PROFILER_WITH_STACK", "1") not in ("0", "false")}
-        source = "environment"
-    with_stack = fields.get("torch_profiler_with_stack", DEFAULT_WITH_STACK)
-    if isinstance(with_stack, str):
-        with_stack = with_stack.lower() not in ("0", "false", "no")
-    directory = fields.get("torch_profiler_dir") or None
-    return {"configured": fields.get("profiler") == "torch" and bool(directory), "profiler": fields.get("profiler"),
-            "torch_profiler_dir": directory, "torch_profiler_with_stack": bool(with_stack), "source": source}
+def profiler_settings(argv: list[str], environ: Optional[dict] = None, engine_name: str = DEFAULT_ENGINE) -> dict:
+    """What the server's own command line (or environment) says of its profiler, as its engine reads it
+    (decodescope.engines: {configured, profiler, torch_profiler_dir, torch_profiler_with_stack, source})."""
+    return engine(engine_name).profiler_from_launch(argv, environ)
 
 
 def _read_settings(pid: int) -> dict:
@@ -98,7 +57,7 @@ def _read_settings(pid: int) -> dict:
             environ = {}
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return {"configured": None}
-    wanted = {k: environ[k] for k in ("VLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_WITH_STACK") if k in environ}
+    wanted = {k: environ[k] for k in engine().profiler_env if k in environ}  # not the rest: it may hold secrets
     return profiler_settings(argv, wanted)
 
 

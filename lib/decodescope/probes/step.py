@@ -55,6 +55,7 @@ from decodescope.probes.gemm_kernels import TORCH_DTYPES, cpu_engine_kernel, mak
 from decodescope.probes.timing import HostRef, median_spread
 from decodescope.core.logsetup import run_program
 from decodescope.core.probefile import write_probe_output
+from decodescope.engines import engine
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ def profile_steps(items, batch: int, steps: int, use_cuda: bool, rank: int, out_
     dist.barrier()
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            with record_function(f"execute_context_0(0)_generation_{batch}({batch})"):
+            with record_function(engine().step_label(0, 0, batch, batch)):
                 run()
             if use_cuda:
                 torch.cuda.synchronize()

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from decodescope.engines import ENGINES
 from decodescope.core.phases import PHASES
 
 
@@ -98,6 +99,8 @@ class RunParams(_Section):
 
 
 class ServerParams(_Section):
+    engine: str = Field("vllm", description="the serving engine (decodescope.engines): what it is launched, "
+                        "profiled and read as")
     mode: Literal["launch", "attach"] = "launch"
     url: Optional[str] = Field(None, description="base URL of a running server (attach mode)")
     bind_host: str = "127.0.0.1"
@@ -111,6 +114,13 @@ class ServerParams(_Section):
                           "and the API server and engine core stay off them. None: wherever the OS puts them")
     startup_timeout_s: Positive = 900.0
     api_key: Optional[str] = None
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        if name not in ENGINES:
+            raise ValueError(f"{name!r} is not an engine decodescope knows; valid: {', '.join(sorted(ENGINES))}")
+        return name
 
     @field_validator("port")
     @classmethod

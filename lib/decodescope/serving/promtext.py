@@ -10,19 +10,14 @@ import urllib.request
 from typing import Optional
 
 from prometheus_client.parser import text_string_to_metric_families
+from decodescope.engines import engine
 
 SCRAPE_TIMEOUT_S = 5.0
 PROCESS_SAMPLES = ("process_cpu_seconds_total", "process_resident_memory_bytes")
 # Histograms whose mean over a level is a summary column: column -> sample bases, first found wins.
-HISTOGRAM_MEANS = {
-    "server_ttft_mean_us": ("vllm:time_to_first_token_seconds",),
-    "server_tpot_mean_us": ("vllm:request_time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
-                            "vllm:time_per_output_token_seconds"),
-    "server_itl_mean_us": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
-    "server_e2e_mean_us": ("vllm:e2e_request_latency_seconds",),
-    "server_queue_mean_us": ("vllm:request_queue_time_seconds",),
-}
-KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")   # a fraction, despite the name
+ENGINE = engine()  # the engine seam: the names of its samples (decodescope.engines)
+HISTOGRAM_MEANS = ENGINE.metrics.histogram_means
+KV_USAGE = ENGINE.metrics.kv_usage   # a fraction, despite the name
 
 
 def redact_secret(text: str, secret: Optional[str]) -> str:
@@ -31,7 +26,7 @@ def redact_secret(text: str, secret: Optional[str]) -> str:
 
 
 def _kept(name: str) -> bool:
-    if name.startswith("vllm:"):
+    if ENGINE.is_own_metric(name):
         return not name.endswith(("_bucket", "_created"))
     return name in PROCESS_SAMPLES
 
@@ -97,7 +92,7 @@ def histogram_mean_between(before: Optional[list], after: Optional[list], names)
     return None
 
 
-ENGINE_STEPS = "vllm:iteration_tokens_total_count"   # one observation per engine iteration (step)
+ENGINE_STEPS = ENGINE.metrics.engine_steps   # one observation per engine iteration (step)
 
 
 def counter_delta(before: Optional[list], after: Optional[list], name: str) -> Optional[float]:

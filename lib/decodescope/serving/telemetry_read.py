@@ -34,6 +34,7 @@ import pandas as pd
 from decodescope.schema.records_serving import TELEMETRY_COLUMNS
 from decodescope.core.rundir import level_file
 from decodescope.serving.promtext import HISTOGRAM_MEANS, KV_USAGE
+from decodescope.engines import engine
 
 TELEMETRY_DIR = "telemetry"
 MEASURED_START = "measured_start"
@@ -98,7 +99,7 @@ def _delta(series, a: Optional[int], b: Optional[int]) -> float:
     return d if d >= 0 else float("nan")
 
 
-SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+SPEC_PER_POS = engine().metrics.spec_accepted_per_pos
 
 
 def spec_per_position(server, a: Optional[int], b: Optional[int], drafts: float) -> str:
@@ -142,12 +143,13 @@ def summarize(df) -> dict:
         s = s[s.index.isin(inside)]
         return float(getattr(s, how)()) * scale if len(s) else nan
 
-    out["server_running_mean"] = gauge(("vllm:num_requests_running",), "mean")
-    out["server_running_max"] = gauge(("vllm:num_requests_running",), "max")
-    out["server_waiting_mean"] = gauge(("vllm:num_requests_waiting",), "mean")
-    out["server_waiting_max"] = gauge(("vllm:num_requests_waiting",), "max")
+    names = engine().metrics
+    out["server_running_mean"] = gauge((names.requests_running,), "mean")
+    out["server_running_max"] = gauge((names.requests_running,), "max")
+    out["server_waiting_mean"] = gauge((names.requests_waiting,), "mean")
+    out["server_waiting_max"] = gauge((names.requests_waiting,), "max")
     out["server_kv_usage_max_pct"] = gauge(KV_USAGE, "max", 100.0, agg="max")
-    out["server_preemptions"] = _delta(_per_scrape(server, ("vllm:num_preemptions_total",)), a, b)
+    out["server_preemptions"] = _delta(_per_scrape(server, (names.preemptions,)), a, b)
     for col, bases in HISTOGRAM_MEANS.items():
         out[col] = nan
         for base in bases:
@@ -156,9 +158,10 @@ def summarize(df) -> dict:
             if d_count == d_count:      # the histogram is there
                 out[col] = d_sum / d_count * 1e6 if d_count > 0 else nan
                 break
-    drafts = _delta(_per_scrape(server, ("vllm:spec_decode_num_drafts_total",)), a, b)
-    draft_tokens = _delta(_per_scrape(server, ("vllm:spec_decode_num_draft_tokens_total",)), a, b)
-    accepted = _delta(_per_scrape(server, ("vllm:spec_decode_num_accepted_tokens_total",)), a, b)
+    names = engine().metrics
+    drafts = _delta(_per_scrape(server, (names.spec_drafts,)), a, b)
+    draft_tokens = _delta(_per_scrape(server, (names.spec_draft_tokens,)), a, b)
+    accepted = _delta(_per_scrape(server, (names.spec_accepted_tokens,)), a, b)
     out["server_spec_acceptance_pct"] = 100.0 * accepted / draft_tokens if draft_tokens > 0 else nan
     out["server_spec_accept_len"] = 1.0 + accepted / drafts if drafts > 0 else nan
     out["server_spec_accepted_per_pos"] = spec_per_position(server, a, b, drafts)
@@ -214,8 +217,9 @@ def timeseries(df):
     srv = d[d["source"] == "server"]
     keys = ["level", "scrape"]
     server = srv.groupby(keys)["sweep_s"].first().to_frame()
-    for col, names, agg, scale in (("running", ("vllm:num_requests_running",), "sum", 1.0),
-                                   ("waiting", ("vllm:num_requests_waiting",), "sum", 1.0),
+    m = engine().metrics
+    for col, names, agg, scale in (("running", (m.requests_running,), "sum", 1.0),
+                                   ("waiting", (m.requests_waiting,), "sum", 1.0),
                                    ("kv_usage_pct", KV_USAGE, "max", 100.0)):
         for name in names:
             s = srv[srv["metric"] == name]

@@ -7,7 +7,6 @@ counting. `steps` holds one row per model step per rank, from vLLM's record_func
 """
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import numpy as np
@@ -18,11 +17,11 @@ from decodescope.trace.nesting import parents_in_order, prev_in_thread
 from decodescope.trace.reader import GPU_WORK
 from decodescope.trace.categorize import (ALLGATHER_CATEGORIES, ALLREDUCE_CATEGORIES, OTHER, WAIT_CATEGORIES,
                                          add_categories)
+from decodescope.engines import engine
 
 GPU_WORK_CATS = GPU_WORK  # the table counts as GPU work what the streamed breakdown does
-STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
-STEP_ANY = re.compile(r"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)|^(?:execute_model|gpu_model_runner: forward|"
-                      r"model_forward|ProfilerStep#\d+)")
+STEP_NAME = engine().step_name  # a decode step's annotation, the engine's (decodescope.engines)
+STEP_ANY = engine().step_any
 
 
 def is_gpu_table(events: pd.DataFrame) -> bool:

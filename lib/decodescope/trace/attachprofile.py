@@ -25,6 +25,7 @@ from decodescope.trace.attachguard import (export_ratio, plan_window, pricing_wi
                                            stack_refusal)
 from decodescope.trace.profiledwindow import CaptureError, file_into, profiled_window
 from decodescope.trace.reader import TraceError, annotated_steps
+from decodescope.engines import engine
 
 log = logging.getLogger(__name__)
 GUARD_RECORD = "profile/attach_guard.json"   # under data/
@@ -32,7 +33,7 @@ PROBES_DIR = "attach_probe"                  # traces/attach_probe/probe-<n>/
 # once /stop_profile answered, vLLM has written its traces: a longer wait only delays the error that
 # the server writes them somewhere other than host.trace_dir
 ARRIVAL_TIMEOUT_S = 60.0
-TOKENS = "vllm:generation_tokens_total"     # output tokens the engine generated
+TOKENS = engine().metrics.generation_tokens     # output tokens the engine generated
 WINDOW_PARTS = ("start_profile_s", "workload_s", "stop_profile_s", "flush_wait_s")   # /start_profile to traces whole
 _FREE_DISK = "import os, sys\nst = os.statvfs(sys.argv[1])\nprint(st.f_bavail * st.f_frsize)\n"
 

@@ -27,9 +27,10 @@ from decodescope.core.enginelog import EngineModes
 from decodescope.schema.records_profile import HostOpRow, HostOps
 from decodescope.trace.analyze import steps_from_annotations
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
+from decodescope.engines import engine
 
 HOST_OPS_RECORD = Path("profile") / "host_ops.json"   # under the run's data/: written by 04, read by 05
-CUSTOM_OP_PREFIX = "vllm::"
+CUSTOM_OP_PREFIX = engine().custom_op_prefix
 HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
 # CUDA calls whose duration is the host waiting for the device, not its own work
 WAIT_CALL = re.compile(r"Synchronize|^cudaMemcpy$|^cudaMemcpyAsync$|^cuMemcpyDtoH")

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
+from decodescope.engines import engine
 
 # Decompressed bytes per chunk.
 # CPU time to read 50 MB of a vLLM CPU trace with 1, 2, 4, 8 MiB chunks: 0.46, 0.45, 0.54, 0.69 s.
@@ -397,7 +398,7 @@ def opened(path: Path) -> Iterator[tuple[TraceMeta, Iterator[bytes]]]:
 
 # vLLM's record_function around each engine step, as the CPU side writes it (a GPU trace repeats the name
 # under "gpu_user_annotation", which this leaves out); the name is trace.analyze.STEP_NAME's
-_STEP_ANNOTATION = re.compile(rb'"cat":\s*"user_annotation",\s*"name":\s*"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)"')
+_STEP_ANNOTATION = engine().step_annotation_json
 _STEP_ANNOTATION_MAX_BYTES = 160   # no match is longer: a chunk's tail this long is read again with the next
 
 

@@ -27,10 +27,10 @@ from decodescope.schema.rundata import RunDir
 from decodescope.trace.hostops import HOST_OPS_RECORD
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
+from decodescope.engines import engine
 
 # the baseline engine's own splitting ops where its log has no config line (vLLM 0.2x's attention ops)
-DEFAULT_SPLITTING = ("vllm::unified_attention_with_output", "vllm::unified_mla_attention_with_output",
-                     "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update")
+DEFAULT_SPLITTING = engine().default_splitting_ops
 
 
 def read_host_ops(run_dir: Path) -> Optional[HostOps]:

@@ -24,11 +24,12 @@ from decodescope.schema.rundata import PROFILE_SUMMARY, RunDir
 from decodescope.verdict.speculative import DrafterCost, drafter_key, drafter_of, drafter_us, nearest_drafter
 from decodescope.verdict.fixes import (EAGER_STEP, Fix, ModelInputs, _read_parquet, baseline_tpot, capped_fix,
                                        eager_fix, expected_tokens_per_verify, level_tpot, profile_summaries)
+from decodescope.engines import engine
 
 
 # ---- the variants (params.experiments), measured against their projections ----------------------------
 def _spec_config(engine_args: dict) -> Optional[dict]:
-    raw = engine_args.get("speculative-config")
+    raw = engine_args.get(engine().speculative_arg)
     if raw is None:
         return None
     try:
