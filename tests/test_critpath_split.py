@@ -118,3 +118,20 @@ def test_the_summary_counts_a_step_without_an_instance_as_zero():
                           "instance_class": ["skew-bound"] * 3})
     got = split_summary(split, steps=4).iloc[0]   # steps 2 and 3 had none
     assert got.instances_per_step == 0.5 and got.skew_us_per_step == 2.5 and got.share_skew_bound == 1.0
+
+
+def test_on_two_h200s_every_nccl_all_reduce_of_the_step_is_an_instance_and_freeing_its_transfer_moves_the_path():
+    """The committed 2x H200 step replay (NCCL, CUDA graph): the step's 123 all-reduces (Kimi-shaped at TP=8's
+    schedule, one rank pair) each an instance; the transfer on the path is what the transfer bound frees."""
+    cp = paths_of(Path(__file__).parent / "fixtures" / "traces" / "h200x2_step_replay_graph")
+    s = collective_split(cp, "decode")
+    steps = s["step"].nunique()
+    per_step = s[s["category"] == "allreduce_nccl"].groupby("step").size()
+    assert steps == len(cp.windows) and (per_step == 123).all()
+    summary = split_summary(s, steps).set_index("category").loc["allreduce_nccl"]
+    assert summary.share_transfer_bound > 0.9   # NVLink pair, graph-replayed: the ranks arrive together
+    wall = float(cp.windows["wall_us"].median())
+    b = fix_bounds(cp, "decode").set_index("category")
+    gain = b.loc["allreduce_nccl transfer", "gain_share_median"]
+    on_path = summary.transfer_on_path_us_per_step / wall
+    assert 0.5 * on_path <= gain <= on_path + 0.01   # frees about what the path holds of it, never more
