@@ -14,15 +14,17 @@ import pytest
 
 RUN = Path(__file__).resolve().parent / "fixtures/runs/vllm_gpu_h100_spec_loo"
 
-# The rows over 10%, each understood or not as the module docs/step_model.md says:
-# - c1, self-draft k=1 (greedy +13%, sampling +13%) and k=5 greedy (+17%): at c1 the step is not linear in k
-#   (6.07, 12.26, 15.57 ms at k = 1, 3, 5: 2.75 ms a pass from 1 to 3, 1.6 ms from 3 to 5), so a line through
-#   two k misses the third; at c8 and c32 it is linear within 10%. Why k=5's passes cost less at c1 is not known.
-# - c8, the two-layer draft (+24%) and n-gram (+25%): their steps leave 0.5-1.6 ms past the verify, where the self
-#   drafter's fit puts its per-step part L at ~2.6 ms; at c1 and c32 the same L prices them within 12%.
-# - c1, n-gram (+11.5%).
+# The rows over 10%, each understood or not as docs/results.md says:
+# - c1, self-draft k=1 (greedy +16%, sampling +15%) and k=5 greedy (+21%): at c1 the step is not linear in k
+#   (6.08, 12.26, 15.52 ms at k = 1, 3, 5: 3.1 ms a pass from 1 to 3 and 1.6 ms from 3 to 5, the verify's growth
+#   included), so a line through two k misses the third; at c8 and c32 it holds within 7.4%. Why k=5's passes cost
+#   less at c1 is not known.
+# - c1 and c8, the two-layer draft (+11%, +28%) and n-gram (+16%, +30%): L, the per-step part, is the self
+#   drafter's fit; at c8 their steps leave 0.4-1.6 ms past the verify where the self drafter's L is ~2.6 ms, and at
+#   c1 the self fit's L carries the nonlinearity above. At c32 both are within 7.4%.
 KNOWN_MISSES = {("spec-self-k1-greedy", 1), ("spec-self-k5-greedy", 1), ("spec-self-k1", 1),
-                ("spec-draft2l-k3-greedy", 8), ("spec-ngram-k3-greedy", 1), ("spec-ngram-k3-greedy", 8)}
+                ("spec-draft2l-k3-greedy", 1), ("spec-draft2l-k3-greedy", 8), ("spec-ngram-k3-greedy", 1),
+                ("spec-ngram-k3-greedy", 8)}
 
 
 def _inputs(run: Path):
@@ -52,7 +54,7 @@ def test_every_variant_at_every_level_is_projected_and_held_to_10_percent_but_th
             assert abs(r["error_pct"]) > 10.0, r     # fails once the miss is understood and fixed: update the list
         else:
             assert abs(r["error_pct"]) <= 10.0, r
-    assert sum(abs(r["error_pct"]) <= 10.0 for r in loo) == 17
+    assert sum(abs(r["error_pct"]) <= 10.0 for r in loo) == 16
 
 
 def test_the_greedy_self_draft_accepts_every_draft_and_sampling_almost_none(loo):
@@ -102,6 +104,18 @@ def test_the_k_figure_has_every_drafter_greedy_included_with_the_measured_varian
     # c32 k=3 by 1.7%), sampling self k=1
     assert all(best[("self (greedy)", lv)] == 5 for lv in (1, 8, 32))
     assert all(best[("self", lv)] == 1 for lv in (1, 8, 32))
+
+
+def test_a_request_sees_its_last_verify_cut_at_its_length():
+    """n = 128 output tokens at 6 a verify: 127 after the first in 22 steps, the server's step = TPOT x 5.77; the
+    run's greedy k = 5 at c1: TPOT 2,688 us x 127 / 22 = 15,517 us against the server's 15,569 us a step."""
+    from decodescope.verdict.speccurve import per_request_tokens
+
+    assert per_request_tokens(6.0, 128) == pytest.approx(127 / 22)
+    assert per_request_tokens(4.0, 128) == pytest.approx(127 / 32) and per_request_tokens(2.0, 128) == 127 / 64
+    assert per_request_tokens(3.968, 128) == 3.968 and per_request_tokens(1.0, 128) == 1.0
+    lev = pd.read_parquet(RUN / "variants/spec-self-k5-greedy/data/serving_levels.parquet").set_index("level")
+    assert lev.loc[1, "tpot_p50_us"] * 127 / 22 == pytest.approx(lev.loc[1, "server_itl_mean_us"], rel=0.01)
 
 
 def test_break_even_by_hand():

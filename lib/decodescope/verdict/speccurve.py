@@ -9,6 +9,7 @@ server's own sampling; its cost from the profiled variant nearest in k (variants
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -186,10 +187,23 @@ class SpecMeasure:
     tpot_us: dict[int, float]
     tokens: dict[int, float]
     per_pos: dict[int, list[float]]
+    output_tokens: int = 0
 
     def step_us(self, level: int) -> float:
-        """The unprofiled step: TPOT x tokens a verify step yields."""
-        return self.tpot_us[level] * self.tokens[level]
+        """The unprofiled step: TPOT x the tokens a verify step yields over a request (per_request_tokens)."""
+        return self.tpot_us[level] * per_request_tokens(self.tokens[level], self.output_tokens)
+
+
+def per_request_tokens(tokens: float, output_tokens: int) -> float:
+    """The tokens a verify step yields, as a request's TPOT sees them: its n - 1 tokens after the first come in
+    ceil((n - 1) / tokens) steps, the last one cut at the request's length (at n = 128 and 6 tokens a verify,
+    22 steps, 5.77 a step: the server's inter-token latency, one step, is TPOT x 5.77, not x 6). Without n,
+    `tokens`; where `tokens` is no whole number (acceptance that varies step to step), `tokens`: the cut then
+    falls anywhere in the last step."""
+    if output_tokens <= 1 or tokens <= 1.0 or abs(tokens - round(tokens)) > 1e-3:
+        return tokens
+    n = output_tokens - 1
+    return n / math.ceil(n / tokens - 1e-9)
 
 
 def _draft_layers(spec: dict, params) -> Optional[int]:
@@ -226,7 +240,7 @@ def spec_measures(run_dir: Path, params) -> list[SpecMeasure]:
         if tpot:
             out.append(SpecMeasure(exp.name, drafter_key(spec), drafter_of(spec, None),
                                    int(spec.get("num_speculative_tokens", 1)), vparams.workload.temperature == 0,
-                                   _draft_layers(spec, params), tpot, tokens, pos))
+                                   _draft_layers(spec, params), tpot, tokens, pos, vparams.workload.output_tokens))
     return out
 
 
@@ -259,7 +273,7 @@ class SpecPrice:
 
 def price_spec(measures: list[SpecMeasure], key: str, drafter: str, k: int, greedy: bool, layers: Optional[int],
                level: int, verify_us, target_layers: int, leave_out: str = "",
-               own_per_pos: Optional[list[float]] = None) -> Optional[SpecPrice]:
+               own_per_pos: Optional[list[float]] = None, output_tokens: int = 0) -> Optional[SpecPrice]:
     """The TPOT of drafter `key` at k, sampling `greedy`, at `level`, from the other variants (leave_out: the
     variant priced, never read). verify_us(level, k): the calibrated verify step. None where nothing prices it."""
     out = next((m for m in measures if m.name == leave_out), None)
@@ -293,7 +307,8 @@ def price_spec(measures: list[SpecMeasure], key: str, drafter: str, k: int, gree
         return None
     v = verify_us(level, k)
     step = v + lead + k * pass_us * scale
-    return SpecPrice(step / tokens, step, v, lead, pass_us * scale, tokens,
+    per_request = per_request_tokens(tokens, output_tokens)
+    return SpecPrice(step / per_request, step, v, lead, pass_us * scale, tokens,
                      f"verify {v:,.0f} us (step model at c{level} x {k + 1}, calibrated) + L {lead:,.0f} us + "
                      f"{k} x P {pass_us * scale:,.0f} us ({what}), over {tokens:.2f} tokens ({tok_how})")
 
@@ -330,7 +345,7 @@ def loo_rows(run_dir: Path, params, inp: ModelInputs, levels: Optional[pd.DataFr
     for m in measures:
         for level in sorted(m.tpot_us):
             p = price_spec(measures, m.key, m.drafter, m.k, m.greedy, m.draft_layers, level, verify, layers,
-                           leave_out=m.name, own_per_pos=m.per_pos.get(level))
+                           leave_out=m.name, own_per_pos=m.per_pos.get(level), output_tokens=m.output_tokens)
             row = {"variant": m.name, "drafter": m.drafter, "k": m.k, "greedy": m.greedy, "level": level,
                    "measured_tpot_us": m.tpot_us[level], "measured_tokens": m.tokens[level],
                    "measured_step_us": m.step_us(level)}
@@ -358,8 +373,9 @@ def unprofiled_k_rows(run_dir: Path, params, inp: ModelInputs, levels: Optional[
         mine = [m for m in measures if m.key == key and m.greedy == greedy]
         for level in sorted({lv for m in mine for lv in m.tpot_us}):
             own = next((m.per_pos[level] for m in sorted(mine, key=lambda m: -m.k) if m.per_pos.get(level)), None)
-            priced = {k: price_spec(measures, key, drafter, k, greedy, dl, level, verify, layers, own_per_pos=own)
-                      for k in SPEC_KS}
+            n = max(m.output_tokens for m in mine)
+            priced = {k: price_spec(measures, key, drafter, k, greedy, dl, level, verify, layers, own_per_pos=own,
+                                    output_tokens=n) for k in SPEC_KS}
             ok = {k: p for k, p in priced.items() if p is not None}
             if not ok:
                 continue
