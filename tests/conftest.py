@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import sys
@@ -49,6 +50,9 @@ def make_cpu_traces(out_dir: Path, steps: int = 5, per_step: int = 3, gzip_them:
                 shutil.copyfileobj(src, dst)
             p.unlink()
     return out_dir
+
+
+HANDOFF_ENV = "DECODESCOPE_TEST_HANDOFF"  # tests/lanes.py's directory for the session (its HANDOFF_ENV)
 
 
 class Handoff:
@@ -137,3 +141,127 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # the real two-rank traces come from torchrun: not for `make test-fast`
         if "cpu_traces" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.torchrun)
+
+
+# ---- nothing of the suite left in /dev/shm (issue 55) ------------------------------------------------------
+# Each test checks what its own runs made (by run token or run id); this checks, once the suite is over, that no
+# test and nothing it started left a probe segment, a vLLM segment or a multiprocessing SharedMemory there. Files
+# that were there when the suite began are not the suite's. Under tests/lanes.py the snapshot is the first lane's
+# (kept in the lanes' handoff directory) and the check is made by the last lane of each stage to end, when no
+# process of the suite is running; a file mapped by a live process outside the suite (another user's run on the
+# same host) is that process's.
+SHM_WATCHED = ("decodescope-probe-", "vllm_", "psm_")
+SUITE_ENV = "DECODESCOPE_TEST_SUITE"  # on every process the suite starts here (not those sshd starts)
+SHM_SETTLE_S = 20.0
+
+
+def _shm_watched() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_WATCHED)}
+    except OSError:
+        return set()
+
+
+def _shm_holders(names: set[str]) -> dict[str, list[int]]:
+    """name -> live pids that map it or hold it open."""
+    import psutil
+
+    out: dict[str, list[int]] = {}
+    for pid in psutil.pids():
+        held: set[str] = set()
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                i = line.find("/dev/shm/")
+                if i >= 0:
+                    held.add(line[i + 9:].removesuffix(" (deleted)").strip())
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        held.add(target[9:].removesuffix(" (deleted)"))
+        for n in held & names:
+            out.setdefault(n, []).append(pid)
+    return out
+
+
+def _of_suite(pid: int, suite: str) -> bool:
+    with contextlib.suppress(OSError):
+        return f"\0{SUITE_ENV}={suite}\0".encode() in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+    return False
+
+
+def shm_left_by_suite(before: set[str], suite: str) -> dict[str, str]:
+    """The watched /dev/shm files made since `before` that nothing outside the suite holds, each with why it is
+    the suite's (no live holder, or the suite's pids that still hold it); polled for SHM_SETTLE_S, as a teardown
+    of another run on the host may still be sweeping its own."""
+    import time
+
+    deadline = time.monotonic() + SHM_SETTLE_S
+    while True:
+        new = _shm_watched() - before
+        holders = _shm_holders(new)
+        left = {}
+        for n in sorted(new):
+            pids = holders.get(n, [])
+            ours = [p for p in pids if _of_suite(p, suite)]
+            if not pids:
+                left[n] = "no live process holds it"
+            elif ours:
+                left[n] = f"still held by the suite's pids {ours}"
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def pytest_sessionstart(session):
+    import uuid
+
+    root = os.environ.get(HANDOFF_ENV)
+    os.environ.setdefault(SUITE_ENV, root or uuid.uuid4().hex)
+    session.config._shm_before = _shm_watched()
+    if root:
+        with _lanes_lock(Path(root)):
+            first = Path(root) / "shm_before.json"
+            if not first.exists():
+                first.write_text(json.dumps(sorted(session.config._shm_before)))
+            (Path(root) / f"lane-{os.getpid()}.running").touch()
+
+
+@contextlib.contextmanager
+def _lanes_lock(root: Path):
+    import fcntl
+
+    with open(root / "shm.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before: set[str] = getattr(session.config, "_shm_before", set())
+    root = os.environ.get(HANDOFF_ENV)
+    if root:
+        with _lanes_lock(Path(root)):
+            (Path(root) / f"lane-{os.getpid()}.running").unlink(missing_ok=True)
+            others = [p for p in Path(root).glob("lane-*.running") if _pid_alive(int(p.name[5:-8]))]
+            if others:  # another lane of this stage still runs: the last one to end checks
+                return
+            with contextlib.suppress(OSError, ValueError):
+                before |= set(json.loads((Path(root) / "shm_before.json").read_text()))
+    left = shm_left_by_suite(before, os.environ[SUITE_ENV])
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"/dev/shm files left by the suite ({len(left)}):"] + [f"  /dev/shm/{n}: {why}" for n, why in left.items()]
+        if reporter is not None:
+            reporter.write_line("\n".join(lines), red=True)
+        else:
+            print("\n".join(lines), file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False

@@ -52,8 +52,10 @@ def shm_files_of(idents) -> list[Path]:
 
 
 # DECODESCOPE_FAULT_LOAD=1: every fault of this module is injected with the host's cores held busy by processes
-# outside the run (busy_host: one busy loop a core, for the whole test) and recorded as the row's loaded figures
+# outside the run (busy_host: one busy loop a core, for the whole test) and recorded as the row's loaded figures;
+# =outside: the caller holds the cores busy itself (busy loops around the whole pytest, module fixtures included)
 FAULT_LOAD = os.environ.get("DECODESCOPE_FAULT_LOAD", "") not in ("", "0")
+FAULT_LOAD_HERE = FAULT_LOAD and os.environ.get("DECODESCOPE_FAULT_LOAD") != "outside"
 
 
 def record_fault(fault: str, guarantee: str, load: str | None = None, **measured) -> None:
@@ -94,7 +96,7 @@ def busy_host(n: int | None = None):
 @pytest.fixture(autouse=True)
 def _loaded_if_asked():
     """Under DECODESCOPE_FAULT_LOAD=1, the whole test beside busy loops (busy_host)."""
-    with busy_host() if FAULT_LOAD else contextlib.nullcontext():
+    with busy_host() if FAULT_LOAD_HERE else contextlib.nullcontext():
         yield
 
 

@@ -549,15 +549,13 @@ def processes_of(module: str, tmp_path: Path) -> list[int]:
     return out
 
 
-def unheld_probe_segments() -> list[Path]:
-    """/dev/shm/decodescope-probe-* segments that no live process has mapped: left behind by a probe that
-    is gone (a running probe's ranks map theirs for their whole life)."""
-    held: set[str] = set()
-    for pid in psutil.pids():
-        with contextlib.suppress(OSError):
-            held |= {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                     if "/dev/shm/decodescope-probe-" in line}
-    return sorted(p for p in Path("/dev/shm").glob("decodescope-probe-*") if str(p) not in held)
+def settled_segments(run_id: str, timeout_s: float = 30.0) -> list[Path]:
+    """The probe segments of this run (by its key in their names: procs.probe_shm_name) once the host's
+    supervisor has had time to sweep them, polled: this test's own, whatever other tests leave."""
+    deadline = time.monotonic() + timeout_s
+    while procs.probe_shm_of_run(run_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return procs.probe_shm_of_run(run_id)
 
 
 def _run_dir(params) -> Path:
@@ -566,13 +564,15 @@ def _run_dir(params) -> Path:
     return new_run_dir(params)
 
 
-def test_the_collectives_probe_runs_there_with_torchrun_and_its_files_come_back(sshd, tmp_path, session):
+def test_the_collectives_probe_runs_there_with_torchrun_and_its_files_come_back(sshd, tmp_path, session,
+                                                                                  monkeypatch):
     from decodescope.micro import bench as mb
 
     params = load_params(_write(tmp_path, _params_text(sshd, tmp_path)))
     run_dir = _run_dir(params)
     host = host_for(params)
     session.append(host)
+    monkeypatch.setenv(procs.RUN_ID_ENV, run_dir.name)  # as a run's: the ranks there carry it (HOST_RUN_ID)
     coll = mb.run_collectives_probe(params, run_dir)
     assert set(coll["rank"]) == {0, 1} and set(coll["world_size"]) == {2}
     assert {m["backend"] for m in coll.attrs["meta"]} == {"gloo"}
@@ -581,7 +581,63 @@ def test_the_collectives_probe_runs_there_with_torchrun_and_its_files_come_back(
     assert local == remote == ["collectives_rank0.json", "collectives_rank1.json"]
     assert "all_to_all" in set(coll["part"])
     assert (run_dir / "logs/collectives_probe.log").stat().st_size > 0
-    assert not processes_of("decodescope.probes", tmp_path) and unheld_probe_segments() == []
+    assert not processes_of("decodescope.probes", tmp_path) and settled_segments(run_dir.name) == []
+
+
+def test_a_probe_whose_link_drops_while_its_segments_are_made_leaves_none_there(sshd, tmp_path, session,
+                                                                               monkeypatch):
+    """The ranks there held where their shm segments exist and are not yet unlinked, ignoring SIGTERM (a rank
+    stuck in a collective on a busy host), and the link dropped (ssh killed): the host's supervisor stops every
+    rank and removes the segments by the probe's token once none is alive. On a host whose vLLM has no shm
+    all-reduce (_C_AVX2) the ranks hold at the same point with no segment."""
+    from functools import partial
+
+    from decodescope.micro import bench as mb
+    from decodescope.probes.communicators import FAULT_HOLD_ENV, FAULT_IGNORE_TERM_ENV
+
+    params = load_params(_write(tmp_path, _params_text(sshd, tmp_path)))
+    run_dir = _run_dir(params)
+    host = host_for(params)
+    session.append(host)
+    host.connect()
+    monkeypatch.setenv(procs.RUN_ID_ENV, run_dir.name)
+    hold = tmp_path / "hold"  # the ssh host is this machine: its markers are seen here
+    monkeypatch.setattr(mb, "run_torchrun_probe", partial(mb.run_torchrun_probe, env={
+        FAULT_HOLD_ENV: str(hold), FAULT_IGNORE_TERM_ENV: "1"}))
+    err: list[BaseException] = []
+
+    def probe():
+        try:
+            mb.run_collectives_probe(params, run_dir)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            err.append(e)
+    t = threading.Thread(target=probe)
+    t.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(tmp_path.glob("hold.rank[0-9]"))) < 2:
+        time.sleep(0.05)
+    markers = sorted(tmp_path.glob("hold.rank[0-9]"))
+    assert len(markers) == 2, "the ranks never reached the hold"
+    held = sorted({procs.SHM_DIR / n for f in markers for n in json.loads(f.read_text())["segments"]})
+    assert all(p.exists() for p in held)  # the window is hit: the segments are there
+    ranks = [json.loads(f.read_text())["pid"] for f in markers]
+    os.kill(host._master.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    t.join(90)
+    assert err and isinstance(err[0], LinkDropped), err
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in ranks) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in ranks if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    shm_left = settled_segments(run_dir.name)
+    stop_s = time.monotonic() - t0
+    assert left == [] and shm_left == [] and not [p for p in held if p.exists()], (left, shm_left, held)
+    record_fault("ssh link dropped while the probe's segments are made (ranks slow to die)",
+                 "every rank there stopped by the host's supervisor (SIGKILL after its grace), then the probe's "
+                 "segments removed there by its token", rc=1, results_lost="the probe in flight",
+                 processes_left=len(left), shm_files_left=len(shm_left), detect_and_stop_s=round(stop_s, 1),
+                 segments_held=len(held))
 
 
 def test_a_probe_whose_link_drops_is_stopped_there_and_says_resume(sshd, tmp_path, session):

@@ -1,8 +1,12 @@
 """Both probes for real in the embedded default: torch on the CPU, torchrun with two gloo ranks."""
 
+import contextlib
+import os
+
 import pandas as pd
 import pytest
 
+from decodescope.exec import procs
 from decodescope.model import arch as archmod
 from decodescope.micro import bench as mb
 from decodescope.schema.params import load_params
@@ -26,7 +30,23 @@ def params(repo):
 
 @pytest.fixture(scope="module")
 def coll(params, run_dir):
-    return mb.run_collectives_probe(params, run_dir)
+    # under a run id of its own, as a run's probe is: its segments carry that run's key (procs.probe_shm_name),
+    # so the test checks its own probe's and no other's
+    with run_id(run_dir.name):
+        return mb.run_collectives_probe(params, run_dir)
+
+
+@contextlib.contextmanager
+def run_id(value: str):
+    old = os.environ.get(procs.RUN_ID_ENV)
+    os.environ[procs.RUN_ID_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(procs.RUN_ID_ENV, None)
+        else:
+            os.environ[procs.RUN_ID_ENV] = old
 
 
 def test_burst_replays_the_architectures_schedule(params, coll):
@@ -98,7 +118,7 @@ def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_size
     else:  # vLLM's _C_AVX2 has no shm all-reduce: the probe says so instead of measuring it
         assert set(burst["communicator"]) == {"torch_gloo"}
         assert all(f"vllm.{engine_allreduce.cpu_extension}" in m["communicators_skipped"]["vllm_shm"] for m in metas), metas
-    assert not list(__import__("pathlib").Path("/dev/shm").glob("decodescope-probe-*"))  # segments removed
+    assert procs.probe_shm_of_run(run_dir.name) == []  # this probe's segments removed
 
 
 def test_all_to_all_at_dispatch_sizes(params, coll):

@@ -208,13 +208,17 @@ def test_a_communicator_the_probe_did_not_measure_is_named(tiny):
 @pytest.mark.integration
 def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tiny, tmp_path, engine_allreduce):
     import os
-    before = {f for f in os.listdir("/dev/shm") if f.startswith("decodescope-probe-")}
+    import uuid
+
+    from decodescope.exec import procs
+    token = uuid.uuid4().hex  # the ranks' run token: their segments' names carry it (procs.probe_shm_name)
     plan = {"dtype": "bf16", "iters": 3, "warmup": 1, "communicator": "engine",
             "steps": [{"batch": b, "program": archmod.step_program(tiny, 2, b)} for b in (1, 4)]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                     "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path)],
-                   check=True, capture_output=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                   check=True, capture_output=True, timeout=600,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", procs.RUN_TOKEN_ENV: token})
     rows = read_probe_rows([tmp_path / f"step_rank{rank}.json" for rank in (0, 1)], "step")
     table = mb.replay_table(rows)
     assert sorted(table["batch"].unique()) == [1, 4]
@@ -234,7 +238,7 @@ def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tin
         assert meta["communicator_note"] == ""
     else:
         assert f"vllm.{engine_allreduce.cpu_extension}" in meta["communicator_note"], meta
-    assert {f for f in os.listdir("/dev/shm") if f.startswith("decodescope-probe-")} <= before
+    assert procs.probe_shm_of_token(token) == []  # this probe's segments removed
 
 
 def test_a_cuda_graph_replay_trace_is_attributed_to_its_steps(repo, tmp_path):
