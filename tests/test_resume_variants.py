@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from decodescope.orchestration.runmanifest import Manifest
-from decodescope.orchestration.runner import _check_variants, phase_failed_variants
+from decodescope.orchestration.runner import _check_variants, _resumed_overrides, phase_failed_variants
 from decodescope.schema.params import ParamsError, load_params, with_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,3 +60,12 @@ def test_a_variant_whose_phase_failed_fails_the_run_but_one_whose_server_never_s
     v.error = "01_serving: ParamsError: no variant named 'spec-self-k3-greedy'"
     assert phase_failed_variants(m) == ["spec-self-k3-greedy"]
     shutil.rmtree(run)
+
+
+def test_a_resume_adds_its_variants_to_the_first_runs_and_keeps_their_other_overrides():
+    first = {"workload.repeats": 3, "experiments": [{"name": "a", "profile": True}, {"name": "b"}]}
+    now = {"experiments": [{"name": "c"}, {"name": "a", "profile": False}]}
+    out = _resumed_overrides(first, now)
+    assert out["workload.repeats"] == 3
+    assert out["experiments"] == [{"name": "b"}, {"name": "c"}, {"name": "a", "profile": False}]
+    assert _resumed_overrides({}, now) == now and _resumed_overrides(first, {}) == first

@@ -79,7 +79,7 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
     if resume and (Path(resume) / "manifest.json").is_file():
         # as the run began, with this command's overrides over them (--variants a first run did not list):
         # the phases' notebooks read them from the manifest, so they must see what this run measures
-        overrides = {**Manifest.load(Path(resume)).record.overrides, **(overrides or {})}
+        overrides = _resumed_overrides(Manifest.load(Path(resume)).record.overrides, overrides or {})
     params = with_overrides(params, overrides or {})
     selected = select_phases(params, phases, notebook_dir)
     _check_variants(params, overrides or {}, selected)
@@ -112,6 +112,17 @@ def run(params_path: Path, phases: Optional[list[str]] = None, resume: Optional[
         if needs_port:
             release_port(params.server.port)
         close_hosts()
+
+
+def _resumed_overrides(first: dict, now: dict) -> dict:
+    """The overrides a resumed run goes on with: the first run's, with this command's over them; the variants
+    (experiments) of both, this command's replacing one of the same name, so the verdict still sees the
+    variants the first run measured (those already ok are skipped)."""
+    out = {**first, **now}
+    if "experiments" in first and "experiments" in now:
+        names = {e["name"] for e in now["experiments"]}
+        out["experiments"] = [e for e in first["experiments"] if e["name"] not in names] + list(now["experiments"])
+    return out
 
 
 def _check_variants(params: Params, overrides: dict, selected: list[str]) -> None:
