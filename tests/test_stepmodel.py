@@ -12,6 +12,7 @@ import pytest
 
 from decodescope.model import arch as archmod
 from decodescope.micro import bench as mb
+from decodescope.micro import skewcal as sc
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
 from decodescope.verdict import stepsample as ss
@@ -239,6 +240,31 @@ def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tin
     else:
         assert f"vllm.{engine_allreduce.cpu_extension}" in meta["communicator_note"], meta
     assert procs.probe_shm_of_token(token) == []  # this probe's segments removed
+
+
+@pytest.mark.integration
+def test_a_rank_made_late_by_a_known_delay_is_the_skew_the_critical_path_attributes(repo, tmp_path, engine_allreduce):
+    """03's step replay with rank 1 spinning 200 us before each collective (4 profiled steps of 10
+    collectives, the engine's communicator: shm natively, gloo under --cpu-path=avx2), read back through
+    the critical path: the median instance's arrival skew is the delay within 10% or 20 us, rank 1 is named
+    late, and the skew agrees with the entries read off the events without the path
+    (benchmarks/skew_calibration.py: the table at 0-1,000 us on both paths)."""
+    params = load_params(repo / "params/default.yaml")
+    plan = sc.step_replay_plan(params.model_config_dict(), 2, 1, mb.engine_rank_cpus(params))
+    sc.run_skewed_replay(plan, tmp_path, 200.0, skew_rank=1, steps=4, timeout_s=300)
+    split, meta = sc.read_setting(tmp_path)
+    row = sc.calibrate(split, 200.0, 1, "session", meta["communicator"], meta["raw_skew_us"], meta["spin_us"])
+    assert meta["communicator"] == engine_allreduce.communicator and meta["skew_us"] == 200.0
+    assert row.instances >= 4 * 10 - 2, row  # every collective of every step found on both ranks
+    assert row.late_rank_share >= 0.9, row
+    assert abs(row.skew_us_median - row.raw_skew_us_median) < 5.0, row
+    assert len(meta["spin_us"]) == 4 * 10 and row.spin_us_median >= 200.0, row
+    if meta["communicator"] == "torch_gloo" and not row.recovered:
+        # the attribution matched the raw entries above; on gloo the rank ran later than the delay asked
+        # (2026-12-06 here: 251.8 us attributed, 250.3 raw, spin 218.9 us; docs/results.md): a known miss
+        pytest.xfail(f"gloo: rank 1 late by {row.raw_skew_us_median:.0f} us for 200 injected (spin "
+                     f"{row.spin_us_median:.0f} us): the injection overruns on gloo's path, docs/results.md")
+    assert row.recovered, row
 
 
 def test_a_cuda_graph_replay_trace_is_attributed_to_its_steps(repo, tmp_path):
