@@ -71,18 +71,27 @@ def verdict_levels(v: Verdict) -> None:
 
 
 def verdict_projections(v: Verdict) -> None:
-    """The fixes priced from measured inputs, ranked; each with its assumptions."""
+    """The fixes priced from measured inputs, ranked, each with its bound on the critical path; then the fixes
+    with an assumed input, as the condition under which each would pay off (never ranked as a gain)."""
     if not v.projections:
         show_note(f"*No projection in this run: {v.sources.get('projections') or NO_STEP_MODEL}.*")
         return
     proj = frame(cast("list[BaseModel]", v.projections), ProjectionRow)
-    show(plots.projection_bars(proj, v.wall_us))
-    best, worst = proj.iloc[0], proj.iloc[-1]
-    show_note(f"Best projected fix: **{best['fix']}**, TPOT {best['gain_pct']:+.0f}% "
-              f"({best['tpot_low_us'] / 1e3:.2f}-{best['tpot_high_us'] / 1e3:.2f} ms). "
-              f"Least useful: {worst['fix']} ({worst['gain_pct']:+.0f}%). Sources: {v.sources.get('projections', '')}.")
-    show_table(proj[["fix", "tpot_us", "tpot_low_us", "tpot_high_us", "gain_pct", "tokens_per_step", "assumptions"]],
-               caption="fixes priced on the measured step - verdict.json")
+    ranked = proj[proj["status"] != "break-even"]
+    if len(ranked):
+        show(plots.projection_bars(ranked, v.wall_us))
+        best, worst = ranked.iloc[0], ranked.iloc[-1]
+        show_note(f"Best projected fix, every input measured: **{best['fix']}**, TPOT {best['gain_pct']:+.0f}% "
+                  f"({best['tpot_low_us'] / 1e3:.2f}-{best['tpot_high_us'] / 1e3:.2f} ms). "
+                  f"Least useful: {worst['fix']} ({worst['gain_pct']:+.0f}%). Sources: {v.sources.get('projections', '')}.")
+        show_table(ranked[["rank", "fix", "status", "tpot_us", "tpot_low_us", "tpot_high_us", "gain_pct", "bound",
+                           "bound_gain_pct", "beyond_bound", "tokens_per_step", "assumptions"]],
+                   caption="fixes priced on the measured step, ranked, each beside its bound on the critical path "
+                           "- verdict.json")
+    assumed = proj[proj["status"] == "break-even"]
+    for condition, rows in assumed.groupby(assumed["condition"].where(assumed["condition"] != "", assumed["assumptions"]),
+                                           sort=False):
+        show_note(f"Not ranked, an input assumed: **{'; '.join(rows['fix'])}**. {condition}.")
 
 
 def verdict_curves(v: Verdict) -> None:

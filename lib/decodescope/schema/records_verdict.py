@@ -69,6 +69,13 @@ class ProjectionRow(_Model):
     batch: Optional[float] = Field(None, description="the batch (serving level) the projection is priced at")
     tok_s_per_gpu: Optional[float] = Field(None, description="output tokens/s per GPU at that batch")
     gpus_per_replica: Optional[int] = None
+    status: str = Field("priced", description="priced (every input measured) | measured (a drafter a variant ran) | "
+                        "break-even (an input assumed: not ranked, stated as the condition under which it pays off)")
+    rank: Optional[int] = Field(None, description="1 = the best projected TPOT among the ranked; None: break-even")
+    condition: str = Field("", description="break-even: when the fix would pay off, from the measured verify step")
+    bound: Optional[str] = Field(None, description="the critical path's bound of what this fix frees")
+    bound_gain_pct: Optional[float] = Field(None, description="the most that bound buys: wall step saved, %")
+    beyond_bound: Optional[bool] = Field(None, description="the projection saves more than its bound allows")
 
 
 class CurveRow(_Model):

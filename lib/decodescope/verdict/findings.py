@@ -166,13 +166,24 @@ def _variant_findings(v: Verdict) -> list[dict]:
 
 
 def _fix_findings(v: Verdict) -> list[dict]:
+    """The ranked fixes that help (the best three), with their bound on the path; those that would not; and
+    each fix with an assumed input as the condition under which it would pay off, never as a gain."""
     out = []
-    helps = [p for p in v.projections if p.gain_pct < NO_HELP_PCT]
+    ranked = [p for p in v.projections if p.status != "break-even"]
+    helps = [p for p in ranked if p.gain_pct < NO_HELP_PCT]
     for p in helps[:3]:
+        bound = (f"; the critical path's {p.bound} allows at most {p.bound_gain_pct:.0f}%"
+                 + (": the projection is beyond it" if p.beyond_bound else "") if p.bound else "")
         out.append({"topic": "fix", "figure": "verdict-fixes", "files": ["data/verdict.json"], "text":
-                    f"{p.fix}: TPOT {p.gain_pct:+.0f}% ({p.tpot_low_us / 1e3:.2f}-{p.tpot_high_us / 1e3:.2f} ms) at "
-                    f"batch {p.batch or 1:g}."})
-    for p in [p for p in v.projections if p.gain_pct >= NO_HELP_PCT]:
+                    f"{p.fix} ({p.status}): TPOT {p.gain_pct:+.0f}% ({p.tpot_low_us / 1e3:.2f}-"
+                    f"{p.tpot_high_us / 1e3:.2f} ms) at batch {p.batch or 1:g}{bound}."})
+    for p in [p for p in ranked if p.gain_pct >= NO_HELP_PCT]:
         out.append({"topic": "no_help", "figure": "verdict-fixes", "files": ["data/verdict.json"],
                     "text": f"Would not help: {p.fix}: {p.gain_pct:+.0f}%."})
+    said: dict[str, list[str]] = {}  # one sentence per condition: the acceptances assumed share their k's
+    for p in [p for p in v.projections if p.status == "break-even" and p.condition]:
+        said.setdefault(p.condition, []).append(p.fix)
+    for condition, fixes in said.items():
+        out.append({"topic": "fix", "figure": "verdict-fixes", "files": ["data/verdict.json"],
+                    "text": f"Not ranked, an input assumed ({'; '.join(fixes)}): {condition}."})
     return out

@@ -395,7 +395,8 @@ def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame], captures: O
                      "tok_s_per_gpu": sb * 1e6 / base.period_us / tp, "model_us": base.period_us})
         comps += [{"batch": b, **r} for r in base.table().to_dict("records")]
         scale = calibration.get(b, base.period_us) / base.period_us
-        for f in fixes_at(inp, sb, params) + (more_fixes(sb, scale) if more_fixes else []):
+        extra = more_fixes(sb, scale) if more_fixes else []
+        for f in fixes_at(inp, sb, params) + extra:
             flo, fhi = f.prediction.band_us
             tpot = f.tpot_us(f.prediction.period_us, scale)
             row = {"fix": f.name, "batch": b, "tpot_us": tpot, "tpot_low_us": f.tpot_us(flo, scale),
@@ -411,6 +412,9 @@ def curves(inp: ModelInputs, params, levels: Optional[pd.DataFrame], captures: O
                              "tpot_low_us": row["tpot_low_us"], "tpot_high_us": row["tpot_high_us"],
                              "gain_pct": 100 * (tpot / ref - 1), "batch": b, "tok_s_per_gpu": row["tok_s_per_gpu"],
                              "gpus_per_replica": f.gpus_per_replica,
+                             # an assumed input is no ranked gain (speccurve.ranked_fixes); a drafter a variant
+                             # ran is priced from what was measured
+                             "status": "break-even" if f.assumed else ("measured" if f in extra else "priced"),
                              "assumptions": "; ".join(f.assumptions + ([f"calibrated: x {scale:.2f} (baseline TPOT / "
                                                                         "base model at this level)"] if b in measured else []))})
-    return rows, comps, sorted(proj, key=lambda r: r["gain_pct"])
+    return rows, comps, sorted(proj, key=lambda r: (r["status"] == "break-even", r["gain_pct"]))

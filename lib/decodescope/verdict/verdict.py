@@ -31,8 +31,10 @@ from decodescope.schema.rundata import COLLECTIVES, GEMM, SERVING_LEVELS, SERVIN
 from decodescope.verdict.fixes import (NO_STEP_MODEL, ModelInputs, _engine_itls, _profile_summary, _read_parquet,
                                        baseline_tpot, curves, level_tpot, model_inputs, profile_captures,
                                        profile_summaries, served_batches)
+from decodescope.verdict.ranking import rank_projections
 from decodescope.verdict.findings import LEVEL_TOLERANCE, NO_HELP_PCT, RECONCILE_TOLERANCE, findings
-from decodescope.verdict.speccurve import loo_rows, measured_drafters, measured_spec_fixes, unprofiled_k_rows
+from decodescope.verdict.speccurve import (loo_rows, measured_drafters, measured_spec_fixes, ranked_fixes,
+                                           unprofiled_k_rows)
 from decodescope.verdict.variants import drafter_sources, gpu_host_split, replay_rows, variant_rows
 
 
@@ -335,6 +337,10 @@ def verdict(run_dir: Path, params) -> Verdict:
     out.engine = modes.describe() if modes else ""
     paths = critical_path_records(run_dir)
     out.critical_path = fix_rows(paths, out.projections)
+    if inp is not None and out.projections:
+        at = int(min(float(p.batch or 1) for p in out.projections))
+        out.projections = rank_projections(out.projections, ranked_fixes(run_dir, params, inp, levels, captures, at),
+                                           out.critical_path)
     like_for_like = transfer_reconcile_row(out.reconcile, paths, profile_batch)
     if like_for_like is not None:
         out.reconcile.append(like_for_like)
