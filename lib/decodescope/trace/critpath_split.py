@@ -93,7 +93,8 @@ def collective_split(cp: CriticalPaths, kind: str = "decode") -> pd.DataFrame:
 
 def _late_rank(inst: pd.DataFrame, m: pd.DataFrame, lab, ln) -> pd.DataFrame:
     """The rank that entered last, the instance's category (its entering pieces'), and what the late rank
-    ran just before it entered (its entering piece's binding dependency's category; "(step start)": none)."""
+    ran just before it entered (its entering piece's binding dependency's category; "host" where the gap
+    after that is half the skew or more; "(step start)": none)."""
     ent = m[m["enters"]].sort_values(["group", "start"], kind="stable")
     last = ent.groupby("group").tail(1).set_index("group")["piece"].reindex(inst.index).to_numpy(np.int64)
     p = lab.pieces
@@ -101,7 +102,12 @@ def _late_rank(inst: pd.DataFrame, m: pd.DataFrame, lab, ln) -> pd.DataFrame:
     cats = lab.category_labels
     inst["category"] = cats[lab.category_code[last]]
     before = ln.pred[last]
-    inst["late_work"] = np.where(before >= 0, cats[lab.category_code[np.clip(before, 0, None)]], "(step start)")
+    b = np.clip(before, 0, None)
+    work = np.where(before >= 0, cats[lab.category_code[b]], "(step start)").astype(object)
+    # where the gap between that work and the entry is the larger part of the skew, the host held it
+    gap = np.where(before >= 0, p.start[last] - p.end[b], 0.0)
+    work[(before >= 0) & (gap >= 0.5 * inst["skew_us"].to_numpy()) & (gap > 0)] = "host"
+    inst["late_work"] = work
     return inst
 
 
