@@ -17,10 +17,10 @@ import time
 
 from decodescope.cli.main import main as cli
 from decodescope.trace.analyze import find_steps, op_table
-from decodescope.trace.critpath_record import critical_path_summary
-from decodescope.trace.critpath_split import collective_split, split_summary
-from decodescope.trace.critpath_summary import attribution, collective_waits, fix_bounds
-from decodescope.trace.critpath_table import critical_paths
+from decodescope.critpath.record import critical_path_summary
+from decodescope.critpath.split import collective_split, split_summary
+from decodescope.critpath.summary import attribution, collective_waits, fix_bounds
+from decodescope.critpath.table import critical_paths
 from decodescope.trace.load import load_trace_dir
 
 REPEATS = 3

@@ -93,7 +93,7 @@ def run_ours(url: str, c: int, n: int) -> dict:
 
 
 def run_vllm_bench(url: str, c: int, n: int, tokenizer: str) -> dict:
-    from decodescope.serving.compare import run_vllm_bench_serve
+    from decodescope.serving.bench_compare import run_vllm_bench_serve
 
     result = run_vllm_bench_serve(url, "m", tokenizer, c, INPUT_TOKENS, OUTPUT_TOKENS, n, Path(tempfile.mkdtemp()),
                                   "r.json", timeout_s=900, prefix=("taskset", "-c", "1"))

@@ -6,7 +6,7 @@
 03's step replay (the embedded default model, params/default.yaml: TP=2, batch 1, the engine's communicator,
 ranks bound as the engine binds them) on two real torchrun ranks, `--steps` steps profiled per setting, rank 1
 spinning D us before each of a step's 10 collectives. Each trace set goes through decodescope's reader and
-critical path, and trace.critpath_split.collective_split attributes each instance's arrival skew. Per path
+critical path, and critpath.split.collective_split attributes each instance's arrival skew. Per path
 and delay: the attributed skew's median and p10-p90 over the instances, its error against the delay, whether
 it recovers it (within 10% or 20 us), the share of instances that name rank 1 late, and beside them the raw
 entry skew off the events (rank 1's entry minus rank 0's, the k-th collective of a step paired) and the
@@ -80,7 +80,7 @@ def main() -> int:
     head = (f"# benchmarks/skew_calibration.py{' --unbound' if args.unbound else ''} --paths {args.paths} --delays {args.delays} --steps {args.steps}\n"
             f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, params/default.yaml TP=2 "
             f"batch 1, {len(plan['steps'][0]['program'])} ops a step, ranks bound to {bind or 'no cores (--unbound)'}; rank {args.skew_rank} late by inj_us before "
-            "each collective\n# skew: trace.critpath_split.collective_split per instance, median and p10-p90; "
+            "each collective\n# skew: critpath.split.collective_split per instance, median and p10-p90; "
             "err = median - inj; ok: within 10% or 20 us;\n# late=R: instances naming the delayed rank late; raw_med: "
             "entry skew off the events; spin_us: the injected_skew range in the trace; xfer_med: transfer\n")
     Path(args.out).write_text(head + table + "\n")

@@ -91,8 +91,8 @@ from decodescope.trace.parse import small_pages
 with small_pages():
     loaded = load_trace_dir(sys.argv[1])
     from decodescope.trace.analyze import op_table, category_breakdown, find_steps
-    from decodescope.trace.critpath_table import critical_paths
-    from decodescope.trace.critpath_summary import attribution, fix_bounds
+    from decodescope.critpath.table import critical_paths
+    from decodescope.critpath.summary import attribution, fix_bounds
     ops = op_table(loaded.events)
     bd = category_breakdown(ops)
     cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))

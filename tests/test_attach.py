@@ -25,7 +25,7 @@ from decodescope.cli.main import EXIT_BAD_INPUT, EXIT_PHASE_FAILED
 from decodescope.exec import procs
 from decodescope.exec.modeldir import resolve_model_dir
 from decodescope.schema.params import load_params
-from decodescope.trace.attachguard import DISK_SHARE, MEMORY_SHARE
+from decodescope.profiling.attachguard import DISK_SHARE, MEMORY_SHARE
 from tests.browser import inspect_report
 from tests.test_faults import Run, digests, manifest, record_fault, wait_until
 from tests.test_integration_vllm import DECODESCOPE, sweep_to_1mib

@@ -19,7 +19,7 @@ from decodescope.exec.hostcore import LocalHost
 from decodescope.exec.servertree import profiler_settings
 from decodescope.schema.params import load_params
 from decodescope.schema.records_attach import WindowCost
-from decodescope.trace.attachguard import (EXPORT_PER_TRACE_BYTE, MEMORY_SHARE, SLICE_MAX_S,
+from decodescope.profiling.attachguard import (EXPORT_PER_TRACE_BYTE, MEMORY_SHARE, SLICE_MAX_S,
                                            STACK_WINDOW_EXPORT_BYTES, bytes_per_step, export_ratio, plan_window,
                                            pricing_window, saw_steps, slice_seconds, stack_refusal, window_span_s,
                                            window_steps)

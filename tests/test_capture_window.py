@@ -1,4 +1,4 @@
-"""04's profiled window (trace.profiledwindow.profiled_window), which both the level captures and the
+"""04's profiled window (profiling.window.profiled_window), which both the level captures and the
 un-graphed capture go through, against a real HTTP server that answers vLLM's profiler endpoints as a server
 with and without a profiler does: on /stop_profile it writes a real H200 rank trace (and the front end's)
 into the trace directory before it answers, as vLLM's workers do."""
@@ -15,7 +15,7 @@ import pytest
 
 from decodescope.exec.server import VllmServer
 from decodescope.serving.client import RequestRecord
-from decodescope.trace.profiledwindow import CaptureError, profiled_window
+from decodescope.profiling.window import CaptureError, profiled_window
 
 H200_TRACES = Path(__file__).parent / "fixtures/traces/vllm_gpu_h200_kimi_int4_10l_host_ops"
 PARAMS = SimpleNamespace(profile=SimpleNamespace(flush_timeout_s=20.0))

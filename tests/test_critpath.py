@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decodescope.trace.critpath import Pieces, segments, walk_all
-from decodescope.trace.critpath_whatif import bounds
+from decodescope.critpath.path import Pieces, segments, walk_all
+from decodescope.critpath.whatif import bounds
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 KINDS = ("op", "transfer", "host", "launch", "idle")
@@ -75,7 +75,7 @@ def test_a_free_all_reduce_buys_at_most_the_late_ranks_transfer():
     p = pieces([(0, 0, 1, 0, 10, -1, -1), (0, 0, 1, 10, 50, -1, 0),
                 (1, 1, 1, 0, 40, -1, -1), (1, 1, 1, 40, 50, -1, 0)])
     cat = np.array(["x", "allreduce", "y", "allreduce"], dtype=object)
-    from decodescope.trace.critpath import link
+    from decodescope.critpath.path import link
 
     got = bounds(p, link(p), np.array([0.0]), np.array([50.0]), cat, ["allreduce", "y", "x"])
     assert got["allreduce"][0] == 40.0  # rank 1's op still bounds the step
@@ -87,7 +87,7 @@ def test_a_free_all_reduce_buys_at_most_the_late_ranks_transfer():
                                    "vllm_gpu_h200_kimi_int4_c64", "vllm_gpu_h200_kimi_int4_10l_host_ops"])
 def test_every_steps_path_sums_to_its_wall_time_on_the_real_traces(trace):
     from decodescope.trace.analyze import find_steps, op_table
-    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.critpath.table import critical_paths
     from decodescope.trace.load import load_trace_dir
 
     loaded = load_trace_dir(FIXTURES / trace)
@@ -100,7 +100,7 @@ def test_every_steps_path_sums_to_its_wall_time_on_the_real_traces(trace):
 
 def test_on_one_gpu_with_cuda_graphs_a_decode_steps_path_is_kernels_and_gaps():
     from decodescope.trace.analyze import find_steps, op_table
-    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.critpath.table import critical_paths
     from decodescope.trace.load import load_trace_dir
 
     loaded = load_trace_dir(FIXTURES / "vllm_gpu_h200_c16")
@@ -121,8 +121,8 @@ def test_a_replay_with_nothing_changed_takes_each_steps_wall_time(trace):
     # in Python and in C (bounds at a speed-up of 1); on the GPU traces a kernel still running at a step's
     # end once made two steps of the eager capture replay 12.4-12.6 us longer than they took
     from decodescope.trace.analyze import find_steps, op_table
-    from decodescope.trace.critpath_table import critical_paths
-    from decodescope.trace.critpath_whatif import replay_step
+    from decodescope.critpath.table import critical_paths
+    from decodescope.critpath.whatif import replay_step
     from decodescope.trace.load import load_trace_dir
 
     loaded = load_trace_dir(FIXTURES / trace)
@@ -140,8 +140,8 @@ def test_a_replay_with_nothing_changed_takes_each_steps_wall_time(trace):
 def test_a_kernel_still_running_at_the_steps_end_counts_to_its_point_there():
     # a call [0,1] launches k0 [2,12]; the step ends at 8, inside k0
     p = pieces([(0, 0, 1, 0, 1, -1, -1), (0, 1, 0, 2, 12, 0, -1)])
-    from decodescope.trace.critpath import link
-    from decodescope.trace.critpath_whatif import replay_step
+    from decodescope.critpath.path import link
+    from decodescope.critpath.whatif import replay_step
 
     ln = link(p)
     assert replay_step(p, ln, 0.0, 8.0, np.ones(2)) == 8.0
@@ -161,7 +161,7 @@ def sync_pieces(wait: bool):
 
 
 def test_a_host_call_that_waited_for_the_gpu_puts_the_gpu_work_on_the_path():
-    from decodescope.trace.critpath import SYNC, link
+    from decodescope.critpath.path import SYNC, link
 
     got = path(sync_pieces(wait=True), 0, 25)
     # k0's launch gap runs from its call's start, as for any launch; then k0, the call's return, the host
@@ -172,7 +172,7 @@ def test_a_host_call_that_waited_for_the_gpu_puts_the_gpu_work_on_the_path():
 
 
 def test_a_free_kernel_the_host_waited_for_shortens_the_host_too():
-    from decodescope.trace.critpath import link
+    from decodescope.critpath.path import link
 
     cat = np.array(["launch", "launch", "host", "k"], dtype=object)
     p = sync_pieces(wait=True)
@@ -186,8 +186,8 @@ def test_on_the_eager_gpu_capture_the_syncs_bind_the_host_to_the_gpu_and_raise_t
     # vLLM's eager step waits in cudaEventSynchronize (16% of its time in this capture); without the edge
     # a free GEMM bought 0.4% of the step, as if the host had waited for nothing
     from decodescope.trace.analyze import find_steps, op_table
-    from decodescope.trace.critpath import SYNC, link
-    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.critpath.path import SYNC, link
+    from decodescope.critpath.table import critical_paths
     from decodescope.trace.load import load_trace_dir
 
     loaded = load_trace_dir(FIXTURES / "vllm_gpu_h200_kimi_int4_10l_host_ops")
@@ -227,9 +227,9 @@ def test_analyze_trace_critical_path_writes_the_segments_and_the_shares(tmp_path
 def test_the_shares_summed_a_few_steps_at_a_time_are_the_shares_summed_at_once(trace, monkeypatch):
     import pandas as pd
 
-    from decodescope.trace import critpath_summary
+    from decodescope.critpath import summary as critpath_summary
     from decodescope.trace.analyze import find_steps, op_table
-    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.critpath.table import critical_paths
     from decodescope.trace.load import load_trace_dir
 
     loaded = load_trace_dir(FIXTURES / trace)
@@ -242,7 +242,7 @@ def test_the_shares_summed_a_few_steps_at_a_time_are_the_shares_summed_at_once(t
 
 
 def test_the_piece_that_ends_a_step_is_the_last_to_end_by_its_end_a_tie_to_the_later_piece():
-    from decodescope.trace.critpath import terminals
+    from decodescope.critpath.path import terminals
 
     def by_hand(p, a, b):
         n = len(p)
@@ -269,8 +269,8 @@ def test_the_piece_that_ends_a_step_is_the_last_to_end_by_its_end_a_tie_to_the_l
 @pytest.mark.parametrize("trace", ["vllm_cpu_tp2_c4", "vllm_gpu_h200_c16"])
 def test_a_steps_pieces_found_lane_by_lane_are_those_a_pass_over_every_piece_finds(trace):
     from decodescope.trace.analyze import find_steps, op_table
-    from decodescope.trace.critpath_table import critical_paths
-    from decodescope.trace.critpath_whatif import ordered_lanes, step_rows
+    from decodescope.critpath.table import critical_paths
+    from decodescope.critpath.whatif import ordered_lanes, step_rows
     from decodescope.trace.load import load_trace_dir
 
     loaded = load_trace_dir(FIXTURES / trace)

@@ -1,4 +1,4 @@
-"""The critical path as a Chrome-format trace (trace/critpath_chrome.py), from the traces of real runs (the
+"""The critical path as a Chrome-format trace (critpath/chrome.py), from the traces of real runs (the
 committed vLLM CPU TP=2 engine traces and a two-H200 step replay): written by `analyze-trace --critical-path`,
 read back by decodescope's own reader and by HolisticTraceAnalysis, every path piece present on its rank's
 track, each step's pieces summing to its wall time, each collective split into arrival skew and transfer with
@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from decodescope.cli.main import main
-from decodescope.trace.critpath_chrome import (CHROME_TRACE, CP_PID, PATH_KINDS, collectives_tid, path_tid,
+from decodescope.critpath.chrome import (CHROME_TRACE, CP_PID, PATH_KINDS, collectives_tid, path_tid,
                                                read_chrome_trace)
 from decodescope.trace.load import load_trace_dir
 

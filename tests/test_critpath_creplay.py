@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from decodescope.trace.analyze import find_steps, op_table
-from decodescope.trace.critpath_table import critical_paths
-from decodescope.trace.critpath_whatif import _CReplay, _Flat, member_chains, replay_step, step_rows
+from decodescope.critpath.table import critical_paths
+from decodescope.critpath.whatif import _CReplay, _Flat, member_chains, replay_step, step_rows
 from decodescope.trace.cscan import library
 from decodescope.trace.load import load_trace_dir
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decodescope.trace import critpath, critpath_pieces
+from decodescope.critpath import path as critpath, pieces as critpath_pieces
 from decodescope.trace.analyze import find_steps, op_table, thread_order
-from decodescope.trace.critpath_table import critical_paths
+from decodescope.critpath.table import critical_paths
 from decodescope.trace.cscan import library
 from decodescope.trace.load import load_trace_dir
 

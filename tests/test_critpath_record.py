@@ -11,7 +11,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 
 
 def test_the_cpu_traces_critical_path_record_round_trips_with_shares_waits_and_bounds(tmp_path):
-    from decodescope.trace.critpath_record import write_critical_path
+    from decodescope.critpath.record import write_critical_path
 
     loaded = load_trace_dir(FIXTURES / "vllm_cpu_tp2_c4")
     result = analyze_traces(loaded)
@@ -38,7 +38,7 @@ def test_the_cpu_traces_critical_path_record_round_trips_with_shares_waits_and_b
 
 def test_04s_view_draws_the_median_steps_path_and_sets_wall_shares_beside_summed(tmp_path):
     from decodescope.report.critpath_view import critical_path_view
-    from decodescope.trace.critpath_record import write_critical_path
+    from decodescope.critpath.record import write_critical_path
 
     loaded = load_trace_dir(FIXTURES / "vllm_cpu_tp2_c4")
     result = analyze_traces(loaded)

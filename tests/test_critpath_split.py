@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from decodescope.trace.analyze import find_steps, op_table
-from decodescope.trace.critpath_split import collective_split, instance_class, split_summary
-from decodescope.trace.critpath_summary import fix_bounds
-from decodescope.trace.critpath_table import critical_paths
+from decodescope.critpath.split import collective_split, instance_class, split_summary
+from decodescope.critpath.summary import fix_bounds
+from decodescope.critpath.table import critical_paths
 from decodescope.trace.load import load_trace_dir
 
 T0 = 1_000_000.0  # a trace's clock starts anywhere

@@ -2,7 +2,7 @@
 bound on the path beside the step model's projection."""
 from decodescope.schema.records import ProfileCaptures, ProjectionRow, write_record
 from decodescope.schema.records_critpath import CriticalPathSummary
-from decodescope.verdict.critpath_view import (critical_path_findings, critical_path_records, disagreement, fix_rows,
+from decodescope.verdict.pathanswer import (critical_path_findings, critical_path_records, disagreement, fix_rows,
                                                headline, path_bottleneck)
 
 
@@ -97,7 +97,7 @@ def test_a_gemm_projection_is_held_to_the_gemm_class_freed_whole():
 
 def test_03s_all_reduces_are_set_beside_the_profiles_transfer_alone_with_the_skew_set_apart():
     from decodescope.schema.records import ReconcileRow
-    from decodescope.verdict.critpath_view import transfer_reconcile_row
+    from decodescope.verdict.pathanswer import transfer_reconcile_row
     micro = ReconcileRow(piece="all-reduces per step (vllm_shm)", micro_benchmark_us=20.0,
                          micro_source="collectives.parquet sweep, vllm_shm back_to_back", profile_us=30.0,
                          profile_source="profile_summary.json")

@@ -418,7 +418,7 @@ def test_stop_profile_that_never_completes_keeps_the_traces_that_arrived(tmp_pat
     10 s: the capture waits it twice (for /stop_profile, then for the traces), and rank 0's trace of this
     small workload is whole ~3 s after /stop_profile here (20 s a wait was 40 s of the test's ~96 s)."""
     from decodescope.exec.runserver import start_for_params
-    from decodescope.trace.capture import capture_profile
+    from decodescope.profiling.capture import capture_profile
     from decodescope.trace.load import load_trace_dir
     from decodescope.trace.profile import analyze_traces
 

@@ -2,7 +2,7 @@
 baseline's un-graphed capture (04), the profiler's cost per recorded event taken off."""
 import pytest
 
-from decodescope.core.enginelog import engine_modes
+from decodescope.engines.vllm_log import engine_modes
 from decodescope.schema.records import HostOpRow, HostOps, ProfileCapture
 from decodescope.verdict import graphless, stepmodel as sm
 from decodescope.verdict.stepparts import eager_walk

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from decodescope.schema.records import HostOps, read_record, write_record
-from decodescope.core.enginelog import EngineModes
+from decodescope.engines.vllm_log import EngineModes
 from decodescope.trace.hostops import host_op_costs, host_ops_wanted, outer_custom_ops, read_host_events
 
 FIXTURE = Path(__file__).parent / "fixtures" / "traces" / "vllm_gpu_h200_kimi_int4_c64"

@@ -207,7 +207,7 @@ LAYERS = (
     ("model", ("model",)),
     ("schema", ("schema",)),
     ("exec", ("exec", "probes")),
-    ("measure", ("trace", "serving", "micro")),
+    ("measure", ("trace", "critpath", "profiling", "serving", "micro")),
     ("verdict", ("verdict",)),
     ("report", ("report",)),
     ("orchestration", ("orchestration",)),

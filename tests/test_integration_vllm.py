@@ -359,7 +359,7 @@ def test_no_progress_line_reaches_the_report_or_an_executed_notebook(e2e):
     for nb in sorted((e2e["run_dir"] / "notebooks").glob("*.ipynb")):
         assert progress_lines_in(nb.read_text()) == [], nb.name
     kept = (e2e["run_dir"] / "logs" / "decodescope.log").read_text()
-    assert "decodescope.trace.capturephase: profile: concurrency" in kept
+    assert "decodescope.profiling.capturephase: profile: concurrency" in kept
     assert "decodescope.serving.sweep: serving sweep: level" in kept
 
 
@@ -418,7 +418,7 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
     TTFT 7-16 ms lower and TPOT 12-14% higher in some rounds, E2E within 1%; a CI run failed on it). (That our level metrics follow vLLM's definitions exactly
     is checked on shared records above; accuracy against ground truth is benchmarks/loadgen_fidelity.py.)"""
     from decodescope.exec.modeldir import resolve_model_dir
-    from decodescope.serving.compare import run_vllm_bench_serve
+    from decodescope.serving.bench_compare import run_vllm_bench_serve
     from tests.vllm_bench import load_vllm_bench_requests
     from decodescope.serving.metrics import coalesced_fraction
 

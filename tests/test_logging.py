@@ -39,7 +39,7 @@ def _fake_capture(concurrency: int):
 
 
 def test_the_profile_phase_logs_each_level_and_prints_nothing(tmp_path, monkeypatch, capsys, decodescope_logs):
-    from decodescope.trace import capturephase as cp
+    from decodescope.profiling import capturephase as cp
 
     ctx = PhaseContext(params=load_params(REPO / "params" / "default.yaml"), run_dir=ensure_layout(tmp_path))
     monkeypatch.setattr(cp, "profile_levels", lambda params, path: ([1, 2], []))
@@ -54,7 +54,7 @@ def test_the_profile_phase_logs_each_level_and_prints_nothing(tmp_path, monkeypa
     results, _, host = cp.capture_for_phase(ctx)
     assert [r.concurrency for r in results] == [1, 2] and host is None
     assert capsys.readouterr() == ("", "")
-    logged = [r.getMessage() for r in decodescope_logs.records if r.name == "decodescope.trace.capturephase"]
+    logged = [r.getMessage() for r in decodescope_logs.records if r.name == "decodescope.profiling.capturephase"]
     assert logged[:3] == ["profile: concurrency 2 unprofiled, before the first profile",
                           "profile: concurrency 1 (1 of 2)", "profile: concurrency 2 (2 of 2)"]
     assert len(logged) == 4 and logged[3].startswith("profile: ")   # the un-graphed step's
@@ -107,7 +107,7 @@ def test_a_kernels_records_go_to_the_run_log_alone(tmp_path, capsys):
     before, propagate = list(logger.handlers), logger.propagate
     try:
         handler = logsetup.log_only_to_file(tmp_path / "logs" / logsetup.LOG_FILE)
-        logging.getLogger("decodescope.trace.capturephase").warning("profile: concurrency 1 (1 of 1)")
+        logging.getLogger("decodescope.profiling.capturephase").warning("profile: concurrency 1 (1 of 1)")
         handler.flush()
         assert capsys.readouterr() == ("", "")
         assert "profile: concurrency 1 (1 of 1)" in (tmp_path / "logs" / logsetup.LOG_FILE).read_text()

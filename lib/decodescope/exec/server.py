@@ -320,7 +320,7 @@ class VllmServer:
         self._post(self.engine.profile_start_path, 120.0)
 
     def stop_profile(self, timeout_s: float = 900.0) -> None:
-        """Returns once the server answered; traces may still be flushing (see trace.capture)."""
+        """Returns once the server answered; traces may still be flushing (see profiling.capture)."""
         self._post(self.engine.profile_stop_path, timeout_s)
 
     # ---- teardown -----------------------------------------------------------------------------

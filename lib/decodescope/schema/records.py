@@ -16,9 +16,9 @@ declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
 | data/collectives_fit.json    | CollectivesFit   | microbench.save_collectives (03)    |
 | data/profile_summary.json    | ProfileSummary   | trace.profile.write_profile (04; records_profile) |
 | data/verdict.json            | Verdict          | verdict.verdict (05_verdict)        |
-| data/profile_capture.json    | ProfileCaptures  | trace.capture (04)                  |
+| data/profile_capture.json    | ProfileCaptures  | profiling.capture (04)                  |
 | data/profile/host_ops.json   | HostOps          | trace.hostops.host_op_costs (04; records_profile) |
-| data/profile/c<N>/critical_path.json | CriticalPathSummary | trace.critpath_record (04; records_critpath) |
+| data/profile/c<N>/critical_path.json | CriticalPathSummary | critpath.record (04; records_critpath) |
 | data/server.json             | ServerInfo       | runserver.write_server_info (records_server) |
 | data/link.json               | LinkMeasure      | runserver.write_server_info (records_server) |
 | data/gemm_raw.json           | ProbeOutput      | probes.gemm (02; records_probe)     |

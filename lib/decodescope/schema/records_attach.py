@@ -50,7 +50,7 @@ class WindowPlan(_Model):
 class AttachGuard(Record):
     """What 04 read of an attached server's profiler before profiling it: probe-1, each level's slice, each
     level's plan from its slice, and what each level's window then measured (levels), so the estimate can
-    be set against the measurement (trace.attachguard)."""
+    be set against the measurement (profiling.attachguard)."""
 
     server_pid: Optional[int] = Field(None, description="the API server's pid on its host; None: not visible")
     with_stack: Optional[bool] = Field(None, description="torch_profiler_with_stack as its command line says")

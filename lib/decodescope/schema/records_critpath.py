@@ -1,5 +1,5 @@
 """data/profile/c<N>/critical_path.json (04): the wall-clock decode step attributed by its critical path
-across lanes and ranks (decodescope.trace.critpath_summary), beside the summed shares; the collectives'
+across lanes and ranks (decodescope.critpath.summary), beside the summed shares; the collectives'
 waits named by the rank and work waited for; and what a fix of each category could buy at most.
 decodescope.schema.records says how records are versioned, read and written."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ CRITICAL_PATH_RECORD = "critical_path.json"
 
 class CritPathShareRow(_Model):
     """One category: its share of the wall step on the critical path beside its summed share of op time
-    (trace.critpath_summary.attribution)."""
+    (critpath.summary.attribution)."""
 
     category: str = Field(description="the op's category, or a gap on the path: host, launch, idle")
     path_share_median: float = Field(description="of the wall step, median over the steps")
@@ -26,7 +26,7 @@ class CritPathShareRow(_Model):
 
 
 class CritPathWaitRow(_Model):
-    """One collective category and the rank it waited for (trace.critpath_summary.collective_waits)."""
+    """One collective category and the rank it waited for (critpath.summary.collective_waits)."""
 
     category: str
     late_rank: int = Field(description="the rank that entered last: the one waited for")
@@ -36,7 +36,7 @@ class CritPathWaitRow(_Model):
 
 
 class CritPathBoundRow(_Model):
-    """One category's fix at its most (trace.critpath_summary.fix_bounds): the step replayed on the
+    """One category's fix at its most (critpath.summary.fix_bounds): the step replayed on the
     trace's own dependencies with that category's pieces `speedup` times faster (inf: free)."""
 
     category: str = Field(description="what the fix frees: a category; '<collective> transfer' (its instances' "
@@ -51,7 +51,7 @@ class CritPathBoundRow(_Model):
 
 class CritPathSplitRow(_Model):
     """One collective category: its instances split into arrival skew and transfer
-    (trace.critpath_split.split_summary), per step, medians over the steps."""
+    (critpath.split.split_summary), per step, medians over the steps."""
 
     category: str = Field(description="the instance's category (its entering ops'; a wait counts as its collective)")
     instances_per_step: float
@@ -84,7 +84,7 @@ class CriticalPathSummary(Record):
 
 class CritPathFixRow(_Model):
     """data/verdict.json critical_path: a fix's bound on the critical path beside the step model's
-    projection of a fix of the same categories (decodescope.verdict.critpath_view)."""
+    projection of a fix of the same categories (decodescope.verdict.pathanswer)."""
 
     concurrency: Optional[int] = Field(None, description="the profiled level the bound was measured at")
     bound: str = Field(description="the bound's name: '<category> free'")

@@ -135,7 +135,7 @@ class HostOpRow(_Model):
 
 class HostOps(Record):
     """data/profile/host_ops.json (04_profile): one request past the largest CUDA graph, profiled
-    (trace.capture.capture_host_ops), and the host's cost of each op graphs hide, from its prefill step."""
+    (profiling.capture.capture_host_ops), and the host's cost of each op graphs hide, from its prefill step."""
 
     schema_version: int = 1
     prompt_tokens: int = Field(0, description="the request's prompt (profile.host_ops_tokens, capped)")

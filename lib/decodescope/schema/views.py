@@ -97,12 +97,22 @@ class CpuNameView(_Part):
     hostname: Optional[str] = None
 
 
+class EngineAllReduceView(_Part):
+    """host.json's engine_allreduce: the all-reduce path the engine takes on this host."""
+
+    path: Optional[str] = None
+    communicator: Optional[str] = None
+    gpu_communicators: list[str] = Field(default_factory=list)
+    vllm: Optional[str] = None
+
+
 class HostView(View):
-    """data/host.json: the GPUs by name, whether there are any, the hostname."""
+    """data/host.json: the GPUs by name, whether there are any, the hostname, the engine's all-reduce path."""
 
     has_gpu: Optional[bool] = None
     gpus: list[GpuNameView] = Field(default_factory=list)
     cpu: Optional[CpuNameView] = None
+    engine_allreduce: Optional[EngineAllReduceView] = None
 
 
 class StepCategoryView(_Part):

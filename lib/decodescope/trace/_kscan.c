@@ -552,7 +552,7 @@ void kr_pairs(const kred *r, int32_t *child, int32_t *parent, int64_t *count) {
     }
 }
 
-/* ---- the critical path's what-if replay (critpath_whatif.py: replay_step, the same arithmetic in the same
+/* ---- the critical path's what-if replay (critpath/whatif.py: replay_step, the same arithmetic in the same
    order, so the two agree to the bit). Indices are global piece positions; `order` holds the step's pieces
    in replay order, and per position in it `first`/`next` chain the members of its collective instance (in
    order; -1: none) and `scale` is its piece's duration factor. A piece's new start and end (s_new, e_new)
@@ -593,7 +593,7 @@ static inline double cp_finish(int64_t g, const double *start, const double *end
     return from + (end[g] - from_op) * scale;
 }
 
-/* replay_step (critpath_whatif.py) over `order`: first/next chain each instance's entering members; those
+/* replay_step (critpath/whatif.py) over `order`: first/next chain each instance's entering members; those
    not placed yet are placed together at the first of them met that waited (an async call that ended before
    the last entry is placed alone at its own turn); a wait member (wait[i], NULL: none) has its instance's
    first entering member in `first` and is placed at its own turn, after them. gap_scale (per row, NULL: 1)
@@ -657,7 +657,7 @@ double cp_replay(int64_t n, const int64_t *order, const int64_t *first, const in
     return mx;
 }
 
-/* ---- the critical path's pieces (critpath_pieces.py: cut_nested; its numpy passes are the reference, and
+/* ---- the critical path's pieces (critpath/pieces.py: cut_nested; its numpy passes are the reference, and
    the fallback). Rows come in `order`, by rank, thread, start, longest first. A row's parent is the latest
    earlier row of its thread still open at its start (ending more than 1e-9 us after it): the rows met on the
    way up from the row before, parent by parent, are a stack of open ops, so the walk up finds it and every

@@ -75,10 +75,10 @@ def library() -> Optional[ctypes.CDLL]:
     lib.kr_names.argtypes, lib.kr_names.restype = [p, p, p, p], None
     lib.kr_sums.argtypes, lib.kr_sums.restype = [p, p, p, p, p, p], None
     lib.kr_pairs.argtypes, lib.kr_pairs.restype = [p, p, p, p], None
-    # the critical path's what-if replay (critpath_whatif.py)
+    # the critical path's what-if replay (critpath/whatif.py)
     lib.cp_replay.argtypes, lib.cp_replay.restype = ([ctypes.c_int64] + [p] * 16 + [ctypes.c_double, p, p, ctypes.c_int64],
                                                       ctypes.c_double)
-    # the critical path's pieces (critpath_pieces.py)
+    # the critical path's pieces (critpath/pieces.py)
     lib.cp_cut.argtypes, lib.cp_cut.restype = [ctypes.c_int64] + [p] * 9, ctypes.c_int64
     lib.cp_segments.argtypes, lib.cp_segments.restype = [ctypes.c_int64] * 2 + [p] * 19, ctypes.c_int64
     lib.kr_ruled.argtypes, lib.kr_ruled.restype = [p, p, p], None

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from decodescope.core.enginelog import EngineModes
+from decodescope.engines.vllm_log import EngineModes
 from decodescope.schema.records_profile import HostOpRow, HostOps
 from decodescope.trace.analyze import steps_from_annotations
 from decodescope.trace.nesting import parents_in_order, prev_in_thread

@@ -1,6 +1,6 @@
 """What the profiler costs a decode step, from the engine's inter-token latency with and without it.
 
-The same workload runs twice unprofiled just before /start_profile (trace.capture): the two runs differ by
+The same workload runs twice unprofiled just before /start_profile (profiling.capture): the two runs differ by
 the host's noise, and the profiled run exceeds them by the profiler's cost per step. A level's unprofiled
 step is the one measured before the phase's first profile where there was one; the gap between the two is
 what earlier profiles left behind (the residue). profiler_event_cost_us times the profiler's cost per

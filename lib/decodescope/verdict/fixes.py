@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import pandas as pd
 
-from decodescope.core.enginelog import last_engine_modes
+from decodescope.engines.vllm_log import last_engine_modes
 from decodescope.schema.records import HostOps, ProfileCapture, ProfileSummary
 from decodescope.schema.rundata import COLLECTIVES, GEMM, RunDir
 from decodescope.model import arch as archmod

@@ -12,7 +12,7 @@ import pandas as pd
 from decodescope.verdict import graphless
 from decodescope.verdict import stepmodel as sm
 from decodescope.verdict import stepparts as sp
-from decodescope.core.enginelog import last_engine_modes
+from decodescope.engines.vllm_log import last_engine_modes
 from decodescope.exec.serverlaunch import dashed
 from decodescope.micro.bench import STEP_REPLAY
 from decodescope.schema.params import with_experiment

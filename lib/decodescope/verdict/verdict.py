@@ -17,10 +17,10 @@ from decodescope.schema.records import (AttributionRow, Bottleneck, CurveRow, Fi
 from decodescope.schema.records_serving import ServingLevel
 from decodescope.model import arch as archmod
 from decodescope.verdict import leveldrift, stepmodel as sm, stepparts as sp
-from decodescope.verdict.critpath_view import (critical_path_findings, critical_path_records, disagreement, fix_rows,
+from decodescope.verdict.pathanswer import (critical_path_findings, critical_path_records, disagreement, fix_rows,
                                                headline, path_bottleneck, transfer_reconcile_row)
 from decodescope.exec.engine_comm import micro_communicator_for
-from decodescope.core.enginelog import last_engine_modes
+from decodescope.engines.vllm_log import last_engine_modes
 from decodescope.micro.bench import with_timing_columns
 from decodescope.verdict.stepmodel import allreduce_wait_us
 from decodescope.trace import categorize

@@ -19,7 +19,7 @@ import pandas as pd
 
 from decodescope.trace.analyze import thread_order
 from decodescope.trace.categorize import default_rules
-from decodescope.trace.critpath import Pieces
+from decodescope.critpath.path import Pieces
 from decodescope.trace.cscan import library
 from decodescope.trace.nesting import parents_in_order, prev_in_thread
 

@@ -1,7 +1,7 @@
 """04_profile's capture, phase glue: every level profiled through the run's server, each level's files in
-its own trace directory, and for an attached server the guard (trace.attachprofile) around it all.
+its own trace directory, and for an attached server the guard (profiling.attach) around it all.
 
-trace.capture holds a level's capture, and trace.profiledwindow the profiled window itself. This module
+profiling.capture holds a level's capture, and profiling.window the profiled window itself. This module
 decides which windows a phase takes: profile_levels picks the levels from 01's results. It decides where
 their files go, and writes the phase's record (data/profile_capture.json).
 """
@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from decodescope.core.enginelog import last_engine_modes
+from decodescope.engines.vllm_log import last_engine_modes
 from decodescope.core.rundir import LOGS
 from decodescope.exec.attached import check_attached, trace_dir_on_host
 from decodescope.exec.host import host_for, node_traces
@@ -24,11 +24,11 @@ from decodescope.schema.records import ProfileCaptures
 from decodescope.schema.params_schema import KNEE
 from decodescope.schema.rundata import RunDir, level_dir_name
 from decodescope.serving.metrics import knee
-from decodescope.trace.attachprofile import AttachedProfiler
-from decodescope.trace.capture import (HOST_OPS, HOST_OPS_OUTPUT_TOKENS, CaptureResult, capture_host_ops,
+from decodescope.profiling.attach import AttachedProfiler
+from decodescope.profiling.capture import (HOST_OPS, HOST_OPS_OUTPUT_TOKENS, CaptureResult, capture_host_ops,
                                        capture_profile, host_ops_prompt_tokens, itl_before_profiles)
 from decodescope.trace.hostops import host_ops_wanted
-from decodescope.trace.profiledwindow import CaptureError, file_into
+from decodescope.profiling.window import CaptureError, file_into
 
 PHASE = "04_profile"
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def capture_for_phase(ctx: PhaseContext) -> tuple[list[CaptureResult], list[str]
     directory); each level's files end in traces/c<N>/ and its records in data/profile/c<N>/. A level
     whose capture loses ranks is kept (its problems say so); one with no trace at all stops the phase. Then
     the un-graphed step (capture_host_ops) into traces/host_ops/, returned third (None when not asked).
-    An attached server is profiled only in windows its host can afford (trace.attachguard)."""
+    An attached server is profiled only in windows its host can afford (profiling.attachguard)."""
     trace_dir = ctx.run_dir / "traces"
     levels, notes = profile_levels(ctx.params, RunDir(ctx.run_dir))
     results = []

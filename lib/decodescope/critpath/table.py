@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from decodescope.trace.critpath import SEGMENT_KINDS, Links, Walk, ordered_segments, walk_all
-from decodescope.trace.critpath_pieces import Labelled, path_category_codes, pieces_of
+from decodescope.critpath.path import SEGMENT_KINDS, Links, Walk, ordered_segments, walk_all
+from decodescope.critpath.pieces import Labelled, path_category_codes, pieces_of
 
 SEGMENT_COLUMNS = ["step", "step_kind", "rank", "lane", "on_cpu", "name", "category", "segment", "start_us",
                    "dur_us", "piece"]

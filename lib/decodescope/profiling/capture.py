@@ -19,8 +19,8 @@ first /start_profile, every later level's workload runs once unprofiled too. Tha
 server never profiled runs it. The profiler's cost is taken against it, and what an earlier profile left
 behind is kept as profiler_residue_us.
 
-The window itself (start, stop, the wait for the traces) is trace.profiledwindow; what the profiler cost,
-from these runs, is trace.profilercost; which levels a phase profiles is trace.capturephase.
+The window itself (start, stop, the wait for the traces) is profiling.window; what the profiler cost,
+from these runs, is trace.profilercost; which levels a phase profiles is profiling.capturephase.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from decodescope.schema.records import ProfileCapture
 from decodescope.schema.rundata import level_dir_name
 from decodescope.trace.profilercost import (engine_itl_unprofiled_us, itl_window_noise, profiler_event_cost_us,
                                             profiler_residue_us, profiler_step_cost_us)
-from decodescope.trace.profiledwindow import CaptureError, profiled_window
+from decodescope.profiling.window import CaptureError, profiled_window
 
 
 @dataclass
@@ -143,7 +143,7 @@ def capture_profile(server, params, trace_dir: Path, expected_ranks: Optional[in
 
     itl_before_profiles_us: this level's inter-token latency before the phase's first profile
     (itl_before_profiles). It is the unprofiled step the profiler's cost is taken against.
-    guard: an attached server's trace.attachprofile.AttachedProfiler. It plans the window from a profiled
+    guard: an attached server's profiling.attach.AttachedProfiler. It plans the window from a profiled
     slice of the same workload: all of it, fewer requests, or a refusal. It then measures what it cost."""
     prof = params.profile
     concurrency = concurrency or next(c for c in prof.concurrency if isinstance(c, int))

@@ -27,11 +27,11 @@ import orjson
 import pandas as pd
 
 from decodescope.core.io import write_bytes_atomic
-from decodescope.trace.critpath_table import CriticalPaths
+from decodescope.critpath.table import CriticalPaths
 from decodescope.trace.reader import _generic, body_start, opened
 
 try:  # the per-instance split of the collectives (critpath_split): each instance's class, where the tree has it
-    from decodescope.trace.critpath_split import collective_split
+    from decodescope.critpath.split import collective_split
 except ImportError:  # pragma: no cover - a tree without it: the instances without their class
     collective_split = None  # type: ignore[assignment]
 
@@ -61,7 +61,7 @@ def _instances(cp: CriticalPaths) -> pd.DataFrame:
     entering piece's start; a wait op joining the instance, Pieces.member_wait, does not enter it) and end
     (its last piece's end), the instance's last entry and late rank (the rank that entered last), its
     category and name (the late rank's entering piece's), and the step holding the last entry (-1: none).
-    Where trace.critpath_split is present, its class and the late rank's work before it join each row."""
+    Where critpath.split is present, its class and the late rank's work before it join each row."""
     lab = cp.labelled
     p = lab.pieces
     rows = np.flatnonzero(p.group >= 0)

@@ -1,7 +1,7 @@
 """The critical path of each step across lanes and ranks, from plain arrays of pieces of work.
 
 A piece is one stretch of one op on one lane: a GPU stream or a CPU thread of a rank.
-The pieces of a lane never overlap (critpath_pieces.py cuts nested CPU ops into them).
+The pieces of a lane never overlap (critpath/pieces.py cuts nested CPU ops into them).
 A piece starts once its binding dependency is met.
 That dependency is one of four:
 - the piece before it on its lane;

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from decodescope.trace.critpath_table import CriticalPaths
+from decodescope.critpath.table import CriticalPaths
 
 INCONCLUSIVE_US = 2.0  # skew + transfer under this: below what the trace's 1 us timestamps can tell apart
 DOMINANT = 2.0  # a part at least this many times the other names the instance's class

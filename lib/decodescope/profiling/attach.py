@@ -1,7 +1,7 @@
 """04 on an attached server: the probe windows, each level's plan, and what each window then cost.
 
-trace.attachguard holds the arithmetic: pure functions of the measured costs.
-This module runs the probe windows through trace.profiledwindow.profiled_window.
+profiling.attachguard holds the arithmetic: pure functions of the measured costs.
+This module runs the probe windows through profiling.window.profiled_window.
 It reads the server's memory on its host while they run (exec.attached.TreeWatch).
 It keeps data/profile/attach_guard.json current after every step.
 So a server that dies under a profile leaves what was measured.
@@ -21,9 +21,9 @@ from decodescope.schema.rundata import RunDir
 from decodescope.serving.client import run_async
 from decodescope.serving.promtext import ENGINE_STEPS, Scraper, counter_delta
 from decodescope.serving.sweep import SweepConfig, build_prompts, run_level
-from decodescope.trace.attachguard import (export_ratio, plan_window, pricing_window, refusal_message, slice_seconds,
+from decodescope.profiling.attachguard import (export_ratio, plan_window, pricing_window, refusal_message, slice_seconds,
                                            stack_refusal)
-from decodescope.trace.profiledwindow import CaptureError, file_into, profiled_window
+from decodescope.profiling.window import CaptureError, file_into, profiled_window
 from decodescope.trace.reader import TraceError, annotated_steps
 from decodescope.engines import engine
 

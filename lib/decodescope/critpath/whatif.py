@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from decodescope.trace.critpath import LANE, LAUNCH, NONE, Links, Pieces, _lane_prev, lane_runs
+from decodescope.critpath.path import LANE, LAUNCH, NONE, Links, Pieces, _lane_prev, lane_runs
 from decodescope.trace.cscan import library
 
 

@@ -10,9 +10,9 @@ import pandas as pd
 
 from decodescope.schema.recordbase import write_record
 from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary
-from decodescope.trace.critpath_split import collective_split, split_summary
-from decodescope.trace.critpath_summary import attribution, collective_waits, fix_bounds
-from decodescope.trace.critpath_table import CriticalPaths, critical_paths
+from decodescope.critpath.split import collective_split, split_summary
+from decodescope.critpath.summary import attribution, collective_waits, fix_bounds
+from decodescope.critpath.table import CriticalPaths, critical_paths
 
 log = logging.getLogger(__name__)
 

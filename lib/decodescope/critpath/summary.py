@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from decodescope.trace.critpath_table import CriticalPaths
+from decodescope.critpath.table import CriticalPaths
 from decodescope.trace.categorize import class_of
-from decodescope.trace.critpath_pieces import instance_codes
-from decodescope.trace.critpath_whatif import Fix, fix_walls
+from decodescope.critpath.pieces import instance_codes
+from decodescope.critpath.whatif import Fix, fix_walls
 
 MAX_REPLAY_STEPS = 32  # steps replayed per category for the bounds, spread evenly over the steps of the kind
 STEPS_AT_ONCE = 256  # steps whose shares are summed at once: the sums' scratch a slice of the table's size
