@@ -42,7 +42,8 @@ FAULTS = ("test_faults.py", "test_attach.py")
 # test_integration_ssh's runs), so stage 1 waited on it
 BESIDE_SERVERS = ("test_host_ssh.py", "test_integration_ssh.py")
 ALONE = ("test_integration_vllm.py", "test_experiments_vllm.py", "test_probes.py",
-         "test_stepmodel.py", "test_engine_comm.py", "test_serving_client.py", "test_telemetry.py")
+         "test_stepmodel.py", "test_engine_comm.py", "test_serving_client.py", "test_telemetry.py",
+         "test_compare_gate_vllm.py")
 LATE = ("test_integration_ssh.py::test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run",)
 SERVERS = FAULTS + BESIDE_SERVERS + ALONE  # every module that starts a server, an sshd or probe ranks
 
