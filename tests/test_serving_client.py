@@ -626,18 +626,37 @@ def test_the_inflight_integral_on_a_clock_of_its_own():
 def test_a_request_leaves_the_count_at_its_end_not_when_its_task_next_runs():
     """W ends at the stream's close (end_ns); the count drops there too. At concurrency 2 on 2 busy cores the
     client stalled 138 ms between one request's end and the next one's start: in L, in no request's W (L 2.00
-    against lambda x W 1.91, and 1.64 in a CI run). Own clock: 1 in flight from 10 s, ended at 12 s, seen
-    at 15 s; the mean over 10-16 s is 2 / 6, not 5 / 6."""
+    against lambda x W 1.91, and 1.64 in a CI run). Own clock: A and B in flight from 10 s, A ended at 12 s,
+    seen at 15 s; at 16 s, B still in flight, the mean over 10-16 s is (2 + 6) / 6, not (5 + 6) / 6."""
     from decodescope.serving.client import InFlight
 
     t = {"s": 10.0}
     f = InFlight(clock=lambda: t["s"])
     f.start()
     f.add(1)
+    f.add(1)
     t["s"] = 15.0
     f.add(-1, at_s=12.0)
     t["s"] = 16.0
-    assert f.mean() == pytest.approx(2.0 / 6.0)
+    assert f.mean() == pytest.approx(8.0 / 6.0)
+
+
+def test_a_stall_before_the_first_request_or_after_the_last_is_outside_the_window():
+    """Lambda x W spans the first request's start to the last one's end; so does L once every request has
+    ended. Own clock: the window opened at 10 s, the request got in at 11 s, ended at 13 s (seen then), and
+    the loop stalled until 20 s before L was read: L 1.0 (2 request-s in 2 s), not 2 / 10 (at concurrency 1 a
+    stall there read L 0.77 against lambda x W 1.00 in a fresh-clone make test)."""
+    from decodescope.serving.client import InFlight
+
+    t = {"s": 10.0}
+    f = InFlight(clock=lambda: t["s"])
+    f.start()
+    t["s"] = 11.0
+    f.add(1)
+    t["s"] = 13.0
+    f.add(-1, at_s=13.0)
+    t["s"] = 20.0
+    assert f.mean() == pytest.approx(1.0)
     # an end before the window began counts from the window's start, never below 0 of area
     g = InFlight(clock=lambda: t["s"])
     g.add(1)

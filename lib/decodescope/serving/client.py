@@ -149,6 +149,8 @@ class InFlight:
         self._clock = clock
         self._since: Optional[float] = None
         self._start: Optional[float] = None
+        self._first_in: Optional[float] = None  # the window's first request in
+        self._last_out: Optional[float] = None  # and its last one out (as of its end)
 
     def _advance(self) -> None:
         now = self._clock()
@@ -160,22 +162,34 @@ class InFlight:
         """Begin the window the mean is taken over (the area before it is dropped)."""
         self._advance()
         self.area_s, self._start = 0.0, self._since
+        self._first_in = self._last_out = None
 
     def add(self, k: int, at_s: Optional[float] = None) -> None:
         """Change the count by k now, or as of `at_s`, an earlier reading of the clock (a request that
         ended then, seen to have ended only now): the count's integral since then is corrected."""
         self._advance()
         self.n += k
+        since = cast(float, self._since)  # _advance() has just set it to the clock's reading
+        if k > 0 and self._first_in is None:
+            self._first_in = since
+        if k < 0:
+            out = since if at_s is None else min(at_s, since)
+            self._last_out = out if self._last_out is None else max(self._last_out, out)
         if at_s is not None:
-            since = cast(float, self._since)  # _advance() has just set it to the clock's reading
             start = self._start if self._start is not None else at_s
             self.area_s += k * max(since - max(at_s, start), 0.0)
 
     def mean(self) -> float:
-        """Mean count since start(), up to now."""
+        """Mean count over the window: from the first request in to the last one out where every request has
+        ended (lambda x W's own span: first start to last end), else since start() up to now. A stall of the
+        loop before the window is read (after the last end, or before the first request got in) counts 0 in
+        flight and no request's W: taken in, it read L 0.77 against lambda x W 1.00 at concurrency 1."""
         self._advance()
         since = cast(float, self._since)  # _advance() has just set it to the clock's reading
-        span_s = since - self._start if self._start is not None else 0.0
+        if self.n == 0 and self._first_in is not None and self._last_out is not None:
+            span_s = self._last_out - max(self._first_in, self._start if self._start is not None else self._first_in)
+        else:
+            span_s = since - self._start if self._start is not None else 0.0
         return self.area_s / span_s if span_s > 0 else float("nan")
 
 
