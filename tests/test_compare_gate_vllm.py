@@ -32,8 +32,13 @@ def _run(params: Path, *extra: str, cwd: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gate_runs(repo, tmp_path_factory) -> tuple[Path, Path]:
+def gate_runs(repo, tmp_path_factory, engine_allreduce) -> tuple[Path, Path]:
     """(a run with an eager variant, a second run of the same settings without it)."""
+    if engine_allreduce.path == "gloo":
+        # vLLM CPU 0.32 on its AVX2 build cannot serve eager at TP=2: each worker dies in the first decode step
+        # (vocab_parallel_embedding: "IndexError: index out of range in self", 2026-12-06, fresh clone and by
+        # hand); the slower setting this test needs is not one that engine runs on that path
+        pytest.skip("vLLM CPU's AVX2 build dies serving enforce-eager at TP=2 (IndexError in the embedding)")
     tmp = tmp_path_factory.mktemp("gate")
     params = _params(repo, tmp, PORT, name="gate")
     text = params.read_text()
