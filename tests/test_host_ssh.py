@@ -604,15 +604,7 @@ def test_a_probe_whose_link_drops_while_its_segments_are_made_leaves_none_there(
     hold = tmp_path / "hold"  # the ssh host is this machine: its markers are seen here
     monkeypatch.setattr(mb, "run_torchrun_probe", partial(mb.run_torchrun_probe, env={
         FAULT_HOLD_ENV: str(hold), FAULT_IGNORE_TERM_ENV: "1"}))
-    err: list[BaseException] = []
-
-    def probe():
-        try:
-            mb.run_collectives_probe(params, run_dir)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            err.append(e)
-    t = threading.Thread(target=probe)
-    t.start()
+    t, err = _probe_in_thread(params, run_dir)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list(tmp_path.glob("hold.rank[0-9]"))) < 2:
         time.sleep(0.05)
@@ -640,14 +632,10 @@ def test_a_probe_whose_link_drops_while_its_segments_are_made_leaves_none_there(
                  segments_held=len(held))
 
 
-def test_a_probe_whose_link_drops_is_stopped_there_and_says_resume(sshd, tmp_path, session):
+def _probe_in_thread(params, run_dir) -> tuple[threading.Thread, list[BaseException]]:
+    """The collectives probe started in a thread; what it raises lands in the list, for the test thread."""
     from decodescope.micro import bench as mb
 
-    params = load_params(_write(tmp_path, _params_text(sshd, tmp_path)))
-    run_dir = _run_dir(params)
-    host = host_for(params)
-    session.append(host)
-    host.connect()
     err: list[BaseException] = []
 
     def probe():
@@ -657,6 +645,18 @@ def test_a_probe_whose_link_drops_is_stopped_there_and_says_resume(sshd, tmp_pat
             err.append(e)
     t = threading.Thread(target=probe)
     t.start()
+    return t, err
+
+
+def test_a_probe_whose_link_drops_is_stopped_there_and_says_resume(sshd, tmp_path, session):
+    from decodescope.micro import bench as mb
+
+    params = load_params(_write(tmp_path, _params_text(sshd, tmp_path)))
+    run_dir = _run_dir(params)
+    host = host_for(params)
+    session.append(host)
+    host.connect()
+    t, err = _probe_in_thread(params, run_dir)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(processes_of("decodescope.probes.collectives", tmp_path)) < 2:
         time.sleep(0.1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from decodescope.critpath.table import CriticalPaths
+from decodescope.critpath.table import CriticalPaths, steps_of_kind
 
 INCONCLUSIVE_US = 2.0  # skew + transfer under this: below what the trace's 1 us timestamps can tell apart
 DOMINANT = 2.0  # a part at least this many times the other names the instance's class
@@ -45,18 +45,13 @@ def instance_class(skew_us: np.ndarray, transfer_us: np.ndarray) -> np.ndarray:
     return out
 
 
-def _chosen(cp: CriticalPaths, kind: str) -> pd.DataFrame:
-    w = cp.windows
-    return w[w["kind"] == kind] if (w["kind"] == kind).any() else w
-
-
 def collective_split(cp: CriticalPaths, kind: str = "decode") -> pd.DataFrame:
     """One row per collective instance whose last entry falls in a step of `kind` (all steps where none is):
     SPLIT_COLUMNS (module docstring)."""
     lab, ln = cp.labelled, cp.links
     p = lab.pieces
     rows = np.flatnonzero(p.group >= 0)
-    w = _chosen(cp, kind)
+    w = steps_of_kind(cp, kind)
     if not len(rows) or w.empty:
         return pd.DataFrame(columns=SPLIT_COLUMNS)
     waits = p.member_wait[rows] if p.member_wait is not None else np.zeros(len(rows), bool)

@@ -5,18 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from decodescope.critpath.table import CriticalPaths
+from decodescope.critpath.table import CriticalPaths, steps_of_kind
 from decodescope.trace.categorize import class_of
 from decodescope.critpath.pieces import instance_codes
 from decodescope.critpath.whatif import Fix, fix_walls
 
 MAX_REPLAY_STEPS = 32  # steps replayed per category for the bounds, spread evenly over the steps of the kind
 STEPS_AT_ONCE = 256  # steps whose shares are summed at once: the sums' scratch a slice of the table's size
-
-
-def _chosen(cp: CriticalPaths, kind: str) -> pd.DataFrame:
-    w = cp.windows
-    return w[w["kind"] == kind] if (w["kind"] == kind).any() else w
 
 
 def _step_chunks(n: int) -> range:
@@ -87,7 +82,7 @@ def _path_per_step(cp: CriticalPaths, w: pd.DataFrame) -> pd.Series:
 def attribution(cp: CriticalPaths, ops: pd.DataFrame, kind: str = "decode") -> pd.DataFrame:
     """Per category, over the steps of `kind`: its share of the wall step on the critical path (median,
     p10, p90), its median time on the path, and its summed share of op time (the breakdown's view)."""
-    w = _chosen(cp, kind)
+    w = steps_of_kind(cp, kind)
     per = _path_per_step(cp, w).unstack(fill_value=0.0)
     per = per.reindex(w["step"], fill_value=0.0)
     share = per.div(w.set_index("step")["wall_us"], axis=0)
@@ -110,7 +105,7 @@ def collective_waits(cp: CriticalPaths, kind: str = "decode") -> pd.DataFrame:
     """Per collective category and the rank waited for: the waiting per step (median over the steps of
     `kind`, summed over the waiting ranks) and the work that rank ran just before it entered."""
     p, ln, lab = cp.labelled.pieces, cp.links, cp.labelled
-    w = _chosen(cp, kind)
+    w = steps_of_kind(cp, kind)
     rows, last = ln.late.astype(np.int64), ln.late_last.astype(np.int64)
     cols = ["category", "late_rank", "late_work", "wait_us_per_step", "instances"]
     if not len(rows) or w.empty:
@@ -170,7 +165,7 @@ def fix_bounds(cp: CriticalPaths, kind: str = "decode", speedup: float = float("
     """Per fix (path_fixes; `categories`: only those categories, each freed alone): the step's wall time with
     what it frees `speedup` times faster (inf: free), median over up to max_steps steps of `kind`, and the
     most the fix could gain (share of the wall step)."""
-    w = _chosen(cp, kind)
+    w = steps_of_kind(cp, kind)
     if len(w) > max_steps:
         w = w.iloc[np.linspace(0, len(w) - 1, max_steps).round().astype(int)]
     lab = cp.labelled

@@ -26,6 +26,12 @@ class CriticalPaths:
     walks: list[Walk]
 
 
+def steps_of_kind(cp: "CriticalPaths", kind: str) -> pd.DataFrame:
+    """The step windows of `kind` (decode, prefill, ...); all of them where there is none of that kind."""
+    w = cp.windows
+    return w[w["kind"] == kind] if (w["kind"] == kind).any() else w
+
+
 def step_windows(steps: pd.DataFrame) -> pd.DataFrame:
     """Steps matched across ranks by their order: each window from the first rank's start to the last
     rank's end; only steps every rank has."""
