@@ -81,7 +81,7 @@ def main() -> int:
             f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, params/default.yaml TP=2 "
             f"batch 1, {len(plan['steps'][0]['program'])} ops a step, ranks bound to {bind or 'no cores (--unbound)'}; rank {args.skew_rank} late by inj_us before "
             "each collective\n# skew: critpath.split.collective_split per instance, median and p10-p90; "
-            "err = median - inj; ok: within 10% or 20 us;\n# late=R: instances naming the delayed rank late; raw_med: "
+            "err = median - inj; err_run = median - spin_us (the delay rank ran);\n# ok: err_run within 10% or 20 us of spin_us;\n# late=R: instances naming the delayed rank late; raw_med: "
             "entry skew off the events; spin_us: the injected_skew range in the trace; xfer_med: transfer\n")
     Path(args.out).write_text(head + table + "\n")
     sc.write_settings(Path(args.out).with_suffix(".json"), rows)

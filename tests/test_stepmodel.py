@@ -246,9 +246,11 @@ def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tin
 def test_a_rank_made_late_by_a_known_delay_is_the_skew_the_critical_path_attributes(repo, tmp_path, engine_allreduce):
     """03's step replay with rank 1 spinning 200 us before each collective (4 profiled steps of 10
     collectives, the engine's communicator: shm natively, gloo under --cpu-path=avx2), read back through
-    the critical path: the median instance's arrival skew is the delay within 10% or 20 us, rank 1 is named
-    late, and the skew agrees with the entries read off the events without the path
-    (benchmarks/skew_calibration.py: the table at 0-1,000 us on both paths)."""
+    the critical path: the median instance's arrival skew is the delay rank 1 ran (its spin's range in the
+    trace, at least the 200 us asked) within 10% or 20 us, rank 1 is named late, and the skew agrees with the
+    entries read off the events without the path (benchmarks/skew_calibration.py: the table at 0-1,000 us on
+    both paths). On a loaded host the spin runs over the delay asked (216 us for 200 in CI with the fault
+    tests beside it), and the path is asked for the lateness the rank had."""
     params = load_params(repo / "params/default.yaml")
     plan = sc.step_replay_plan(params.model_config_dict(), 2, 1, mb.engine_rank_cpus(params))
     sc.run_skewed_replay(plan, tmp_path, 200.0, skew_rank=1, steps=4, timeout_s=300)
@@ -259,11 +261,13 @@ def test_a_rank_made_late_by_a_known_delay_is_the_skew_the_critical_path_attribu
     assert row.late_rank_share >= 0.9, row
     assert abs(row.skew_us_median - row.raw_skew_us_median) < 5.0, row
     assert len(meta["spin_us"]) == 4 * 10 and row.spin_us_median >= 200.0, row
+    assert row.delivered_us == row.spin_us_median
     if meta["communicator"] == "torch_gloo":
-        # On gloo the rank runs later than the delay asked: the spin overruns with gloo's threads on its core
-        # (251.8 us attributed, 250.3 raw, spin 218.9 us for 200 on 2026-12-06; docs/results.md). The path
-        # must attribute the lateness the trace shows, asserted above against the raw entries, and no less
-        # than the delay; recovering the delay itself is the shm path's claim (a miss on gloo, not hidden).
+        # On gloo the rank enters later than its spin ends: its work between the spin and the entry grows
+        # with gloo's threads on its core (251.8 us attributed, 250.3 raw, spin 218.9 us for 200 on
+        # 2026-12-06; docs/results.md). The path must attribute the lateness the trace shows, asserted above
+        # against the raw entries, and no less than the delay; recovering the spin itself is the shm path's
+        # claim (a miss on gloo, not hidden).
         assert row.skew_us_median >= 200.0, row
         return
     assert row.recovered, row

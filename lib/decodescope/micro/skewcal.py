@@ -5,7 +5,11 @@
 steps marked as vLLM marks decode steps) goes through decodescope's own reader and critical path
 (trace.load, trace.analyze, critpath.table) and critpath.split.collective_split attributes
 each collective instance's arrival skew (last entry - first entry) and its late rank. The skew recovers
-the delay where its median over the instances is within RECOVERY_SHARE of D or RECOVERY_US of it.
+the delay where its median over the instances is within RECOVERY_SHARE or RECOVERY_US of the delay rank R
+ran: its spin's median duration in the trace (the decodescope::injected_skew ranges). The spin is a wall-clock
+wait for D, so it runs over D only where the rank loses its core at the spin's end (a busy host, gloo's own
+threads): the path is asked to attribute the lateness the rank had, not the one asked for, and the error
+against D is kept beside it.
 
 Beside it, read off the same events without the critical path: each collective's entry on rank R minus
 the other ranks' last entry, the k-th collective of a step on every rank paired (raw_entry_skew), and the
@@ -64,7 +68,9 @@ class SkewSetting:
     skew_us_p10: float
     skew_us_p90: float
     error_us: float  # attributed median - injected
-    recovered: bool
+    delivered_us: float  # the delay rank R ran: its spin's median in the trace (injected where none was)
+    delivered_error_us: float  # attributed median - delivered
+    recovered: bool  # delivered_error_us within RECOVERY_SHARE of delivered_us or RECOVERY_US
     raw_skew_us_median: float  # rank R's entry minus the others' last entry, off the events
     spin_us_median: float  # the injected_skew ranges' own duration in the trace (0 where D = 0)
     transfer_us_median: float
@@ -72,11 +78,11 @@ class SkewSetting:
     def line(self) -> str:
         return (f"{self.cpu_path:>6} {self.communicator:>10} {self.injected_us:>8.0f} {self.instances:>5} "
                 f"{self.skew_us_median:>9.1f} {self.skew_us_p10:>8.1f}-{self.skew_us_p90:<8.1f} {self.error_us:>+7.1f} "
-                f"{'yes' if self.recovered else 'NO':>4} {self.late_rank_share:>6.0%} {self.raw_skew_us_median:>8.1f} "
+                f"{self.delivered_error_us:>+8.1f} {'yes' if self.recovered else 'NO':>4} {self.late_rank_share:>6.0%} {self.raw_skew_us_median:>8.1f} "
                 f"{self.spin_us_median:>7.1f} {self.transfer_us_median:>8.1f}")
 
 
-HEADER = ("  path communicator  inj_us  inst  skew_med   p10-p90          err_us  ok? late=R  raw_med  spin_us "
+HEADER = ("  path communicator  inj_us  inst  skew_med   p10-p90          err_us  err_run  ok? late=R  raw_med  spin_us "
           "xfer_med")
 
 
@@ -183,11 +189,13 @@ def calibrate(split: pd.DataFrame, injected_us: float, skew_rank: int, cpu_path:
     skew = split["skew_us"].to_numpy(float)
     med = float(np.median(skew))
     late = (split["late_rank"].to_numpy() == skew_rank).mean() if injected_us > 0 else float("nan")
+    delivered = float(np.median(spin_us)) if injected_us > 0 and len(spin_us) else float(injected_us)
     return SkewSetting(
         cpu_path=cpu_path, communicator=communicator, injected_us=float(injected_us), skew_rank=skew_rank,
         instances=len(split), late_rank_share=float(late), skew_us_median=med,
         skew_us_p10=float(np.percentile(skew, 10)), skew_us_p90=float(np.percentile(skew, 90)),
-        error_us=med - injected_us, recovered=recovered(med, injected_us),
+        error_us=med - injected_us, delivered_us=delivered, delivered_error_us=med - delivered,
+        recovered=recovered(med, delivered),
         raw_skew_us_median=float(np.median(raw_skew_us)) if len(raw_skew_us) else float("nan"),
         spin_us_median=float(np.median(spin_us)) if len(spin_us) else 0.0,
         transfer_us_median=float(split["transfer_us"].median()))
