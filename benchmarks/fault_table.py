@@ -2,12 +2,15 @@
 with its figures on a quiet host and on a loaded one (one busy loop a core, outside the run).
 
     python benchmarks/fault_table.py [--json outputs/fault_table.json] [--readme docs/faults.md]
-    python benchmarks/fault_table.py --run [-k EXPR] [--json FILE] [--readme docs/faults.md]
+    python benchmarks/fault_table.py --run [--tests tests/test_x.py] [-k EXPR] [--json FILE] [--readme docs/faults.md]
 
 Prints the table; with --readme, replaces the block between the fault-table markers in the README. With
 --run, first runs the fault tests selected by -k (default: the probe interrupted at each point of its life,
 quiet and loaded, which the test parametrizes itself), then once more with DECODESCOPE_FAULT_LOAD=1 (every
-other selected fault injected beside busy loops), each writing its figures into --json.
+other selected fault injected beside busy loops, for the whole pytest session: module fixtures too), each
+writing its figures into --json. --tests names the module (default tests/test_faults.py; the other fault rows are
+in tests/test_attach.py, test_host_ssh.py, test_integration_ssh.py, test_integration_vllm.py and
+test_hostile_input.py); arguments it does not know go to pytest (e.g. --cpu-path=avx2).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 START, END = "<!-- fault-table:start -->", "<!-- fault-table:end -->"
 DEFAULT_K = "interrupted_probe"
+DEFAULT_TESTS = "tests/test_faults.py"
 SELF_LOADED = "interrupted_probe"
 NO_TESTS = 5  # pytest's exit status when -k selected nothing
 
@@ -64,7 +68,7 @@ def table(faults: dict) -> str:
     return "\n".join(lines)
 
 
-def run_tests(k: str, json_path: Path, extra: list[str]) -> int:
+def run_tests(k: str, json_path: Path, extra: list[str], tests: str = DEFAULT_TESTS) -> int:
     """The selected fault tests quiet, then loaded; returns the worse exit status."""
     worst = 0
     for loaded in (False, True):
@@ -73,9 +77,9 @@ def run_tests(k: str, json_path: Path, extra: list[str]) -> int:
         sel = f"({k}) and not {SELF_LOADED}" if loaded else k
         t0 = time.monotonic()
         rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              str(REPO / "tests/test_faults.py"), "-k", sel, *extra], env=env, cwd=REPO)
+                              str(REPO / tests), "-k", sel, *extra], env=env, cwd=REPO)
         rc = 0 if rc == NO_TESTS else rc
-        print(f"fault tests {'loaded' if loaded else 'quiet'} (-k {k!r}): exit {rc} in {time.monotonic() - t0:.0f} s",
+        print(f"fault tests {'loaded' if loaded else 'quiet'} ({tests} -k {k!r}): exit {rc} in {time.monotonic() - t0:.0f} s",
               flush=True)
         worst = worst or rc
     return worst
@@ -86,9 +90,10 @@ def main() -> None:
     ap.add_argument("--json", default=str(REPO / "outputs" / "fault_table.json"))
     ap.add_argument("--readme")
     ap.add_argument("--run", action="store_true", help="run the selected fault tests quiet and loaded first")
+    ap.add_argument("--tests", default=DEFAULT_TESTS, help="the test module holding the rows; default: %(default)s")
     ap.add_argument("-k", default=DEFAULT_K, help="the fault tests to run (pytest -k); default: %(default)s")
     args, extra = ap.parse_known_args()
-    rc = run_tests(args.k, Path(args.json), extra) if args.run else 0
+    rc = run_tests(args.k, Path(args.json), extra, args.tests) if args.run else 0
     faults = json.loads(Path(args.json).read_text())
     text = table(faults)
     print(text)

@@ -259,6 +259,17 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# ---- the fault table's loaded rows (issue 55) --------------------------------------------------------------
+@pytest.fixture(scope="session", autouse=True)
+def _fault_load():
+    """Under DECODESCOPE_FAULT_LOAD=1, the whole session beside one busy loop a core (tests/faultload.py
+    busy_host), fixtures of every scope included: a fault injected in a module's fixture is injected loaded."""
+    from tests.faultload import FAULT_LOAD_HERE, busy_host  # the standard library only until it starts loops
+
+    with busy_host() if FAULT_LOAD_HERE else contextlib.nullcontext():
+        yield
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

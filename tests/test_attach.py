@@ -3,7 +3,7 @@ through decodescope's launcher, in their own session, with the profiler flag the
 
 Every test asserts that the user's server is never endangered: its processes are the same ones after the
 run (same pids, same start times: nothing restarted them) and still answer, unless the test itself killed
-it. The fault tests record their figures in the fault table (tests/test_faults.py record_fault).
+it. The fault tests record their figures in the fault table (tests/faultload.py record_fault; loaded under DECODESCOPE_FAULT_LOAD=1).
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from decodescope.exec.modeldir import resolve_model_dir
 from decodescope.schema.params import load_params
 from decodescope.profiling.attachguard import DISK_SHARE, MEMORY_SHARE
 from tests.browser import inspect_report
-from tests.test_faults import Run, digests, manifest, record_fault, wait_until
+from tests.faultload import record_fault
+from tests.test_faults import Run, digests, manifest, wait_until
 from tests.test_integration_vllm import DECODESCOPE, sweep_to_1mib
 
 pytestmark = pytest.mark.integration

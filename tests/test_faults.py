@@ -9,7 +9,6 @@ table is made (benchmarks/fault_table.py).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 from datetime import datetime
 import json
@@ -26,18 +25,17 @@ import psutil
 import pytest
 
 from decodescope.exec import procs
-from decodescope.core.io import write_text_atomic
 from decodescope.cli.main import EXIT_BAD_INPUT, EXIT_PHASE_FAILED, EXIT_SIGINT, EXIT_SIGTERM, EXIT_WRITE_FAILED
 from decodescope.schema.params import PHASES, load_params
 from decodescope.core.phases import execution_order
 from decodescope.exec.hostcore import RUN_ID_ENV
 from decodescope.exec.server import port_is_free
 from decodescope.probes.communicators import FAULT_HOLD_ENV, FAULT_IGNORE_TERM_ENV
+from tests.faultload import FAULT_LOAD, busy_host, record_fault
 from tests.test_integration_vllm import DECODESCOPE, _params
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
-FAULT_TABLE = Path(os.environ.get("DECODESCOPE_FAULT_TABLE", REPO / "outputs" / "fault_table.json"))
 
 
 def shm_files_of(idents) -> list[Path]:
@@ -49,55 +47,6 @@ def shm_files_of(idents) -> list[Path]:
         return sorted(p for p in procs.SHM_DIR.iterdir() if any(i in p.name for i in idents))
     except OSError:
         return []
-
-
-# DECODESCOPE_FAULT_LOAD=1: every fault of this module is injected with the host's cores held busy by processes
-# outside the run (busy_host: one busy loop a core, for the whole test) and recorded as the row's loaded figures;
-# =outside: the caller holds the cores busy itself (busy loops around the whole pytest, module fixtures included)
-FAULT_LOAD = os.environ.get("DECODESCOPE_FAULT_LOAD", "") not in ("", "0")
-FAULT_LOAD_HERE = FAULT_LOAD and os.environ.get("DECODESCOPE_FAULT_LOAD") != "outside"
-
-
-def record_fault(fault: str, guarantee: str, load: str | None = None, **measured) -> None:
-    """Merge one fault's measured figures into the fault table file, under the row's "quiet" or "loaded"
-    figures (`load`; by default as DECODESCOPE_FAULT_LOAD says); under a lock, as the two pytest workers of
-    `make test` may each record one at once."""
-    load = load or ("loaded" if FAULT_LOAD else "quiet")
-    FAULT_TABLE.parent.mkdir(parents=True, exist_ok=True)
-    with open(FAULT_TABLE.with_name(FAULT_TABLE.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        table = json.loads(FAULT_TABLE.read_text()) if FAULT_TABLE.is_file() else {}
-        row = table.get(fault, {})
-        if "quiet" not in row and "loaded" not in row:  # a row written before rows had both figures: quiet
-            row = {"guarantee": row.get("guarantee", guarantee),
-                   **({"quiet": {k: v for k, v in row.items() if k != "guarantee"}} if row else {})}
-        row["guarantee"] = guarantee
-        row[load] = {**measured, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        table[fault] = row
-        write_text_atomic(FAULT_TABLE, json.dumps(table, indent=2, sort_keys=True) + "\n")
-
-
-@contextlib.contextmanager
-def busy_host(n: int | None = None):
-    """One busy loop a core (os.cpu_count()), in a process group of their own outside any run (no run id, no
-    run token): the host a user's run meets when it serves or shares a CI runner."""
-    env = {k: v for k, v in os.environ.items() if k not in (RUN_ID_ENV, procs.RUN_TOKEN_ENV)}
-    loops = [subprocess.Popen(["python3", "-c", "while True: pass"], env=env, start_new_session=True)
-             for _ in range(n or os.cpu_count() or 1)]
-    try:
-        yield loops
-    finally:
-        for p in loops:
-            p.kill()
-        for p in loops:
-            p.wait()
-
-
-@pytest.fixture(autouse=True)
-def _loaded_if_asked():
-    """Under DECODESCOPE_FAULT_LOAD=1, the whole test beside busy loops (busy_host)."""
-    with busy_host() if FAULT_LOAD_HERE else contextlib.nullcontext():
-        yield
 
 
 # ---- running decodescope as a user would ------------------------------------------------------------

@@ -29,6 +29,7 @@ from decodescope.exec.host import host_for
 from decodescope.exec.hostcore import HostError, HostKeyUnknown, HostVersionMismatch, LinkDropped
 from decodescope.exec.sshhost import SshHost
 from decodescope.schema.params import HostParams, load_params
+from tests.faultload import record_fault
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 pytestmark = [pytest.mark.ssh,
@@ -135,12 +136,6 @@ def wait_gone(token: str, timeout: float) -> float:
     while token_processes(token) and time.monotonic() - t0 < timeout:
         time.sleep(0.05)
     return time.monotonic() - t0
-
-
-def record_fault(*args, **kw) -> None:
-    from tests.test_faults import record_fault as record
-
-    record(*args, **kw)
 
 
 TREE = ("import subprocess, sys, time\n"

@@ -61,7 +61,7 @@ def test_planted_markup_is_inert_text_in_the_report(tmp_path):
     assert "window.__ds_pwned='script'" in seen["text"]
     assert "onerror=" in seen["text"]
     assert len(seen["figures"]) == 1 and seen["figures"][0] >= 1
-    from tests.test_faults import record_fault
+    from tests.faultload import record_fault
 
     record_fault("markup planted in run name, model name, params values, server log lines, trace op names",
                  "a run name must be a file name (refused otherwise); every other string is shown as text: no "

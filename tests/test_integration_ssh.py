@@ -28,7 +28,8 @@ from decodescope.exec import procs
 from decodescope.cli.main import EXIT_PHASE_FAILED
 from decodescope.exec.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV, SSH_RUN_ID_ENV
 from decodescope.schema.params import PHASES
-from tests.test_faults import Run, digests, manifest, record_fault, settled, shm_files_of, wait_until
+from tests.faultload import record_fault
+from tests.test_faults import Run, digests, manifest, settled, shm_files_of, wait_until
 from tests.test_host_ssh import SSHD, Sshd
 from tests.test_integration_vllm import _params
 

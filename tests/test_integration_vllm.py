@@ -329,7 +329,7 @@ def test_no_planted_secret_reaches_a_file_a_log_or_the_process_list(e2e):
     for stream in ("stdout", "stderr"):
         leaks += [(k, stream) for k, v in SECRETS.items() if v in getattr(e2e["proc"], stream)]
     assert leaks == []
-    from tests.test_faults import record_fault
+    from tests.faultload import record_fault
 
     n_files = sum(1 for p in e2e["run_dir"].rglob("*") if p.is_file())
     record_fault("secrets planted in params (api key), server.env (token, password) and the environment",
