@@ -29,8 +29,31 @@ class Communicator:
 
 
 def torch_communicator(device) -> Communicator:
+    if device.type == "cpu":
+        return functional_gloo_communicator()
     return Communicator(f"torch_{dist.get_backend()}", lambda t: dist.all_reduce(t), graphable=device.type == "cuda",
                         all_gather=lambda out, part: dist.all_gather_into_tensor(out, part))
+
+
+def functional_gloo_communicator() -> Communicator:
+    """torch.distributed on CPUs called as vLLM CPU's compiled model calls it: the functional collective
+    (an async op that enqueues on gloo's thread) then its wait_tensor. A plain dist.all_reduce blocks
+    inside the op's work.wait(), which torch.profiler does not trace: the wait then reads as host time
+    and the transfer as 0 on the critical path."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers torch.ops._c10d_functional)
+
+    ops = torch.ops._c10d_functional
+    world_group = dist.group.WORLD
+    assert world_group is not None, "init_process_group first"
+    group = world_group.group_name
+    world = dist.get_world_size()
+
+    def all_reduce(t):
+        ops.wait_tensor(ops.all_reduce_(t, "sum", group))
+
+    def all_gather(out, part):
+        out.copy_(ops.wait_tensor(ops.all_gather_into_tensor(part, world, group)))
+    return Communicator(f"torch_{dist.get_backend()}", all_reduce, all_gather=all_gather)
 
 
 def vllm_cpu_extension() -> str:
