@@ -492,3 +492,20 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
     assert len(ratios["tpot_us"]) == ROUNDS, "too few rounds where both clients ran side by side"
     for key, rs in ratios.items():
         assert abs(sorted(rs)[ROUNDS // 2] - 1) <= 0.10, (key, rs)  # the median round
+
+
+def test_the_run_checks_its_critical_path_against_a_known_skew(e2e, engine_allreduce):
+    """03 replays the step with rank 1 late by each of microbench.skew_calibration_us (0 and 250 us) before every
+    collective, through the engine's communicator, and reads each profile back through the critical path: at
+    250 us the path names rank 1 late and attributes the delay rank 1 ran; 05's methods section says so."""
+    rec = json.loads((e2e["run_dir"] / "data" / "skew_calibration.json").read_text())
+    assert rec["ran"] and rec["world"] == 2
+    assert [r["injected_us"] for r in rec["settings"]] == e2e["params"].microbench.skew_calibration_us == [0.0, 250.0]
+    assert {r["communicator"] for r in rec["settings"]} == {engine_allreduce.communicator}
+    late = rec["settings"][1]
+    print("skew calibration:", [(r["injected_us"], round(r["delivered_us"], 1), round(r["skew_us_median"], 1),
+                                 r["recovered"]) for r in rec["settings"]])
+    assert late["late_rank_share"] >= 0.9 and late["delivered_us"] >= 250.0
+    assert abs(late["skew_us_median"] - late["raw_skew_us_median"]) < 5.0
+    assert late["instances"] >= rec["steps"] * (1 + 2 * 4) - 2
+    assert "Checked here against a known delay" in e2e["report"].read_text()

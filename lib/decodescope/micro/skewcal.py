@@ -31,11 +31,15 @@ import pandas as pd
 
 from decodescope.core.cpupath import AVX2_ENV, AVX2_ONLY_DIR, CPU_PATH_ENV, apply_cpu_path
 from decodescope.core.io import write_json_atomic
+from decodescope.core.rundir import TRACES
 from decodescope.exec.hostcore import LocalHost
 from decodescope.exec.server import log_tail
-from decodescope.micro.bench import PROBE_SHM_GLOBS
+from decodescope.micro.bench import PROBE_SHM_GLOBS, run_torchrun_probe, step_plan
 from decodescope.model import arch as archmod
+from decodescope.schema.records_critpath import SkewCalibration, SkewCalibrationRow
 from decodescope.schema.records_probe import read_probe_output
+from decodescope.schema.recordbase import write_record
+from decodescope.schema.rundata import SKEW_CALIBRATION, RunDir
 from decodescope.trace.analyze import find_steps, op_table
 from decodescope.critpath.split import collective_split
 from decodescope.critpath.table import critical_paths
@@ -217,3 +221,48 @@ def settings_table(rows: list[SkewSetting]) -> str:
 
 def load_settings(path: Path) -> list[SkewSetting]:
     return [SkewSetting(**r) for r in json.loads(Path(path).read_text())]
+
+
+def phase_plan(params) -> dict:
+    """03's calibration plan: the run's step replay at batch 1, profiled only."""
+    plan = step_plan(params)
+    return {**plan, "iters": 1, "warmup": 1, "steps": [s for s in plan["steps"] if s["batch"] == plan["steps"][0]["batch"]]}
+
+
+def replay_path_name(meta: dict) -> str:
+    """Where the replay ran: gpu, or the CPU path (native, or avx2 where forced)."""
+    if str(meta.get("device", "cpu")).startswith("cuda"):
+        return "gpu"
+    return "avx2" if os.environ.get(CPU_PATH_ENV) == "avx2" else "native"
+
+
+def calibrate_for_phase(params, run_dir: Path) -> SkewCalibration:
+    """03: the step replay once per microbench.skew_calibration_us delay, rank 1 late by it before every
+    collective, each profile read back through the critical path; data/skew_calibration.json rewritten
+    after every setting, so a run stopped midway keeps the settings that finished."""
+    mb = params.microbench
+    world, delays = params.server.tensor_parallel, list(mb.skew_calibration_us)
+    path = RunDir(run_dir).file(SKEW_CALIBRATION)
+    record = SkewCalibration(world=world, steps=mb.skew_calibration_steps, ran=bool(delays) and world > 1,
+                             why_not=("microbench.skew_calibration_us is []" if not delays else
+                                      "one rank: no collective waits for another" if world < 2 else ""))
+    write_record(path, record)
+    if not record.ran:
+        return record
+    data = RunDir(run_dir).data
+    plan_path = data / "skew_calibration_plan.json"
+    write_json_atomic(plan_path, phase_plan(params))
+    for delay in delays:
+        out_dir = Path(run_dir) / TRACES / "skew_calibration" / f"d{delay:g}"  # its traces and probe rows
+        out_dir.mkdir(parents=True, exist_ok=True)
+        args = ["--plan", plan_path, "--out-dir", out_dir, "--variants", "", "--profile-steps",
+                str(mb.skew_calibration_steps), "--skew-us", f"{delay:g}", "--skew-rank", "1"]
+        run_torchrun_probe(params, run_dir, "decodescope.probes.step", args, world, inputs=(plan_path,),
+                           outputs=(out_dir,), log_name=f"skew_calibration_d{delay:g}")
+        split, meta = read_setting(out_dir)
+        row = calibrate(split, delay, 1, replay_path_name(meta), str(meta["communicator"]), meta["raw_skew_us"],
+                        meta["spin_us"])
+        log.info("skew calibration: %s", row.line())
+        record.settings.append(SkewCalibrationRow(**asdict(row)))
+        write_record(path, record)
+    return record

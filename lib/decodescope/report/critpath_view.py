@@ -10,8 +10,10 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from decodescope.schema.records import frame, read_record
-from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary, CritPathShareRow
+from decodescope.schema.records_critpath import (CRITICAL_PATH_RECORD, CriticalPathSummary, CritPathShareRow,
+                                                 SkewCalibration, SkewCalibrationRow)
 from decodescope.schema.rundata import level_dir_name
+from decodescope.show.display import show_note, show_table
 from decodescope.critpath.table import CriticalPaths
 from decodescope.profiling.levels import ProfiledLevel
 
@@ -91,3 +93,42 @@ def level_critical_path(level: ProfiledLevel, data_dir: Path) -> tuple[str, Opti
     rec = read_record(Path(data_dir) / "profile" / level_dir_name(level.capture.concurrency) / CRITICAL_PATH_RECORD,
                       CriticalPathSummary)
     return critical_path_view(level.critical_path, rec)
+
+
+def skew_calibration_table(rec: SkewCalibration) -> pd.DataFrame:
+    """One row per delay: what the path attributed against what the rank ran."""
+    rows = frame(rec.settings, SkewCalibrationRow)
+    cols = ["communicator", "injected_us", "delivered_us", "skew_us_median", "skew_us_p10", "skew_us_p90",
+            "delivered_error_us", "recovered", "late_rank_share", "raw_skew_us_median", "transfer_us_median",
+            "instances"]
+    return rows[cols].rename(columns={"injected_us": "delay asked (us)", "delivered_us": "delay ran (us)",
+                                      "skew_us_median": "attributed skew (us)", "delivered_error_us": "error (us)",
+                                      "late_rank_share": "late rank named", "raw_skew_us_median": "entry skew off the ops (us)"})
+
+
+def skew_calibration_sentence(rec: Optional[SkewCalibration]) -> str:
+    """Whether this run's arrival-skew figures hold, from 03's calibration, in one sentence."""
+    if rec is None:
+        return ("*The critical path's arrival skew was not checked against a known delay in this run (03 did not "
+                "run, or ran before the check existed).*")
+    if not rec.ran:
+        return f"*The critical path's arrival skew was not checked against a known delay: {rec.why_not}.*"
+    if not rec.settings:
+        return "*The check of the arrival skew against a known delay started but no setting finished (see 03's log).*"
+    skewed = [r for r in rec.settings if r.injected_us > 0] or rec.settings
+    worst = max(skewed, key=lambda r: abs(r.delivered_error_us))
+    held = all(r.recovered for r in rec.settings)
+    parts = "; ".join(f"{r.delivered_us:,.0f} us ran ({r.injected_us:,.0f} asked): {r.skew_us_median:,.0f} attributed"
+                      for r in skewed)
+    verdict = (f"the arrival skew figures of this report hold within {abs(worst.delivered_error_us):,.0f} us an instance"
+               if held else f"**the arrival skew figures of this report are off by up to "
+               f"{abs(worst.delivered_error_us):,.0f} us an instance: read the skew/transfer split with that margin**")
+    return (f"Checked here against a known delay (03's step replay through {worst.communicator}, rank {worst.skew_rank} "
+            f"late before every collective, {rec.steps} steps each, read back through the same critical path): "
+            f"{parts}; {verdict} (recovered: within 10% or 20 us of the delay the rank ran).")
+
+
+def show_skew_calibration(rec: Optional[SkewCalibration], source: str) -> None:
+    show_note(skew_calibration_sentence(rec))
+    if rec is not None and rec.settings:
+        show_table(skew_calibration_table(rec), caption="arrival skew against a known delay - " + source)

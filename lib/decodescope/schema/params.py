@@ -53,6 +53,8 @@ READERS: dict[str, tuple[str, ...]] = {
     "microbench.sweep_max_bytes": ("03_collectives",),
     "microbench.sweep_min_bytes": ("03_collectives",),
     "microbench.all_to_all_tokens": ("03_collectives",),
+    "microbench.skew_calibration_us": ("03_collectives",),
+    "microbench.skew_calibration_steps": ("03_collectives",),
     "microbench.expert_parallel": ("02_gemm", "03_collectives"),
     "microbench.context_tokens": ("02_gemm",),
     "microbench.moe_skew": ("02_gemm",),

@@ -55,6 +55,7 @@ CPULIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 CpuList = Annotated[Optional[str], AfterValidator(_cpulist)]
 AtLeastOne = Annotated[int, _at_least(1)]
 NonNegative = Annotated[int, _at_least(0)]
+NonNegativeUs = Annotated[float, _at_least(0.0)]
 Positive = Annotated[float, AfterValidator(_positive)]
 
 
@@ -241,6 +242,12 @@ class MicrobenchParams(_Section):
     node_rank: int = 0
     rdzv_endpoint: Optional[str] = Field(None, description="host:port of torchrun's rendezvous (multi-node)")
     probe_timeout_s: float = 1800.0
+    skew_calibration_us: list[NonNegativeUs] = Field(
+        default_factory=lambda: [0.0, 250.0],
+        description="03: delays (us) one rank waits before every collective of the step replay, each read back "
+                    "through the critical path to check its arrival skew on this host (the report's methods); "
+                    "[]: not run")
+    skew_calibration_steps: AtLeastOne = Field(4, description="steps profiled per skew_calibration_us delay")
 
     @field_validator("batches")
     @classmethod

@@ -95,3 +95,41 @@ class CritPathFixRow(_Model):
     projected_gain_pct: Optional[float] = Field(None, description="its TPOT saved, % (positive = faster)")
     projection_batch: Optional[float] = Field(None, description="the batch the projection is priced at")
     exceeds_bound: Optional[bool] = Field(None, description="the projection saves more than the path allows")
+
+
+SKEW_CALIBRATION_RECORD = "skew_calibration.json"
+
+
+class SkewCalibrationRow(_Model):
+    """One delay setting: 03's step replay with one rank late by a known delay before every collective, its
+    profile read back through the critical path (micro.skewcal.SkewSetting)."""
+
+    cpu_path: str = Field(description="native, avx2, or the device (gpu) the replay ran on")
+    communicator: str = Field(description="the replay's communicator: vllm_shm, torch_gloo, torch_nccl")
+    injected_us: float = Field(description="the delay asked for, D")
+    skew_rank: int = Field(description="the rank made late")
+    instances: int = Field(description="collective instances every rank has, over the profiled steps")
+    late_rank_share: float = Field(description="of the instances, the share naming skew_rank late (NaN at D = 0)")
+    skew_us_median: float = Field(description="the attributed arrival skew (last entry - first entry), median")
+    skew_us_p10: float
+    skew_us_p90: float
+    error_us: float = Field(description="attributed median - injected")
+    delivered_us: float = Field(description="the delay the rank ran: its spin's median range in the trace "
+                                "(injected where nothing ran)")
+    delivered_error_us: float = Field(description="attributed median - delivered")
+    recovered: bool = Field(description="delivered_error_us within 10% of delivered_us or 20 us")
+    raw_skew_us_median: float = Field(description="the late rank's entry minus the others' last, off the ops "
+                                      "without the critical path, median")
+    spin_us_median: float = Field(description="the injected range's own duration, median (0 at D = 0)")
+    transfer_us_median: float = Field(description="last entry to end, median")
+
+
+class SkewCalibration(Record):
+    """data/skew_calibration.json (03_collectives): how far this host's critical path recovers a known
+    arrival skew (micro.skewcal.calibrate_for_phase); the report's methods section shows it."""
+
+    world: int = Field(description="the replay's ranks (the tensor-parallel size)")
+    steps: int = Field(description="steps profiled per setting")
+    ran: bool = Field(description="False where nothing could be skewed (one rank) or no delay was asked")
+    why_not: str = Field("", description="why it did not run")
+    settings: list[SkewCalibrationRow] = Field(default_factory=list, description="one row per delay, in order")

@@ -15,7 +15,8 @@ import pandas as pd
 from decodescope.core.rundir import DATA, VARIANTS
 from decodescope.schema.recordbase import Record, read_record
 from decodescope.schema.records import HostOps, ProfileCapture, ProfileCaptures, ProfileSummary
-from decodescope.schema.records_critpath import CRITICAL_PATH_RECORD, CriticalPathSummary
+from decodescope.schema.records_critpath import (CRITICAL_PATH_RECORD, SKEW_CALIBRATION_RECORD, CriticalPathSummary,
+                                                 SkewCalibration)
 from decodescope.schema.records_host import HostInventory
 from decodescope.schema.records_manifest import RunManifest
 from decodescope.schema.records_server import LinkMeasure, ServerInfo
@@ -29,6 +30,7 @@ SERVING_LEVELS = "serving_levels.parquet"        # 01_serving: one row per level
 SERVING_REQUESTS = "serving_requests.parquet"    # 01_serving: one row per request
 GEMM = "gemm.parquet"                            # 02_gemm
 COLLECTIVES = "collectives.parquet"              # 03_collectives
+SKEW_CALIBRATION = SKEW_CALIBRATION_RECORD       # 03_collectives: the critical path against a known skew
 PROFILE_CAPTURES = "profile_capture.json"        # 04_profile: the levels profiled and each one's capture
 PROFILE_SUMMARY = "profile_summary.json"         # 04_profile: the first level's summary (and each level's)
 PROFILE_LEVELS = "profile"                       # 04_profile: profile/c<N>/, one folder per profiled level
@@ -139,6 +141,10 @@ class RunDir:
 
     def link(self) -> Optional[LinkMeasure]:
         return self.record(LINK, LinkMeasure)
+
+    def skew_calibration(self) -> Optional[SkewCalibration]:
+        """03's check of the critical path's arrival skew against a known delay."""
+        return self.record(SKEW_CALIBRATION, SkewCalibration)
 
     def host_ops(self, name: Name) -> Optional[HostOps]:
         """04's un-graphed step's host ops (name: trace.hostops.HOST_OPS_RECORD)."""
