@@ -75,7 +75,7 @@ def main() -> int:
                 sc.run_skewed_replay(plan, out, delay, args.skew_rank, args.steps, cpu_path=path)
             row = sc.calibrate_dir(out, path)
             rows.append(row)
-            log.info("%s  (%.0f s)", row.line(), time.monotonic() - t0)
+            log.info("%s  (%.0f s)", sc.setting_line(row), time.monotonic() - t0)
     table = sc.settings_table(rows)
     head = (f"# benchmarks/skew_calibration.py{' --unbound' if args.unbound else ''} --paths {args.paths} --delays {args.delays} --steps {args.steps}\n"
             f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, params/default.yaml TP=2 "

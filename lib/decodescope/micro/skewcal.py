@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -58,32 +57,16 @@ class CalibrationError(RuntimeError):
     pass
 
 
-@dataclass
-class SkewSetting:
-    """One delay setting's calibration row (one trace set)."""
+# One delay setting's row: the record's (data/skew_calibration.json), also the benchmark's table row.
+SkewSetting = SkewCalibrationRow
 
-    cpu_path: str
-    communicator: str
-    injected_us: float
-    skew_rank: int
-    instances: int
-    late_rank_share: float  # the share of instances whose attributed late rank is the delayed one
-    skew_us_median: float
-    skew_us_p10: float
-    skew_us_p90: float
-    error_us: float  # attributed median - injected
-    delivered_us: float  # the delay rank R ran: its spin's median in the trace (injected where none was)
-    delivered_error_us: float  # attributed median - delivered
-    recovered: bool  # delivered_error_us within RECOVERY_SHARE of delivered_us or RECOVERY_US
-    raw_skew_us_median: float  # rank R's entry minus the others' last entry, off the events
-    spin_us_median: float  # the injected_skew ranges' own duration in the trace (0 where D = 0)
-    transfer_us_median: float
 
-    def line(self) -> str:
-        return (f"{self.cpu_path:>6} {self.communicator:>10} {self.injected_us:>8.0f} {self.instances:>5} "
-                f"{self.skew_us_median:>9.1f} {self.skew_us_p10:>8.1f}-{self.skew_us_p90:<8.1f} {self.error_us:>+7.1f} "
-                f"{self.delivered_error_us:>+8.1f} {'yes' if self.recovered else 'NO':>4} {self.late_rank_share:>6.0%} {self.raw_skew_us_median:>8.1f} "
-                f"{self.spin_us_median:>7.1f} {self.transfer_us_median:>8.1f}")
+def setting_line(r: SkewSetting) -> str:
+    """The row as a line of the benchmark's table (HEADER)."""
+    return (f"{r.cpu_path:>6} {r.communicator:>10} {r.injected_us:>8.0f} {r.instances:>5} "
+            f"{r.skew_us_median:>9.1f} {r.skew_us_p10:>8.1f}-{r.skew_us_p90:<8.1f} {r.error_us:>+7.1f} "
+            f"{r.delivered_error_us:>+8.1f} {'yes' if r.recovered else 'NO':>4} {r.late_rank_share:>6.0%} "
+            f"{r.raw_skew_us_median:>8.1f} {r.spin_us_median:>7.1f} {r.transfer_us_median:>8.1f}")
 
 
 HEADER = ("  path communicator  inj_us  inst  skew_med   p10-p90          err_us  err_run  ok? late=R  raw_med  spin_us "
@@ -212,11 +195,11 @@ def calibrate_dir(trace_dir: Path, cpu_path: str, kind: str = "decode") -> SkewS
 
 
 def write_settings(path: Path, rows: list[SkewSetting]) -> None:
-    write_json_atomic(path, [asdict(r) for r in rows])
+    write_json_atomic(path, [r.model_dump() for r in rows])
 
 
 def settings_table(rows: list[SkewSetting]) -> str:
-    return "\n".join([HEADER] + [r.line() for r in rows])
+    return "\n".join([HEADER] + [setting_line(r) for r in rows])
 
 
 def load_settings(path: Path) -> list[SkewSetting]:
@@ -262,7 +245,7 @@ def calibrate_for_phase(params, run_dir: Path) -> SkewCalibration:
         split, meta = read_setting(out_dir)
         row = calibrate(split, delay, 1, replay_path_name(meta), str(meta["communicator"]), meta["raw_skew_us"],
                         meta["spin_us"])
-        log.info("skew calibration: %s", row.line())
-        record.settings.append(SkewCalibrationRow(**asdict(row)))
+        log.info("skew calibration: %s", setting_line(row))
+        record.settings.append(row)
         write_record(path, record)
     return record
