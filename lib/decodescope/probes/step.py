@@ -250,6 +250,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--skew-rank {args.skew_rank}: expected a rank from 0 to {world - 1}")
     comm, comm_note = step_communicator(plan.get("communicator", "torch"), device, world, rank)
     meta.update(communicator=comm.name, communicator_note=comm_note)
+    # made here, on the host the ranks run on: over ssh only the launcher's side has it
+    os.makedirs(args.out_dir, exist_ok=True)
     out = os.path.join(args.out_dir, f"step_rank{rank}.json")
     rows: list[dict] = []
     for step in plan["steps"]:
