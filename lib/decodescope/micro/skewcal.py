@@ -184,6 +184,7 @@ def calibrate(split: pd.DataFrame, injected_us: float, skew_rank: int, cpu_path:
         error_us=med - injected_us, delivered_us=delivered, delivered_error_us=med - delivered,
         recovered=recovered(med, delivered),
         raw_skew_us_median=float(np.median(raw_skew_us)) if len(raw_skew_us) else float("nan"),
+        raw_abs_skew_us_median=float(np.median(np.abs(raw_skew_us))) if len(raw_skew_us) else float("nan"),
         spin_us_median=float(np.median(spin_us)) if len(spin_us) else 0.0,
         transfer_us_median=float(split["transfer_us"].median()))
 
