@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from decodescope.core.cpupath import AVX2_ENV, AVX2_ONLY_DIR, CPU_PATH_ENV, apply_cpu_path
+from decodescope.core.cpupath import cpu_path as current_cpu_path
 from decodescope.core.io import write_json_atomic
 from decodescope.core.rundir import TRACES
 from decodescope.exec.hostcore import LocalHost
@@ -208,16 +209,17 @@ def load_settings(path: Path) -> list[SkewSetting]:
 
 
 def phase_plan(params) -> dict:
-    """03's calibration plan: the run's step replay at batch 1, profiled only."""
-    plan = step_plan(params)
-    return {**plan, "iters": 1, "warmup": 1, "steps": [s for s in plan["steps"] if s["batch"] == plan["steps"][0]["batch"]]}
+    """03's calibration plan: the run's step replay at its first microbench batch, profiled only."""
+    plan = step_plan(params.model_copy(update={"microbench": params.microbench.model_copy(
+        update={"batches": params.microbench.batches[:1]})}))
+    return {**plan, "iters": 1, "warmup": 1}
 
 
 def replay_path_name(meta: dict) -> str:
     """Where the replay ran: gpu, or the CPU path (native, or avx2 where forced)."""
     if str(meta.get("device", "cpu")).startswith("cuda"):
         return "gpu"
-    return "avx2" if os.environ.get(CPU_PATH_ENV) == "avx2" else "native"
+    return current_cpu_path()
 
 
 def calibrate_for_phase(params, run_dir: Path) -> SkewCalibration:
@@ -233,8 +235,7 @@ def calibrate_for_phase(params, run_dir: Path) -> SkewCalibration:
     write_record(path, record)
     if not record.ran:
         return record
-    data = RunDir(run_dir).data
-    plan_path = data / "skew_calibration_plan.json"
+    plan_path = path.with_name("skew_calibration_plan.json")
     write_json_atomic(plan_path, phase_plan(params))
     for delay in delays:
         out_dir = Path(run_dir) / TRACES / "skew_calibration" / f"d{delay:g}"  # its traces and probe rows
