@@ -237,7 +237,7 @@ def test_a_drafters_cost_is_its_lead_first_pass_and_later_passes_unprofiled():
 
 
 def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
-    """Issue 52: draft-model, two-layer and n-gram variants on the GPU engine, each unprofiled (01 only): each is
+    """Issue 52: draft-model, two-layer and n-gram variants on the GPU engine at k = 1, 3, 5, each unprofiled (01 only): each is
     projected from the baseline and the others (speccurve.loo_rows), so none needs its own profile."""
     from pathlib import Path
 
@@ -247,8 +247,9 @@ def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
     params = load_params(Path(__file__).resolve().parents[1] / "params/h200-qwen3moe-spec.yaml")
     assert params.hardware.gpu is None and params.server.tensor_parallel == 1   # detected: an H100 or an H200
     names = {e.name: e for e in params.experiments}
-    assert {"spec-self-k1-greedy", "spec-self-k3-greedy", "spec-self-k5-greedy", "spec-self-k1", "spec-self-k3",
-            "spec-draft2l-k3-greedy", "spec-ngram-k3-greedy"} == set(names)
+    # every drafter at k = 1, 3 and 5 (greedy), so that each is priced from the other k of its own drafter
+    assert {f"spec-{d}-k{k}-greedy" for d in ("self", "draft2l", "ngram") for k in (1, 3, 5)} | {
+        "spec-self-k1", "spec-self-k3"} == set(names)
     assert not any(e.profile for e in names.values())
     assert with_experiment(params, "spec-self-k3-greedy").workload.temperature == 0.0
     assert with_experiment(params, "spec-self-k3").workload.temperature is None
