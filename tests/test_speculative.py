@@ -249,7 +249,7 @@ def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
     names = {e.name: e for e in params.experiments}
     # every drafter at k = 1, 3 and 5 (greedy), so that each is priced from the other k of its own drafter
     assert {f"spec-{d}-k{k}-greedy" for d in ("self", "draft2l", "ngram") for k in (1, 3, 5)} | {
-        "spec-self-k1", "spec-self-k3"} == set(names)
+        "spec-self-k2-greedy", "spec-self-k4-greedy", "spec-self-k1", "spec-self-k3"} == set(names)
     assert not any(e.profile for e in names.values())
     assert with_experiment(params, "spec-self-k3-greedy").workload.temperature == 0.0
     assert with_experiment(params, "spec-self-k3").workload.temperature is None
