@@ -175,3 +175,23 @@ def test_a_report_of_a_baseline_and_its_variants_draws_with_no_duplicate_cell_id
         warnings.simplefilter("always")
         notebook_html(nbformat.v4.new_notebook(cells=cells))
     assert not [w for w in caught if "cell id" in str(w.message)], [str(w.message) for w in caught][:3]
+
+
+def test_the_run_keeps_the_model_configs_its_params_name_so_its_own_params_load(repo, tmp_path, phase_notebooks):
+    """A run of params naming models/ relative to themselves (the model and an '@config:' draft of a variant)
+    copies them beside its params.yaml: without them load_params(run/params.yaml) failed, naming each file."""
+    import shutil
+
+    from decodescope.schema.params import load_params
+
+    folder = tmp_path / "p"
+    shutil.copytree(repo / "params/models", folder / "models")
+    text = (repo / "params/experiments-spec-k.yaml").read_text()
+    (folder / "p.yaml").write_text(text.replace("output_dir: outputs", f"output_dir: {tmp_path / 'out'}"))
+    run_dir, ok = runner.run(folder / "p.yaml", phases=["00_host"], notebook_dir=phase_notebooks)
+    assert not ok   # 00 fails on purpose: the configs are copied before any phase
+    assert sorted(p.name for p in (run_dir / "models").iterdir()) == ["tiny-qwen3-moe-draft1l.json",
+                                                                       "tiny-qwen3-moe.json"]
+    params = load_params(run_dir / "params.yaml")
+    assert params.resolve("models/tiny-qwen3-moe-draft1l.json").read_text() == (
+        folder / "models/tiny-qwen3-moe-draft1l.json").read_text()

@@ -22,8 +22,8 @@ from decodescope.exec.host import close_all as close_hosts, preflight
 from decodescope.exec.hostcore import RUN_ID_ENV
 from decodescope.core.io import write_text_atomic
 from decodescope.exec.locks import holder_info, run_dir_lock
-from decodescope.schema.params import (Params, ParamsError, dump_yaml, load_params, params_as_dict, with_experiment,
-                                       with_overrides)
+from decodescope.schema.params import (Params, ParamsError, dump_yaml, load_params, params_as_dict,
+                                       relative_config_files, with_experiment, with_overrides)
 from decodescope.core.phases import SERVER_PHASES, execution_order
 from decodescope.report.html import build_report
 from decodescope.report import index as run_index
@@ -204,7 +204,24 @@ def _open_manifest(params: Params, selected: list[str], run_dir: Path, resume: O
             write_text_atomic(run_params_path, dump_yaml(params))
         except OSError as e:
             raise ResultsWriteError(run_params_path, e) from None
+    try:  # a resume's new variants may name drafts the first run did not
+        _copy_config_files(params, run_dir)
+    except OSError as e:
+        raise ResultsWriteError(run_dir / "models", e) from None
     return manifest
+
+
+def _copy_config_files(params: Params, run_dir: Path) -> None:
+    """The model configs the params name relative to themselves, beside the run's params.yaml at the same
+    relative paths, so that the run's own params load (a later verdict, compare or resume of it)."""
+    if params.source_path is None:
+        return
+    base = Path(params.source_path).parent
+    for rel in relative_config_files(params):
+        src, dest = base / rel, run_dir / rel
+        if src.is_file() and not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(dest, src.read_text())
 
 
 def _write_report(run_dir: Path, manifest: Manifest) -> None:

@@ -278,6 +278,17 @@ def placeholder_configs(engine_args: dict) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def relative_config_files(params: "Params") -> list[str]:
+    """The files the params name relative to their own folder: model.config and each '@config:' draft of the
+    server and of every variant, each once, where it stays inside that folder (no absolute path, no '..')."""
+    names = [params.model.config] if params.model.config else []
+    names += placeholder_configs(params.server.engine_args)
+    for exp in params.experiments:
+        names += placeholder_configs(exp.engine_args or {})
+    return [n for n in dict.fromkeys(names)
+            if not Path(os.path.expanduser(n)).is_absolute() and ".." not in Path(n).parts]
+
+
 def _placeholder_problems(raw: dict, base: Path) -> list[tuple[str, str]]:
     """Each '@config:<path>' in server.engine_args must name a readable HF config (the experiments' are
     checked as each variant's merged params)."""
