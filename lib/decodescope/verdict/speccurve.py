@@ -167,10 +167,13 @@ def measured_spec_fixes(inp: ModelInputs, batch: float, drafters: list[MeasuredD
 # variants of the same drafter (least squares over their k): a variant is never priced from its own TPOT.
 # The profile is not read for sizes: under the profiler a draft pass ran 1.1-1.4x its unprofiled time (its
 # eager attention is host work, which the profiler slows per event), the verify's GPU work ~1.0x.
-# A smaller draft of the same architecture is the self drafter's pass scaled by its layers over the target's
-# (the pass is the layers' work: the lm_head at a vocabulary of 1,024 is ~0.1% of it); an n-gram drafter has
-# no draft pass, only L. Tokens per verify: the acceptance per position of the other variants of the drafter
-# at the same sampling (greedy or the server's), else the variant's own (measured, not projected; said so).
+# Where a drafter has no two other k measured, a smaller draft of the same architecture takes the self
+# drafter's L and its pass scaled by its layers over the target's (the pass is the layers' work: the lm_head
+# at a vocabulary of 1,024 is ~0.1% of it); an n-gram drafter the self drafter's L and no pass. That fallback
+# missed by up to 30% (spec_20261206: L holds the draft model's first pass and inputs, which an n-gram drafter
+# has not and a two-layer draft has an eighth of). Tokens per verify: the acceptance per position of the
+# other variants of the drafter at the same sampling (greedy or the server's), else the variant's own
+# (measured, not projected; said so).
 
 
 @dataclass(frozen=True)
@@ -280,13 +283,17 @@ def price_spec(measures: list[SpecMeasure], key: str, drafter: str, k: int, gree
     # a repeat of the variant priced (the same drafter, k and sampling) is its own measurement: left out too
     others = [m for m in measures if m.name != leave_out and level in m.tpot_us
               and not (out is not None and (m.key, m.k, m.greedy) == (out.key, out.k, out.greedy))]
-    fam = [m for m in others if m.key == key] if drafter == "self" else [m for m in others if m.key == SELF_KEY]
-    fit = _fit_passes([(m.k, m.step_us(level) - verify_us(level, m.k)) for m in fam])
+    # L holds the drafter's own first pass and input preparation (the draft model's, or none for n-gram), so it
+    # is fitted to the drafter's own other k wherever two are measured; the self drafter's, scaled, only else
+    own = [m for m in others if m.key == key]
+    own_fit = _fit_passes([(m.k, m.step_us(level) - verify_us(level, m.k)) for m in own])
+    fam = own if drafter == "self" or own_fit is not None else [m for m in others if m.key == SELF_KEY]
+    fit = own_fit if fam is own else _fit_passes([(m.k, m.step_us(level) - verify_us(level, m.k)) for m in fam])
     if fit is None:
         return None
     lead, pass_us = fit
     srcs = ", ".join(sorted(m.name for m in fam))
-    if drafter == "self":
+    if fam is own:
         scale, what = 1.0, f"L + k x P fitted to {srcs}"
     elif drafter == "ngram":
         scale, what = 0.0, f"L of the self drafter ({srcs}); no draft pass"
