@@ -237,8 +237,9 @@ def test_a_drafters_cost_is_its_lead_first_pass_and_later_passes_unprofiled():
 
 
 def test_the_h200_speculative_campaign_is_ready_to_run_when_a_gpu_is_lent():
-    """Issue 52: draft-model, two-layer and n-gram variants on the GPU engine at k = 1, 3, 5, each unprofiled (01 only): each is
-    projected from the baseline and the others (speccurve.loo_rows), so none needs its own profile."""
+    """Issue 52: draft-model, two-layer and n-gram variants on the GPU engine at k = 1, 3, 5, each unprofiled
+    (01 only): each is projected from the baseline and the others (speccurve.loo_rows), so none needs its own
+    profile."""
     from pathlib import Path
 
     from decodescope.schema.params import placeholder_configs

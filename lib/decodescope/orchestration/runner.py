@@ -216,9 +216,8 @@ def _copy_config_files(params: Params, run_dir: Path) -> None:
     relative paths, so that the run's own params load (a later verdict, compare or resume of it)."""
     if params.source_path is None:
         return
-    base = Path(params.source_path).parent
     for rel in relative_config_files(params):
-        src, dest = base / rel, run_dir / rel
+        src, dest = params.resolve(rel), run_dir / rel
         if src.is_file() and not dest.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(dest, src.read_text())

@@ -2,6 +2,7 @@
 shares on the path beside the summed shares (data/profile/c<N>/critical_path.json)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -108,7 +109,7 @@ def skew_calibration_table(rec: SkewCalibration) -> pd.DataFrame:
 
 def attribution_agrees(r: SkewCalibrationRow) -> bool:
     """The path's median skew is the one read off the ops without it (within 10% or 20 us); NaN: not known."""
-    return not r.raw_abs_skew_us_median == r.raw_abs_skew_us_median or \
+    return math.isnan(r.raw_abs_skew_us_median) or \
         abs(r.skew_us_median - r.raw_abs_skew_us_median) <= max(0.1 * r.raw_abs_skew_us_median, 20.0)
 
 

@@ -284,7 +284,7 @@ def relative_config_files(params: "Params") -> list[str]:
     names = [params.model.config] if params.model.config else []
     names += placeholder_configs(params.server.engine_args)
     for exp in params.experiments:
-        names += placeholder_configs(exp.engine_args or {})
+        names += placeholder_configs(exp.engine_args)
     return [n for n in dict.fromkeys(names)
             if not Path(os.path.expanduser(n)).is_absolute() and ".." not in Path(n).parts]
 

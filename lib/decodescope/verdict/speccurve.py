@@ -285,15 +285,19 @@ def price_spec(measures: list[SpecMeasure], key: str, drafter: str, k: int, gree
               and not (out is not None and (m.key, m.k, m.greedy) == (out.key, out.k, out.greedy))]
     # L holds the drafter's own first pass and input preparation (the draft model's, or none for n-gram), so it
     # is fitted to the drafter's own other k wherever two are measured; the self drafter's, scaled, only else
-    own = [m for m in others if m.key == key]
-    own_fit = _fit_passes([(m.k, m.step_us(level) - verify_us(level, m.k)) for m in own])
-    fam = own if drafter == "self" or own_fit is not None else [m for m in others if m.key == SELF_KEY]
-    fit = own_fit if fam is own else _fit_passes([(m.k, m.step_us(level) - verify_us(level, m.k)) for m in fam])
+    def fit_of(ms: list[SpecMeasure]) -> Optional[tuple[float, float]]:
+        return _fit_passes([(m.k, m.step_us(level) - verify_us(level, m.k)) for m in ms])
+    fam = [m for m in others if m.key == key]
+    fit = fit_of(fam)
+    own = fit is not None or drafter == "self"
+    if not own:
+        fam = [m for m in others if m.key == SELF_KEY]
+        fit = fit_of(fam)
     if fit is None:
         return None
     lead, pass_us = fit
     srcs = ", ".join(sorted(m.name for m in fam))
-    if fam is own:
+    if own:
         scale, what = 1.0, f"L + k x P fitted to {srcs}"
     elif drafter == "ngram":
         scale, what = 0.0, f"L of the self drafter ({srcs}); no draft pass"
