@@ -4,7 +4,8 @@ Stage 1, two lanes at once. The modules there that start vLLM servers, sshds and
 statuses, files, messages and what is left running (their own: by run token, run directory or port), never
 how fast anything ran beyond seconds-scale limits, so two of them may share the two cores: FAULTS (the fault
 and attach tests, one server at a time) in one lane; the unit tests (parsing, records, reports, packaging,
-type checks) and then BESIDE_SERVERS (the ssh host's tests, the runs over ssh) in the other.
+type checks), then TO_UNITS (two fault tests of a server of their own, moved from the first lane to even
+the two out) and then BESIDE_SERVERS (the ssh host's tests, the runs over ssh) in the other.
 Stage 2, one lane alone on the machine: ALONE, the modules that time the engine, a client or a probe, one
 after the other; then LATE, tests that read what both stages made (the report over ssh of stage 1 set
 against the local end-to-end run of stage 2).
@@ -45,6 +46,12 @@ ALONE = ("test_integration_vllm.py", "test_experiments_vllm.py", "test_probes.py
          "test_stepmodel.py", "test_engine_comm.py", "test_serving_client.py", "test_telemetry.py",
          "test_compare_gate_vllm.py")
 LATE = ("test_integration_ssh.py::test_the_report_over_ssh_has_the_sections_and_numbers_of_a_local_run",)
+# Fault tests of a server of their own that run in the unit lane, before its runs over ssh, not in the lane of
+# servers: that lane was the longer of stage 1 by ~320 s (23.0 min against 17.7, 2026-12-07, native; 26.0
+# against 19.5 on AVX2), and these two (88 s and 27 s there) start, stall and tear down their own server, which
+# asserts nothing of another module's processes
+TO_UNITS = ("test_faults.py::test_stop_profile_that_never_completes_keeps_the_traces_that_arrived",
+            "test_faults.py::test_server_never_healthy_fails_its_phases_within_the_startup_timeout")
 SERVERS = FAULTS + BESIDE_SERVERS + ALONE  # every module that starts a server, an sshd or probe ranks
 
 
@@ -60,20 +67,21 @@ def stage_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> li
     Pytest keeps only the three newest numbered basetemps of a user and deletes the rest as each session
     starts. A LATE test reads a run directory under a stage-1 lane's basetemp. Three pytest sessions started
     meanwhile by anyone on the machine deleted it once (FileNotFoundError on its params.yaml)."""
-    missing = [m for m in SERVERS + tuple(t.split("::")[0] for t in LATE) if not (TESTS / m).is_file()]
+    missing = [m for m in SERVERS + tuple(t.split("::")[0] for t in LATE + TO_UNITS) if not (TESTS / m).is_file()]
     if missing:
         raise SystemExit(f"tests/lanes.py names modules that are not in tests/: {', '.join(missing)}")
     pytest = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider"]
     # pytest matches --deselect against node ids as it names them, relative to the root directory
     late_out = [f"--deselect={TESTS.name}/{t}" for t in LATE]
+    moved_out = [f"--deselect={TESTS.name}/{t}" for t in TO_UNITS]
     own = basetemp_root is not None and not any(a.startswith("--basetemp") for a in pytest_args)
 
     def temp(lane: str) -> list[str]:
         return [f"--basetemp={basetemp_root / lane}"] if own and basetemp_root is not None else []
     return [
-        {"servers": pytest + [str(TESTS / m) for m in FAULTS] + temp("servers") + pytest_args,
-         "units": pytest + [str(TESTS / m) for m in unit_modules() + list(BESIDE_SERVERS)] + late_out
-         + temp("units") + pytest_args},
+        {"servers": pytest + [str(TESTS / m) for m in FAULTS] + moved_out + temp("servers") + pytest_args,
+         "units": pytest + [str(TESTS / m) for m in unit_modules() + list(TO_UNITS) + list(BESIDE_SERVERS)]
+         + late_out + temp("units") + pytest_args},
         {"alone": pytest + [str(TESTS / m) for m in ALONE] + [str(TESTS / t) for t in LATE] + temp("alone")
          + pytest_args},
     ]

