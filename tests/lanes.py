@@ -18,7 +18,7 @@ Two processes rather than pytest-xdist's groups: with pytest 9.2, xdist 3.8's `-
 groups (it renames `item._nodeid`, which pytest no longer reads), and both workers started servers at once.
 
     python -m tests.lanes [pytest arguments for every lane]
-    python -m tests.lanes --fast [pytest arguments]   # make test-fast: the unit tests over two lanes, see fast_argvs
+    python -m tests.lanes --fast [pytest arguments]   # make test-fast: every module's unit tests over two lanes
 
 The lane of servers and the lone stage write to the terminal as they run; the unit lane's output comes whole
 once it ends. The exit status is the first failing lane's.
@@ -87,15 +87,18 @@ def stage_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> li
     ]
 
 
-# make test-fast selects no server, sshd, torchrun or browser test, so the stage-1 modules' unit tests split
-# over two processes, one a core, instead of one lane beside a lane of deselected servers; the ALONE modules'
-# unit tests still run after, alone. The split's weights: each module's selected tests' seconds (junit, on this
-# 2-core machine under other sessions' load, 2026-12-06: 319 s in one process, 329 s wall); a module not
-# listed counts FAST_DEFAULT_S.
+# make test-fast selects no server, sshd, torchrun or browser test, so every module's selected tests split over two
+# processes, one a core, in one stage. The ALONE modules' selected tests are unit tests against fake servers
+# and the probes' own interpreters: they wait more than they compute (82 s of wall for ~35 s of CPU), and a
+# lone stage after the others left a core idle for that long (test-fast 3 min 39 s, 2026-12-07). The split's
+# weights: each module's selected tests' seconds (junit, on this 2-core machine under other sessions' load,
+# 2026-12-06: 319 s in one process, 329 s wall; the ALONE modules each in a process of its own, 2026-12-07); a
+# module not listed counts FAST_DEFAULT_S.
 FAST_WEIGHT_S = {
-    "test_trace_stream.py": 61.8, "test_compare.py": 27.9, "test_trace_parse.py": 24.4,
-    "test_runner_report.py": 17.7, "test_lanes.py": 14.7, "test_imports.py": 13.2, "test_packaging.py": 10.5,
-    "test_compare_gate.py": 10.4, "test_records_probe.py": 9.7, "test_critpath_chrome.py": 5.4,
+    "test_trace_stream.py": 61.8, "test_telemetry.py": 28.5, "test_compare.py": 27.9, "test_serving_client.py": 24.8,
+    "test_trace_parse.py": 24.4, "test_runner_report.py": 17.7, "test_stepmodel.py": 16.2, "test_imports.py": 13.2,
+    "test_engine_comm.py": 12.2, "test_packaging.py": 10.5, "test_compare_gate.py": 10.4,
+    "test_records_probe.py": 9.7, "test_lanes.py": 7.7, "test_critpath_chrome.py": 5.4,
     "test_fixture_verdicts.py": 5.2, "test_critpath.py": 4.1, "test_speculative.py": 4.1,
     "test_capture_window.py": 3.5, "test_params.py": 3.3, "test_vllm_gpu_kimi.py": 2.7, "test_attachguard.py": 2.6,
     "test_records.py": 2.6, "test_procs.py": 2.5, "test_step_model_page.py": 2.3, "test_vllm_gpu.py": 2.1,
@@ -104,14 +107,14 @@ FAST_DEFAULT_S = 1.0
 
 
 def fast_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> list[dict[str, list[str]]]:
-    """make test-fast's stages: every module but ALONE's over two lanes at once, balanced by FAST_WEIGHT_S
-    (the heaviest first, each to the lighter lane), then the ALONE modules in one lane."""
+    """make test-fast's one stage: every module over two lanes at once, balanced by FAST_WEIGHT_S (the
+    heaviest first, each to the lighter lane)."""
     pytest = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider"]
     own = basetemp_root is not None and not any(a.startswith("--basetemp") for a in pytest_args)
 
     def temp(lane: str) -> list[str]:
         return [f"--basetemp={basetemp_root / lane}"] if own and basetemp_root is not None else []
-    modules = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in ALONE)
+    modules = sorted(p.name for p in TESTS.glob("test_*.py"))
     lanes: dict[str, list[str]] = {"units-a": [], "units-b": []}
     load = dict.fromkeys(lanes, 0.0)
     for m in sorted(modules, key=lambda m: (-FAST_WEIGHT_S.get(m, FAST_DEFAULT_S), m)):
@@ -119,8 +122,7 @@ def fast_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> lis
         lanes[lane].append(m)
         load[lane] += FAST_WEIGHT_S.get(m, FAST_DEFAULT_S)
     return [{name: pytest + [str(TESTS / m) for m in sorted(ms)] + temp(name) + pytest_args
-             for name, ms in lanes.items()},
-            {"alone": pytest + [str(TESTS / m) for m in ALONE] + temp("alone") + pytest_args}]
+             for name, ms in lanes.items()}]
 
 
 def _print_when_done(proc: subprocess.Popen, name: str, log) -> None:

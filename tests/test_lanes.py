@@ -29,18 +29,17 @@ def test_every_test_module_runs_in_exactly_one_lane():
     assert all(argv[-1] == "-q" for argv in lanes)
 
 
-def test_make_test_fast_splits_the_modules_over_two_lanes_by_weight_then_runs_the_timing_ones_alone(tmp_path):
+def test_make_test_fast_splits_every_module_over_two_lanes_by_weight_in_one_stage(tmp_path):
     stages = fast_argvs(["-m", "not integration"], tmp_path)
-    assert [sorted(s) for s in stages] == [["units-a", "units-b"], ["alone"]]
+    assert [sorted(s) for s in stages] == [["units-a", "units-b"]]
     lanes = {name: _modules(argv) for stage in stages for name, argv in stage.items()}
     ran = [m for ms in lanes.values() for m in ms]
     assert sorted(ran) == sorted(p.name for p in TESTS.glob("test_*.py"))   # each once
-    assert lanes["alone"] == list(ALONE) and not set(ALONE) & set(lanes["units-a"] + lanes["units-b"])
     load = {name: sum(FAST_WEIGHT_S.get(m, FAST_DEFAULT_S) for m in lanes[name]) for name in ("units-a", "units-b")}
     assert abs(load["units-a"] - load["units-b"]) <= max(FAST_WEIGHT_S.values())   # balanced as greedily as can be
     assert all(argv[-2:] == ["-m", "not integration"] for stage in stages for argv in stage.values())
     assert {a for stage in stages for argv in stage.values() for a in argv if a.startswith("--basetemp")} == {
-        f"--basetemp={tmp_path / n}" for n in ("units-a", "units-b", "alone")}
+        f"--basetemp={tmp_path / n}" for n in ("units-a", "units-b")}
 
 
 def test_each_lane_has_a_basetemp_of_its_own_that_no_other_pytest_session_prunes(tmp_path):
