@@ -19,7 +19,7 @@ from decodescope.serving.metrics import COALESCED_FRAC_LIMIT, knee, per_request
 from decodescope.report.serving_view import coalesced_note
 from decodescope.serving.client import run_async
 from decodescope.serving.sweep import (SERVER_FAILURE_CLASSES, SweepConfig, arrival_offsets_s, build_prompts,
-                                       load_finished_levels, run_level, run_sweep, warmup_count)
+                                       load_finished_levels, run_level, run_sweep, sweep_prompts, warmup_count)
 
 TOKENS = 8
 ITL_S = 0.01
@@ -208,6 +208,18 @@ def test_timeout_is_classified(server):
 def test_server_down_is_classified():
     r = _one(f"http://127.0.0.1:{_free_port()}")
     assert r.error_class == "server_down"
+
+
+def test_a_sweep_sends_the_prompts_made_beforehand_and_makes_none(server, tmp_path):
+    """run_sweep(prompts=...): the given prompts are the ones sent (5 ids each, where a sweep of its own makes
+    16 under the server's tokenizer), so a caller can make them before the moment its requests must start."""
+    cfg = SweepConfig(base_url=server.url, model="m", endpoint="completions", levels=[1], input_tokens=16,
+                      output_tokens=TOKENS, requests_per_level=3, warmup_requests=0, timeout_s=5)
+    made = sweep_prompts(cfg)
+    assert len(made) == 3 and all(len(ids) == 16 for ids, _ in made)
+    given = [([7, 8, 9, 10, 11], "five words of text") for _ in range(3)]
+    req, _ = run_sweep(cfg, tmp_path, progress=False, prompts=given)
+    assert len(req) == 3 and (req["n_in_usage"] == 5).all(), req["n_in_usage"].tolist()
 
 
 def test_sweep_keeps_finished_levels_when_the_server_dies(server, tmp_path):

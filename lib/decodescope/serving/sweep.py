@@ -304,15 +304,22 @@ class SweepProgress:
         return line
 
 
+def sweep_prompts(cfg: SweepConfig) -> list[tuple[list[int], str]]:
+    """The prompts a sweep of cfg sends (build_prompts: two calls to the server's tokenizer each)."""
+    return run_async(build_prompts(cfg, max(cfg.requests_per_level + cfg.warmup_requests, 1)))
+
+
 def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
-              check_server: Optional[Callable[[str], None]] = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+              check_server: Optional[Callable[[str], None]] = None,
+              prompts: Optional[list[tuple[list[int], str]]] = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every level not already on disk (or on disk but failed because the server did). Each level is
     written as it finishes; then `check_server(during)` raises if the server died, so a sweep never
-    goes on measuring a dead server. Progress lines are log records (decodescope.core.logsetup), never cell output."""
+    goes on measuring a dead server. Progress lines are log records (decodescope.core.logsetup), never cell output.
+    prompts: sweep_prompts(cfg) made beforehand, for a caller whose first request must follow a signal at once
+    (its /tokenize calls wait behind whatever the server is serving); made here when None."""
     data_dir = Path(data_dir)
     todo = levels_to_measure(cfg.levels, data_dir, cfg.repeats)
-    n_prompts = max(cfg.requests_per_level + cfg.warmup_requests, 1)
-    prompts = run_async(build_prompts(cfg, n_prompts))
+    prompts = sweep_prompts(cfg) if prompts is None else prompts
     bar = SweepProgress(todo, enabled=bool(progress), repeats=cfg.repeats)
     with telemetry_for(cfg, data_dir) as tel:
         for level, rep in todo:
