@@ -28,7 +28,7 @@ from decodescope.schema.params import load_params
 from decodescope.profiling.attachguard import DISK_SHARE, MEMORY_SHARE
 from tests.browser import inspect_report
 from tests.faultload import record_fault
-from tests.test_faults import SMALL, Run, digests, manifest, wait_until
+from tests.test_faults import SMALL_MICRO, Run, digests, manifest, wait_until
 from tests.test_integration_vllm import DECODESCOPE
 
 pytestmark = pytest.mark.integration
@@ -129,10 +129,10 @@ def attach_params(tmp: Path, server: UserServer, name: str, trace_dir: str | Non
         text = text.replace("\nprofile:\n", f"\nprofile:\n{profile}")
     # 02 and 03 do not touch the attached server: the fault tests' small micro-benchmarks (test_faults SMALL)
     # keep their files and the report's sections at ~80 s less of the servers lane (47 + 67 s at full size)
-    micro = next(k for k in SMALL if k.startswith("  batches:"))
-    assert text.count(micro) == 1
+    full, small = SMALL_MICRO
+    assert text.count(full) == 1
     p = tmp / f"{name}.yaml"
-    p.write_text(text.replace(micro, SMALL[micro]))
+    p.write_text(text.replace(full, small))
     return p
 
 

@@ -181,10 +181,12 @@ def no_traceback(text: str) -> None:
 # measured: where it runs phases through to the end, a small workload of each (fewer requests, one profiled
 # level, two GEMM batches in one dtype, the collective sweep to 64 KiB, no skew check) keeps the phases and their files as
 # the embedded default has them, at a fraction of the time (issue 25: make test within 20 minutes).
+# the micro-benchmarks' part of SMALL (02 and 03), which test_attach takes alone
+SMALL_MICRO = ("  batches: [1, 2, 4, 8]\n  dtypes: [bf16, fp32]\n  iterations: 10\n  warmup: 3\n",
+               "  batches: [1, 2]\n  dtypes: [bf16]\n  iterations: 5\n  warmup: 2\n  sweep_max_bytes: 65536\n"
+               "  all_to_all_tokens: [1, 2]\n  skew_calibration_us: []\n")
 SMALL = {"requests_per_level: 24": "requests_per_level: 8",
-         "  batches: [1, 2, 4, 8]\n  dtypes: [bf16, fp32]\n  iterations: 10\n  warmup: 3\n":
-             "  batches: [1, 2]\n  dtypes: [bf16]\n  iterations: 5\n  warmup: 2\n  sweep_max_bytes: 65536\n"
-             "  all_to_all_tokens: [1, 2]\n  skew_calibration_us: []\n",
+         SMALL_MICRO[0]: SMALL_MICRO[1],
          "  requests: 12\n": "  requests: 6\n",
          "  concurrency: [1, knee]\n": "  concurrency: [1]\n"}
 
