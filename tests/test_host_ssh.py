@@ -388,6 +388,23 @@ def test_copy_back_keeps_finished_files_and_resumes_the_one_in_flight_after_a_dr
                  shm_files_left=0, recover_s=round(recover_s, 1))
 
 
+def test_a_result_being_written_there_is_never_copied_back_as_its_temporary_file(host, tmp_path):
+    from decodescope.core.io import write_bytes_atomic
+
+    host.connect()
+    local = tmp_path / "out" / "run" / "data" / "serving"
+    local.mkdir(parents=True)
+    remote = Path(host.path(local))
+    write_bytes_atomic(remote / "level_00004.parquet", b"whole")
+    # what the atomic writer has open while a level is written (core.io._atomic_target's name)
+    (remote / ".level_00001.parquet.gkmsgj1q.tmp").write_bytes(b"half")
+    assert host.pull(local)
+    assert sorted(p.name for p in local.iterdir()) == ["level_00004.parquet"]
+    (remote / ".level_00001.parquet.gkmsgj1q.tmp").rename(remote / "level_00001.parquet")
+    assert host.pull(local)
+    assert sorted(p.name for p in local.iterdir()) == ["level_00001.parquet", "level_00004.parquet"]
+
+
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str):
     path.mkdir(parents=True, exist_ok=True)

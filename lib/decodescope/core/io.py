@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Any
 
 
+# the name a file has while _atomic_target's writer fills it; copies between hosts leave such files out
+ATOMIC_TMP_GLOB = ".*.tmp"
+
+
 def _umask_mode() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 from decodescope import __version__
+from decodescope.core.io import ATOMIC_TMP_GLOB
 from decodescope.exec import procs
 from decodescope.exec.hostcore import (HOST_RUN_ID_ENV, RSYNC_TIMEOUT_S, RUN_ID_ENV, SESSION_ENV, HostError,
                                        HostKeyUnknown, HostVersionMismatch, LinkDropped, free_local_port, http_rtt_ms,
@@ -235,7 +236,8 @@ class SshHost:
 
     def _rsync_base(self, local: Path) -> list[str]:
         e = shlex.join(["ssh", *self.ssh_options(), "-o", "ControlMaster=no"])
-        argv = ["rsync", "-a", "--partial", f"--timeout={RSYNC_TIMEOUT_S}", "-e", e]
+        # a result still being written there is copied once it is whole, never as its temporary file
+        argv = ["rsync", "-a", "--partial", f"--timeout={RSYNC_TIMEOUT_S}", f"--exclude={ATOMIC_TMP_GLOB}", "-e", e]
         try:
             rel = Path(local).resolve().relative_to(self.output_root)
             if rel.parts:  # partial files kept outside the folders the phases read
