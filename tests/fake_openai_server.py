@@ -2,8 +2,9 @@
 
 Answers GET /health and GET /v1/models (the names after --served-model-name, as vLLM does), and starts
 two "workers" in its process group that map a /dev/shm segment named like vLLM CPU's
-(vllm_dist_<hex>-...), so launch, tunnel, ownership check, liveness and teardown (processes by group and
-run token, shared-memory files) are exercised for real.
+(vllm_dist_<hex>-...) and, as vLLM's ZMQ does, bind a Unix socket in VLLM_RPC_BASE_PATH that they never
+remove, so launch, tunnel, ownership check, liveness and teardown (processes by group and run token,
+shared-memory files, the socket folder) are exercised for real.
 
 python tests/fake_openai_server.py --served-model-name m alias --host 127.0.0.1 --port 8000
 """
@@ -15,10 +16,13 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 WORKER = """
-import mmap, os, sys, time
+import mmap, os, socket, sys, time, uuid
 fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
 os.ftruncate(fd, 4096)
 m = mmap.mmap(fd, 4096)
+if os.environ.get("VLLM_RPC_BASE_PATH"):
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], str(uuid.uuid4())))
 time.sleep(100000)
 """
 

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -132,8 +133,8 @@ def server_up(run_dir: Path) -> dict | None:
 
 
 def leftovers(run_dir: Path) -> tuple[list[int], list[Path]]:
-    """Processes of the run still alive (by server process group, server token, run id) and /dev/shm
-    files of its servers still there."""
+    """Processes of the run still alive (by server process group, server token, run id), and /dev/shm
+    files and IPC socket folders of its servers still there."""
     m = manifest(run_dir)
     servers = m.get("servers", [])
     pids = set(procs.run_processes(run_dir.name, env_name=RUN_ID_ENV))
@@ -141,7 +142,14 @@ def leftovers(run_dir: Path) -> tuple[list[int], list[Path]]:
         pids |= set(procs.run_processes(s.get("run_token"), [s.get("pgid")]))
     idents = procs.shm_idents(Path(f) for s in servers for f in s.get("shm_files", []))
     # and the segments of its probes, by the run's own key in their names (procs.probe_shm_name)
-    return sorted(pids), sorted(set(shm_files_of(idents)) | set(procs.probe_shm_of_run(run_dir.name)))
+    files = set(shm_files_of(idents)) | set(procs.probe_shm_of_run(run_dir.name))
+    return sorted(pids), sorted(files | set(socket_dirs_left(servers, tempfile.gettempdir())))
+
+
+def socket_dirs_left(servers: list[dict], tmp_dir: str) -> list[Path]:
+    """The servers' IPC socket folders (serverlaunch.launch_spec) still there."""
+    tokens = [s["run_token"] for s in servers if s.get("run_token")]
+    return [Path(d) for d in (procs.socket_dir(t, tmp_dir) for t in tokens) if os.path.exists(d)]
 
 
 def settled(probe: Callable[[], tuple[list, ...]], timeout_s: float = 20) -> tuple[list, ...]:
@@ -165,7 +173,7 @@ def left_after_teardown(run_dir: Path) -> tuple[list[int], list[Path]]:
 def assert_nothing_left(run_dir: Path) -> tuple[int, int]:
     pids, shm = left_after_teardown(run_dir)
     assert pids == [], f"processes of the run left: {pids}"
-    assert shm == [], f"shared-memory files left: {shm}"
+    assert shm == [], f"shared-memory files or socket folders left: {shm}"
     return len(pids), len(shm)
 
 
@@ -245,8 +253,10 @@ def killed_mid_sweep(tmp_path_factory) -> dict:
     wait_until(lambda: json.loads((run_dir / "data/server.json").read_text()).get("owner_pid") == run.proc.pid, 60,
                "the resume's own server in server.json", run)
     kept = digests(sorted((run_dir / "data/serving").glob("level_*.parquet")))
-    api_pid = json.loads((run_dir / "data/server.json").read_text())["pid"]
-    os.kill(api_pid, signal.SIGKILL)  # the API server only: its engine core and workers stay up
+    info = json.loads((run_dir / "data/server.json").read_text())
+    sock_dir = Path(procs.socket_dir(info["run_token"], tempfile.gettempdir()))
+    out["sockets_while_up"] = [p.name for p in sock_dir.iterdir() if p.is_socket()]
+    os.kill(info["pid"], signal.SIGKILL)  # the API server only: its engine core and workers stay up
     t_kill = time.monotonic()
     rc = run.wait(300)
     detect_s = time.monotonic() - t_kill
@@ -286,6 +296,9 @@ def test_server_killed_mid_sweep_fails_the_phase_tears_down_and_resume_remeasure
     assert m["phases"]["01_serving"]["status"] == "failed"
     assert "server_died" in m["phases"]["01_serving"]["error"]
     assert k["left"] == ([], []), f"processes and shared-memory files of the run left: {k['left']}"
+    # vLLM bound its sockets in the server's own folder, not the temporary folder; a killed API server
+    # removes none of them, and the teardown removed the folder (leftovers: socket_dirs_left)
+    assert len(k["sockets_while_up"]) >= 3, k["sockets_while_up"]
     assert k["kept_after_kill"] == kept
     assert k["port_free"]
 

@@ -8,7 +8,8 @@ engine-specific, and each of these is one attribute or method of an Engine:
   version), the endpoints that start and stop a profiled window;
 - health and model endpoints, and the Prometheus names behind the server-side figures (TTFT, TPOT, ITL,
   E2E and queue means, KV-cache usage, steps, generated tokens, speculative acceptance per position);
-- its processes: the names it gives its engine core and workers (a run's teardown and /proc reading);
+- its processes: the names it gives its engine core and workers (a run's teardown and /proc reading), and
+  where they bind their IPC sockets;
 - its log: the modes it states it runs with (CUDA graphs, compilation, async scheduling, the ops piecewise
   graphs leave to the host);
 - its traces: the annotation that names a decode step (and its token counts), the file name of a rank's
@@ -58,6 +59,9 @@ class Engine(ABC):
     profile_start_path: str
     profile_stop_path: str
     process_roles: tuple  # (process name prefix, role), role: "engine core" | "worker"
+    # the environment variable naming the folder its processes bind their IPC sockets in: files it leaves
+    # behind when it stops, so each server gets a folder of its own, removed at teardown ("": none)
+    socket_dir_env: str = ""
     metrics: MetricNames
     step_name: re.Pattern  # a decode step's annotation, its groups: context requests and tokens, generation ditto
     step_any: re.Pattern  # any step annotation the engine writes

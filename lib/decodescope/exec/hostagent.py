@@ -104,6 +104,8 @@ def _start_child(spec: dict, token: str) -> subprocess.Popen | int:
     try:
         for d in [log.parent, *map(Path, spec.get("mkdirs", []))]:
             d.mkdir(parents=True, exist_ok=True)
+        for d in map(Path, spec.get("private_dirs", [])):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
         logf = open(log, "ab", buffering=0)
         if spec.get("header"):
             logf.write(spec["header"].encode())
@@ -186,8 +188,10 @@ def _teardown(spec: dict, child: subprocess.Popen, token: str, shm: set[Path], r
     for pattern in spec.get("shm_globs", []):
         shm |= set(procs.SHM_DIR.glob(pattern))
     removed = procs.remove_shm(procs.shm_idents(shm), shm)
+    left = procs.run_processes(token, [pgid])
+    dirs = procs.remove_dirs(spec.get("private_dirs", [])) if not left else []  # none left to bind in them
     _emit({"event": "teardown", "reason": reason, "rc": rc, "signalled": signalled,
-           "shm_removed": [str(p) for p in removed], "left": procs.run_processes(token, [pgid])})
+           "shm_removed": [str(p) for p in removed], "left": left, "dirs_removed": dirs})
 
 
 def info(workdir: str = "") -> int:

@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import os
 import re
+import shutil
 import signal
 import time
 import uuid
@@ -87,6 +88,22 @@ def _cpuset_files(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Pa
 
 def new_run_token() -> str:
     return uuid.uuid4().hex
+
+
+def socket_dir(token: str, tmp_dir: str) -> str:
+    """The folder of a server's IPC sockets, of its run token, in tmp_dir (short: a socket's path holds at
+    most 107 bytes)."""
+    return f"{tmp_dir.rstrip('/')}/decodescope-sock-{token[:12]}"
+
+
+def remove_dirs(paths: Iterable[str]) -> list[str]:
+    """Remove these folders and what is in them; the ones that were there."""
+    removed = []
+    for p in paths:
+        if os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def probe_run_key(run_id: Optional[str]) -> str:

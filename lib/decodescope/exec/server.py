@@ -17,7 +17,9 @@ decodescope.exec.runserver.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
+import os
 import socket
 import subprocess
 import threading
@@ -153,6 +155,8 @@ class VllmServer:
         log = open(log_path, "ab", buffering=0)
         log.write(f"# decodescope launch {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
                   f"# {json.dumps(spec.describe()['argv'])}\n".encode())
+        if spec.socket_dir:
+            os.makedirs(spec.socket_dir, mode=0o700, exist_ok=True)
         t0 = time.monotonic()
         proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, preexec_fn=procs.new_session_dying_with_parent)
@@ -203,7 +207,7 @@ class VllmServer:
                   f"# {json.dumps(spec.describe()['argv'])}\n")
         t0 = time.monotonic()
         handle = host.start(spec.argv, log_path, env=env, token=spec.run_token, grace_s=15.0, sync=sync,
-                            header=header, unset=[] if spec.api_key else [e.api_key_env for e in ENGINES.values()])
+                            header=header, private_dirs=[spec.socket_dir] if spec.socket_dir else [], unset=[] if spec.api_key else [e.api_key_env for e in ENGINES.values()])
         server = cls("http://127.0.0.1:0", proc=handle, log_path=log_path, spec=spec)
         server.host, server.remote = host, handle
 
@@ -343,7 +347,7 @@ class VllmServer:
         if self.remote is not None:
             # the host's supervisor does what the branch below does here, and reports it
             report = self.remote.stop()
-            self.teardown = {k: report.get(k, []) for k in ("signalled", "shm_removed", "left")}
+            self.teardown = {k: report.get(k, []) for k in ("signalled", "shm_removed", "left", "dirs_removed")}
             if getattr(self, "local_port", None):
                 self.host.cancel_forward(self.local_port)
         elif self.proc is not None:
@@ -359,6 +363,9 @@ class VllmServer:
             removed = procs.remove_shm(idents, self.shm_files)
             self.teardown = {"signalled": signalled, "shm_removed": [str(p) for p in removed],
                              "left": procs.run_processes(self.run_token, [self.pgid])}
+            if self.spec is not None and self.spec.socket_dir and not self.teardown["left"]:
+                # no process is left to bind one more socket there
+                self.teardown["dirs_removed"] = procs.remove_dirs([self.spec.socket_dir])
         if self._held_port is not None:
             release_port(self._held_port)
             self._held_port = None
@@ -377,8 +384,7 @@ class VllmServer:
             argv, env, keys = list(spec.argv), dict(spec.env), list(spec.extra_env_keys)
             where = self.host.path(profiler_dir) if self.host is not None else profiler_dir
             add_profiler(argv, env, keys, where, profiler_style, with_stack)
-            spec = LaunchSpec(argv=argv, env=env, host=spec.host, port=spec.port, api_key=spec.api_key,
-                              extra_env_keys=keys, run_token=spec.run_token)
+            spec = dataclasses.replace(spec, argv=argv, env=env, extra_env_keys=keys)
         assert self.log_path is not None  # a server with a spec was launched, with its log
         return VllmServer.launch(spec, self.log_path, timeout_s, host=self.host,
                                  sync=(profiler_dir,) if profiler_dir is not None else ())

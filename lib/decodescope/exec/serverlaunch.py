@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -18,7 +19,8 @@ from decodescope.engines import DEFAULT_ENGINE, ENGINES, engine
 # What launch_spec sets beyond server.env: the part of the server's environment that goes to an ssh host
 # (which has its own environment otherwise).
 HOST_ENV_KEYS = ("PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", procs.RUN_TOKEN_ENV,
-                 *sorted({e.api_key_env for e in ENGINES.values()}))
+                 *sorted({e.api_key_env for e in ENGINES.values()}),
+                 *sorted({e.socket_dir_env for e in ENGINES.values() if e.socket_dir_env}))
 
 
 def alias_for(token: str) -> str:
@@ -60,6 +62,7 @@ class LaunchSpec:
     extra_env_keys: list[str] = field(default_factory=list)
     run_token: str = ""
     cpus: Optional[str] = None  # server.cpus: argv starts with taskset -c
+    socket_dir: str = ""  # made before the start, removed at teardown (Engine.socket_dir_env); on its host
 
     def describe(self) -> dict:
         # the api key is in env (VLLM_API_KEY), never argv; env shows only the params' own keys, redacted
@@ -92,6 +95,10 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     env["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded at run time
     env["TRANSFORMERS_OFFLINE"] = "1"
     env[procs.RUN_TOKEN_ENV] = run_token  # every process of the server inherits it: teardown finds them
+    socket_dir = ""
+    if eng.socket_dir_env:
+        socket_dir = procs.socket_dir(run_token, "/tmp" if host is not None and host.remote else tempfile.gettempdir())
+        env[eng.socket_dir_env] = socket_dir
     extra_keys = list(s.env)
     if profiler_dir is not None:
         eng.add_profiler(argv, env, extra_keys, str(profiler_dir), profiler_style, params.profile.with_stack)
@@ -99,7 +106,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     if s.api_key:
         env[eng.api_key_env] = s.api_key  # argv is readable by every local user (ps); the environment is not
     return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
-                      extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus)
+                      extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus, socket_dir=socket_dir)
 
 
 def _expand(arg: str, model: str, placeholders: dict[str, str]) -> str:

@@ -307,7 +307,8 @@ class SshHost:
 
     def start(self, argv: Sequence[str], log: Path, env: Optional[dict] = None, token: Optional[str] = None,
               grace_s: float = 15.0, shm_globs: Sequence[str] = (), sync: Sequence[Path] = (),
-              header: str = "", cwd: Optional[str] = None, unset: Sequence[str] = ()) -> SshHandle:
+              header: str = "", cwd: Optional[str] = None, unset: Sequence[str] = (),
+              private_dirs: Sequence[str] = ()) -> SshHandle:
         """Start argv on the host under its supervisor; `env` (secrets included) goes on the supervisor's
         stdin; `log` (a path of the run directory here) is written there and copied back with `sync`."""
         self.connect()
@@ -317,7 +318,7 @@ class SshHost:
             env.setdefault(HOST_RUN_ID_ENV, os.environ[RUN_ID_ENV])
         spec = {"argv": list(argv), "env": env, "unset": list(unset), "token": token, "log": self.path(log),
                 "cwd": cwd or self.workdir, "grace_s": grace_s, "header": header,
-                "shm_globs": [g.format(token12=token[:12]) for g in shm_globs],
+                "shm_globs": [g.format(token12=token[:12]) for g in shm_globs], "private_dirs": list(private_dirs),
                 "heartbeat_timeout_s": self.hp.heartbeat_timeout_s}
         fd, err = tempfile.mkstemp(prefix="decodescope-ssh-", suffix=".err")
         os.close(fd)
