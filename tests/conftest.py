@@ -37,13 +37,17 @@ def make_cpu_traces(out_dir: Path, steps: int = 5, per_step: int = 3, gzip_them:
     import gzip
     import shutil
     import subprocess
+    import tempfile
 
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # --standalone: a free port, as make test's two lanes (tests/lanes.py) may each make their own traces at once
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                    str(Path(__file__).parent / "make_cpu_traces.py"), str(out_dir), str(steps), str(per_step)],
-                   check=True, env=env, capture_output=True, timeout=300)
+    # torchrun's own folder in one removed after it (without --log-dir it leaves a /tmp/torchelastic_* a launch)
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as logs:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        f"--log-dir={logs}", str(Path(__file__).parent / "make_cpu_traces.py"),
+                        str(out_dir), str(steps), str(per_step)],
+                       check=True, env=env, capture_output=True, timeout=300)
     if gzip_them:
         for p in list(out_dir.glob("*.json")):
             with open(p, "rb") as src, gzip.open(str(p) + ".gz", "wb") as dst:

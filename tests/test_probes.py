@@ -63,6 +63,13 @@ def test_burst_replays_the_architectures_schedule(params, coll):
         assert (rows["time_us"] > 0).all()
 
 
+def test_torchruns_own_folder_is_in_the_run_directory_not_left_in_the_temporary_folder(coll, run_dir):
+    """Without --log-dir torchrun makes a /tmp/torchelastic_* folder a launch and never removes it (6 from
+    one test module's probes, 2026-12-07); the probe names the run directory's logs/torchrun instead."""
+    made = [p for p in (run_dir / "logs" / mb.TORCHRUN_LOG_DIR).iterdir() if p.is_dir()]
+    assert made, "torchrun made no folder under the run directory's logs/torchrun"
+
+
 def test_sweep_reports_nccl_tests_bandwidths(coll):
     s = coll[(coll["part"] == "sweep") & (coll["status"] == "ok") & (coll["op"] == "all_reduce")]
     assert 1024 in set(s["bytes"]) and set(s["inplace"]) == {True, False}

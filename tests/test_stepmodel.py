@@ -216,8 +216,9 @@ def test_step_replay_probe_on_two_cpu_ranks_through_the_engines_communicator(tin
     plan = {"dtype": "bf16", "iters": 3, "warmup": 1, "communicator": "engine",
             "steps": [{"batch": b, "program": archmod.step_program(tiny, 2, b)} for b in (1, 4)]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                    "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(tmp_path)],
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    f"--log-dir={tmp_path / 'torchrun'}", "-m", "decodescope.probes.step", "--plan",
+                    str(tmp_path / "plan.json"), "--out-dir", str(tmp_path)],
                    check=True, capture_output=True, timeout=600,
                    env={**os.environ, "OMP_NUM_THREADS": "1", procs.RUN_TOKEN_ENV: token})
     rows = read_probe_rows([tmp_path / f"step_rank{rank}.json" for rank in (0, 1)], "step")

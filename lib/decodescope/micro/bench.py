@@ -279,6 +279,11 @@ def run_step_replay(params, run_dir: Path, device: Optional[str] = None) -> pd.D
     return table
 
 
+# torchrun's own folder (its ranks' error files) goes in the run directory: without --log-dir it makes a
+# /tmp/torchelastic_* folder a run and never removes it
+TORCHRUN_LOG_DIR = "torchrun"
+
+
 def run_torchrun_probe(params, run_dir: Path, module: str, args: list, world: int, inputs: tuple = (),
                        outputs: tuple = (), log_name: str = "probe", env: Optional[dict] = None) -> None:
     """A torchrun probe (collectives, step replay) on the run's host, or across params.host and
@@ -291,7 +296,8 @@ def run_torchrun_probe(params, run_dir: Path, module: str, args: list, world: in
     log = Path(run_dir) / "logs" / f"{log_name}.log"
 
     def argv_on(host, nnodes: int, per_node: int, node_rank: int) -> list[str]:
-        argv = [host.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={per_node}"]
+        argv = [host.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={per_node}",
+                f"--log-dir={host.path(Path(run_dir) / 'logs' / TORCHRUN_LOG_DIR)}"]
         if nnodes > 1:
             argv += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={mb.rdzv_endpoint}"]
             if len(hosts) > 1:  # decodescope launches every agent: the first host holds the rendezvous store

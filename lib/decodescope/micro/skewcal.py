@@ -34,7 +34,7 @@ from decodescope.core.io import write_json_atomic
 from decodescope.core.rundir import TRACES
 from decodescope.exec.hostcore import LocalHost
 from decodescope.exec.server import log_tail
-from decodescope.micro.bench import PROBE_SHM_GLOBS, run_torchrun_probe, step_plan
+from decodescope.micro.bench import PROBE_SHM_GLOBS, TORCHRUN_LOG_DIR, run_torchrun_probe, step_plan
 from decodescope.model import arch as archmod
 from decodescope.schema.records_critpath import SkewCalibration, SkewCalibrationRow
 from decodescope.schema.records_probe import read_probe_output
@@ -110,7 +110,7 @@ def run_skewed_replay(plan: dict, out_dir: Path, skew_us: float, skew_rank: int 
     plan_path = out_dir / "plan.json"
     write_json_atomic(plan_path, plan)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "-m", "decodescope.probes.step", "--plan", str(plan_path), "--out-dir", str(out_dir), "--variants", "",
+            f"--log-dir={out_dir / TORCHRUN_LOG_DIR}", "-m", "decodescope.probes.step", "--plan", str(plan_path), "--out-dir", str(out_dir), "--variants", "",
             "--profile-steps", str(steps), "--skew-us", f"{skew_us:g}", "--skew-rank", str(skew_rank)]
     env = {"OMP_NUM_THREADS": "1", **cpu_path_env(cpu_path)}
     log_path = out_dir / "step_replay.log"
