@@ -154,6 +154,8 @@ def test_a_command_runs_there_over_the_runs_one_connection(host):
     host.connect()
     assert host.info["version"] == __import__("decodescope").__version__
     assert owns_master(host) and host.master_alive()
+    # ssh's error file is read only while connecting: none is left a connection (one a start once was)
+    assert host._master_err is not None and not host._master_err.exists()
     r = host.run(["sh", "-c", "echo $((6 * 7))"])
     assert r.returncode == 0 and r.stdout.strip() == "42"
     # a second host object of the same run (a phase's kernel) multiplexes over the same master
@@ -465,6 +467,7 @@ def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(h
     try:
         assert server.base_url != f"http://127.0.0.1:{port}"  # through the tunnel's own port
         assert server.healthy() and server.dead_reason() is None
+        assert not server.remote.stderr_path.exists()  # read only while the supervisor starts it
         assert len(server.tree_pids) == 3
         # Poll rather than sleep a fixed 2.5 s (too short on CI's loaded 2-core machine): each tree() asks the
         # host's supervisor, which then maps the tree's shm files afresh and answers with all it has seen

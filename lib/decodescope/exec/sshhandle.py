@@ -99,7 +99,14 @@ class SshHandle:
                 self.host.pull(p, quiet=True)
 
     def begin(self, spec: dict, timeout_s: float) -> None:
-        """Send the spec; wait for the supervisor to say it started the program (or why not)."""
+        """Send the spec; wait for the supervisor to say it started the program (or why not). ssh's error
+        file is read only here: it is removed once the start is settled (ssh keeps writing to it unlinked)."""
+        try:
+            self._begin(spec, timeout_s)
+        finally:
+            self.stderr_path.unlink(missing_ok=True)
+
+    def _begin(self, spec: dict, timeout_s: float) -> None:
         if not self._send(json.dumps(spec)):
             raise self.host.ssh_failure(self.stderr_path, "starting the supervisor")
         deadline = time.monotonic() + timeout_s

@@ -141,6 +141,13 @@ class SshHost:
         with open(err, "wb") as f:
             self._master = ssh_popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f,
                                            preexec_fn=procs.new_session_dying_with_parent)
+        try:
+            self._await_master()
+        finally:  # read only while connecting: removed once that is settled (ssh writes on to it unlinked)
+            self._master_err.unlink(missing_ok=True)
+
+    def _await_master(self) -> None:
+        assert self._master is not None and self._master_err is not None  # _start_master started it
         deadline = time.monotonic() + self.hp.connect_timeout_s + 5
         while time.monotonic() < deadline:
             if self._master.poll() is not None:
