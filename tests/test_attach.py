@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -50,8 +52,11 @@ class UserServer:
             trace_dir.mkdir(parents=True, exist_ok=True)
             argv += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(trace_dir),
                                                       "torch_profiler_with_stack": with_stack})]
+        # its temporary files (the ZMQ sockets, the workers' init file) in a folder removed with it: vLLM
+        # leaves them behind in the temporary folder otherwise (short: a socket's path fits 107 bytes)
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="user-vllm-"))
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1"}
+               "VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "TMPDIR": str(self.tmp_dir)}
         self.log = tmp / f"user-server-{port}.log"
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -111,6 +116,7 @@ class UserServer:
         """Killed, and its shared-memory files removed as its user would; the files still there after."""
         self.kill()
         procs.remove_shm(procs.shm_idents(self.shm), self.shm)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return sorted(p for p in self.shm if p.exists())
 
 
