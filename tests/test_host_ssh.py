@@ -451,10 +451,10 @@ def _fake_spec(port: int, token: str):
 
     argv = [sys.executable, str(FAKE_SERVER), "--served-model-name", "m", alias_for(token), "--host", "127.0.0.1",
             "--port", str(port)]
-    sock_dir = procs.socket_dir(token, "/tmp")  # as serverlaunch.launch_spec names it for an ssh host
-    env = dict(os.environ, **{procs.RUN_TOKEN_ENV: token, "VLLM_RPC_BASE_PATH": sock_dir})
+    own_tmp = procs.server_tmp_dir(token, "/tmp")  # as serverlaunch.launch_spec names it for an ssh host
+    env = dict(os.environ, **{procs.RUN_TOKEN_ENV: token, "VLLM_RPC_BASE_PATH": own_tmp})
     return LaunchSpec(argv=argv, env=env, host="127.0.0.1", port=port, api_key="sk-fake-0000", run_token=token,
-                      socket_dir=sock_dir)
+                      tmp_dir=own_tmp)
 
 
 def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(host, tmp_path):
@@ -480,7 +480,7 @@ def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(h
             time.sleep(0.25)
         assert len(shm) == 2, shm
         # the supervisor there made the server's socket folder before the start, and its workers bound in it
-        assert len(list(Path(spec.socket_dir).iterdir())) == 2
+        assert len(list(Path(spec.tmp_dir).iterdir())) == 2
         link = host.measure_link(server.base_url + "/health", f"http://127.0.0.1:{port}/health", n=10)
         assert link.via_tunnel_p50_ms > 0 and link.on_host_p50_ms > 0
         assert link.added_p50_ms == link.via_tunnel_p50_ms - link.on_host_p50_ms
@@ -489,7 +489,7 @@ def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(h
     assert token_processes(spec.run_token) == []
     assert [f for f in shm if Path(f).exists()] == []
     assert sorted(server.teardown["shm_removed"]) == sorted(shm)
-    assert server.teardown["dirs_removed"] == [spec.socket_dir] and not Path(spec.socket_dir).exists()
+    assert server.teardown["dirs_removed"] == [spec.tmp_dir] and not Path(spec.tmp_dir).exists()
     assert "fake server on" in log.read_text()  # the log came back
 
 

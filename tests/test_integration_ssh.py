@@ -29,7 +29,7 @@ from decodescope.cli.main import EXIT_PHASE_FAILED
 from decodescope.exec.hostcore import HOST_RUN_ID_ENV, RUN_ID_ENV, SSH_RUN_ID_ENV
 from decodescope.schema.params import PHASES
 from tests.faultload import record_fault
-from tests.test_faults import Run, digests, manifest, settled, shm_files_of, socket_dirs_left, wait_until
+from tests.test_faults import Run, digests, manifest, settled, shm_files_of, tmp_dirs_left, wait_until
 from tests.test_host_ssh import SSHD, Sshd
 from tests.test_integration_vllm import _params
 
@@ -74,7 +74,7 @@ def shm_left(run_dir: Path) -> list[Path]:
     """The host's /dev/shm files and IPC socket folders (in its /tmp) of the run's servers still there."""
     servers = manifest(run_dir).get("servers", [])
     shm = shm_files_of(procs.shm_idents(Path(f) for s in servers for f in s.get("shm_files", [])))
-    return shm + socket_dirs_left(servers, "/tmp")
+    return shm + tmp_dirs_left(servers, "/tmp")
 
 
 def left_after_teardown(run_dir: Path) -> tuple[list[int], list[Path]]:

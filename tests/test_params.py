@@ -325,27 +325,33 @@ def test_server_cpus_start_the_servers_processes_there_and_a_variant_replaces_th
         _check_cpus(str(have[-1] + 1))
 
 
-def test_each_server_binds_its_ipc_sockets_in_a_folder_of_its_own_here_and_on_an_ssh_host(write_params, tmp_path):
-    """vLLM binds its ZMQ sockets as files in VLLM_RPC_BASE_PATH (the temporary folder by default) and leaves
-    them when it stops: 11 a server, 2026-12-07. A launch names a folder of its run token there, which its
-    teardown removes; an ssh host's folder is in its own /tmp, and the variable goes there with the spec."""
+def test_each_server_has_a_temporary_folder_of_its_own_here_and_on_an_ssh_host(write_params, tmp_path):
+    """vLLM binds its ZMQ sockets as files in VLLM_RPC_BASE_PATH and its workers' init file (vllm_dist_*) in
+    the temporary folder, and leaves them when it stops: 11 sockets a server, and the init file on the gloo
+    path, 2026-12-07. A launch gives the tree a folder of its run token (TMPDIR and that variable), which its
+    teardown removes; an ssh host's is in its own /tmp, and both variables go there with the spec; a TMPDIR
+    in server.env is where the folder goes."""
     import tempfile
 
     from decodescope.exec.serverlaunch import HOST_ENV_KEYS, launch_spec
 
     p = load_params(write_params(MINIMAL.format(out=tmp_path / "out")))
     here, again = launch_spec(p, "m", "t"), launch_spec(p, "m", "t")
-    assert here.socket_dir == here.env["VLLM_RPC_BASE_PATH"]
-    assert here.socket_dir == f"{tempfile.gettempdir()}/decodescope-sock-{here.run_token[:12]}"
-    assert again.socket_dir != here.socket_dir
-    assert len(here.socket_dir) + 1 + 36 < 108  # a socket's path (ipc://<dir>/<uuid4>) fits sun_path
+    assert here.tmp_dir == here.env["VLLM_RPC_BASE_PATH"] == here.env["TMPDIR"]
+    assert here.tmp_dir == f"{tempfile.gettempdir()}/decodescope-tmp-{here.run_token[:12]}"
+    assert again.tmp_dir != here.tmp_dir
+    assert len(here.tmp_dir) + 1 + 36 < 108  # a socket's path (ipc://<dir>/<uuid4>) fits sun_path
 
     class Remote:
         remote, python = True, "/usr/bin/python3"
     there = launch_spec(p, "m", "t", host=Remote())
-    assert there.socket_dir == f"/tmp/decodescope-sock-{there.run_token[:12]}" == there.env["VLLM_RPC_BASE_PATH"]
-    assert "VLLM_RPC_BASE_PATH" in HOST_ENV_KEYS
+    assert there.tmp_dir == f"/tmp/decodescope-tmp-{there.run_token[:12]}" == there.env["VLLM_RPC_BASE_PATH"]
+    assert {"VLLM_RPC_BASE_PATH", "TMPDIR"} <= set(HOST_ENV_KEYS)
     assert "VLLM_RPC_BASE_PATH" not in there.describe()["env"]
+    doc = yaml.safe_load(MINIMAL.format(out=tmp_path / "out"))
+    doc["server"].setdefault("env", {})["TMPDIR"] = str(tmp_path / "scratch")
+    mine = launch_spec(load_params(write_params(yaml.safe_dump(doc))), "m", "t")
+    assert mine.tmp_dir == f"{tmp_path / 'scratch'}/decodescope-tmp-{mine.run_token[:12]}" == mine.env["TMPDIR"]
 
 
 @pytest.mark.parametrize("experiments,field,fragment", [

@@ -59,8 +59,9 @@ class Engine(ABC):
     profile_start_path: str
     profile_stop_path: str
     process_roles: tuple  # (process name prefix, role), role: "engine core" | "worker"
-    # the environment variable naming the folder its processes bind their IPC sockets in: files it leaves
-    # behind when it stops, so each server gets a folder of its own, removed at teardown ("": none)
+    # the environment variable naming the folder its processes bind their IPC sockets in, files it leaves
+    # behind when it stops; a launch points it at the server's own temporary folder (its TMPDIR, removed
+    # at teardown), should the engine's default not follow TMPDIR ("": it follows)
     socket_dir_env: str = ""
     metrics: MetricNames
     step_name: re.Pattern  # a decode step's annotation, its groups: context requests and tokens, generation ditto

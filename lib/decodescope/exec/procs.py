@@ -90,10 +90,10 @@ def new_run_token() -> str:
     return uuid.uuid4().hex
 
 
-def socket_dir(token: str, tmp_dir: str) -> str:
-    """The folder of a server's IPC sockets, of its run token, in tmp_dir (short: a socket's path holds at
-    most 107 bytes)."""
-    return f"{tmp_dir.rstrip('/')}/decodescope-sock-{token[:12]}"
+def server_tmp_dir(token: str, tmp_dir: str) -> str:
+    """A server's own temporary folder, of its run token, in tmp_dir (short: a socket bound in it has a path
+    of at most 107 bytes)."""
+    return f"{tmp_dir.rstrip('/')}/decodescope-tmp-{token[:12]}"
 
 
 def remove_dirs(paths: Iterable[str]) -> list[str]:

@@ -155,8 +155,8 @@ class VllmServer:
         log = open(log_path, "ab", buffering=0)
         log.write(f"# decodescope launch {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
                   f"# {json.dumps(spec.describe()['argv'])}\n".encode())
-        if spec.socket_dir:
-            os.makedirs(spec.socket_dir, mode=0o700, exist_ok=True)
+        if spec.tmp_dir:
+            os.makedirs(spec.tmp_dir, mode=0o700, exist_ok=True)
         t0 = time.monotonic()
         proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, preexec_fn=procs.new_session_dying_with_parent)
@@ -207,7 +207,8 @@ class VllmServer:
                   f"# {json.dumps(spec.describe()['argv'])}\n")
         t0 = time.monotonic()
         handle = host.start(spec.argv, log_path, env=env, token=spec.run_token, grace_s=15.0, sync=sync,
-                            header=header, private_dirs=[spec.socket_dir] if spec.socket_dir else [], unset=[] if spec.api_key else [e.api_key_env for e in ENGINES.values()])
+                            header=header, private_dirs=[spec.tmp_dir] if spec.tmp_dir else [],
+                            unset=[] if spec.api_key else [e.api_key_env for e in ENGINES.values()])
         server = cls("http://127.0.0.1:0", proc=handle, log_path=log_path, spec=spec)
         server.host, server.remote = host, handle
 
@@ -363,9 +364,9 @@ class VllmServer:
             removed = procs.remove_shm(idents, self.shm_files)
             self.teardown = {"signalled": signalled, "shm_removed": [str(p) for p in removed],
                              "left": procs.run_processes(self.run_token, [self.pgid])}
-            if self.spec is not None and self.spec.socket_dir and not self.teardown["left"]:
-                # no process is left to bind one more socket there
-                self.teardown["dirs_removed"] = procs.remove_dirs([self.spec.socket_dir])
+            if self.spec is not None and self.spec.tmp_dir and not self.teardown["left"]:
+                # no process is left to write one more file there
+                self.teardown["dirs_removed"] = procs.remove_dirs([self.spec.tmp_dir])
         if self._held_port is not None:
             release_port(self._held_port)
             self._held_port = None

@@ -18,7 +18,7 @@ from decodescope.engines import DEFAULT_ENGINE, ENGINES, engine
 
 # What launch_spec sets beyond server.env: the part of the server's environment that goes to an ssh host
 # (which has its own environment otherwise).
-HOST_ENV_KEYS = ("PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", procs.RUN_TOKEN_ENV,
+HOST_ENV_KEYS = ("PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", procs.RUN_TOKEN_ENV, "TMPDIR",
                  *sorted({e.api_key_env for e in ENGINES.values()}),
                  *sorted({e.socket_dir_env for e in ENGINES.values() if e.socket_dir_env}))
 
@@ -62,7 +62,7 @@ class LaunchSpec:
     extra_env_keys: list[str] = field(default_factory=list)
     run_token: str = ""
     cpus: Optional[str] = None  # server.cpus: argv starts with taskset -c
-    socket_dir: str = ""  # made before the start, removed at teardown (Engine.socket_dir_env); on its host
+    tmp_dir: str = ""  # its TMPDIR on its host: made before the start, removed at teardown
 
     def describe(self) -> dict:
         # the api key is in env (VLLM_API_KEY), never argv; env shows only the params' own keys, redacted
@@ -95,10 +95,15 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     env["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded at run time
     env["TRANSFORMERS_OFFLINE"] = "1"
     env[procs.RUN_TOKEN_ENV] = run_token  # every process of the server inherits it: teardown finds them
-    socket_dir = ""
-    if eng.socket_dir_env:
-        socket_dir = procs.socket_dir(run_token, "/tmp" if host is not None and host.remote else tempfile.gettempdir())
-        env[eng.socket_dir_env] = socket_dir
+    # the tree's temporary files (vLLM's ZMQ sockets and its workers' init file, which it never removes) go
+    # in a folder of its own, inside the one the server would have used. Its compile caches stay: vLLM points
+    # inductor's and Triton's at ~/.cache/vllm; a cache kept under TMPDIR itself (FA4's CuTe DSL kernels)
+    # lives one server long
+    remote = host is not None and host.remote
+    tmp_dir = procs.server_tmp_dir(run_token, s.env.get("TMPDIR") or ("/tmp" if remote else tempfile.gettempdir()))
+    env["TMPDIR"] = tmp_dir
+    if eng.socket_dir_env:  # where it binds its sockets, should its default ever not follow TMPDIR
+        env[eng.socket_dir_env] = tmp_dir
     extra_keys = list(s.env)
     if profiler_dir is not None:
         eng.add_profiler(argv, env, extra_keys, str(profiler_dir), profiler_style, params.profile.with_stack)
@@ -106,7 +111,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     if s.api_key:
         env[eng.api_key_env] = s.api_key  # argv is readable by every local user (ps); the environment is not
     return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
-                      extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus, socket_dir=socket_dir)
+                      extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus, tmp_dir=tmp_dir)
 
 
 def _expand(arg: str, model: str, placeholders: dict[str, str]) -> str:
