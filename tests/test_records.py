@@ -1,9 +1,10 @@
-from pathlib import Path
 """Typed records: each file a phase writes round-trips through its model, and a file of another
 schema_version, or one missing a field, is refused with an error naming the file."""
+import fnmatch
 import json
 import tempfile
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 
 from decodescope.exec import hardware
 from decodescope.micro import bench as mb
-from decodescope.core.io import write_parquet_atomic
+from decodescope.core.io import ATOMIC_TMP_GLOB, _atomic_target, write_parquet_atomic
 from decodescope.schema.params import load_params
 from decodescope.schema.records import (LATENCY_FIT_COLUMNS, AttributionRow, Bottleneck, CollectivesFit, LatencyFit,
                                         ProfileSummary, ReconcileRow, RecordError, ServingHeadline, StepMedians,
@@ -137,6 +138,13 @@ RECORDS = {
     "empty_verdict": Verdict,
     "manifest": _manifest,
 }
+
+
+def test_a_file_being_written_atomically_is_named_as_the_copies_between_hosts_leave_out(tmp_path):
+    final, tmp = _atomic_target(tmp_path / "data" / "level_00001.parquet")
+    assert tmp.parent == final.parent and tmp.is_file() and not final.exists()
+    assert fnmatch.fnmatch(tmp.name, ATOMIC_TMP_GLOB) and tmp.name.startswith(".level_00001.parquet.")
+    assert not fnmatch.fnmatch(final.name, ATOMIC_TMP_GLOB)
 
 
 @pytest.mark.parametrize("name", sorted(RECORDS))

@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 
-# the name a file has while _atomic_target's writer fills it; copies between hosts leave such files out
-ATOMIC_TMP_GLOB = ".*.tmp"
+# a file's name while _atomic_target's writer fills it: its final name and mkstemp's letters between these;
+# copies between hosts leave such files out (ATOMIC_TMP_GLOB)
+_ATOMIC_TMP_PREFIX, _ATOMIC_TMP_SUFFIX = ".", ".tmp"
+ATOMIC_TMP_GLOB = f"{_ATOMIC_TMP_PREFIX}*{_ATOMIC_TMP_SUFFIX}"
 
 
 def _umask_mode() -> int:
@@ -22,7 +24,8 @@ def _umask_mode() -> int:
 def _atomic_target(path: Path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_ATOMIC_TMP_PREFIX}{path.name}.",
+                                suffix=_ATOMIC_TMP_SUFFIX)
     os.fchmod(fd, _umask_mode())  # mkstemp makes 0600; results are meant to be shared
     os.close(fd)
     return path, Path(tmp)
