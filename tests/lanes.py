@@ -21,17 +21,20 @@ groups (it renames `item._nodeid`, which pytest no longer reads), and both worke
     python -m tests.lanes --fast [pytest arguments]   # make test-fast: every module's unit tests over two lanes
 
 The lane of servers and the lone stage write to the terminal as they run; the unit lane's output comes whole
-once it ends. The exit status is the first failing lane's.
+once it ends. Each stage ends with one line of its wall time and the CPU it took, in core-seconds: on two cores
+a stage cannot take less wall than half its core-seconds. The exit status is the first failing lane's.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -154,6 +157,32 @@ def run_stage(lanes: dict[str, list[str]], env: dict[str, str], procs: dict[str,
     return codes
 
 
+def machine_busy_s() -> float:
+    """Seconds of CPU the whole machine spent busy since boot, over every core (/proc/stat: not idle, not
+    iowait); 0 where there is no /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return 0.0
+    ticks = [int(f) for f in fields]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # the first 8 count (guest within)
+
+
+def children_cpu_s() -> float:
+    """User and system CPU seconds of the children waited for so far (theirs waited for by them included)."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def stage_cost_line(n: int, wall_s: float, suite_cpu_s: float, machine_cpu_s: float) -> str:
+    """What a stage took, in the terms a time budget on this machine is set in: wall seconds and core-seconds
+    (the suite's processes waited for; the machine's, everything on it included)."""
+    cores = os.cpu_count() or 1
+    return (f"stage {n}: {wall_s:,.0f} s wall; CPU {suite_cpu_s:,.0f} core-s of the suite's processes, "
+            f"{machine_cpu_s:,.0f} core-s of the machine's ({machine_cpu_s / max(wall_s, 1e-9):.2f} of "
+            f"{cores} cores busy)")
+
+
 def main(argv: list[str]) -> int:
     codes: dict[str, int] = {}
     procs: dict[str, subprocess.Popen] = {}
@@ -162,8 +191,11 @@ def main(argv: list[str]) -> int:
         try:
             fast = argv[:1] == ["--fast"]
             stages = fast_argvs(argv[1:], Path(handoff)) if fast else stage_argvs(argv, Path(handoff))
-            for stage in stages:
+            for n, stage in enumerate(stages, 1):
+                t0, cpu0, busy0 = time.monotonic(), children_cpu_s(), machine_busy_s()
                 codes.update(run_stage(stage, env, procs))
+                print(stage_cost_line(n, time.monotonic() - t0, children_cpu_s() - cpu0, machine_busy_s() - busy0),
+                      flush=True)
         except KeyboardInterrupt:
             # the terminal's Ctrl-C reached the lanes too (one process group); wait for them to stop
             for p in procs.values():

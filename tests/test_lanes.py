@@ -2,11 +2,13 @@
 time something run alone, a test deferred to the last stage runs there only, and the lanes' exit statuses
 make one."""
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from tests import lanes
 from tests.conftest import Handoff
 from tests.lanes import (ALONE, BESIDE_SERVERS, FAST_DEFAULT_S, FAST_WEIGHT_S, FAULTS, HANDOFF_ENV, LATE, NO_TESTS,
                          SERVERS, TESTS, TO_UNITS, fast_argvs, lanes_status, stage_argvs, unit_modules)
@@ -132,3 +134,16 @@ def test_a_lane_that_selected_nothing_is_no_failure_while_another_ran():
     assert lanes_status({"servers": 1, "units": 0, "alone": 0}) == 1
     assert lanes_status({"servers": 0, "units": 0, "alone": 2}) == 2
     assert lanes_status({"servers": NO_TESTS, "units": NO_TESTS, "alone": NO_TESTS}) == NO_TESTS
+
+
+def test_a_stages_cpu_counts_its_processes_and_the_machines_busy_time():
+    """A child that spins for 0.5 s of CPU: the suite's count grows by about that once it is waited for,
+    and the machine's busy time by at least as much (the line each stage of make test ends with)."""
+    cpu0, busy0 = lanes.children_cpu_s(), lanes.machine_busy_s()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.5: pass"], check=True)
+    cpu, busy = lanes.children_cpu_s() - cpu0, lanes.machine_busy_s() - busy0
+    assert 0.5 <= cpu < 5 and busy >= 0.45  # the machine's ticks are 10 ms apart
+    line = lanes.stage_cost_line(2, 10.0, 12.0, 19.0)
+    assert line.startswith("stage 2: 10 s wall; CPU 12 core-s of the suite's processes, 19 core-s of the machine's")
+    assert f"(1.90 of {os.cpu_count()} cores busy)" in line
