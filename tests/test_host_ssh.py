@@ -9,6 +9,7 @@ the host's disk full) and their figures recorded in outputs/fault_table.json lik
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -479,8 +480,11 @@ def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(h
                 break
             time.sleep(0.25)
         assert len(shm) == 2, shm
-        # the supervisor there made the server's socket folder before the start, and its workers bound in it
-        assert len(list(Path(spec.tmp_dir).iterdir())) == 2
+        # the supervisor there made the server's socket folder before the start, and its workers bound in it;
+        # it holds the folder's lock while the server lives, so no other run's sweep takes it
+        assert len([p for p in Path(spec.tmp_dir).iterdir() if p.is_socket()]) == 2
+        with open(Path(spec.tmp_dir) / ".held") as held, pytest.raises(BlockingIOError):
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         link = host.measure_link(server.base_url + "/health", f"http://127.0.0.1:{port}/health", n=10)
         assert link.via_tunnel_p50_ms > 0 and link.on_host_p50_ms > 0
         assert link.added_p50_ms == link.via_tunnel_p50_ms - link.on_host_p50_ms

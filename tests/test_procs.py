@@ -171,3 +171,92 @@ def test_each_threads_cpu_and_run_queue_wait_is_read_by_name():
     tid = next(t for t, (name, _, _) in second.items() if name == "ds-spinner")
     assert second[tid][1] - first[tid][1] > 50e6  # ns of CPU: 50 ms of spinning within 20 s
     assert procs.thread_schedstat(proc.pid) == {}  # gone: no threads
+
+
+def test_a_server_whose_command_cannot_start_leaves_no_folder_and_no_port_held(tmp_path):
+    """Popen itself fails (no such interpreter): a ServerError naming it, its TMPDIR folder removed, its
+    port lock released so a second launch gets the same error rather than a lock held by this run."""
+    import socket
+    import pytest
+    from decodescope.exec.server import _HELD_PORTS, ServerError, VllmServer
+    from decodescope.exec.serverlaunch import LaunchSpec
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = uuid.uuid4().hex
+    tmp_dir = procs.server_tmp_dir(token, str(tmp_path))
+    missing = str(tmp_path / "no-such-python")
+    spec = LaunchSpec(argv=[missing, "-m", "vllm"], env=dict(os.environ), host="127.0.0.1", port=port,
+                      run_token=token, tmp_dir=tmp_dir)
+    for _ in range(2):
+        with pytest.raises(ServerError, match="no-such-python") as e:
+            VllmServer.launch(spec, tmp_path / "server.log", timeout_s=30)
+        assert "could not start" in str(e.value) and "No such file" in str(e.value)
+        assert not Path(tmp_dir).exists() and port not in _HELD_PORTS
+
+
+def test_a_private_folder_is_swept_only_once_nobody_holds_it(tmp_path):
+    """Held by a live process: kept; its holder SIGKILLed: removed (its age past the mkdir-to-flock window);
+    fresh, or without a lock file (not made by hold_private_dir): kept."""
+    held = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom decodescope.exec import procs\n"
+                               f"procs.hold_private_dir({held!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        fresh = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+        os.close(procs.hold_private_dir(fresh))  # released at once, but made just now
+        foreign = tmp_path / f"{procs.PRIVATE_DIR_PREFIX}foreign"
+        foreign.mkdir()
+        later = time.time() + 60
+        assert procs.sweep_private_dirs(str(tmp_path)) == []
+        assert procs.sweep_private_dirs(str(tmp_path), now=later) == [fresh]
+        holder.kill()
+        holder.wait()
+        assert procs.sweep_private_dirs(str(tmp_path), now=later) == [held]
+        assert not Path(held).exists() and foreign.is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_run_killed_outright_leaves_a_folder_the_next_launch_removes(tmp_path):
+    """The controller is SIGKILLed while its server starts: the server dies with it (PR_SET_PDEATHSIG) but no
+    teardown runs, so its TMPDIR folder stays, unheld; the next launch in the same place removes it."""
+    import psutil
+    import pytest
+    from decodescope.exec.server import ServerError, VllmServer
+    from decodescope.exec.serverlaunch import LaunchSpec
+    pidfile = tmp_path / "server.pid"
+    tmp_dir = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+    controller = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys
+from pathlib import Path
+from decodescope.exec.server import VllmServer
+from decodescope.exec.serverlaunch import LaunchSpec
+server = [sys.executable, "-c", "import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"]
+spec = LaunchSpec(argv=server, env=dict(os.environ), host="127.0.0.1", port=1, run_token="t" * 32,
+                  tmp_dir={tmp_dir!r})
+VllmServer.launch(spec, Path({str(tmp_path / 'server.log')!r}), timeout_s=120)
+"""])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server_pid = int(pidfile.read_text())
+        assert Path(tmp_dir).is_dir()
+        controller.kill()
+        controller.wait()
+        assert psutil.wait_procs([psutil.Process(server_pid)], timeout=30)[1] == []  # the server died with it
+    except psutil.NoSuchProcess:
+        pass
+    finally:
+        controller.kill()
+        controller.wait()
+    assert Path(tmp_dir).is_dir()  # no teardown ran
+    os.utime(Path(tmp_dir) / ".held", (time.time() - 60, time.time() - 60))  # past the mkdir-to-flock window
+    spec = LaunchSpec(argv=[str(tmp_path / "no-such-python")], env=dict(os.environ), host="127.0.0.1", port=1,
+                      run_token=uuid.uuid4().hex, tmp_dir=procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path)))
+    with pytest.raises(ServerError, match="could not start"):
+        VllmServer.launch(spec, tmp_path / "server.log", timeout_s=30)
+    assert not Path(tmp_dir).exists()

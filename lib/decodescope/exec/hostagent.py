@@ -104,8 +104,9 @@ def _start_child(spec: dict, token: str) -> subprocess.Popen | int:
     try:
         for d in [log.parent, *map(Path, spec.get("mkdirs", []))]:
             d.mkdir(parents=True, exist_ok=True)
-        for d in map(Path, spec.get("private_dirs", [])):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for d in spec.get("private_dirs", []):
+            procs.sweep_private_dirs(os.path.dirname(d))  # left by a supervisor killed outright
+            procs.hold_private_dir(d)  # held until this supervisor exits, after its teardown
         logf = open(log, "ab", buffering=0)
         if spec.get("header"):
             logf.write(spec["header"].encode())
@@ -122,6 +123,7 @@ def _start_child(spec: dict, token: str) -> subprocess.Popen | int:
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=procs.new_session_dying_with_parent)
     except OSError as e:
+        procs.remove_dirs(spec.get("private_dirs", []))  # nothing started to use them
         _emit({"event": "error", "error": f"cannot start {spec['argv'][0]}: [Errno {e.errno}] {e.strerror}",
                "errno": e.errno})
         return 3
@@ -187,11 +189,8 @@ def _teardown(spec: dict, child: subprocess.Popen, token: str, shm: set[Path], r
     procs.wait_gone(lambda: procs.run_processes(token, [pgid]), 30.0)  # no process left to make one more
     for pattern in spec.get("shm_globs", []):
         shm |= set(procs.SHM_DIR.glob(pattern))
-    removed = procs.remove_shm(procs.shm_idents(shm), shm)
-    left = procs.run_processes(token, [pgid])
-    dirs = procs.remove_dirs(spec.get("private_dirs", [])) if not left else []  # none left to bind in them
     _emit({"event": "teardown", "reason": reason, "rc": rc, "signalled": signalled,
-           "shm_removed": [str(p) for p in removed], "left": left, "dirs_removed": dirs})
+           **procs.release_files(token, [pgid], shm, spec.get("private_dirs", []))})
 
 
 def info(workdir: str = "") -> int:

@@ -8,6 +8,7 @@ walk /proc by process group and by that token instead.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
@@ -90,10 +91,50 @@ def new_run_token() -> str:
     return uuid.uuid4().hex
 
 
+PRIVATE_DIR_PREFIX = "decodescope-tmp-"
+# in a private folder, the file its maker holds flock'ed while the folder is in use: a folder whose lock
+# anyone can take was left by a maker killed outright (flock dies with the process)
+_HELD_FILE = ".held"
+# a folder made this recently may be between its mkdir and its maker's flock
+_SWEEP_MIN_AGE_S = 10.0
+
+
 def server_tmp_dir(token: str, tmp_dir: str) -> str:
     """A server's own temporary folder, of its run token, in tmp_dir (short: a socket bound in it has a path
     of at most 107 bytes)."""
-    return f"{tmp_dir.rstrip('/')}/decodescope-tmp-{token[:12]}"
+    return f"{tmp_dir.rstrip('/')}/{PRIVATE_DIR_PREFIX}{token[:12]}"
+
+
+def hold_private_dir(path: str) -> int:
+    """Make the folder (owner only) and hold its lock; the open descriptor, which keeps the lock until it is
+    closed or this process dies (child processes do not inherit it: Popen closes it in them)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(path, _HELD_FILE), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def sweep_private_dirs(parent: str, now: Optional[float] = None) -> list[str]:
+    """Remove the private folders in `parent` that nobody holds: left by a run killed outright (SIGKILL),
+    whose server died with it but whose teardown never ran. The ones removed."""
+    now = time.time() if now is None else now
+    removed = []
+    for d in sorted(Path(parent).glob(f"{PRIVATE_DIR_PREFIX}*")):
+        held = d / _HELD_FILE
+        try:
+            if now - held.stat().st_mtime < _SWEEP_MIN_AGE_S:
+                continue
+            fd = os.open(held, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue  # no lock file (not made by hold_private_dir), or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: in use
+        finally:
+            os.close(fd)
+        removed += remove_dirs([str(d)])
+    return removed
 
 
 def remove_dirs(paths: Iterable[str]) -> list[str]:
@@ -104,6 +145,16 @@ def remove_dirs(paths: Iterable[str]) -> list[str]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def release_files(token: str | None, pgids: Iterable[int], shm_files: Iterable[Path], dirs: Iterable[str]) -> dict:
+    """Once a tree was signalled: remove its shared-memory files, and its private folders if none of its
+    processes is left (none to bind one more socket in them); what was removed and the pids left."""
+    shm = set(shm_files)
+    removed = remove_shm(shm_idents(shm), shm)
+    left = run_processes(token, pgids)
+    return {"shm_removed": [str(p) for p in removed], "left": left,
+            "dirs_removed": [] if left else remove_dirs(dirs)}
 
 
 def probe_run_key(run_id: Optional[str]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -38,6 +39,8 @@ from decodescope.schema.params import Params
 from decodescope.schema.records_server import LinkMeasure
 from decodescope.exec.serverlaunch import HOST_ENV_KEYS, LaunchSpec, add_profiler, alias_for
 from decodescope.engines import ENGINES, engine
+
+logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
 _LIVE: "set[VllmServer]" = set()
@@ -131,6 +134,7 @@ class VllmServer:
         self.shm_files: set[Path] = set()
         self.teardown: dict = {}
         self._held_port: Optional[int] = None
+        self._dir_fd: Optional[int] = None  # holds spec.tmp_dir's lock (procs.hold_private_dir) until teardown
         self.host = None     # decodescope.exec.host: set when the server runs on an ssh host
         self.remote = None   # its host.SshHandle (also self.proc: Popen-like)
         self.link: Optional[LinkMeasure] = None
@@ -155,13 +159,29 @@ class VllmServer:
         log = open(log_path, "ab", buffering=0)
         log.write(f"# decodescope launch {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
                   f"# {json.dumps(spec.describe()['argv'])}\n".encode())
+        dir_fd = None
         if spec.tmp_dir:
-            os.makedirs(spec.tmp_dir, mode=0o700, exist_ok=True)
+            swept = procs.sweep_private_dirs(os.path.dirname(spec.tmp_dir))
+            if swept:
+                logger.info("removed %d temporary folder(s) of servers whose run was killed outright: %s",
+                          len(swept), ", ".join(swept))
+            dir_fd = procs.hold_private_dir(spec.tmp_dir)
         t0 = time.monotonic()
-        proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=procs.new_session_dying_with_parent)
-        log.close()
+        try:
+            proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=procs.new_session_dying_with_parent)
+        except OSError as e:
+            # nothing started: what was made for it goes, and the error names the command
+            procs.remove_dirs([spec.tmp_dir] if spec.tmp_dir else [])
+            if dir_fd is not None:
+                os.close(dir_fd)
+            if newly_held:
+                release_port(spec.port)
+            raise ServerError(f"could not start the server: {spec.argv[0]}: {e.strerror or e}") from e
+        finally:
+            log.close()
         server = cls(f"http://{spec.host}:{spec.port}", proc=proc, log_path=log_path, spec=spec)
+        server._dir_fd = dir_fd
         server._until_ready(spec.port if newly_held else None, t0, timeout_s)
         server.shm_files = procs.mapped_shm_files(server.tree_pids)
         return server
@@ -360,13 +380,12 @@ class VllmServer:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            idents = procs.shm_idents(self.shm_files)
-            removed = procs.remove_shm(idents, self.shm_files)
-            self.teardown = {"signalled": signalled, "shm_removed": [str(p) for p in removed],
-                             "left": procs.run_processes(self.run_token, [self.pgid])}
-            if self.spec is not None and self.spec.tmp_dir and not self.teardown["left"]:
-                # no process is left to write one more file there
-                self.teardown["dirs_removed"] = procs.remove_dirs([self.spec.tmp_dir])
+            dirs = [self.spec.tmp_dir] if self.spec is not None and self.spec.tmp_dir else []
+            self.teardown = {"signalled": signalled,
+                             **procs.release_files(self.run_token, [self.pgid], self.shm_files, dirs)}
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+                self._dir_fd = None
         if self._held_port is not None:
             release_port(self._held_port)
             self._held_port = None
