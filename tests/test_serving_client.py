@@ -817,6 +817,10 @@ def test_a_level_whose_engine_stalled_says_so_in_its_row(server, tmp_path):
     assert stalled["engine_stall_ms"] == pytest.approx(stalled["engine_silence_ms"])
     assert 0.9 * STALL_S * 1e3 <= stalled["engine_stall_ms"] < 3 * STALL_S * 1e3 and stalled["ok"] == 4
     assert pd.isna(clean["engine_stall_ms"]) and clean["engine_silence_ms"] < 0.5 * STALL_S * 1e3
+    # the step the verdict reads: the stall out of the streams it held, each of which it lengthened by
+    # STALL_S / (TOKENS - 1) a token; none read for the level that ran through
+    assert stalled["tpot_unstalled_p50_us"] < stalled["tpot_p50_us"] - 0.5 * STALL_S * 1e6 / (TOKENS - 1)
+    assert pd.isna(clean["tpot_unstalled_p50_us"])
 
 
 def test_engine_silence_counts_only_gaps_some_stream_spans():
@@ -845,3 +849,39 @@ def test_the_h200_level_that_stalled_is_told_from_one_that_did_not():
     clean = pd.read_parquet(here / "level64_requests.parquet")
     assert level_stall_ms(stalled) == pytest.approx(1895.1, abs=0.1)
     assert level_stall_ms(clean) is None and engine_silence_ms(clean) < 100.0
+
+
+def test_a_stalled_gap_counts_as_one_median_gap_in_the_streams_that_held_it():
+    """Worked by hand: stream b (chunks every 10 ms to 40 ms) ends, then the engine is silent from 40 to 530 ms.
+    Stream a (chunks 0, 10, 20, 30, 530, 540 ms) held the silence in its gap of 500 ms, which counts as the
+    level's median gap (10 ms): its TPOT is (540 - 500 + 10) / 5 = 10 ms, not 108 ms. b keeps its own."""
+    from decodescope.serving.metrics import engine_silence, per_request, unstalled_tpot_us
+
+    ms = 1_000_000
+    a = [0, 10 * ms, 20 * ms, 30 * ms, 530 * ms, 540 * ms]
+    b = [0, 10 * ms, 20 * ms, 30 * ms, 40 * ms]
+    rows = [{"warmup": False, "ok": True, "send_ns": 0, "first_chunk_ns": c[0], "end_ns": c[-1], "chunk_ns": c,
+             "n_out_usage": len(c), "n_out_chunks": len(c)} for c in (a, b)]
+    req = per_request(pd.DataFrame(rows))
+    silence = engine_silence(req)
+    assert silence == (pytest.approx(490.0), 40 * ms, 530 * ms)
+    assert list(req["tpot_us"]) == pytest.approx([108_000.0, 10_000.0])
+    assert list(unstalled_tpot_us(req, silence)) == pytest.approx([10_000.0, 10_000.0])
+
+
+def test_the_h200_level_that_stalled_reads_the_next_runs_step_once_the_stall_is_out():
+    """The H200 level of 64 that stood still 1.9 s (tests/fixtures/vllm_gpu_h200_stall/) read TPOT p50 20.9 ms;
+    with the stall counted as one median gap in the 50 streams it held it reads 6.0 ms, within 10% of the
+    next run's same level, which ran through (6.39 ms) and which this figure never read."""
+    from decodescope.serving.metrics import engine_silence, per_request, unstalled_tpot_us
+
+    here = Path(__file__).parent / "fixtures" / "vllm_gpu_h200_stall"
+    stalled = pd.read_parquet(here / "level64_stalled_requests.parquet")
+    clean = per_request(pd.read_parquet(here / "level64_requests.parquet"))
+    ok = per_request(stalled)
+    ok = ok[(~ok["warmup"]) & ok["ok"]]
+    unstalled = unstalled_tpot_us(ok, engine_silence(stalled))
+    next_run_us = float(clean.loc[(~clean["warmup"]) & clean["ok"], "tpot_us"].median())
+    assert ok["tpot_us"].median() > 3 * next_run_us
+    assert abs(unstalled.median() / next_run_us - 1) <= 0.10
+    assert int((unstalled < ok["tpot_us"]).sum()) == 50

@@ -333,8 +333,8 @@ def run_sweep(cfg: SweepConfig, data_dir: Path, progress=True,
             if stall_ms is not None:
                 _reader_note(f"concurrency {level}: every stream stood still at once for {stall_ms / 1e3:.1f} s "
                              "inside the timed window: an engine stall (a kernel compiled for a shape the warm-up "
-                             "had not run, or a pause of the host), not its decode speed; the verdict names it "
-                             "where the step model misses this level")
+                             "had not run, or a pause of the host), not its decode speed; the verdict sets the "
+                             "level's TPOT with the stall taken out against the step (tpot_unstalled_p50_us)")
             write_parquet_atomic(level_path(data_dir, level, rep), df)
             combine(data_dir, cfg.slo)
             bar.end((level, rep))

@@ -55,12 +55,19 @@ COALESCED_LIMIT = 0.5   # above this share of coalesced token gaps, client TPOT 
 def level_tpot(lv) -> tuple[float, str]:
     """A level's TPOT for setting against the step: the client's p50, unless the server released most
     tokens in bursts (01's coalesced gaps), which makes the client's TPOT describe delivery; then the
-    engine's own mean TPOT from its metrics (vllm:request_time_per_output_token, 01's telemetry)."""
+    engine's own mean TPOT from its metrics (vllm:request_time_per_output_token, 01's telemetry). A level
+    with an engine stall reads its p50 with the stall taken out (tpot_unstalled_p50_us)."""
     coalesced = float(getattr(lv, "itl_coalesced_frac", 0.0) or 0.0)
     server = getattr(lv, "server_tpot_mean_us", None)
     if coalesced > COALESCED_LIMIT and server is not None and server == server and server > 0:
         return float(server), (f"server TPOT (vllm metrics): {100 * coalesced:.0f}% of the client's token gaps "
                                "coalesced, so its TPOT describes stream delivery")
+    unstalled = getattr(lv, "tpot_unstalled_p50_us", None)
+    stall_ms = getattr(lv, "engine_stall_ms", None)
+    if unstalled is not None and unstalled == unstalled and unstalled > 0:
+        # the step, not the stall: a compile inside the window adds its length to every stream it held
+        return float(unstalled), (f"client TPOT p50 with the engine's {float(stall_ms or 0) / 1e3:.2f} s stall "
+                                  f"taken out (p50 as read: {float(lv.tpot_p50_us):,.0f} us)")
     return float(lv.tpot_p50_us), "client TPOT p50"
 
 
