@@ -818,9 +818,9 @@ def test_a_level_whose_engine_stalled_says_so_in_its_row(server, tmp_path):
     assert 0.9 * STALL_S * 1e3 <= stalled["engine_stall_ms"] < 3 * STALL_S * 1e3 and stalled["ok"] == 4
     assert pd.isna(clean["engine_stall_ms"]) and clean["engine_silence_ms"] < 0.5 * STALL_S * 1e3
     # the step the verdict reads: the stall out of the streams it held, each of which it lengthened by
-    # STALL_S / (TOKENS - 1) a token; none read for the level that ran through
+    # STALL_S / (TOKENS - 1) a token; the level that ran through reads its TPOT as it was
     assert stalled["tpot_unstalled_p50_us"] < stalled["tpot_p50_us"] - 0.5 * STALL_S * 1e6 / (TOKENS - 1)
-    assert pd.isna(clean["tpot_unstalled_p50_us"])
+    assert clean["tpot_unstalled_p50_us"] == clean["tpot_p50_us"]
 
 
 def test_engine_silence_counts_only_gaps_some_stream_spans():
@@ -885,3 +885,20 @@ def test_the_h200_level_that_stalled_reads_the_next_runs_step_once_the_stall_is_
     assert ok["tpot_us"].median() > 3 * next_run_us
     assert abs(unstalled.median() / next_run_us - 1) <= 0.10
     assert int((unstalled < ok["tpot_us"]).sum()) == 50
+
+
+def test_a_level_with_one_stalled_repeat_reads_the_median_of_all_its_repeats_with_the_stall_out():
+    """Three repeats of a level, the second stalled: the merged row's TPOT as the verdict reads it is the median
+    over all three, the stalled one counted with its stall out (2,100 us), not the stalled repeat's alone."""
+    from types import SimpleNamespace
+
+    from decodescope.serving.sweep import merge_repeats
+    from decodescope.verdict.fixes import level_tpot
+
+    rows = pd.DataFrame({"level": [4, 4, 4], "repeat": [1, 2, 3], "tpot_p50_us": [2_000.0, 9_000.0, 2_200.0],
+                         "engine_stall_ms": [float("nan"), 800.0, float("nan")],
+                         "tpot_unstalled_p50_us": [2_000.0, 2_100.0, 2_200.0], "itl_coalesced_frac": [0.0] * 3})
+    merged = merge_repeats(rows).iloc[0]
+    assert merged["tpot_unstalled_p50_us"] == 2_100.0 and merged["engine_stall_ms"] == 800.0
+    tpot, why = level_tpot(SimpleNamespace(**merged.to_dict()))
+    assert tpot == 2_100.0 and "0.80 s stall taken out" in why

@@ -62,9 +62,9 @@ class ServingLevel(_Model):
                                                "at once (serving.metrics.engine_silence_ms)")
     engine_stall_ms: Optional[float] = Field(None, description="engine_silence_ms when it counts as a stall of the "
                                              "engine (serving.metrics.is_engine_stall), not its decode speed")
-    tpot_unstalled_p50_us: Optional[float] = Field(None, description="with an engine stall: the TPOT p50 with the "
-                                                   "stalled gap counted as one median gap in the streams it held "
-                                                   "(serving.metrics.unstalled_tpot_us)")
+    tpot_unstalled_p50_us: Optional[float] = Field(None, description="the TPOT p50 with an engine stall's gap "
+                                                   "counted as one median gap in the streams it held "
+                                                   "(serving.metrics.unstalled_tpot_us); tpot_p50_us without one")
     # Server and GPU telemetry over the level's measured requests (serving.telemetry); columns only when
     # telemetry ran, NaN where the server or the host did not report the figure.
     telemetry_scrapes: Optional[int] = Field(None, description="/metrics samples taken during the level")

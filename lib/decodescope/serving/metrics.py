@@ -177,10 +177,10 @@ def level_summary(req: pd.DataFrame, level: int, slo: Optional[dict] = None, hea
     if health:
         row.update(health)
         stall_ms = health.get("engine_stall_ms")
-        # the step as the verdict reads it: the level's TPOT less the stall (docs/methods.md); a column in
-        # every run, NaN without a stall, as engine_stall_ms
+        # the step as the verdict reads it: the level's TPOT less its stall (docs/methods.md), its TPOT where
+        # none; so the median over repeats (sweep.merge_repeats) reads every repeat, stalled or not
         row["tpot_unstalled_p50_us"] = (float(unstalled_tpot_us(ok, engine_silence(measured)).median())
-                                        if stall_ms is not None and stall_ms == stall_ms else np.nan)
+                                        if stall_ms is not None and stall_ms == stall_ms else row["tpot_p50_us"])
         lw, l_sampled = row.get("littles_lw"), health.get("inflight_sampled_mean")
         row["littles_error_pct"] = 100.0 * abs(l_sampled - lw) / lw if lw and l_sampled == l_sampled else np.nan
         row["client_suspect"] = bool(health.get("loop_lag_p99_ms", 0) > LOOP_LAG_P99_LIMIT_MS

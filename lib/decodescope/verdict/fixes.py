@@ -64,7 +64,8 @@ def level_tpot(lv) -> tuple[float, str]:
                                "coalesced, so its TPOT describes stream delivery")
     unstalled = getattr(lv, "tpot_unstalled_p50_us", None)
     stall_ms = getattr(lv, "engine_stall_ms", None)
-    if unstalled is not None and unstalled == unstalled and unstalled > 0:
+    stalled = stall_ms is not None and stall_ms == stall_ms
+    if stalled and unstalled is not None and unstalled == unstalled and unstalled > 0:
         # the step, not the stall: a compile inside the window adds its length to every stream it held
         return float(unstalled), (f"client TPOT p50 with the engine's {float(stall_ms or 0) / 1e3:.2f} s stall "
                                   f"taken out (p50 as read: {float(lv.tpot_p50_us):,.0f} us)")
