@@ -64,7 +64,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     params = load_params(REPO / "params/default.yaml")
     bind = None if args.unbound else engine_rank_cpus(params)
-    plan = sc.step_replay_plan(params.model_config_dict(), params.server.tensor_parallel, 1, bind)
+    plan = {**sc.phase_plan(params), "rank_cpus": bind}
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="skewcal-"))
     rows = []
     for path in [p for p in args.paths.split(",") if p]:

@@ -253,7 +253,8 @@ def test_a_rank_made_late_by_a_known_delay_is_the_skew_the_critical_path_attribu
     both paths). On a loaded host the spin runs over the delay asked (216 us for 200 in CI with the fault
     tests beside it), and the path is asked for the lateness the rank had."""
     params = load_params(repo / "params/default.yaml")
-    plan = sc.step_replay_plan(params.model_config_dict(), 2, 1, mb.engine_rank_cpus(params))
+    plan = sc.phase_plan(params)
+    assert [st["batch"] for st in plan["steps"]] == [1] and plan["rank_cpus"] == mb.engine_rank_cpus(params)
     sc.run_skewed_replay(plan, tmp_path, 200.0, skew_rank=1, steps=4, timeout_s=300)
     split, meta = sc.read_setting(tmp_path)
     row = sc.calibrate(split, 200.0, 1, "session", meta["communicator"], meta["raw_skew_us"], meta["spin_us"])

@@ -35,7 +35,6 @@ from decodescope.core.rundir import TRACES
 from decodescope.exec.hostcore import LocalHost
 from decodescope.exec.server import log_tail
 from decodescope.micro.bench import PROBE_SHM_GLOBS, TORCHRUN_LOG_DIR, run_torchrun_probe, step_plan
-from decodescope.model import arch as archmod
 from decodescope.schema.records_critpath import SkewCalibration, SkewCalibrationRow
 from decodescope.schema.records_probe import read_probe_output
 from decodescope.schema.recordbase import write_record
@@ -77,15 +76,6 @@ HEADER = ("  path communicator  inj_us  inst  skew_med   p10-p90          err_us
 def recovered(attributed_us: float, injected_us: float) -> bool:
     """Within RECOVERY_SHARE of the delay injected, or RECOVERY_US of it."""
     return abs(attributed_us - injected_us) <= max(RECOVERY_SHARE * injected_us, RECOVERY_US)
-
-
-def step_replay_plan(config: dict, tp: int, batch: int, rank_cpus: Optional[list[str]] = None) -> dict:
-    """A profile-only step replay plan (no timed iterations) through the engine's communicator."""
-    plan = {"dtype": "bf16", "iters": 1, "warmup": 1, "communicator": "engine",
-            "steps": [{"batch": batch, "program": archmod.step_program(archmod.normalize_config(config), tp, batch)}]}
-    if rank_cpus:
-        plan["rank_cpus"] = rank_cpus
-    return plan
 
 
 def cpu_path_env(cpu_path: Optional[str]) -> dict:
@@ -209,7 +199,8 @@ def load_settings(path: Path) -> list[SkewSetting]:
 
 
 def phase_plan(params) -> dict:
-    """03's calibration plan: the run's step replay at its first microbench batch, profiled only."""
+    """03's calibration plan: the run's step replay (micro.bench.step_plan) at its first microbench batch,
+    profiled only (no timed iterations), its ranks bound as the engine binds them."""
     plan = step_plan(params.model_copy(update={"microbench": params.microbench.model_copy(
         update={"batches": params.microbench.batches[:1]})}))
     return {**plan, "iters": 1, "warmup": 1}
