@@ -257,7 +257,9 @@ def test_a_rank_made_late_by_a_known_delay_is_the_skew_the_critical_path_attribu
     assert [st["batch"] for st in plan["steps"]] == [1] and plan["rank_cpus"] == mb.engine_rank_cpus(params)
     sc.run_skewed_replay(plan, tmp_path, 200.0, skew_rank=1, steps=4, timeout_s=300)
     split, meta = sc.read_setting(tmp_path)
-    row = sc.calibrate(split, 200.0, 1, "session", meta["communicator"], meta["raw_skew_us"], meta["spin_us"])
+    row = sc.calibrate(split, 200.0, 1, "session", meta["communicator"], meta["raw_skew_us"], meta["spin_us"],
+                       meta["raw_spread_us"])
+    assert meta["raw_spread_us"] == pytest.approx(abs(meta["raw_skew_us"]))  # two ranks: last - first = |late - other|
     assert meta["communicator"] == engine_allreduce.communicator and meta["skew_us"] == 200.0
     assert row.instances >= 4 * 10 - 2, row  # every collective of every step found on both ranks
     assert row.late_rank_share >= 0.9, row
@@ -1063,3 +1065,12 @@ def test_the_host_model_leaves_a_step_as_profiled_where_every_process_has_a_core
         assert host.collectives_under_load([sample], 1.0, 10.0) is None
     # 2 cores profiled at TP=2, priced at TP=1: a core is freed for the engine core and the API server
     assert HostModel(2, 1, 2).frees_a_core and not HostModel(2, 2, 2).frees_a_core
+
+
+def test_on_three_ranks_the_entry_spread_is_last_minus_first_not_the_late_ranks_lead():
+    """Rank 1 enters 100 us after rank 0 and rank 2 50 us before it: the late rank leads the others' last entry
+    by 100 us, and the instance's arrival skew, which the critical path must attribute, is 150 us."""
+    ops = pd.DataFrame({"rank": [0, 1, 2], "category": ["allreduce"] * 3, "ts_us": [1_000.0, 1_100.0, 950.0]})
+    steps = pd.DataFrame({"rank": [0, 1, 2], "step": [0, 0, 0], "start_us": [0.0] * 3, "end_us": [5_000.0] * 3})
+    assert list(sc.raw_entry_skew(ops, steps, 1)) == [100.0]
+    assert list(sc.raw_entry_spread(ops, steps)) == [150.0]

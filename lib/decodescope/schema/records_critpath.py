@@ -120,9 +120,9 @@ class SkewCalibrationRow(_Model):
     recovered: bool = Field(description="delivered_error_us within 10% of delivered_us or 20 us")
     raw_skew_us_median: float = Field(description="the late rank's entry minus the others' last, off the ops "
                                       "without the critical path, median")
-    raw_abs_skew_us_median: float = Field(float("nan"), description="|raw entry skew| off the ops, without the "
-                                          "critical path (two ranks: last entry - first), median: what the "
-                                          "attributed median must equal")
+    raw_abs_skew_us_median: float = Field(float("nan"), description="last entry - first over every rank, off the "
+                                          "ops without the critical path (two ranks: |raw entry skew|), median: "
+                                          "what the attributed median must equal")
     spin_us_median: float = Field(description="the injected range's own duration, median (0 at D = 0)")
     transfer_us_median: float = Field(description="last entry to end, median")
 
