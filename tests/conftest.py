@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -14,6 +15,13 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing held a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from decodescope.exec.host import host_for
 from decodescope.exec.hostcore import HostError, HostKeyUnknown, HostVersionMismatch, LinkDropped
 from decodescope.exec.sshhost import SshHost
 from decodescope.schema.params import HostParams, load_params
+from tests.conftest import free_port
 from tests.faultload import record_fault
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -38,12 +39,6 @@ pytestmark = [pytest.mark.ssh,
                                  reason="needs Debian's openssh-server and rsync (make test installs them)")]
 REPO = Path(__file__).resolve().parents[1]
 FAKE_SERVER = Path(__file__).resolve().parent / "fake_openai_server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Sshd:

@@ -176,13 +176,11 @@ def test_each_threads_cpu_and_run_queue_wait_is_read_by_name():
 def test_a_server_whose_command_cannot_start_leaves_no_folder_and_no_port_held(tmp_path):
     """Popen itself fails (no such interpreter): a ServerError naming it, its TMPDIR folder removed, its
     port lock released so a second launch gets the same error rather than a lock held by this run."""
-    import socket
     import pytest
     from decodescope.exec.server import _HELD_PORTS, ServerError, VllmServer
     from decodescope.exec.serverlaunch import LaunchSpec
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.conftest import free_port
+    port = free_port()
     token = uuid.uuid4().hex
     tmp_dir = procs.server_tmp_dir(token, str(tmp_path))
     missing = str(tmp_path / "no-such-python")

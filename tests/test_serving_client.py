@@ -20,6 +20,7 @@ from decodescope.report.serving_view import coalesced_note
 from decodescope.serving.client import run_async
 from decodescope.serving.sweep import (SERVER_FAILURE_CLASSES, SweepConfig, arrival_offsets_s, build_prompts,
                                        load_finished_levels, run_level, run_sweep, sweep_prompts, warmup_count)
+from tests.conftest import free_port
 
 TOKENS = 8
 ITL_S = 0.01
@@ -92,7 +93,7 @@ class FakeServer:
     """A real aiohttp server in a thread; `behaviour` switches how it answers."""
 
     def __init__(self):
-        self.port = _free_port()
+        self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self.app = web.Application()
         self.app["behaviour"] = "ok"
@@ -125,12 +126,6 @@ class FakeServer:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -206,7 +201,7 @@ def test_timeout_is_classified(server):
 
 
 def test_server_down_is_classified():
-    r = _one(f"http://127.0.0.1:{_free_port()}")
+    r = _one(f"http://127.0.0.1:{free_port()}")
     assert r.error_class == "server_down"
 
 
@@ -517,7 +512,7 @@ def test_no_descriptor_left_open(server):
     for behaviour, timeout_s in [("ok", 5.0), ("reset", 5.0), ("http500", 5.0), ("slow", 0.3), ("malformed", 5.0)]:
         server.app["behaviour"] = behaviour
         _one(server.url, timeout_s=timeout_s)
-    _one(f"http://127.0.0.1:{_free_port()}")            # nothing listens
+    _one(f"http://127.0.0.1:{free_port()}")            # nothing listens
     # the client's sockets are closed when its call returns; the fake server (a thread of this process)
     # closes its side of a request the client gave up on ("slow") when it next writes, so wait for that
     deadline = time.monotonic() + 3.0

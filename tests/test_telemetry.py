@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from decodescope.schema.records_serving import TELEMETRY_COLUMNS
 from decodescope.serving import promtext as P, telemetry as T, telemetry_read as R
 from decodescope.serving.sweep import SweepConfig, run_sweep, warmup_count
-from tests.test_serving_client import _free_port
+from tests.conftest import free_port
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_metrics"
 TOKENS = 8
@@ -124,7 +124,7 @@ class VllmLikeServer:
     """A real aiohttp server in a thread: streams completions, keeps vLLM's metrics, serves /metrics."""
 
     def __init__(self, api_key=None):
-        self.port = _free_port()
+        self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self.app = web.Application()
         self.state = SimpleNamespace(api_key=api_key, metrics=VllmMetrics(), metrics_mode="ok", metrics_requests=0)
