@@ -1072,5 +1072,6 @@ def test_on_three_ranks_the_entry_spread_is_last_minus_first_not_the_late_ranks_
     by 100 us, and the instance's arrival skew, which the critical path must attribute, is 150 us."""
     ops = pd.DataFrame({"rank": [0, 1, 2], "category": ["allreduce"] * 3, "ts_us": [1_000.0, 1_100.0, 950.0]})
     steps = pd.DataFrame({"rank": [0, 1, 2], "step": [0, 0, 0], "start_us": [0.0] * 3, "end_us": [5_000.0] * 3})
-    assert list(sc.raw_entry_skew(ops, steps, 1)) == [100.0]
-    assert list(sc.raw_entry_spread(ops, steps)) == [150.0]
+    entries = sc.entry_table(ops, steps)
+    assert list(sc.raw_entry_skew(entries, 1)) == [100.0]
+    assert list(sc.raw_entry_spread(entries)) == [150.0]

@@ -164,7 +164,7 @@ class VllmServer:
             swept = procs.sweep_private_dirs(os.path.dirname(spec.tmp_dir))
             if swept:
                 logger.info("removed %d temporary folder(s) of servers whose run was killed outright: %s",
-                          len(swept), ", ".join(swept))
+                            len(swept), ", ".join(swept))
             dir_fd = procs.hold_private_dir(spec.tmp_dir)
         t0 = time.monotonic()
         try:

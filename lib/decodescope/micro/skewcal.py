@@ -126,7 +126,7 @@ def _paired_entries(ops: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=["rank", "step", "k", "ts_us"])
 
 
-def _entry_table(ops: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+def entry_table(ops: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """Each collective (the k-th of a step on every rank) as a row of its ranks' entry times, us."""
     e = _paired_entries(ops, steps)
     if e.empty:
@@ -134,17 +134,15 @@ def _entry_table(ops: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return e.pivot_table(index=["step", "k"], columns="rank", values="ts_us", aggfunc="first").dropna()
 
 
-def raw_entry_spread(ops: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
-    """Per collective: the last rank's entry minus the first's, us, over every rank; off the ops, without the
-    critical path. What its attributed arrival skew must equal."""
-    t = _entry_table(ops, steps)
+def raw_entry_spread(t: pd.DataFrame) -> np.ndarray:
+    """Per collective (a row of entry_table): the last rank's entry minus the first's, us, over every rank;
+    off the ops, without the critical path. What its attributed arrival skew must equal."""
     return (t.max(axis=1) - t.min(axis=1)).to_numpy(float) if not t.empty else np.empty(0)
 
 
-def raw_entry_skew(ops: pd.DataFrame, steps: pd.DataFrame, skew_rank: int) -> np.ndarray:
-    """Per collective (the k-th of a step on every rank): rank `skew_rank`'s entry minus the last entry of
-    the other ranks, us; off the ops, without the critical path."""
-    t = _entry_table(ops, steps)
+def raw_entry_skew(t: pd.DataFrame, skew_rank: int) -> np.ndarray:
+    """Per collective (a row of entry_table): rank `skew_rank`'s entry minus the last entry of the other
+    ranks, us; off the ops, without the critical path."""
     if t.empty:
         return np.empty(0)
     if skew_rank not in t.columns:
@@ -167,17 +165,18 @@ def read_setting(trace_dir: Path, kind: str = "decode") -> tuple[pd.DataFrame, d
     steps = find_steps(loaded.events, ops)
     split = collective_split(critical_paths(loaded.events, ops, steps), kind)
     rank = int(meta["skew_rank"])
-    raw = {"raw_skew_us": raw_entry_skew(ops, steps, rank), "raw_spread_us": raw_entry_spread(ops, steps),
+    entries = entry_table(ops, steps)
+    raw = {"raw_skew_us": raw_entry_skew(entries, rank), "raw_spread_us": raw_entry_spread(entries),
            "spin_us": spin_durations(loaded.events, rank)}
     return split, {**meta, **raw}
 
 
 def calibrate(split: pd.DataFrame, injected_us: float, skew_rank: int, cpu_path: str, communicator: str,
               raw_skew_us: np.ndarray = np.empty(0), spin_us: np.ndarray = np.empty(0),
-              raw_spread_us: Optional[np.ndarray] = None) -> SkewSetting:
+              raw_spread_us: np.ndarray = np.empty(0)) -> SkewSetting:
     """One setting's row from its collective split: the attributed skew's median and p10-p90 over the
     instances, against the delay injected. raw_spread_us: each instance's last entry minus its first
-    (raw_entry_spread); where not given, |raw_skew_us|, which it equals on two ranks."""
+    (raw_entry_spread; on two ranks |raw_skew_us|)."""
     if split.empty:
         raise CalibrationError(f"no collective instance in the traces at {injected_us:g} us injected: the critical "
                                "path found no step every rank has, or no collective in them")
@@ -185,7 +184,6 @@ def calibrate(split: pd.DataFrame, injected_us: float, skew_rank: int, cpu_path:
     med = float(np.median(skew))
     late = (split["late_rank"].to_numpy() == skew_rank).mean() if injected_us > 0 else float("nan")
     delivered = float(np.median(spin_us)) if injected_us > 0 and len(spin_us) else float(injected_us)
-    spread = np.abs(raw_skew_us) if raw_spread_us is None else raw_spread_us
     return SkewSetting(
         cpu_path=cpu_path, communicator=communicator, injected_us=float(injected_us), skew_rank=skew_rank,
         instances=len(split), late_rank_share=float(late), skew_us_median=med,
@@ -193,7 +191,7 @@ def calibrate(split: pd.DataFrame, injected_us: float, skew_rank: int, cpu_path:
         error_us=med - injected_us, delivered_us=delivered, delivered_error_us=med - delivered,
         recovered=recovered(med, delivered),
         raw_skew_us_median=float(np.median(raw_skew_us)) if len(raw_skew_us) else float("nan"),
-        raw_abs_skew_us_median=float(np.median(spread)) if len(spread) else float("nan"),
+        raw_abs_skew_us_median=float(np.median(raw_spread_us)) if len(raw_spread_us) else float("nan"),
         spin_us_median=float(np.median(spin_us)) if len(spin_us) else 0.0,
         transfer_us_median=float(split["transfer_us"].median()))
 
