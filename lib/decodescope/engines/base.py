@@ -8,8 +8,8 @@ engine-specific, and each of these is one attribute or method of an Engine:
   version), the endpoints that start and stop a profiled window;
 - health and model endpoints, and the Prometheus names behind the server-side figures (TTFT, TPOT, ITL,
   E2E and queue means, KV-cache usage, steps, generated tokens, speculative acceptance per position);
-- its processes: the names it gives its engine core and workers (a run's teardown and /proc reading), and
-  where they bind their IPC sockets;
+- its processes: the names it gives its engine core and workers (a run's teardown and /proc reading),
+  where they bind their IPC sockets, and the compile caches they keep under TMPDIR;
 - its log: the modes it states it runs with (CUDA graphs, compilation, async scheduling, the ops piecewise
   graphs leave to the host);
 - its traces: the annotation that names a decode step (and its token counts), the file name of a rank's
@@ -63,6 +63,10 @@ class Engine(ABC):
     # behind when it stops; a launch points it at the server's own temporary folder (its TMPDIR, removed
     # at teardown), should the engine's default not follow TMPDIR ("": it follows)
     socket_dir_env: str = ""
+    # compile caches its processes keep under TMPDIR by default: (environment variable, folder name, where
+    # "{user}" is the user's name). A launch points each at the folder it would have had (beside the server's
+    # own one), so a start reuses what the one before compiled, as a start with the default TMPDIR does
+    tmp_caches: tuple = ()
     metrics: MetricNames
     step_name: re.Pattern  # a decode step's annotation, its groups: context requests and tokens, generation ditto
     step_any: re.Pattern  # any step annotation the engine writes

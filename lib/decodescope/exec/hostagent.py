@@ -117,6 +117,8 @@ def _start_child(spec: dict, token: str) -> subprocess.Popen | int:
     for key in spec.get("unset", []):
         env.pop(key, None)
     env.update(spec.get("env", {}))
+    if spec.get("private_dirs"):
+        env.update(procs.tmp_cache_env(spec["private_dirs"][0], spec.get("tmp_caches", []), env))
     env[procs.RUN_TOKEN_ENV] = token
     try:
         return subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd") or None, stdout=logf,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import getpass
 import hashlib
 import os
 import re
@@ -103,6 +104,20 @@ def server_tmp_dir(token: str, tmp_dir: str) -> str:
     """A server's own temporary folder, of its run token, in tmp_dir (short: a socket bound in it has a path
     of at most 107 bytes)."""
     return f"{tmp_dir.rstrip('/')}/{PRIVATE_DIR_PREFIX}{token[:12]}"
+
+
+def tmp_cache_env(private_dir: str, caches: Iterable[tuple[str, str]], env: Mapping[str, str]) -> dict[str, str]:
+    """Each compile cache an engine keeps under TMPDIR ((variable, folder name with "{user}"), decodescope.engines
+    Engine.tmp_caches) that env does not set, pointed at the folder it would have had beside private_dir: the
+    server's own TMPDIR is removed at teardown, and a cache in it would be rebuilt at every start. The user's
+    name is sanitized as torch's inductor does (cache_dir_utils.default_cache_dir)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    parent = os.path.dirname(private_dir.rstrip("/"))
+    return {key: os.path.join(parent, name.format(user=user)) for key, name in caches if key not in env}
 
 
 def hold_private_dir(path: str) -> int:

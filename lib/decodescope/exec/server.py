@@ -228,6 +228,7 @@ class VllmServer:
         t0 = time.monotonic()
         handle = host.start(spec.argv, log_path, env=env, token=spec.run_token, grace_s=15.0, sync=sync,
                             header=header, private_dirs=[spec.tmp_dir] if spec.tmp_dir else [],
+                            tmp_caches=spec.tmp_caches,
                             unset=[] if spec.api_key else [e.api_key_env for e in ENGINES.values()])
         server = cls("http://127.0.0.1:0", proc=handle, log_path=log_path, spec=spec)
         server.host, server.remote = host, handle

@@ -315,9 +315,11 @@ class SshHost:
     def start(self, argv: Sequence[str], log: Path, env: Optional[dict] = None, token: Optional[str] = None,
               grace_s: float = 15.0, shm_globs: Sequence[str] = (), sync: Sequence[Path] = (),
               header: str = "", cwd: Optional[str] = None, unset: Sequence[str] = (),
-              private_dirs: Sequence[str] = ()) -> SshHandle:
+              private_dirs: Sequence[str] = (), tmp_caches: Sequence = ()) -> SshHandle:
         """Start argv on the host under its supervisor; `env` (secrets included) goes on the supervisor's
-        stdin; `log` (a path of the run directory here) is written there and copied back with `sync`."""
+        stdin; `log` (a path of the run directory here) is written there and copied back with `sync`;
+        tmp_caches: (variable, folder name) the supervisor points beside the first private dir
+        (decodescope.exec.procs.tmp_cache_env, with the host's user and environment)."""
         self.connect()
         token = token or procs.new_run_token()
         env = dict(env or {})
@@ -326,6 +328,7 @@ class SshHost:
         spec = {"argv": list(argv), "env": env, "unset": list(unset), "token": token, "log": self.path(log),
                 "cwd": cwd or self.workdir, "grace_s": grace_s, "header": header,
                 "shm_globs": [g.format(token12=token[:12]) for g in shm_globs], "private_dirs": list(private_dirs),
+                "tmp_caches": [list(c) for c in tmp_caches],
                 "heartbeat_timeout_s": self.hp.heartbeat_timeout_s}
         fd, err = tempfile.mkstemp(prefix="decodescope-ssh-", suffix=".err")
         os.close(fd)
