@@ -4,10 +4,11 @@ and stopped three times in a row.
 
     python benchmarks/server_start_cache.py [--params params/default.yaml] [--port 8799]
 
-1. cold: the cache in a new, empty folder (what the first start on a fresh machine pays);
-2. warm: the same folder again (what a launch now gives every later start: Engine.tmp_caches);
-3. reference: another new, empty folder (what every start paid while the cache lived in the server's own
-   TMPDIR, removed at teardown: 71129a0 to this change).
+1. cold: the server's TMPDIR (server.env) a new, empty folder: its inductor cache, linked from the server's
+   own folder to beside it (Engine.tmp_caches), empty (what the first start on a fresh machine pays);
+2. warm: the same TMPDIR again (what a launch now gives every later start);
+3. reference: the same TMPDIR, no link: the cache in the server's own folder, removed at teardown (what
+   every start paid from 71129a0 to this change).
 Each line: the start's wall (launch to healthy), vLLM's "init engine ... took" (profile, KV cache, warm-up,
 the compile among them) and the CPU time of the server's processes up to healthy, their reaped children's
 included (core-seconds, /proc).
@@ -15,6 +16,7 @@ included (core-seconds, /proc).
 from __future__ import annotations
 
 import argparse
+import getpass
 import re
 import sys
 import tempfile
@@ -27,7 +29,6 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "lib"))
 
-from decodescope.exec import procs  # noqa: E402
 from decodescope.exec.modeldir import resolve_model_dir  # noqa: E402
 from decodescope.exec.server import VllmServer  # noqa: E402
 from decodescope.exec.serverlaunch import launch_spec  # noqa: E402
@@ -49,19 +50,24 @@ def tree_cpu_s(pids: list[int]) -> float:
     return total
 
 
-def one_start(params, model: str, tokenizer: str, cache_dir: Path, log: Path) -> dict:
+def one_start(params, model: str, tokenizer: str, tmp_root: Path, linked: bool, log: Path) -> dict:
+    server_env = {**params.server.env, "TMPDIR": str(tmp_root)}
+    params = params.model_copy(update={"server": params.server.model_copy(update={"env": server_env})})
     spec = launch_spec(params, model, tokenizer)
-    spec = replace(spec, env={**spec.env, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)})
+    if not linked:
+        spec = replace(spec, tmp_caches=[])
+    cache_dir = tmp_root / spec.tmp_caches[0].format(user=getpass.getuser()) if linked else Path(spec.tmp_dir)
     t0 = time.monotonic()
     server = VllmServer.launch(spec, log, params.server.startup_timeout_s)
     try:
         wall_s = time.monotonic() - t0
         cpu_s = tree_cpu_s(server.process_tree())
+        files = sum(1 for p in cache_dir.rglob("*") if p.is_file())
     finally:
         server.stop()
     init = INIT_ENGINE.findall(log.read_text(errors="replace"))
     return {"wall_s": wall_s, "init_engine_s": float(init[-1]) if init else float("nan"), "cpu_core_s": cpu_s,
-            "cache_files": sum(1 for p in cache_dir.rglob("*") if p.is_file())}
+            "cache_files": files}
 
 
 def main() -> int:
@@ -74,21 +80,16 @@ def main() -> int:
     model, tokenizer = resolve_model_dir(params)
     with tempfile.TemporaryDirectory(prefix="ds-start-cache-") as tmp:
         root = Path(tmp)
-        kept, fresh = root / "kept", root / "fresh"
         rows = []
-        for label, cache in (("cold (empty cache)", kept), ("warm (the cache kept)", kept),
-                             ("reference (empty cache again)", fresh)):
-            before = sum(1 for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
-            r = one_start(params, model, tokenizer, cache, root / f"server-{len(rows)}.log")
-            rows.append((label, before, r))
-            print(f"{label:30s} wall {r['wall_s']:6.1f} s  init engine {r['init_engine_s']:5.1f} s  "
-                  f"CPU {r['cpu_core_s']:6.1f} core-s  cache files {before} -> {r['cache_files']}", flush=True)
-        warm, ref = rows[1][2], rows[2][2]
+        for label, linked in (("cold (empty cache)", True), ("warm (the cache kept)", True),
+                              ("reference (cache in its folder)", False)):
+            r = one_start(params, model, tokenizer, root, linked, root / f"server-{len(rows)}.log")
+            rows.append((label, r))
+            print(f"{label:32s} wall {r['wall_s']:6.1f} s  init engine {r['init_engine_s']:5.1f} s  "
+                  f"CPU {r['cpu_core_s']:6.1f} core-s  files in its cache while up {r['cache_files']}", flush=True)
+        warm, ref = rows[1][1], rows[2][1]
         print(f"warm / reference: wall {warm['wall_s'] / ref['wall_s']:.2f}, init engine "
               f"{warm['init_engine_s'] / ref['init_engine_s']:.2f}, CPU {warm['cpu_core_s'] / ref['cpu_core_s']:.2f}")
-    leftover = procs.sweep_private_dirs(tempfile.gettempdir())
-    if leftover:
-        print(f"(removed {len(leftover)} unheld server folders)")
     return 0
 
 

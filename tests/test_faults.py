@@ -166,16 +166,6 @@ def settled(probe: Callable[[], tuple[list, ...]], timeout_s: float = 20) -> tup
     return left
 
 
-def environ_of(pid: int) -> dict[str, str]:
-    """A process's environment as it started ({} once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
-    except OSError:
-        return {}
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-
-
 def left_after_teardown(run_dir: Path) -> tuple[list[int], list[Path]]:
     """What of the run is left here once its teardown has had time to finish."""
     pids, shm = settled(lambda: leftovers(run_dir))
@@ -268,8 +258,7 @@ def killed_mid_sweep(tmp_path_factory) -> dict:
     info = json.loads((run_dir / "data/server.json").read_text())
     own_tmp = Path(procs.server_tmp_dir(info["run_token"], tempfile.gettempdir()))
     out["own_tmp_while_up"] = {p.name: p.is_socket() for p in own_tmp.iterdir()}
-    out["inductor_caches_while_up"] = {environ_of(pid).get("TORCHINDUCTOR_CACHE_DIR")
-                                       for pid in procs.run_processes(info["run_token"])}
+    out["links_while_up"] = {p.name: os.readlink(p) for p in own_tmp.iterdir() if p.is_symlink()}
     os.kill(info["pid"], signal.SIGKILL)  # the API server only: its engine core and workers stay up
     t_kill = time.monotonic()
     rc = run.wait(300)
@@ -315,12 +304,12 @@ def test_server_killed_mid_sweep_fails_the_phase_tears_down_and_resume_remeasure
     # server removes none of them, and the teardown removed the folder (leftovers: tmp_dirs_left)
     made = k["own_tmp_while_up"]
     assert sum(made.values()) >= 3 and any(n.startswith("vllm_dist_") for n, sock in made.items() if not sock), made
-    # ... but not inductor's compile cache, which would go with it: every process of the tree has the one that
-    # a server with the default TMPDIR has, so the next start reuses what this one compiled
-    assert not any(n.startswith("torchinductor_") for n in made), made
+    # ... but not inductor's compile cache, which would go with it: its folder there links to the one a server
+    # with the default TMPDIR uses, which the teardown left, so the next start reuses what this one compiled
     user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-    assert k["inductor_caches_while_up"] == {os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-                                             or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")}
+    inductor = f"torchinductor_{user}"
+    assert k["links_while_up"] == {inductor: os.path.join(tempfile.gettempdir(), inductor)}, made
+    assert Path(tempfile.gettempdir(), inductor).is_dir()
     assert k["kept_after_kill"] == kept
     assert k["port_free"]
 

@@ -451,7 +451,7 @@ def _fake_spec(port: int, token: str):
     own_tmp = procs.server_tmp_dir(token, "/tmp")  # as serverlaunch.launch_spec names it for an ssh host
     env = dict(os.environ, **{procs.RUN_TOKEN_ENV: token, "VLLM_RPC_BASE_PATH": own_tmp})
     return LaunchSpec(argv=argv, env=env, host="127.0.0.1", port=port, api_key="sk-fake-0000", run_token=token,
-                      tmp_dir=own_tmp, tmp_caches=[["TORCHINDUCTOR_CACHE_DIR", "torchinductor_{user}"]])
+                      tmp_dir=own_tmp, tmp_caches=["decodescope-test-cache-{user}"])
 
 
 def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(host, tmp_path):
@@ -481,10 +481,9 @@ def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(h
         assert len([p for p in Path(spec.tmp_dir).iterdir() if p.is_socket()]) == 2
         with open(Path(spec.tmp_dir) / ".held") as held, pytest.raises(BlockingIOError):
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # the compile cache the spec names for the host goes beside that folder, with the host's user
-        with open(f"/proc/{server.tree_pids[0]}/environ", "rb") as f:
-            environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        assert environ[b"TORCHINDUCTOR_CACHE_DIR"].decode() == f"/tmp/torchinductor_{getpass.getuser()}"
+        # the cache folder the spec names is linked from it to beside it, with the host's user
+        cache = f"decodescope-test-cache-{getpass.getuser()}"
+        assert os.readlink(Path(spec.tmp_dir) / cache) == f"/tmp/{cache}" and Path(f"/tmp/{cache}").is_dir()
         link = host.measure_link(server.base_url + "/health", f"http://127.0.0.1:{port}/health", n=10)
         assert link.via_tunnel_p50_ms > 0 and link.on_host_p50_ms > 0
         assert link.added_p50_ms == link.via_tunnel_p50_ms - link.on_host_p50_ms
@@ -494,6 +493,8 @@ def test_a_server_there_is_reached_through_a_tunnel_and_torn_down_with_its_shm(h
     assert [f for f in shm if Path(f).exists()] == []
     assert sorted(server.teardown["shm_removed"]) == sorted(shm)
     assert server.teardown["dirs_removed"] == [spec.tmp_dir] and not Path(spec.tmp_dir).exists()
+    assert Path(f"/tmp/{cache}").is_dir()  # the link went with the folder, the cache stays
+    os.rmdir(f"/tmp/{cache}")
     assert "fake server on" in log.read_text()  # the log came back
 
 

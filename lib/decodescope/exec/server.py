@@ -166,6 +166,7 @@ class VllmServer:
                 logger.info("removed %d temporary folder(s) of servers whose run was killed outright: %s",
                             len(swept), ", ".join(swept))
             dir_fd = procs.hold_private_dir(spec.tmp_dir)
+            procs.link_tmp_caches(spec.tmp_dir, spec.tmp_caches)
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,

@@ -63,8 +63,8 @@ class LaunchSpec:
     run_token: str = ""
     cpus: Optional[str] = None  # server.cpus: argv starts with taskset -c
     tmp_dir: str = ""  # its TMPDIR on its host: made before the start, removed at teardown
-    # on an ssh host, the engine's compile caches kept beside tmp_dir (Engine.tmp_caches), which the host's
-    # supervisor points at there (its user, its environment); a local launch has them in env already
+    # the engine's compile-cache folders under TMPDIR, linked from tmp_dir to beside it (Engine.tmp_caches;
+    # on an ssh host by its supervisor, with its user)
     tmp_caches: list = field(default_factory=list)
 
     def describe(self) -> dict:
@@ -107,9 +107,6 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     env["TMPDIR"] = tmp_dir
     if eng.socket_dir_env:  # where it binds its sockets, should its default ever not follow TMPDIR
         env[eng.socket_dir_env] = tmp_dir
-    tmp_caches = [list(c) for c in eng.tmp_caches if c[0] not in s.env]
-    if not remote:
-        env.update(procs.tmp_cache_env(tmp_dir, tmp_caches, env))
     extra_keys = list(s.env)
     if profiler_dir is not None:
         eng.add_profiler(argv, env, extra_keys, str(profiler_dir), profiler_style, params.profile.with_stack)
@@ -118,7 +115,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
         env[eng.api_key_env] = s.api_key  # argv is readable by every local user (ps); the environment is not
     return LaunchSpec(argv=argv, env=env, host=s.bind_host, port=s.port, api_key=s.api_key,
                       extra_env_keys=extra_keys, run_token=run_token, cpus=s.cpus, tmp_dir=tmp_dir,
-                      tmp_caches=tmp_caches if remote else [])
+                      tmp_caches=list(eng.tmp_caches))
 
 
 def _expand(arg: str, model: str, placeholders: dict[str, str]) -> str:

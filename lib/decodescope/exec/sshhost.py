@@ -318,8 +318,8 @@ class SshHost:
               private_dirs: Sequence[str] = (), tmp_caches: Sequence = ()) -> SshHandle:
         """Start argv on the host under its supervisor; `env` (secrets included) goes on the supervisor's
         stdin; `log` (a path of the run directory here) is written there and copied back with `sync`;
-        tmp_caches: (variable, folder name) the supervisor points beside the first private dir
-        (decodescope.exec.procs.tmp_cache_env, with the host's user and environment)."""
+        tmp_caches: cache folder names the supervisor links from the first private dir to beside it
+        (decodescope.exec.procs.link_tmp_caches, with the host's user)."""
         self.connect()
         token = token or procs.new_run_token()
         env = dict(env or {})
@@ -328,7 +328,7 @@ class SshHost:
         spec = {"argv": list(argv), "env": env, "unset": list(unset), "token": token, "log": self.path(log),
                 "cwd": cwd or self.workdir, "grace_s": grace_s, "header": header,
                 "shm_globs": [g.format(token12=token[:12]) for g in shm_globs], "private_dirs": list(private_dirs),
-                "tmp_caches": [list(c) for c in tmp_caches],
+                "tmp_caches": list(tmp_caches),
                 "heartbeat_timeout_s": self.hp.heartbeat_timeout_s}
         fd, err = tempfile.mkstemp(prefix="decodescope-ssh-", suffix=".err")
         os.close(fd)
