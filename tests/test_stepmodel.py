@@ -263,7 +263,10 @@ def test_a_rank_made_late_by_a_known_delay_is_the_skew_the_critical_path_attribu
     assert meta["communicator"] == engine_allreduce.communicator and meta["skew_us"] == 200.0
     assert row.instances >= 4 * 10 - 2, row  # every collective of every step found on both ranks
     assert row.late_rank_share >= 0.9, row
-    assert abs(row.skew_us_median - row.raw_skew_us_median) < 5.0, row
+    # like for like: the path's skew is a lateness (>= 0), as the entry spread is; the signed entry skew's median
+    # moves off it where rank 0 entered last in some instances (a fresh clone's stage 2, 2026-12-07: path and
+    # spread both 241.90 us, signed 236.32 us)
+    assert abs(row.skew_us_median - row.raw_abs_skew_us_median) < 5.0, row
     assert len(meta["spin_us"]) == 4 * 10 and row.spin_us_median >= 200.0, row
     assert row.delivered_us == row.spin_us_median
     if meta["communicator"] == "torch_gloo":
