@@ -27,7 +27,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from decodescope.exec import procs
+from decodescope.exec import privatedirs, procs
 from decodescope.cli.main import EXIT_BAD_INPUT, EXIT_PHASE_FAILED, EXIT_SIGINT, EXIT_SIGTERM, EXIT_WRITE_FAILED
 from decodescope.schema.params import PHASES, load_params
 from decodescope.core.phases import execution_order
@@ -151,7 +151,7 @@ def leftovers(run_dir: Path) -> tuple[list[int], list[Path]]:
 def tmp_dirs_left(servers: list[dict], tmp_dir: str) -> list[Path]:
     """The servers' IPC socket folders (serverlaunch.launch_spec) still there."""
     tokens = [s["run_token"] for s in servers if s.get("run_token")]
-    return [Path(d) for d in (procs.server_tmp_dir(t, tmp_dir) for t in tokens) if os.path.exists(d)]
+    return [Path(d) for d in (privatedirs.server_tmp_dir(t, tmp_dir) for t in tokens) if os.path.exists(d)]
 
 
 def settled(probe: Callable[[], tuple[list, ...]], timeout_s: float = 20) -> tuple[list, ...]:
@@ -256,7 +256,7 @@ def killed_mid_sweep(tmp_path_factory) -> dict:
                "the resume's own server in server.json", run)
     kept = digests(sorted((run_dir / "data/serving").glob("level_*.parquet")))
     info = json.loads((run_dir / "data/server.json").read_text())
-    own_tmp = Path(procs.server_tmp_dir(info["run_token"], tempfile.gettempdir()))
+    own_tmp = Path(privatedirs.server_tmp_dir(info["run_token"], tempfile.gettempdir()))
     out["own_tmp_while_up"] = {p.name: p.is_socket() for p in own_tmp.iterdir()}
     out["links_while_up"] = {p.name: os.readlink(p) for p in own_tmp.iterdir() if p.is_symlink()}
     os.kill(info["pid"], signal.SIGKILL)  # the API server only: its engine core and workers stay up

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from decodescope.exec import procs
+from decodescope.exec import privatedirs, procs
 from decodescope.exec.host import host_for
 from decodescope.exec.hostcore import HostError, HostKeyUnknown, HostVersionMismatch, LinkDropped
 from decodescope.exec.sshhost import SshHost
@@ -448,7 +448,7 @@ def _fake_spec(port: int, token: str):
 
     argv = [sys.executable, str(FAKE_SERVER), "--served-model-name", "m", alias_for(token), "--host", "127.0.0.1",
             "--port", str(port)]
-    own_tmp = procs.server_tmp_dir(token, "/tmp")  # as serverlaunch.launch_spec names it for an ssh host
+    own_tmp = privatedirs.server_tmp_dir(token, "/tmp")  # as serverlaunch.launch_spec names it for an ssh host
     env = dict(os.environ, **{procs.RUN_TOKEN_ENV: token, "VLLM_RPC_BASE_PATH": own_tmp})
     return LaunchSpec(argv=argv, env=env, host="127.0.0.1", port=port, api_key="sk-fake-0000", run_token=token,
                       tmp_dir=own_tmp, tmp_caches=["decodescope-test-cache-{user}"])

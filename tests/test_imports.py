@@ -377,14 +377,15 @@ def _bare_python(code: str, timeout_s: float = 120):
                           env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
 
 
-def test_the_hosts_agent_starts_on_the_standard_library_and_procs_only():
+def test_the_hosts_agent_starts_on_the_standard_library_procs_and_privatedirs_only():
     """hostagent runs on the GPU host for every supervised process and small command (LAZY_MODULES says
     so); a top-level import of the host seam once brought pydantic and urllib into it (0.46-0.56 s a start)."""
     proc = _bare_python("import sys, decodescope.exec.hostagent\n"
                         "print(sorted(m for m in sys.modules if m.startswith('decodescope') or m in ('pydantic', "
                         "'urllib.request')))\n")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['decodescope', 'decodescope.exec', 'decodescope.exec.hostagent', 'decodescope.exec.procs']"
+    assert proc.stdout.strip() == ("['decodescope', 'decodescope.exec', 'decodescope.exec.hostagent', "
+                                   "'decodescope.exec.privatedirs', 'decodescope.exec.procs']")
 
 
 def test_a_phase_notebook_starts_without_papermill():

@@ -7,7 +7,7 @@ import time
 import uuid
 from pathlib import Path
 
-from decodescope.exec import procs
+from decodescope.exec import privatedirs, procs
 
 # A process of the run that holds a spawn-context semaphore (as vLLM's API server and engine do: its
 # name is in /dev/shm until multiprocessing's resource tracker unlinks it) and does not stop on SIGTERM,
@@ -182,7 +182,7 @@ def test_a_server_whose_command_cannot_start_leaves_no_folder_and_no_port_held(t
     from tests.conftest import free_port
     port = free_port()
     token = uuid.uuid4().hex
-    tmp_dir = procs.server_tmp_dir(token, str(tmp_path))
+    tmp_dir = privatedirs.server_tmp_dir(token, str(tmp_path))
     missing = str(tmp_path / "no-such-python")
     spec = LaunchSpec(argv=[missing, "-m", "vllm"], env=dict(os.environ), host="127.0.0.1", port=port,
                       run_token=token, tmp_dir=tmp_dir)
@@ -196,22 +196,22 @@ def test_a_server_whose_command_cannot_start_leaves_no_folder_and_no_port_held(t
 def test_a_private_folder_is_swept_only_once_nobody_holds_it(tmp_path):
     """Held by a live process: kept; its holder SIGKILLed: removed (its age past the mkdir-to-flock window);
     fresh, or without a lock file (not made by hold_private_dir): kept."""
-    held = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom decodescope.exec import procs\n"
-                               f"procs.hold_private_dir({held!r}); print('held', flush=True); time.sleep(60)"],
+    held = privatedirs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom decodescope.exec import privatedirs\n"
+                               f"privatedirs.hold_private_dir({held!r}); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        fresh = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
-        os.close(procs.hold_private_dir(fresh))  # released at once, but made just now
-        foreign = tmp_path / f"{procs.PRIVATE_DIR_PREFIX}foreign"
+        fresh = privatedirs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+        os.close(privatedirs.hold_private_dir(fresh))  # released at once, but made just now
+        foreign = tmp_path / f"{privatedirs.PRIVATE_DIR_PREFIX}foreign"
         foreign.mkdir()
         later = time.time() + 60
-        assert procs.sweep_private_dirs(str(tmp_path)) == []
-        assert procs.sweep_private_dirs(str(tmp_path), now=later) == [fresh]
+        assert privatedirs.sweep_private_dirs(str(tmp_path)) == []
+        assert privatedirs.sweep_private_dirs(str(tmp_path), now=later) == [fresh]
         holder.kill()
         holder.wait()
-        assert procs.sweep_private_dirs(str(tmp_path), now=later) == [held]
+        assert privatedirs.sweep_private_dirs(str(tmp_path), now=later) == [held]
         assert not Path(held).exists() and foreign.is_dir()
     finally:
         holder.kill()
@@ -222,20 +222,20 @@ def test_a_cache_folder_is_linked_beside_the_private_one_and_outlives_its_remova
     """An engine's cache under TMPDIR (Engine.tmp_caches) is one folder beside the servers' own ones, shared by
     each start: what one start wrote there is there for the next, after the first folder was removed."""
     import getpass
-    first = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
-    os.close(procs.hold_private_dir(first))
+    first = privatedirs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+    os.close(privatedirs.hold_private_dir(first))
     name = f"cache_{getpass.getuser()}"
-    assert procs.link_tmp_caches(first, ["cache_{user}"]) == [os.path.join(first, name)]
+    assert privatedirs.link_tmp_caches(first, ["cache_{user}"]) == [os.path.join(first, name)]
     (Path(first) / name / "compiled.so").write_text("kernel")
-    assert procs.remove_dirs([first]) == [first] and not Path(first).exists()
+    assert privatedirs.remove_dirs([first]) == [first] and not Path(first).exists()
     assert (tmp_path / name / "compiled.so").read_text() == "kernel"
-    second = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
-    os.close(procs.hold_private_dir(second))
-    procs.link_tmp_caches(second, ["cache_{user}"])
+    second = privatedirs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+    os.close(privatedirs.hold_private_dir(second))
+    privatedirs.link_tmp_caches(second, ["cache_{user}"])
     assert (Path(second) / name / "compiled.so").read_text() == "kernel"
     # a cache that cannot be made beside it (a file in its place) is left out, not an error
     (tmp_path / "blocked").write_text("")
-    assert procs.link_tmp_caches(second, ["blocked/x"]) == []
+    assert privatedirs.link_tmp_caches(second, ["blocked/x"]) == []
 
 
 def test_a_run_killed_outright_leaves_a_folder_the_next_launch_removes(tmp_path):
@@ -246,7 +246,7 @@ def test_a_run_killed_outright_leaves_a_folder_the_next_launch_removes(tmp_path)
     from decodescope.exec.server import ServerError, VllmServer
     from decodescope.exec.serverlaunch import LaunchSpec
     pidfile = tmp_path / "server.pid"
-    tmp_dir = procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
+    tmp_dir = privatedirs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path))
     controller = subprocess.Popen([sys.executable, "-c", f"""
 import os, sys
 from pathlib import Path
@@ -274,7 +274,7 @@ VllmServer.launch(spec, Path({str(tmp_path / 'server.log')!r}), timeout_s=120)
     assert Path(tmp_dir).is_dir()  # no teardown ran
     os.utime(Path(tmp_dir) / ".held", (time.time() - 60, time.time() - 60))  # past the mkdir-to-flock window
     spec = LaunchSpec(argv=[str(tmp_path / "no-such-python")], env=dict(os.environ), host="127.0.0.1", port=1,
-                      run_token=uuid.uuid4().hex, tmp_dir=procs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path)))
+                      run_token=uuid.uuid4().hex, tmp_dir=privatedirs.server_tmp_dir(uuid.uuid4().hex, str(tmp_path)))
     with pytest.raises(ServerError, match="could not start"):
         VllmServer.launch(spec, tmp_path / "server.log", timeout_s=30)
     assert not Path(tmp_dir).exists()

@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from decodescope.exec import procs
+from decodescope.exec import privatedirs, procs
 
 SHM_SCAN_S = 2.0
 
@@ -105,10 +105,10 @@ def _start_child(spec: dict, token: str) -> subprocess.Popen | int:
         for d in [log.parent, *map(Path, spec.get("mkdirs", []))]:
             d.mkdir(parents=True, exist_ok=True)
         for d in spec.get("private_dirs", []):
-            procs.sweep_private_dirs(os.path.dirname(d))  # left by a supervisor killed outright
-            procs.hold_private_dir(d)  # held until this supervisor exits, after its teardown
+            privatedirs.sweep_private_dirs(os.path.dirname(d))  # left by a supervisor killed outright
+            privatedirs.hold_private_dir(d)  # held until this supervisor exits, after its teardown
         if spec.get("private_dirs"):
-            procs.link_tmp_caches(spec["private_dirs"][0], spec.get("tmp_caches", []))
+            privatedirs.link_tmp_caches(spec["private_dirs"][0], spec.get("tmp_caches", []))
         logf = open(log, "ab", buffering=0)
         if spec.get("header"):
             logf.write(spec["header"].encode())
@@ -125,7 +125,7 @@ def _start_child(spec: dict, token: str) -> subprocess.Popen | int:
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=procs.new_session_dying_with_parent)
     except OSError as e:
-        procs.remove_dirs(spec.get("private_dirs", []))  # nothing started to use them
+        privatedirs.remove_dirs(spec.get("private_dirs", []))  # nothing started to use them
         _emit({"event": "error", "error": f"cannot start {spec['argv'][0]}: [Errno {e.errno}] {e.strerror}",
                "errno": e.errno})
         return 3

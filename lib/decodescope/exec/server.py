@@ -32,7 +32,7 @@ from typing import Optional
 
 import psutil
 
-from decodescope.exec import procs
+from decodescope.exec import privatedirs, procs
 from decodescope.exec.hostcore import loopback_for
 from decodescope.exec.locks import holder_info, port_lock
 from decodescope.schema.params import Params
@@ -134,7 +134,7 @@ class VllmServer:
         self.shm_files: set[Path] = set()
         self.teardown: dict = {}
         self._held_port: Optional[int] = None
-        self._dir_fd: Optional[int] = None  # holds spec.tmp_dir's lock (procs.hold_private_dir) until teardown
+        self._dir_fd: Optional[int] = None  # holds spec.tmp_dir's lock (privatedirs.hold_private_dir) until teardown
         self.host = None     # decodescope.exec.host: set when the server runs on an ssh host
         self.remote = None   # its host.SshHandle (also self.proc: Popen-like)
         self.link: Optional[LinkMeasure] = None
@@ -161,19 +161,19 @@ class VllmServer:
                   f"# {json.dumps(spec.describe()['argv'])}\n".encode())
         dir_fd = None
         if spec.tmp_dir:
-            swept = procs.sweep_private_dirs(os.path.dirname(spec.tmp_dir))
+            swept = privatedirs.sweep_private_dirs(os.path.dirname(spec.tmp_dir))
             if swept:
                 logger.info("removed %d temporary folder(s) of servers whose run was killed outright: %s",
                             len(swept), ", ".join(swept))
-            dir_fd = procs.hold_private_dir(spec.tmp_dir)
-            procs.link_tmp_caches(spec.tmp_dir, spec.tmp_caches)
+            dir_fd = privatedirs.hold_private_dir(spec.tmp_dir)
+            privatedirs.link_tmp_caches(spec.tmp_dir, spec.tmp_caches)
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, preexec_fn=procs.new_session_dying_with_parent)
         except OSError as e:
             # nothing started: what was made for it goes, and the error names the command
-            procs.remove_dirs([spec.tmp_dir] if spec.tmp_dir else [])
+            privatedirs.remove_dirs([spec.tmp_dir] if spec.tmp_dir else [])
             if dir_fd is not None:
                 os.close(dir_fd)
             if newly_held:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from decodescope.exec import procs
+from decodescope.exec import privatedirs, procs
 from decodescope.schema.params import Params, redact
 from decodescope.engines import DEFAULT_ENGINE, ENGINES, engine
 
@@ -103,7 +103,7 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     # inductor's and Triton's at ~/.cache/vllm; a cache kept under TMPDIR itself (FA4's CuTe DSL kernels)
     # lives one server long
     remote = host is not None and host.remote
-    tmp_dir = procs.server_tmp_dir(run_token, s.env.get("TMPDIR") or ("/tmp" if remote else tempfile.gettempdir()))
+    tmp_dir = privatedirs.server_tmp_dir(run_token, s.env.get("TMPDIR") or ("/tmp" if remote else tempfile.gettempdir()))
     env["TMPDIR"] = tmp_dir
     if eng.socket_dir_env:  # where it binds its sockets, should its default ever not follow TMPDIR
         env[eng.socket_dir_env] = tmp_dir

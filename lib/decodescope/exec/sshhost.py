@@ -319,7 +319,7 @@ class SshHost:
         """Start argv on the host under its supervisor; `env` (secrets included) goes on the supervisor's
         stdin; `log` (a path of the run directory here) is written there and copied back with `sync`;
         tmp_caches: cache folder names the supervisor links from the first private dir to beside it
-        (decodescope.exec.procs.link_tmp_caches, with the host's user)."""
+        (decodescope.exec.privatedirs.link_tmp_caches, with the host's user)."""
         self.connect()
         token = token or procs.new_run_token()
         env = dict(env or {})
