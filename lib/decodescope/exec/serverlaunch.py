@@ -99,9 +99,9 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     env["TRANSFORMERS_OFFLINE"] = "1"
     env[procs.RUN_TOKEN_ENV] = run_token  # every process of the server inherits it: teardown finds them
     # the tree's temporary files (vLLM's ZMQ sockets and its workers' init file, which it never removes) go
-    # in a folder of its own, inside the one the server would have used. Its compile caches stay: vLLM points
-    # inductor's and Triton's at ~/.cache/vllm; a cache kept under TMPDIR itself (FA4's CuTe DSL kernels)
-    # lives one server long
+    # in a folder of its own, inside the one the server would have used. The engine's compile caches under
+    # TMPDIR (Engine.tmp_caches: vLLM CPU keeps inductor's there) are linked from it to where that TMPDIR has
+    # them, so they outlive the server; one the engine does not name (FA4's CuTe DSL kernels) lives one server long
     remote = host is not None and host.remote
     tmp_dir = privatedirs.server_tmp_dir(run_token, s.env.get("TMPDIR") or ("/tmp" if remote else tempfile.gettempdir()))
     env["TMPDIR"] = tmp_dir
