@@ -68,7 +68,8 @@ def sample(out: str, period_s: float = 1.0) -> None:
                     env = _read(f"/proc/{d}/environ").split(b"\0")
                 except OSError:
                     cmd, env = "", []
-                test = next((kv[20:].decode(errors="replace") for kv in env if kv.startswith(b"PYTEST_CURRENT_TEST=")), "")
+                test = next((kv[20:].decode(errors="replace") for kv in env
+                             if kv.startswith(b"PYTEST_CURRENT_TEST=")), "")
                 entry = seen[f"{d}:{fields[19]}"] = {"cmd": cmd, "test": test.split(" ")[0], "first_s": now,
                                                      "cpu_first_s": cpu_s}
             entry["cpu_s"], entry["last_s"] = cpu_s, now
@@ -125,7 +126,8 @@ def report(path: str, ref_path: str | None = None, top: int = 25) -> str:
     out = [f"# {path}" + (f" against {ref_path}" if ref_path else ""), f"## by kind of process ({head})"]
     out += _table(kinds, ref_kinds, top)
     out += [f"## by test ({head})"] + _table(tests, ref_tests, top)
-    out.append("## processes seen by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(count.items(), key=lambda kv: -kv[1])))
+    by_count = sorted(count.items(), key=lambda kv: -kv[1])
+    out.append("## processes seen by kind: " + ", ".join(f"{k} {n}" for k, n in by_count))
     return "\n".join(out)
 
 

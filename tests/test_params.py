@@ -343,7 +343,8 @@ def test_each_server_has_a_temporary_folder_of_its_own_here_and_on_an_ssh_host(w
     assert again.tmp_dir != here.tmp_dir
     assert len(here.tmp_dir) + 1 + 36 < 108  # a socket's path (ipc://<dir>/<uuid4>) fits sun_path
     # inductor's cache folder under TMPDIR is linked from the folder to beside it (tests/test_procs.py)
-    assert here.tmp_caches == ["torchinductor_{user}"] and "TORCHINDUCTOR_CACHE_DIR" not in set(here.env) - set(os.environ)
+    assert here.tmp_caches == ["torchinductor_{user}"]
+    assert "TORCHINDUCTOR_CACHE_DIR" not in set(here.env) - set(os.environ)
 
     class Remote:
         remote, python = True, "/usr/bin/python3"

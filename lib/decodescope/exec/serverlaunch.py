@@ -103,7 +103,8 @@ def launch_spec(params: Params, model: str, tokenizer: str, profiler_dir: Option
     # TMPDIR (Engine.tmp_caches: vLLM CPU keeps inductor's there) are linked from it to where that TMPDIR has
     # them, so they outlive the server; one the engine does not name (FA4's CuTe DSL kernels) lives one server long
     remote = host is not None and host.remote
-    tmp_dir = privatedirs.server_tmp_dir(run_token, s.env.get("TMPDIR") or ("/tmp" if remote else tempfile.gettempdir()))
+    tmp_dir = privatedirs.server_tmp_dir(run_token,
+                                         s.env.get("TMPDIR") or ("/tmp" if remote else tempfile.gettempdir()))
     env["TMPDIR"] = tmp_dir
     if eng.socket_dir_env:  # where it binds its sockets, should its default ever not follow TMPDIR
         env[eng.socket_dir_env] = tmp_dir
