@@ -2,6 +2,12 @@
 (decodescope.verdict.verdict.verdict with the run's own params.yaml), set against each run's committed
 data/verdict.json: a fixture whose verdict.json the code no longer writes is stale.
 
+Numbers are the same where they agree to REL_TOL, everything else (keys, lengths, strings, flags) exactly:
+numpy picks its summation kernels by the CPU's SIMD (AVX-512 or AVX2), and a sum's last bit follows, so a
+verdict written on one CI machine read 296.6525189349112 us where another computes 296.6525189349113
+(2026-12-07, seven fixtures, every difference in the 16th digit). A change to the verdict's code moves a
+number by far more than REL_TOL.
+
     python -m tests.fixture_verdicts            # which are stale (exit status 1 when any)
     python -m tests.fixture_verdicts --write    # rewrite the stale ones' data/verdict.json
 
@@ -11,6 +17,8 @@ is read from a folder where models/ is that folder's.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import tempfile
@@ -20,6 +28,7 @@ from typing import Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE_RUNS = REPO / "tests" / "fixtures" / "runs"
+REL_TOL = 1e-9
 
 
 def fixture_runs() -> list[Path]:
@@ -50,14 +59,34 @@ def recomputed(run_dir: Path) -> bytes:
         return out.read_bytes()
 
 
+def differences(now, committed, path: str = "") -> list[str]:
+    """Where two parsed JSON documents part, as `path: now != committed`; floats within REL_TOL agree."""
+    if isinstance(now, dict) and isinstance(committed, dict):
+        return [d for k in sorted(set(now) | set(committed), key=str)
+                for d in differences(now.get(k, "<absent>"), committed.get(k, "<absent>"), f"{path}.{k}")]
+    if isinstance(now, list) and isinstance(committed, list) and len(now) == len(committed):
+        return [d for i, (a, b) in enumerate(zip(now, committed)) for d in differences(a, b, f"{path}[{i}]")]
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (now, committed))
+    if numbers and (isinstance(now, float) or isinstance(committed, float)):
+        same = math.isclose(now, committed, rel_tol=REL_TOL, abs_tol=0.0) or (math.isnan(now) and math.isnan(committed))
+    else:
+        same = now == committed and type(now) is type(committed)
+    return [] if same else [f"{path or '.'}: {str(now)[:120]} != {str(committed)[:120]}"]
+
+
+def stale_paths(run_dir: Path, now: bytes) -> list[str]:
+    """Where the recomputed verdict `now` parts from the run's committed data/verdict.json."""
+    return differences(json.loads(now), json.loads((run_dir / "data" / "verdict.json").read_text()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", action="store_true", help="rewrite each stale data/verdict.json")
     args = ap.parse_args(argv)
     stale = []
     for run_dir in fixture_runs():
-        now, committed = recomputed(run_dir), (run_dir / "data" / "verdict.json").read_bytes()
-        same = now == committed
+        now = recomputed(run_dir)
+        same = not stale_paths(run_dir, now)
         print(f"{'current' if same else 'STALE  '} {run_dir.relative_to(REPO)}/data/verdict.json")
         if not same:
             stale.append(run_dir)
