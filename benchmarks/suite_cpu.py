@@ -19,6 +19,12 @@ import signal
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
+
+# decodescope.core.io is the standard library only: the system python3 that samples a fresh clone's suite,
+# started before its .venv exists, imports it from lib/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+from decodescope.core.io import write_text_atomic  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
 # (kind, a substring of the command line), the first that matches names the process
@@ -81,10 +87,7 @@ def sample(out: str, period_s: float = 1.0) -> None:
 
 
 def _dump(out: str, seen: dict) -> None:
-    tmp = f"{out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(seen, f)
-    os.replace(tmp, out)
+    write_text_atomic(Path(out), json.dumps(seen))
 
 
 def totals(path: str) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
