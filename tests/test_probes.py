@@ -9,6 +9,7 @@ import pytest
 from decodescope.exec import procs
 from decodescope.model import arch as archmod
 from decodescope.micro import bench as mb
+from decodescope.probes.timing import scheduler_tick_us
 from decodescope.schema.params import load_params
 from decodescope.schema.records_probe import read_probe_output
 
@@ -112,13 +113,22 @@ def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_size
     # the medians: a waiting rank sleeps, and a loaded host's scheduler wakes it behind other work 2-10 ms later
     # in over half of either timing's calls at times (two busy loops: medians 0.1-9.9 ms, p10 64-139 us)
     assert late["p10_us"] < 3 * b2b["p10_us"]
+    # each back-to-back call was timed by itself, so the probe split them by this host's scheduler tick: those
+    # half a tick past the fastest (a spin of gloo's TCP loop that ran to the tick) and the rest
+    tick_us = scheduler_tick_us()
+    split = ok[(ok["part"] == "sweep") & (ok["timing"] == "back_to_back")]
+    assert tick_us and (split["tick_us"] == tick_us).all() and split["stalled_share"].between(0.0, 1.0).all()
+    assert (split["p10_us"] <= split["unstalled_us"]).all()
+    assert (split["unstalled_us"] < split["p10_us"] + tick_us / 2).all()
+    print("stalled share back to back at the step's sizes:",
+          split[split["bytes"].isin(step_sizes)].groupby(["communicator", "bytes"])["stalled_share"].max().to_dict())
     burst = ok[ok["part"] == "burst"]
     per_call = burst.groupby("communicator")["per_call_us"].median()
     print("burst per call (us):", per_call.round(1).to_dict())
     fit = mb.latency_fit(coll)
     assert {(engine, "back_to_back"), ("torch_gloo", "back_to_back")} <= set(zip(fit["communicator"], fit["timing"]))
     metas = [read_probe_output(p, "collectives").meta for p in sorted(run_dir.rglob("collectives_rank*.json"))]
-    assert len(metas) == 2
+    assert len(metas) == 2 and all(m["scheduler_tick_us"] == tick_us for m in metas)
     if engine == "vllm_shm":
         assert set(burst["communicator"]) == {"torch_gloo", "vllm_shm"}
         assert per_call["vllm_shm"] < per_call["torch_gloo"]  # the engine's path is the fast one on CPU

@@ -39,6 +39,8 @@ Timing (`timing` column):
 
 `warmup` untimed repetitions run, then `iters` timed ones; the median and p10/p90 are reported.
 GPUs are timed with CUDA events, CPUs with perf_counter.
+On a CPU the back-to-back rows also carry the scheduler tick, the share of calls a tick stalled and the
+median of the rest (`tick_us`, `stalled_share`, `unstalled_us`: timing.tick_stalls).
 Each rank writes collectives_rank<r>.json, atomically, after each part.
 The file holds the backend, NCCL version, NCCL_* settings and the communicators (and why any was skipped).
 """
@@ -57,7 +59,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from decodescope.probes.gemm_kernels import TORCH_DTYPES
 from decodescope.probes.timing import (HOST_AFTER_GEMM, HOST_ISSUE, HostRef, host_issue_after_us, host_issue_us,
-                                       median_spread)
+                                       median_spread, scheduler_tick_us, tick_stalls)
 from decodescope.core.logsetup import run_program
 from decodescope.core.probefile import write_probe_output
 from decodescope.probes.communicators import Communicator, communicators
@@ -295,6 +297,8 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
     rows = []
     max_calls = int(plan.get("back_to_back_calls", BACK_TO_BACK_CALLS))
     ref = HostRef(device, timer.sync) if timer.cuda else None  # the host's speed beside its issue costs
+    # a CPU's calls back to back, each timed by itself, are split into those a scheduler tick stalled and the rest
+    tick_us = None if timer.cuda else scheduler_tick_us()
     for nbytes in sweep_sizes(plan):
         t = torch.ones(_elems(nbytes, dtype, world), device=device, dtype=dtype)
         real = t.numel() * t.element_size()
@@ -336,7 +340,10 @@ def sweep(plan: dict, device, dtype, timer: Timer, world: int, rank: int, comms:
             for timing, mode, measure in timings:
                 row = {**base, "timing": timing, "mode": mode, "calls": calls}
                 try:
-                    st = median_spread(measure())
+                    samples = measure()
+                    st = median_spread(samples)
+                    if timing == "back_to_back":
+                        st.update(tick_stalls(samples, tick_us))
                     host_ref_us = ref.take_median_us() if ref is not None else None
                     # a host's issue time is no transfer: no bandwidth from it
                     rows.append({**row, "status": "ok", **st, "host_ref_us": host_ref_us}
@@ -407,7 +414,8 @@ def main(argv=None) -> int:
             "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
             "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
             "iters": plan["iters"], "warmup": plan["warmup"], "dtype": plan.get("dtype", "bf16"),
-            "cpus": None if use_cuda else sorted(os.sched_getaffinity(0))}
+            "cpus": None if use_cuda else sorted(os.sched_getaffinity(0)),
+            "scheduler_tick_us": scheduler_tick_us()}
     comms, skipped = communicators(device, world, rank)
     meta.update(communicators=[c.name for c in comms], communicators_skipped=skipped,
                 back_to_back_calls=int(plan.get("back_to_back_calls", BACK_TO_BACK_CALLS)))

@@ -11,11 +11,50 @@ HOST_ISSUE = "host_issue"  # the collective probe's timing of the host's own cos
 HOST_AFTER_GEMM = "host_after_gemm"
 
 
+def _nearest_rank(s: list[float], q: float) -> float:
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
 def median_spread(times_us: list[float]) -> dict:
     """Median with p10/p90 (nearest rank) and the count: what every probe row reports."""
     s = sorted(times_us)
-    pick = lambda q: s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]  # noqa: E731
-    return {"time_us": statistics.median(s), "p10_us": pick(0.10), "p90_us": pick(0.90), "n": len(s)}
+    return {"time_us": statistics.median(s), "p10_us": _nearest_rank(s, 0.10), "p90_us": _nearest_rank(s, 0.90),
+            "n": len(s)}
+
+
+# Linux's CLOCK_MONOTONIC_COARSE (linux/time.h), which Python's time module does not name: it advances once
+# per scheduler tick, so its resolution is the tick
+_CLOCK_MONOTONIC_COARSE = 6
+
+
+def scheduler_tick_us() -> Optional[float]:
+    """The kernel's scheduler tick in microseconds (4,000 at CONFIG_HZ=250), None where it cannot be read."""
+    try:
+        res_s = time.clock_getres(_CLOCK_MONOTONIC_COARSE)
+    except (OSError, AttributeError):
+        return None
+    return res_s * 1e6 if 0 < res_s < 1 else None
+
+
+def tick_stalls(times_us: list[float], tick_us: Optional[float]) -> dict:
+    """Calls timed one by one, split into those a scheduler tick stalled and the rest.
+
+    A stalled call waited on the core until a tick let its thread run.
+    gloo's TCP loop does this on a core its own work thread shares: it spins on the pair's lock while the
+    thread holding it waits for the core (gloo tcp/pair.cc handleEvents: try_lock, then epoll again).
+    Only a tick or another wake-up on that core ends the spin.
+    A stall adds up to a tick to the call's own time, which the fastest calls (p10) show.
+    So a call is stalled when it lasts half a tick beyond p10.
+    The split holds where a call's own time varies by less than half a tick, as a decode step's small
+    messages do; a large message's own spread can pass it.
+    Returns the tick, the stalled share and the median of the other calls; empty without a tick."""
+    if not tick_us or not times_us:
+        return {}
+    s = sorted(times_us)
+    limit_us = _nearest_rank(s, 0.10) + tick_us / 2
+    unstalled = [t for t in s if t < limit_us]
+    return {"tick_us": tick_us, "stalled_share": 1 - len(unstalled) / len(s),
+            "unstalled_us": statistics.median(unstalled)}
 
 
 REF_LAUNCHES = 32  # small-GEMM launches per host reference burst (~0.3 ms on an H200 host)

@@ -63,7 +63,26 @@ def collectives_method_note(coll: pd.DataFrame) -> str:
             f"cost between a step's other launches, which the eager step model uses). {m.get('warmup')} "
             f"warm-up and {m.get('iters')} timed repetitions, median with p10/p90; NCCL "
             f"{m.get('nccl_version') or 'n/a'}, NCCL_* settings: {env}. busbw = algbw x 2(n-1)/n (all-reduce), "
-            "x (n-1)/n (all-to-all), as nccl-tests.")
+            "x (n-1)/n (all-to-all), as nccl-tests." + tick_stall_note(coll))
+
+
+def tick_stall_note(coll: pd.DataFrame) -> str:
+    """What share of a CPU's back-to-back calls a scheduler tick stalled, per communicator at its smallest
+    message; nothing where the probe did not split its calls."""
+    if "stalled_share" not in coll.columns:
+        return ""
+    s = coll[(coll["part"] == "sweep") & (coll["timing"] == "back_to_back") & coll["stalled_share"].notna()]
+    if s.empty:
+        return ""
+    first = s[s["bytes"] == s.groupby("communicator")["bytes"].transform("min")]
+    per = first.groupby("communicator").agg(msg_bytes=("bytes", "first"), share=("stalled_share", "max"),
+                                            unstalled_us=("unstalled_us", "median"), all_us=("time_us", "median"))
+    tick_us = float(s["tick_us"].iloc[0])
+    parts = [f"{c} at {int(r['msg_bytes'])} B: {r['share']:.0%} stalled, median {r['all_us']:,.0f} us over all calls "
+             f"and {r['unstalled_us']:,.0f} us over the others" for c, r in per.iterrows()]
+    return (f" On a CPU each back-to-back call is timed by itself and those half a scheduler tick ({tick_us:,.0f} "
+            f"us) past the fastest tenth count as stalled ({'; '.join(parts)}): gloo's TCP loop spins on a quiet "
+            "core until the tick, so the verdict sets the profile's typical call against 03's unstalled one.")
 
 
 BURST_COLUMNS = ["communicator", "batch", "mode", "calls", "msg_bytes", "step_us_median_over_ranks",
