@@ -109,7 +109,8 @@ def test_the_tensor_parallel_1_projection_is_set_against_the_real_tp1_server(cam
 def test_the_step_model_and_the_allreduces_are_set_against_what_was_measured(campaign, engine_allreduce):
     """The issue's targets: all-reduce micro vs profile within 30% (like for like: on the shm path the late
     rank's own op against each call's least time over the ranks; on the gloo path a typical call, its
-    all-reduce op plus its wait op, against 03's typical call back to back), and the step model within 20%
+    all-reduce op plus its wait op, against 03's typical call back to back among those no scheduler tick
+    stalled), and the step model within 20%
     of TPOT at concurrency 1. On this 2-core host the step itself moves between measurements: the
     engine's inter-token latency at one concurrency differs between 01 and 04 (another server start,
     minutes later; host_drift) and between two runs of one workload a second apart (window_noise),
@@ -127,6 +128,10 @@ def test_the_step_model_and_the_allreduces_are_set_against_what_was_measured(cam
     assert host["communicator"] in ar["piece"] and timing in ar["micro_source"], ar
     if host["path"] == "gloo":
         assert "all-reduce op + its wait op" in ar["profile_source"], ar
+        # 03 split its calls by the tick, and the row says what it left out: on a kernel that preempts only at
+        # its tick up to 60% of 03's gloo calls stall there (gloo's TCP loop spinning on a quiet core), and
+        # their median over all calls read 0.13-0.22 of the profile's (2026-12-07, CI and this host)
+        assert "no scheduler tick stalled" in ar["note"], ar
     for r in v["levels"]:
         print("level", r["level"], {k: r.get(k) for k in ("model_us", "reference_tpot_us", "model_error", "engine_itl_us",
                                                            "profile_engine_itl_us", "host_drift", "window_noise",

@@ -18,9 +18,9 @@ from decodescope.schema.records import ProfileCapture, StepCategoryRow, frame
 from decodescope.verdict.stepparts import Component, Kind, collective_component, gemm_component, latency_at, latency_curve
 from decodescope.trace.categorize import ALLREDUCE_CATEGORIES, WAIT_CATEGORIES
 from decodescope.trace.classtime import class_time_per_step
-from decodescope.verdict.stepsample import LOADED, PREEMPTED, HostModel, StepSample, across_levels, preempted_us
+from decodescope.verdict.stepsample import AS_PAID, PREEMPTED, HostModel, StepSample, across_levels, preempted_us
 
-__all__ = ["LOADED", "PREEMPTED", "StepInputs", "StepModel", "StepPrediction", "predict_step", "step_samples"]
+__all__ = ["AS_PAID", "PREEMPTED", "StepInputs", "StepModel", "StepPrediction", "predict_step", "step_samples"]
 
 
 # ---- the whole step: what only the profile measures --------------------------------------------------
@@ -235,13 +235,19 @@ class StepModel:
                               weight_dtype=x.weight_dtype, skew=skew)
 
     def collectives(self, batch: int) -> list[Component]:
-        """03's collectives at `batch` (none at tensor-parallel 1), with what a loaded host adds to them."""
+        """03's collectives at `batch` (none at tensor-parallel 1), and where gloo waits in ops of its own, what
+        the engine's calls cost beyond (or short of) that price at the profiled levels."""
         x = self.x
         if x.tp <= 1:
             return []
-        priced = _priced_collectives(x.coll, x.arch, x.tp, batch, x.communicator, x.timing, x.dtype, self.world)
-        loaded = self.host.collectives_under_load(x.samples, batch, priced.us)
-        return [priced] + ([loaded] if loaded is not None else [])
+
+        def price(b: float) -> Component:
+            # a profiled level's batch is its mean running batch (3.9 at concurrency 4): priced at the whole
+            # batch nearest it, as the step's messages are whole sequences
+            return _priced_collectives(x.coll, x.arch, x.tp, max(1, round(b)), x.communicator, x.timing, x.dtype,
+                                       self.world)
+        as_paid = self.host.collectives_as_paid(x.samples, batch, lambda b: price(b).us)
+        return [price(batch)] + ([as_paid] if as_paid is not None else [])
 
     def rank_wait(self, batch: int) -> list[Component]:
         """The critical rank's wait for the last rank in its all-reduces (04), where it waited."""
@@ -381,7 +387,7 @@ def _profiler_cost(samples: list[StepSample], batch: float, comps: list[Componen
     if not measured:
         return []
     profiled = sum(c.us * (overlap if c.kind is Kind.WORK else 1.0) for c in comps
-                   if c.name not in ("gemm", "collectives", WAIT, LOADED))
+                   if c.name not in ("gemm", "collectives", WAIT, AS_PAID))
     # the cost as a share of what the profiler inflated, applied to these parts: where a fix shrinks
     # them (another tensor-parallel size), the profiler would have cost that step less too
     share, _, _, notes = across_levels(measured, batch, lambda s: s.profiler_cost_us / parts_us[id(s)])

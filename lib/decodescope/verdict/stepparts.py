@@ -213,11 +213,13 @@ def gemm_component(gemm: pd.DataFrame, arch: archmod.ArchConfig, tp: int, batch:
 
 def latency_curve(coll: pd.DataFrame, communicator: str, timing: str, op: str = "all_reduce") -> pd.DataFrame:
     """Rank-0 latency vs message size for one communicator and timing: bytes, time_us, p10_us, p90_us
-    (and host_ref_us where the probe sampled the host's speed beside a host timing)."""
+    (and host_ref_us where the probe sampled the host's speed beside a host timing; unstalled_us and
+    stalled_share where it split a CPU's calls by the scheduler tick)."""
     s = with_timing_columns(coll[(coll["part"] == "sweep") & (coll["status"] == "ok") & (coll["op"] == op)])
     s = s[(s["communicator"] == communicator) & (s["timing"] == timing) & (s["inplace"].astype(bool))]
     s = s[s["rank"] == s["rank"].min()] if not s.empty else s
-    cols = ["bytes", "time_us", "p10_us", "p90_us"] + (["host_ref_us"] if "host_ref_us" in s else [])
+    cols = ["bytes", "time_us", "p10_us", "p90_us"] + [c for c in ("host_ref_us", "unstalled_us", "stalled_share")
+                                                       if c in s]
     return s.sort_values("bytes")[cols].reset_index(drop=True)
 
 
@@ -240,10 +242,18 @@ def collective_component(coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, 
                          f"{sorted(set(coll.get('communicator', pd.Series(dtype=str)).dropna()))}")
     total = low = high = 0.0
     notes = []
+    # where 03 split a CPU's calls by the scheduler tick, a call is its median unstalled call: how often a tick
+    # stalls a call is the host's, which 03's quiet cores do not share with the engine's, and the profile
+    # prices it (stepsample.collectives_as_paid)
+    col = "unstalled_us" if "unstalled_us" in curve and curve["unstalled_us"].notna().all() else "time_us"
+    if col == "unstalled_us":
+        notes.append(f"each call at 03's median among the calls no scheduler tick stalled ({curve['stalled_share'].min():.0%}"
+                     f"-{curve['stalled_share'].max():.0%} of its calls were, by size): the stalls are the host's, "
+                     "priced from the profile where it measured them")
     for c in archmod.collective_schedule(arch, tp, batch, dtype):
         # the logits all-gather moves msg_bytes per rank: priced as an all-reduce of that size (one call
         # per step; 03 does not sweep all-gather)
-        t, extra = latency_at(curve, c.msg_bytes)
+        t, extra = latency_at(curve, c.msg_bytes, col)
         total += c.count * t
         low += c.count * latency_at(curve, c.msg_bytes, "p10_us")[0]
         high += c.count * latency_at(curve, c.msg_bytes, "p90_us")[0]

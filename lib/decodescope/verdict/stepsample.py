@@ -7,14 +7,14 @@ That part is the gap between steps and the ops' preemption."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from decodescope.verdict.stepparts import Component, Kind
 
 PREEMPTED = "workers preempted by the host's processes"
-LOADED = "all-reduces slowed by the host's load"
+AS_PAID = "all-reduces as the engine paid them, less 03's price"
 
 
 @dataclass(frozen=True)
@@ -161,28 +161,40 @@ class HostModel:
         return Component(PREEMPTED, v, lo, hi, source + " (workers' run-queue wait per step, /proc schedstat)",
                          notes, Kind.HOST_IN_STEP)
 
-    def collectives_under_load(self, samples: list[StepSample], batch: float,
-                               priced_us: float) -> Optional[Component]:
-        """What gloo's calls cost the step beyond 03's price, where each waits in an op of its own on every
-        profiled level (collectives_under_load); None elsewhere."""
+    def collectives_as_paid(self, samples: list[StepSample], batch: float,
+                            price_us: Callable[[float], float]) -> Optional[Component]:
+        """What the engine's gloo calls cost the step against 03's price of them, where each waits in an op of
+        its own on every profiled level (collectives_as_paid); None elsewhere."""
         if not samples or not all(s.wait_own_op_us for s in samples):
             return None
-        return collectives_under_load(samples, batch, priced_us)
+        return collectives_as_paid(samples, batch, price_us)
 
 
-def collectives_under_load(samples: list[StepSample], batch: float, priced_us: float) -> Component:
-    """Where each all-reduce waits in an op of its own (gloo), what the step's calls cost beyond 03's price
-    of them at `batch` (priced_us): the critical rank's communication ops per step, waits included, at the
-    profiled levels (linear in batch between them, as the other profile-sourced parts), less the price,
-    never below zero. A gloo call is three threads' hand-overs (the worker's, gloo's work thread, its TCP
-    loop), each waiting for a core; in the engine the engine core and the API server hold those cores too,
-    which 03's two ranks alone never meet (benchmarks/gloo_contention.py: 3.4-4.3x the run-queue wait a
-    call on 2 cores). The collectives then cost the step the larger of 03's price and what the profile
-    measured."""
-    paid, lo, hi, notes = across_levels(samples, batch, lambda s: s.classes_us.get("communication", 0.0))
-    if paid < priced_us:
-        notes.append(f"0: the profiled calls ({paid:,.0f} us a step here) cost the step less than 03's price "
-                     f"({priced_us:,.0f} us)")
-    return Component(LOADED, max(0.0, paid - priced_us), max(0.0, lo - priced_us), max(0.0, hi - priced_us),
+def collectives_as_paid(samples: list[StepSample], batch: float, price_us: Callable[[float], float]) -> Component:
+    """Where each all-reduce waits in an op of its own (gloo), the step's calls as the engine paid them,
+    less 03's price of them (price_us: 03's price at a batch): at each profiled level the critical rank's
+    communication ops per step, waits included, less the price at that level's batch; linear in batch
+    between the levels, held outside them, as the other profile-sourced parts. Either sign: the collectives
+    then cost the step what the profile measured at the profiled levels, and 03's price carries how they
+    change with the batch.
+
+    A gloo call is three threads' hand-overs (the worker's, gloo's work thread, its TCP loop), each on the
+    rank's core, and what else runs on that core sets what a call costs beyond its own time:
+    - the engine core and the API server hold those cores in the engine, which 03's two ranks alone never
+      meet (benchmarks/gloo_contention.py: 3.4-4.3x the run-queue wait a call on 2 cores): the engine's
+      calls cost more than 03's;
+    - on a kernel that preempts only at its tick (CONFIG_PREEMPT_NONE), gloo's TCP loop spins on the pair's
+      lock while the work thread that holds it waits for the core, until a tick or another wake-up on that
+      core ends it: 03's quiet cores let it run to the tick, the engine's busy ones end it sooner
+      (benchmarks/results/avx2_host_20261207.txt). 03 prices its unstalled calls where it split them by the
+      tick; where it did not, its calls can cost more than the engine's.
+    Either way the profile measured the engine's own calls, so at the profiled levels it holds."""
+    def paid_less_price(s: StepSample) -> float:
+        return s.classes_us.get("communication", 0.0) - price_us(s.batch)
+    v, lo, hi, notes = across_levels(samples, batch, paid_less_price)
+    floor = -price_us(batch)
+    if v < 0:
+        notes.append(f"the profiled calls cost the step {-v:,.0f} us less than 03's price ({-floor:,.0f} us)")
+    return Component(AS_PAID, max(v, floor), max(lo, floor), max(hi, floor),
                      "; ".join(s.source for s in samples) + " (the critical rank's all-reduce and wait ops per "
-                     "step, less 03's price of the calls)", notes)
+                     "step, less 03's price of the calls at its batch)", notes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import pandas as pd
 
 from decodescope.schema.records_verdict import SpecKRow
@@ -98,9 +99,15 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
     The first row is a typical call.
     On the profile's side it is the median call x calls per step.
     That call is its all-reduce op plus its wait op, at its least time over the ranks.
-    On 03's side it is the median call back to back, each call timed by itself.
+    On 03's side it is the median call back to back, each call timed by itself, among the calls no scheduler
+    tick stalled where 03 split them (unstalled_us).
+    On a quiet core gloo's TCP loop can spin until the tick while its work thread waits for the core
+    (probes.timing.tick_stalls), in up to half of 03's calls: their median then falls among the stalls.
+    The engine's busier cores end those spins sooner, so the stalls are the host's, and the step model
+    takes them from the profile (stepsample.collectives_as_paid).
     The second row is the calls as a step pays them, on the rank that waits least.
-    That includes the ranks' skew and the host's stalls; 03's side is its calls back to back.
+    That includes the ranks' skew and the host's stalls; 03's side is its calls back to back as the step
+    model prices them (the unstalled ones, where 03 split them).
     Summaries written before the per-call figure have the second row and the hand-over alone."""
     wait = sm.own_op_wait_by_rank(per_step).reindex(ar_by_rank.index, fill_value=0.0)
     paid = ar_by_rank + wait
@@ -113,16 +120,17 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
     comm = next(iter(summary.allreduce_communicators), "unknown")
     if calls is not None:
         row = allreduce_reconcile_row(coll, summary, calls.median_us * calls.calls_per_step, profile_batch, arch, tp,
-                                      timings=("back_to_back",))
+                                      timings=("back_to_back",), statistic="unstalled_us")
         row["profile_source"] = (
             f"profile_summary.json allreduce_with_wait: each call, all-reduce op + its wait op, at its least time over "
             f"the ranks; the median call ({calls.median_us:,.0f} us) x {calls.calls_per_step:g} calls per step")
         row["note"] = (f"same communicator ({comm}); a typical call on both sides, its wait included: 03's median "
                        "call back to back (the ranks arrive together, as at a step's typical call) against the "
                        "profile's median call at its least time over the ranks")
+        row["note"] += _tick_stall_note(coll, comm, arch, tp, profile_batch)
         rows.append(row)
     step = allreduce_reconcile_row(coll, summary, float(paid.min()), profile_batch, arch, tp,
-                                   timings=sp.WAIT_INCLUDED_TIMINGS)
+                                   timings=sp.WAIT_INCLUDED_TIMINGS, statistic="unstalled_us")
     step["profile_source"] = (f"profile_summary.json per_step_categories, rank {rank} (the one that waits least): "
                               f"all-reduce {float(ar_by_rank[rank]):,.0f} us + its wait op (collective_wait) "
                               f"{float(wait[rank]):,.0f} us per step: on this path a call costs both")
@@ -131,7 +139,7 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
         step["note"] = (f"the mean call at its least over the ranks is {calls.mean_us:,.0f} us against the median's "
                         f"{calls.median_us:,.0f} (p90 {calls.p90_us:,.0f} us): calls stalled on both ranks, "
                         f"{(calls.mean_us - calls.median_us) * calls.calls_per_step:,.0f} us per step of the host's "
-                        "time, which the step model books to the all-reduces slowed by the host's load")
+                        "time, which the step model books to the all-reduces as the engine paid them")
     else:
         step["note"] = (step.get("note", "") + "; the wait is an op of its own here (gloo), so both sides take the "
                         "calls as a step issues them, waits included").lstrip("; ")
@@ -144,6 +152,21 @@ def _reconcile_wait_in_own_op(run_dir: Path, summary: ProfileSummary, per_step: 
         t["note"] = "the all-reduce op alone: not what a step pays per call on this path (see the row above)"
         rows.append(t)
     return _with_gemm_row(run_dir, rows, profile_batch, observed_gemm, weight_dtype, arch, tp)
+
+
+def _tick_stall_note(coll: pd.DataFrame, comm: str, arch, tp: int, batch: int) -> str:
+    """What 03's tick split left out of its typical call at the step's message size, or nothing where 03
+    did not split its calls."""
+    curve = sp.latency_curve(coll, micro_communicator_for(comm), "back_to_back")
+    calls = [c for c in archmod.collective_schedule(arch, tp, batch) if c.op == "all_reduce"] if arch else []
+    if curve.empty or not calls or "stalled_share" not in curve or curve["stalled_share"].isna().any():
+        return ""
+    nbytes = calls[0].msg_bytes
+    at = curve.iloc[(np.log(curve["bytes"].astype(float)) - np.log(nbytes)).abs().argmin()]
+    return (f"; 03's median among its calls no scheduler tick stalled ({float(at['unstalled_us']):,.0f} us at "
+            f"{int(at['bytes'])} B, against {float(at['time_us']):,.0f} us over all): {float(at['stalled_share']):.0%} "
+            "of its calls lasted half a tick past its fastest, gloo's TCP loop spinning on a quiet core until the "
+            "tick; the engine's stalls are the profile's to price")
 
 
 def _with_gemm_row(run_dir: Path, rows: list, profile_batch: int, observed_gemm: Optional[float],
@@ -176,7 +199,7 @@ def _with_gemm_row(run_dir: Path, rows: list, profile_batch: int, observed_gemm:
 
 def allreduce_reconcile_row(coll: pd.DataFrame, summary: Optional[ProfileSummary], observed_us: float, batch: int,
                             arch=None, tp: int = 1, wait_us: Optional[float] = None,
-                            timings: Optional[tuple] = None) -> dict:
+                            timings: Optional[tuple] = None, statistic: str = "time_us") -> dict:
     """The step's all-reduces from the micro-benchmark of the communicator the profile saw, like for like.
 
     The price is calls per step x the latency at the step's message size, from 03's size sweep.
@@ -185,6 +208,8 @@ def allreduce_reconcile_row(coll: pd.DataFrame, summary: Optional[ProfileSummary
     On CPUs it is the late rank's own time, set against the profile's per-call least time over the ranks.
     Failing that, it is back to back.
     When the sweep lacks the size, the barrier-aligned burst prices it.
+    `statistic` is the sweep's column a call is read from (its median call, time_us, unless the sweep
+    carries another at every size, as unstalled_us).
     When the probe did not measure that communicator, the row says so and divides nothing."""
     comms = summary.allreduce_communicators if summary else {}
     profile_comm = next(iter(comms), "unknown")
@@ -202,7 +227,8 @@ def allreduce_reconcile_row(coll: pd.DataFrame, summary: Optional[ProfileSummary
     for timing in (timings or sp.STEP_TIMINGS) if calls and "op" in coll else ():
         curve = sp.latency_curve(coll, micro_comm, timing)
         if not curve.empty:
-            us = sum(c.count * sp.latency_at(curve, c.msg_bytes)[0] for c in calls)
+            col = statistic if statistic in curve and curve[statistic].notna().all() else "time_us"
+            us = sum(c.count * sp.latency_at(curve, c.msg_bytes, col)[0] for c in calls)
             n = sum(c.count for c in calls)
             return {**row, "micro_benchmark_us": us,
                     "micro_source": f"collectives.parquet sweep, {micro_comm} {timing}, {n} calls at "
