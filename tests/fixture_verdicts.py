@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-REPO = Path(__file__).resolve().parent.parent
-FIXTURE_RUNS = REPO / "tests" / "fixtures" / "runs"
+from tests.snapshot_outputs import FIXTURE_RUNS, REPO
+
 REL_TOL = 1e-9
 
 
