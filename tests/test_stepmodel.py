@@ -545,6 +545,19 @@ def test_where_the_wait_is_an_op_of_its_own_a_call_costs_both_and_is_priced_back
     assert parts["collectives"] + as_paid.us == pytest.approx(930.0)
 
 
+def _gloo_summary_with_calls():
+    """A gloo profile at concurrency 1: rank 0 pays 70 + 900 us a step in its all-reduces, rank 1 230 + 700;
+    per call (op + wait, least over the ranks) a median of 210 us, a mean of 700, 9 calls a step."""
+    from decodescope.schema.records import CallsWithWait
+
+    s = _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0, "attention": 50.0},
+                          1: {"allreduce": 230.0, "collective_wait": 700.0, "attention": 60.0}},
+                 3000.0, 4000.0, 500.0, 0.0, transfer=20.0)
+    return s.model_copy(update={"allreduce_communicators": {"torch_gloo": 1.0},
+                                "allreduce_with_wait": CallsWithWait(median_us=210.0, mean_us=700.0, p90_us=2400.0,
+                                                                     calls_per_step=9.0, calls=900)})
+
+
 def test_on_gloo_a_typical_call_with_its_wait_is_set_against_03s_typical_call_back_to_back(tiny, tmp_path):
     """With the per-call figure (profile_summary allreduce_with_wait) the first row sets a typical call against
     a typical call: the profile's median call, all-reduce op + its wait op, at its least time over the ranks
@@ -553,15 +566,9 @@ def test_on_gloo_a_typical_call_with_its_wait_is_set_against_03s_typical_call_ba
     not. The second row keeps the calls as a step pays them (930 us on the rank that waits least against
     the same 1,800) and says what the stalled calls add: (700 - 210) x 9 = 4,410 us per step. The op alone
     (the hand-over) is no longer a row of its own."""
-    from decodescope.schema.records import CallsWithWait
     from decodescope.verdict.verdict import reconcile
 
-    s = _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0, "attention": 50.0},
-                          1: {"allreduce": 230.0, "collective_wait": 700.0, "attention": 60.0}},
-                 3000.0, 4000.0, 500.0, 0.0, transfer=20.0)
-    s = s.model_copy(update={"allreduce_communicators": {"torch_gloo": 1.0},
-                             "allreduce_with_wait": CallsWithWait(median_us=210.0, mean_us=700.0, p90_us=2400.0,
-                                                                  calls_per_step=9.0, calls=900)})
+    s = _gloo_summary_with_calls()
     _gloo_run_dir(tmp_path, s, late_rank_us=150.0, back_to_back_us=200.0)
     rows = reconcile(tmp_path, 1, s, tiny, 2)
     assert [p for p in rows["piece"] if "all-reduce" in p] == [
@@ -582,15 +589,9 @@ def test_on_gloo_03s_typical_call_leaves_out_the_calls_a_scheduler_tick_stalled(
     split its calls by the tick, the typical call is its median unstalled call: 9 x 200 = 1,800 us against
     the profile's 1,890, and the row says what was left out. The calls as a step pays them are set against
     the same price, the step model's: what the host's stalls add is then the gap (930 against 1,800 here)."""
-    from decodescope.schema.records import CallsWithWait
     from decodescope.verdict.verdict import reconcile
 
-    s = _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0, "attention": 50.0},
-                          1: {"allreduce": 230.0, "collective_wait": 700.0, "attention": 60.0}},
-                 3000.0, 4000.0, 500.0, 0.0, transfer=20.0)
-    s = s.model_copy(update={"allreduce_communicators": {"torch_gloo": 1.0},
-                             "allreduce_with_wait": CallsWithWait(median_us=210.0, mean_us=700.0, p90_us=2400.0,
-                                                                  calls_per_step=9.0, calls=900)})
+    s = _gloo_summary_with_calls()
     coll = _gloo_run_dir(tmp_path, s, late_rank_us=150.0, back_to_back_us=2000.0)
     b2b = coll["timing"] == "back_to_back"
     coll.loc[b2b, "unstalled_us"], coll.loc[b2b, "stalled_share"], coll.loc[b2b, "tick_us"] = 200.0, 0.45, 4000.0
