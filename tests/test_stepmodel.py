@@ -541,7 +541,8 @@ def test_where_the_wait_is_an_op_of_its_own_a_call_costs_both_and_is_priced_back
     # the profiled calls (930 us a step on the rank that waits least) cost less than 03's price (1,000 us): the
     # step takes what the profile measured, 70 us less
     as_paid = next(c for c in pred.components if c.name == sm.AS_PAID)
-    assert as_paid.us == pytest.approx(-70.0) and "70 us less than 03's price (1,000 us)" in "; ".join(as_paid.notes)
+    assert as_paid.us == pytest.approx(-70.0) and "(930 us a step here) cost the step less than 03's price (1,000 us)" in "; ".join(
+        as_paid.notes)
     assert parts["collectives"] + as_paid.us == pytest.approx(930.0)
 
 
@@ -657,11 +658,12 @@ def test_on_gloo_the_calls_cost_what_the_profile_measured_either_side_of_03s_pri
     assert part(4, "vllm_shm", shm) is None
 
 
-def test_past_the_profiled_levels_the_engines_calls_follow_03s_price_and_never_cost_less_than_nothing():
-    """03's price carries how the calls change with the batch; the profile sets them at its levels. By hand,
-    03 pricing a step's calls at 1,000 us per sequence: at batch 1 the profile measured 930 us (-70), at 4
-    1,600 us (-2,400). At batch 8, past the levels, the -2,400 holds: 8,000 - 2,400 = 5,600 us. A profile
-    that measured nothing against a price of 500 us takes the price off whole, never more."""
+def test_past_the_profiled_levels_the_calls_cost_the_nearest_levels_or_03s_price_the_larger():
+    """Where the profile measured the calls it holds, on either side of 03's price; past its levels they cost
+    what the nearest level paid, or 03's price where that is higher (larger messages). By hand, the profile
+    paid 930 us a step at batch 1 and 1,600 at 4: at batch 8, against a price of 1,000 us, 600 us are added
+    (1,600 held); against 2,000 us, nothing (03's price holds). At batch 1 against 1,000 us, -70. A profile
+    that measured nothing takes the price off whole where it measured, never more."""
     from decodescope.verdict.stepsample import collectives_as_paid
 
     summaries = {1: _summary(1, 1.0, {0: {"allreduce": 70.0, "collective_wait": 900.0},
@@ -669,12 +671,15 @@ def test_past_the_profiled_levels_the_engines_calls_follow_03s_price_and_never_c
                  4: _summary(4, 4.0, {0: {"allreduce": 400.0, "collective_wait": 1200.0},
                                       1: {"allreduce": 300.0, "collective_wait": 1500.0}}, 4000.0, 5000.0, 600.0, 0.0)}
     samples = sm.step_samples(summaries, 40.0)
-    at8 = collectives_as_paid(samples, 8, lambda b: 1000.0 * b)
-    assert at8.name == sm.AS_PAID and at8.us == pytest.approx(-2400.0)
-    assert "held at the nearest profiled batch (4)" in at8.notes
+    past = collectives_as_paid(samples, 8, 1000.0)
+    assert past.name == sm.AS_PAID and past.us == pytest.approx(600.0)
+    assert "held at the nearest profiled batch (4)" in past.notes
+    above = collectives_as_paid(samples, 8, 2000.0)
+    assert above.us == 0.0 and any("past the profiled levels 03's price holds" in n for n in above.notes)
+    assert collectives_as_paid(samples, 1, 1000.0).us == pytest.approx(-70.0)
     nothing = [replace(x, classes_us={**x.classes_us, "communication": 0.0}) for x in samples]
-    assert collectives_as_paid(nothing, 1, lambda b: 500.0).us == pytest.approx(-500.0)
-    assert collectives_as_paid(nothing, 1, lambda b: 500.0 * b).low_us == pytest.approx(-500.0)  # the floor
+    assert collectives_as_paid(nothing, 1, 500.0).us == pytest.approx(-500.0)
+    assert collectives_as_paid(nothing, 2, 500.0).low_us == pytest.approx(-500.0)  # the floor, the band too
 
 
 def test_the_profilers_measured_cost_comes_off_the_period_not_the_profiled_wall(tiny):
@@ -1130,7 +1135,7 @@ def test_the_host_model_leaves_a_step_as_profiled_where_every_process_has_a_core
         assert host.as_run([sample]) == [sample] and host.ops_keep_at([sample], 1.0) == 1.0
         assert host.between_us(sample) == sample.between_us and host.between_notes([sample]) == []
         assert host.preempted([sample], 1.0, "src") is None
-        assert host.collectives_as_paid([sample], 1.0, lambda b: 10.0) is None
+        assert host.collectives_as_paid([sample], 1.0, 10.0) is None
     # 2 cores profiled at TP=2, priced at TP=1: a core is freed for the engine core and the API server
     assert HostModel(2, 1, 2).frees_a_core and not HostModel(2, 2, 2).frees_a_core
 

@@ -240,14 +240,9 @@ class StepModel:
         x = self.x
         if x.tp <= 1:
             return []
-
-        def price(b: float) -> Component:
-            # a profiled level's batch is its mean running batch (3.9 at concurrency 4): priced at the whole
-            # batch nearest it, as the step's messages are whole sequences
-            return _priced_collectives(x.coll, x.arch, x.tp, max(1, round(b)), x.communicator, x.timing, x.dtype,
-                                       self.world)
-        as_paid = self.host.collectives_as_paid(x.samples, batch, lambda b: price(b).us)
-        return [price(batch)] + ([as_paid] if as_paid is not None else [])
+        priced = _priced_collectives(x.coll, x.arch, x.tp, batch, x.communicator, x.timing, x.dtype, self.world)
+        as_paid = self.host.collectives_as_paid(x.samples, batch, priced.us)
+        return [priced] + ([as_paid] if as_paid is not None else [])
 
     def rank_wait(self, batch: int) -> list[Component]:
         """The critical rank's wait for the last rank in its all-reduces (04), where it waited."""

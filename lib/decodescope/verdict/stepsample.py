@@ -7,7 +7,7 @@ That part is the gap between steps and the ops' preemption."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -162,21 +162,21 @@ class HostModel:
                          notes, Kind.HOST_IN_STEP)
 
     def collectives_as_paid(self, samples: list[StepSample], batch: float,
-                            price_us: Callable[[float], float]) -> Optional[Component]:
+                            priced_us: float) -> Optional[Component]:
         """What the engine's gloo calls cost the step against 03's price of them, where each waits in an op of
         its own on every profiled level (collectives_as_paid); None elsewhere."""
         if not samples or not all(s.wait_own_op_us for s in samples):
             return None
-        return collectives_as_paid(samples, batch, price_us)
+        return collectives_as_paid(samples, batch, priced_us)
 
 
-def collectives_as_paid(samples: list[StepSample], batch: float, price_us: Callable[[float], float]) -> Component:
+def collectives_as_paid(samples: list[StepSample], batch: float, priced_us: float) -> Component:
     """Where each all-reduce waits in an op of its own (gloo), the step's calls as the engine paid them,
-    less 03's price of them (price_us: 03's price at a batch): at each profiled level the critical rank's
-    communication ops per step, waits included, less the price at that level's batch; linear in batch
-    between the levels, held outside them, as the other profile-sourced parts. Either sign: the collectives
-    then cost the step what the profile measured at the profiled levels, and 03's price carries how they
-    change with the batch.
+    less 03's price of them at `batch` (priced_us). At and between the profiled levels
+    the calls cost what the profile measured, on either side of 03's price: the critical rank's
+    communication ops per step, waits included, linear in batch between the levels, as the other
+    profile-sourced parts. Past them (a speculative step's verification at batch x (k + 1) tokens) they cost
+    what the nearest level paid, or 03's price where that is higher (larger messages).
 
     A gloo call is three threads' hand-overs (the worker's, gloo's work thread, its TCP loop), each on the
     rank's core, and what else runs on that core sets what a call costs beyond its own time:
@@ -188,13 +188,13 @@ def collectives_as_paid(samples: list[StepSample], batch: float, price_us: Calla
       core ends it: 03's quiet cores let it run to the tick, the engine's busy ones end it sooner
       (benchmarks/results/avx2_host_20261207.txt). 03 prices its unstalled calls where it split them by the
       tick; where it did not, its calls can cost more than the engine's.
-    Either way the profile measured the engine's own calls, so at the profiled levels it holds."""
-    def paid_less_price(s: StepSample) -> float:
-        return s.classes_us.get("communication", 0.0) - price_us(s.batch)
-    v, lo, hi, notes = across_levels(samples, batch, paid_less_price)
-    floor = -price_us(batch)
-    if v < 0:
-        notes.append(f"the profiled calls cost the step {-v:,.0f} us less than 03's price ({-floor:,.0f} us)")
-    return Component(AS_PAID, max(v, floor), max(lo, floor), max(hi, floor),
+    Either way the profile measured the engine's own calls, so where it measured them it holds."""
+    paid, lo, hi, notes = across_levels(samples, batch, lambda s: s.classes_us.get("communication", 0.0))
+    price = priced_us
+    floor = -price if samples[0].batch <= batch <= samples[-1].batch else 0.0
+    if paid < price:
+        notes.append(f"the profiled calls ({paid:,.0f} us a step here) cost the step less than 03's price "
+                     f"({price:,.0f} us)" + ("" if floor else ": past the profiled levels 03's price holds"))
+    return Component(AS_PAID, max(paid - price, floor), max(lo - price, floor), max(hi - price, floor),
                      "; ".join(s.source for s in samples) + " (the critical rank's all-reduce and wait ops per "
-                     "step, less 03's price of the calls at its batch)", notes)
+                     "step, less 03's price of the calls)", notes)
