@@ -118,7 +118,9 @@ def test_the_engines_own_communicator_is_measured_back_to_back_at_the_steps_size
     tick_us = scheduler_tick_us()
     split = ok[(ok["part"] == "sweep") & (ok["timing"] == "back_to_back")]
     assert tick_us and (split["tick_us"] == tick_us).all() and split["stalled_share"].between(0.0, 1.0).all()
-    assert (split["p10_us"] <= split["unstalled_us"]).all()
+    # the unstalled calls are the fastest ones, so their median is at most the median of all, and each of them
+    # ended before the limit
+    assert (split["unstalled_us"] <= split["time_us"]).all()
     assert (split["unstalled_us"] < split["p10_us"] + tick_us / 2).all()
     print("stalled share back to back at the step's sizes:",
           split[split["bytes"].isin(step_sizes)].groupby(["communicator", "bytes"])["stalled_share"].max().to_dict())

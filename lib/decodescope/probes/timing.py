@@ -47,6 +47,7 @@ def tick_stalls(times_us: list[float], tick_us: Optional[float]) -> dict:
     So a call is stalled when it lasts half a tick beyond p10.
     The split holds where a call's own time varies by less than half a tick, as a decode step's small
     messages do; a large message's own spread can pass it.
+    It also needs p10 to be an unstalled call: where nine calls in ten stall, none count as stalled.
     Returns the tick, the stalled share and the median of the other calls; empty without a tick."""
     if not tick_us or not times_us:
         return {}
