@@ -49,7 +49,7 @@ import json, os, sys, time
 import torch, torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from decodescope.exec.procs import thread_schedstat
-from decodescope.probes.timing import scheduler_tick_us, tick_stalls
+from decodescope.probes.timing import median_spread, scheduler_tick_us, tick_stalls
 n_calls, numel, pinned = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "pinned"
 if pinned:  # before the group: gloo's threads start on the rank's core, as in 03's ranks and vLLM's workers
     os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % os.cpu_count()})
@@ -73,7 +73,7 @@ for tid, (name, cpu, wait) in b.items():
         threads[name] = (c + (cpu - a[tid][1]) / 1e3 / n_calls, w + (wait - a[tid][2]) / 1e3 / n_calls)
 # one write, so the two ranks' lines do not interleave on the shared pipe
 sys.stdout.write("RESULT " + json.dumps({"rank": rank, "call_us": wall_us / n_calls, "threads": threads,
-                                         "median_us": sorted(each)[len(each) // 2], **split}) + "\\n")
+                                         "median_us": median_spread(each)["time_us"], **split}) + "\\n")
 sys.stdout.flush()
 dist.destroy_process_group()
 """
@@ -87,8 +87,9 @@ def reference(numel: int, pinned: bool, n_calls: int = 500) -> dict:
         f.write(RANK)
     try:
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            f.name, str(n_calls), str(numel), "pinned" if pinned else "free"], capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), check=True)
+                            f.name, str(n_calls), str(numel), "pinned" if pinned else "free"],
+                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           check=True)
     finally:
         os.unlink(f.name)
     ranks = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]

@@ -223,6 +223,12 @@ def latency_curve(coll: pd.DataFrame, communicator: str, timing: str, op: str = 
     return s.sort_values("bytes")[cols].reset_index(drop=True)
 
 
+def price_column(curve: pd.DataFrame, preferred: str = "unstalled_us") -> str:
+    """The curve's column a call is read from: `preferred` where the curve has it at every size (a CPU's
+    median unstalled call, where 03 split its calls by the scheduler tick), its median call otherwise."""
+    return preferred if preferred in curve and curve[preferred].notna().all() else "time_us"
+
+
 def latency_at(curve: pd.DataFrame, nbytes: float, col: str = "time_us") -> tuple[float, bool]:
     """(latency, extrapolated): log-log interpolation inside the measured sizes; outside, the
     alpha-beta line through the two nearest end points."""
@@ -245,7 +251,7 @@ def collective_component(coll: pd.DataFrame, arch: archmod.ArchConfig, tp: int, 
     # where 03 split a CPU's calls by the scheduler tick, a call is its median unstalled call: how often a tick
     # stalls a call is the host's, which 03's quiet cores do not share with the engine's, and the profile
     # prices it (stepsample.collectives_as_paid)
-    col = "unstalled_us" if "unstalled_us" in curve and curve["unstalled_us"].notna().all() else "time_us"
+    col = price_column(curve)
     if col == "unstalled_us":
         notes.append(f"each call at 03's median among the calls no scheduler tick stalled ({curve['stalled_share'].min():.0%}"
                      f"-{curve['stalled_share'].max():.0%} of its calls were, by size): the stalls are the host's, "

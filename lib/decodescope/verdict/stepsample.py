@@ -190,11 +190,10 @@ def collectives_as_paid(samples: list[StepSample], batch: float, priced_us: floa
       tick; where it did not, its calls can cost more than the engine's.
     Either way the profile measured the engine's own calls, so where it measured them it holds."""
     paid, lo, hi, notes = across_levels(samples, batch, lambda s: s.classes_us.get("communication", 0.0))
-    price = priced_us
-    floor = -price if samples[0].batch <= batch <= samples[-1].batch else 0.0
-    if paid < price:
+    floor = -priced_us if samples[0].batch <= batch <= samples[-1].batch else 0.0
+    if paid < priced_us:
         notes.append(f"the profiled calls ({paid:,.0f} us a step here) cost the step less than 03's price "
-                     f"({price:,.0f} us)" + ("" if floor else ": past the profiled levels 03's price holds"))
-    return Component(AS_PAID, max(paid - price, floor), max(lo - price, floor), max(hi - price, floor),
+                     f"({priced_us:,.0f} us)" + ("" if floor else ": past the profiled levels 03's price holds"))
+    return Component(AS_PAID, max(paid - priced_us, floor), max(lo - priced_us, floor), max(hi - priced_us, floor),
                      "; ".join(s.source for s in samples) + " (the critical rank's all-reduce and wait ops per "
                      "step, less 03's price of the calls)", notes)

@@ -227,7 +227,7 @@ def allreduce_reconcile_row(coll: pd.DataFrame, summary: Optional[ProfileSummary
     for timing in (timings or sp.STEP_TIMINGS) if calls and "op" in coll else ():
         curve = sp.latency_curve(coll, micro_comm, timing)
         if not curve.empty:
-            col = statistic if statistic in curve and curve[statistic].notna().all() else "time_us"
+            col = sp.price_column(curve, statistic)
             us = sum(c.count * sp.latency_at(curve, c.msg_bytes, col)[0] for c in calls)
             n = sum(c.count for c in calls)
             return {**row, "micro_benchmark_us": us,
