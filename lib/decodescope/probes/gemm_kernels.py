@@ -220,7 +220,7 @@ def marlin_moe_call(m: int, n: int, k: int, groups: int, device: torch.device):
     a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
     # False: act_order in older vLLM; 0.32 (installed) takes input_dtype 4th, where False fails (.itemsize)
     w_ref, q_w, s, _, _, _ = marlin_quantize(torch.randn(k, n, device=device, dtype=torch.bfloat16),
-                                             scalar_types.uint4b8, MARLIN_GROUP, False)  # type: ignore[arg-type]
+                                             scalar_types.uint4b8, MARLIN_GROUP, False)
     q_all = q_w.unsqueeze(0).repeat(groups, 1, 1).contiguous()
     s_all = s.unsqueeze(0).repeat(groups, 1, 1).contiguous()
     topk_ids = torch.arange(groups, device=device, dtype=torch.int32).repeat_interleave(m).view(rows, 1)
@@ -259,15 +259,14 @@ def _marlin_w4a16(m: int, n: int, k: int, device: torch.device):
         w = torch.randn(k, n, device=device, dtype=torch.bfloat16)
         # False: act_order, as in marlin_moe_call (0.32's 4th parameter is input_dtype: see there)
         _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(
-            w, scalar_types.uint4b8, MARLIN_GROUP, False)  # type: ignore[arg-type]
+            w, scalar_types.uint4b8, MARLIN_GROUP, False)
         ws = _marlin_workspace(device, n)
         # by name: the positional order changed between vLLM releases (b_bias, a_scales were added)
         given = {"a": a, "c": None, "b_q_weight": q_w, "b_bias": None, "b_scales": s, "a_scales": None,
                  "global_scale": None, "b_zeros": None, "g_idx": g_idx, "perm": sort_idx, "workspace": ws,
                  "b_q_type": scalar_types.uint4b8, "size_m": m, "size_n": n, "size_k": k, "is_k_full": True}
         # vLLM 0.26 renamed gptq_marlin_gemm to marlin_gemm, with the same arguments
-        # gptq_marlin_gemm: before 0.26 only, so not in the installed vLLM's stubs
-        marlin_gemm = getattr(ops, "marlin_gemm", None) or ops.gptq_marlin_gemm  # type: ignore[attr-defined]
+        marlin_gemm = getattr(ops, "marlin_gemm", None) or ops.gptq_marlin_gemm
         kwargs = accepted_kwargs(marlin_gemm, given)
         fn = lambda: marlin_gemm(**kwargs)  # noqa: E731
         fn()
