@@ -426,33 +426,64 @@ def test_op_table_rows_are_the_kept_kernels_by_rank_and_start(repo):
     assert list(ops.index) == list(range(len(ops)))
 
 
+# (chunk bytes, whether the file is cut to its first HEAD_EVENTS events): a 97-byte chunk cuts every event at
+# several places, and over a whole 22 MB GPU trace it took 11 s a reader. The GPU trace's head holds every
+# CPU-side event these tests count (Kineto writes them first: the last is event 14,890 of 67,168); a trace of
+# fewer than twice HEAD_EVENTS events (the CPU fixture's 17,700) is read whole.
+CHUNKS = ((97, True), (4099, False), (1 << 20, False))
+HEAD_EVENTS = 16_000
+
+
+def _kineto_head(src: Path, out: Path, n_events: int) -> Path:
+    """src's first n_events events as a Kineto trace of the same layout (its text cut at an event boundary and
+    closed as Kineto closes a file), gzipped at out; src itself where it has fewer than twice n_events."""
+    import re
+
+    text = gzip.decompress(src.read_bytes()).decode()
+    start = text.index('"traceEvents": [')
+    cuts = [m.start() for m in re.finditer(r"\n  \},\n  \{", text[start:])]
+    if len(cuts) < 2 * n_events:
+        return src
+    head = text[:start + cuts[n_events - 1]] + '\n  }\n  ],\n  "traceName": "head"\n}'
+    out.write_bytes(gzip.compress(head.encode()))
+    return out
+
+
+def _chunked_files(src: Path, tmp: Path) -> list[tuple[int, Path, list[dict]]]:
+    """(chunk bytes, the file read at it, that file's events as json.load reads them), for each of CHUNKS."""
+    head = _kineto_head(src, tmp / src.name, HEAD_EVENTS)
+    events = {p: json.loads(gzip.decompress(p.read_bytes()))["traceEvents"] for p in (head, src)}
+    return [(chunk, head if cut else src, events[head if cut else src]) for chunk, cut in CHUNKS]
+
+
 @pytest.mark.parametrize("fixture", ["vllm_cpu_tp2_c4", "vllm_gpu_h200_c16"])
-def test_the_steps_a_trace_annotates_are_counted_in_one_pass_whatever_the_chunks(fixture, monkeypatch):
+def test_the_steps_a_trace_annotates_are_counted_in_one_pass_whatever_the_chunks(fixture, monkeypatch, tmp_path):
     """The attach guard's count: each CPU-side step annotation once (a GPU trace's gpu_user_annotation copy
     not), against json.load, with chunk sizes that cut annotations at every place."""
     from decodescope.trace import reader
     from decodescope.trace.analyze import STEP_NAME
 
     src = sorted((Path(__file__).parent / "fixtures/traces" / fixture).glob("*rank0*.pt.trace.json.gz"))[0]
-    events = json.loads(gzip.decompress(src.read_bytes()))["traceEvents"]
-    want = sum(1 for e in events if e.get("cat") == "user_annotation" and STEP_NAME.fullmatch(str(e.get("name"))))
-    assert want > 10
-    for chunk in (97, 4099, 1 << 20):
+    for chunk, path, events in _chunked_files(src, tmp_path):
+        want = sum(1 for e in events if e.get("cat") == "user_annotation" and STEP_NAME.fullmatch(str(e.get("name"))))
+        assert want > 10
         monkeypatch.setattr(reader, "CHUNK_BYTES", chunk)
-        assert reader.annotated_steps(src) == want
+        assert reader.annotated_steps(path) == want
 
 
-def test_named_cpu_ops_are_read_in_one_pass_whatever_the_chunks(monkeypatch):
+def test_named_cpu_ops_are_read_in_one_pass_whatever_the_chunks(monkeypatch, tmp_path):
     """The drafter's marks on a GPU trace (which the column readers leave out there), against json.load, with
     chunk sizes that cut the events' heads at every place."""
     from decodescope.trace import reader
 
     src = sorted((Path(__file__).parent / "fixtures/traces/vllm_gpu_h200_c16").glob("*rank0*.pt.trace.json.gz"))[0]
     names = ("aten::argmax", "Pregraph bytecode")
-    events = json.loads(gzip.decompress(src.read_bytes()))["traceEvents"]
-    want = sorted((e["name"], float(e["ts"]), float(e["dur"]), int(e["tid"])) for e in events
-                  if e.get("cat") == "cpu_op" and e.get("name") in names)
-    assert {w[0] for w in want} == set(names) and len(want) > 50
-    for chunk in (97, 4099, 1 << 20):
+    wants = []
+    for chunk, path, events in _chunked_files(src, tmp_path):
+        want = sorted((e["name"], float(e["ts"]), float(e["dur"]), int(e["tid"])) for e in events
+                      if e.get("cat") == "cpu_op" and e.get("name") in names)
+        assert {w[0] for w in want} == set(names) and len(want) > 50
         monkeypatch.setattr(reader, "CHUNK_BYTES", chunk)
-        assert sorted(reader.named_cpu_ops(src, names)) == want
+        assert sorted(reader.named_cpu_ops(path, names)) == want
+        wants.append(want)
+    assert wants[0] == wants[-1]  # the head holds every one of the whole file's

@@ -105,8 +105,9 @@ def _write_cpu_trace(path, ops, rank: int, seed: int, world_size: int = 2, names
 @pytest.mark.parametrize("seed", [0, 1])
 def test_nested_ops_in_start_order_stream_as_the_table(tmp_path, monkeypatch, seed, reader):
     """Deep nesting, twins, children outlasting their parent, three threads interleaved, and ties on a
-    start time cut by chunks of 2 KB: each chunk holds a dozen events, so most ops are carried."""
-    ops = _nested_ops(seed, n_top=30)
+    start time cut by chunks of 2 KB: each chunk holds a dozen events, so most ops are carried. Ten top-level
+    ops a thread (~14,500 events a seed; thirty made it 39,000 and 55 s of the suite's CPU over its six cases)."""
+    ops = _nested_ops(seed, n_top=10)
     for rank in (0, 1):
         mine = ops[ops["rank"] == rank].sort_values("ts_us", kind="stable")
         _write_cpu_trace(tmp_path / f"t_rank{rank}.pt.trace.json.gz", mine, rank, seed)
@@ -158,7 +159,7 @@ def test_hundreds_of_names_and_threads_reduce_as_the_table(tmp_path, reader):
 
 
 def test_ops_out_of_start_order_are_read_whole_with_a_warning(tmp_path, monkeypatch):
-    ops = _nested_ops(3, n_top=20)
+    ops = _nested_ops(3, n_top=8)
     for rank in (0, 1):
         mine = ops[ops["rank"] == rank].sample(frac=1, random_state=rank)  # any order
         _write_cpu_trace(tmp_path / f"t_rank{rank}.pt.trace.json.gz", mine, rank, 3)
