@@ -51,8 +51,8 @@ LANES := $(PY) -m tests.lanes
 test: $(DEV_STAMP) chromium sshd
 	$(LANES) $(CPU_PATH_ARG) $(PYTEST_ARGS)
 
-# The edit loop's partial check, not the suite: no vLLM server, no torchrun, no sshd, no browser; every
-# module's unit tests over two processes at once (tests/lanes.py fast_argvs).
+# The edit loop's partial check, not the suite: no vLLM server or process importing vLLM, no torchrun, no sshd,
+# no browser, no wheel build; every module's unit tests over two processes at once (tests/lanes.py fast_argvs).
 test-fast: $(DEV_STAMP)
 	$(LANES) --fast -m "not integration and not ssh and not gpu and not torchrun" $(CPU_PATH_ARG) $(PYTEST_ARGS)
 

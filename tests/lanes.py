@@ -92,27 +92,35 @@ def stage_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> li
     ]
 
 
-# make test-fast selects no server, sshd, torchrun or browser test, so every module's selected tests split over two
-# processes, one a core, in one stage. The ALONE modules' selected tests are unit tests against fake servers
-# and the probes' own interpreters: they wait more than they compute (82 s of wall for ~35 s of CPU), and a
-# lone stage after the others left a core idle for that long (test-fast 3 min 39 s, 2026-12-07). The split's
-# weights: each module's selected tests' seconds (junit, on this 2-core machine under other sessions' load,
-# 2026-12-06: 319 s in one process, 329 s wall; the ALONE modules each in a process of its own, 2026-12-07); a
-# module not listed counts FAST_DEFAULT_S.
+# make test-fast selects no server, sshd, torchrun, browser, package build or process importing vLLM, so every
+# module's selected tests split over two processes, one a core, in one stage. The ALONE modules' selected tests are
+# unit tests against fake servers and the probes' own interpreters: they wait more than they compute, and a lone
+# stage after the others left a core idle for that long (test-fast 3 min 39 s, 2026-12-07). The split's weights:
+# each module's selected tests' seconds in one test-fast with mypy's cache warm, on this 2-core AVX2 host under
+# its own two lanes, 2026-12-07; a module not listed counts FAST_DEFAULT_S. mypy with no cache (a fresh clone)
+# adds MYPY_COLD_S to test_imports: one split for both left the lanes at 138 and 185 s once the cache was warm.
 FAST_WEIGHT_S = {
-    "test_trace_stream.py": 61.8, "test_telemetry.py": 28.5, "test_compare.py": 27.9, "test_serving_client.py": 24.8,
-    "test_trace_parse.py": 24.4, "test_runner_report.py": 17.7, "test_stepmodel.py": 16.2, "test_imports.py": 13.2,
-    "test_engine_comm.py": 12.2, "test_packaging.py": 10.5, "test_compare_gate.py": 10.4,
-    "test_records_probe.py": 9.7, "test_lanes.py": 7.7, "test_critpath_chrome.py": 5.4,
-    "test_fixture_verdicts.py": 5.2, "test_critpath.py": 4.1, "test_speculative.py": 4.1,
-    "test_capture_window.py": 3.5, "test_params.py": 3.3, "test_vllm_gpu_kimi.py": 2.7, "test_attachguard.py": 2.6,
-    "test_records.py": 2.6, "test_procs.py": 2.5, "test_step_model_page.py": 2.3, "test_vllm_gpu.py": 2.1,
+    "test_trace_stream.py": 48.8, "test_telemetry.py": 27.4, "test_serving_client.py": 23.7,
+    "test_compare_gate.py": 23.1, "test_trace_parse.py": 17.3, "test_compare.py": 17.0,
+    "test_fixture_verdicts.py": 15.7, "test_imports.py": 14.8, "test_runner_report.py": 14.7,
+    "test_speculative.py": 11.0, "test_vllm_gpu_kimi.py": 8.2, "test_critpath_chrome.py": 7.8,
+    "test_stepmodel.py": 6.2, "test_critpath.py": 6.0, "test_step_model_page.py": 5.9,
+    "test_vllm_gpu_hostops.py": 5.8, "test_procs.py": 5.6, "test_params.py": 4.9, "test_vllm_gpu.py": 4.4,
+    "test_records.py": 3.8, "test_capture_window.py": 3.6, "test_spec_loo.py": 3.3, "test_attachguard.py": 2.9,
+    "test_records_probe.py": 2.5,
 }
 FAST_DEFAULT_S = 1.0
+MYPY_COLD_S = 40.0
+
+
+def fast_weights(repo: Path) -> dict[str, float]:
+    """FAST_WEIGHT_S, with MYPY_COLD_S on test_imports where mypy has no cache in `repo` yet."""
+    cold = 0.0 if (repo / ".mypy_cache").is_dir() else MYPY_COLD_S
+    return {**FAST_WEIGHT_S, "test_imports.py": FAST_WEIGHT_S["test_imports.py"] + cold}
 
 
 def fast_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> list[dict[str, list[str]]]:
-    """make test-fast's one stage: every module over two lanes at once, balanced by FAST_WEIGHT_S (the
+    """make test-fast's one stage: every module over two lanes at once, balanced by fast_weights (the
     heaviest first, each to the lighter lane)."""
     pytest = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider"]
     own = basetemp_root is not None and not any(a.startswith("--basetemp") for a in pytest_args)
@@ -120,12 +128,13 @@ def fast_argvs(pytest_args: list[str], basetemp_root: Path | None = None) -> lis
     def temp(lane: str) -> list[str]:
         return [f"--basetemp={basetemp_root / lane}"] if own and basetemp_root is not None else []
     modules = sorted(p.name for p in TESTS.glob("test_*.py"))
+    weight = fast_weights(TESTS.parent)
     lanes: dict[str, list[str]] = {"units-a": [], "units-b": []}
     load = dict.fromkeys(lanes, 0.0)
-    for m in sorted(modules, key=lambda m: (-FAST_WEIGHT_S.get(m, FAST_DEFAULT_S), m)):
+    for m in sorted(modules, key=lambda m: (-weight.get(m, FAST_DEFAULT_S), m)):
         lane = min(load, key=lambda k: (load[k], k))
         lanes[lane].append(m)
-        load[lane] += FAST_WEIGHT_S.get(m, FAST_DEFAULT_S)
+        load[lane] += weight.get(m, FAST_DEFAULT_S)
     return [{name: pytest + [str(TESTS / m) for m in sorted(ms)] + temp(name) + pytest_args
              for name, ms in lanes.items()}]
 

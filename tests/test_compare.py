@@ -340,6 +340,7 @@ def test_hostile_strings_are_escaped(two_runs):
     assert "&lt;script&gt;window.__ds_pwned='params'&lt;/script&gt;" in html   # in a table cell
 
 
+@pytest.mark.integration  # headless Chromium: make test, not test-fast
 def test_the_page_in_a_browser_draws_every_plot_and_loads_nothing(two_runs):
     from tests.browser import inspect_report
 

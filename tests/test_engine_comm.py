@@ -75,6 +75,7 @@ def _detect(children: dict, name: str) -> EngineAllReduce:
     return EngineAllReduce.model_validate_json(_output(children, name).strip().splitlines()[-1])
 
 
+@pytest.mark.integration  # vLLM's CPU kernels loaded in child interpreters: make test, not test-fast
 def test_under_the_switch_vllm_cpu_loads_its_avx2_library_and_all_reduces_through_gloo(children):
     """As on an AVX2-only host: vllm/platforms/cpu.py picks _C_AVX2, which has no init_shm_manager."""
     rec = _detect(children, "avx2")
@@ -83,6 +84,7 @@ def test_under_the_switch_vllm_cpu_loads_its_avx2_library_and_all_reduces_throug
     assert _output(children, "avx2_flags").split() == ["False", "False"]
 
 
+@pytest.mark.integration  # as above
 def test_a_process_under_the_switch_that_loads_vllms_kernels_first_loads_the_avx2_library_and_lives(children):
     """The switch applied to the process itself (engine_comm.apply_cpu_path_here, as the tests' conftest and
     the runner apply it): vllm._custom_ops imported before anything asks for the path loads _C_AVX2, and the
@@ -91,6 +93,7 @@ def test_a_process_under_the_switch_that_loads_vllms_kernels_first_loads_the_avx
     assert _output(children, "loads_first").split()[-2:] == ["False", "gloo"]
 
 
+@pytest.mark.integration  # as above
 def test_without_the_switch_the_record_follows_the_cpus_own_flags(children):
     rec = _detect(children, "native")
     flags = open("/proc/cpuinfo").read()

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import lanes
 from tests.conftest import Handoff
 from tests.lanes import (ALONE, BESIDE_SERVERS, FAST_DEFAULT_S, FAST_WEIGHT_S, FAULTS, HANDOFF_ENV, LATE, NO_TESTS,
-                         SERVERS, TESTS, TO_UNITS, fast_argvs, lanes_status, stage_argvs, unit_modules)
+                         SERVERS, TESTS, TO_UNITS, fast_argvs, fast_weights, lanes_status, stage_argvs,
+                         unit_modules)
 
 
 def _modules(argv: list[str]) -> list[str]:
@@ -37,11 +40,20 @@ def test_make_test_fast_splits_every_module_over_two_lanes_by_weight_in_one_stag
     lanes = {name: _modules(argv) for stage in stages for name, argv in stage.items()}
     ran = [m for ms in lanes.values() for m in ms]
     assert sorted(ran) == sorted(p.name for p in TESTS.glob("test_*.py"))   # each once
-    load = {name: sum(FAST_WEIGHT_S.get(m, FAST_DEFAULT_S) for m in lanes[name]) for name in ("units-a", "units-b")}
-    assert abs(load["units-a"] - load["units-b"]) <= max(FAST_WEIGHT_S.values())   # balanced as greedily as can be
+    weight = fast_weights(TESTS.parent)
+    load = {name: sum(weight.get(m, FAST_DEFAULT_S) for m in lanes[name]) for name in ("units-a", "units-b")}
+    assert abs(load["units-a"] - load["units-b"]) <= max(weight.values())   # balanced as greedily as can be
     assert all(argv[-2:] == ["-m", "not integration"] for stage in stages for argv in stage.values())
     assert {a for stage in stages for argv in stage.values() for a in argv if a.startswith("--basetemp")} == {
         f"--basetemp={tmp_path / n}" for n in ("units-a", "units-b")}
+
+
+def test_mypys_cold_cache_weighs_on_test_imports_only(tmp_path):
+    warm, cold = tmp_path / "warm", tmp_path / "cold"
+    (warm / ".mypy_cache").mkdir(parents=True)
+    cold.mkdir()
+    assert fast_weights(warm) == FAST_WEIGHT_S
+    assert fast_weights(cold) == {**FAST_WEIGHT_S, "test_imports.py": FAST_WEIGHT_S["test_imports.py"] + lanes.MYPY_COLD_S}
 
 
 def test_each_lane_has_a_basetemp_of_its_own_that_no_other_pytest_session_prunes(tmp_path):
@@ -62,6 +74,7 @@ def test_each_lane_has_a_basetemp_of_its_own_that_no_other_pytest_session_prunes
     assert r.returncode == 0 and f"TMP {tmp_path / 'lane'}" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.integration  # a nested pytest collects the suite's heaviest module: make test, not test-fast
 def test_a_late_test_is_left_out_of_its_modules_lane_and_runs_alone_after_the_end_to_end_run():
     stages = stage_argvs([])
     for node in LATE:

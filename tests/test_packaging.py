@@ -4,6 +4,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 from decodescope.trace.breakdown_file import BreakdownFile
@@ -103,6 +104,7 @@ def source_copy(repo: Path, src: Path) -> Path:
     return src
 
 
+@pytest.mark.integration  # a wheel built and installed by pip: make test, not test-fast
 def test_wheel_installed_outside_the_repo_finds_its_notebooks_params_and_rules(repo, tmp_path):
     """Build a wheel (offline, no build isolation), install it NON-editable into a fresh venv that sees this
     venv's dependencies but not lib/, and use it from a directory outside the repository."""

@@ -57,6 +57,7 @@ def test_a_file_that_is_not_this_probes_output_is_refused_naming_it(tmp_path, te
     assert str(path) in str(e.value) and says in str(e.value), e.value
 
 
+@pytest.mark.integration  # the GEMM probe under torch, as a process of its own: make test, not test-fast
 def test_the_gemm_probe_writes_its_record_and_02_reads_it(tmp_path):
     """The real probe (torch on this CPU, one small shape) writes the record, which reads back whole."""
     shapes = [{"op": "o_proj", "m": 1, "n": 64, "k": 64, "dtype": "fp32", "batch": 1, "count": 2, "groups": 1,

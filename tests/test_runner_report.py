@@ -98,6 +98,7 @@ def test_resume_with_changed_params_keeps_the_earlier_ones_and_records_the_chang
     assert manifest["params"]["workload"]["requests_per_level"] == 48
 
 
+@pytest.mark.integration  # headless Chromium: make test, not test-fast
 def test_report_is_offline_with_every_figure_drawn_and_failures_shown(params_file, phase_notebooks):
     run_dir, _ = runner.run(params_file, notebook_dir=phase_notebooks)
     report = run_dir / "report.html"
