@@ -1,6 +1,7 @@
 """GPU behaviour of the probes the step model rests on. Needs an NVIDIA GPU: run through the device tool
 (`python -m pytest -m gpu tests/test_gpu_probes.py`); imports only torch and the probes, as the GPU image
 has no pydantic or vLLM."""
+import gzip
 import json
 import os
 import subprocess
@@ -144,3 +145,37 @@ def test_one_variant_over_several_batches_frees_each_batchs_weights_before_the_n
     assert sorted((r["batch"], r["mode"]) for r in rows if r["status"] == "ok") == [
         (16, "cuda_graph"), (16, "eager"), (32, "cuda_graph"), (32, "eager")]
     assert all(r["gemms_reusing_weights"] > 0 for r in rows if r["batch"] == 32)  # held to the budget
+
+
+def test_the_replay_and_a_late_rank_profiled_run_as_two_jobs_of_one_launch(tmp_path):
+    """03's step probe jobs on a GPU (probes/step.py --then): the replay timed eager and in a CUDA graph,
+    then, in the same launch and process, the step profiled with the rank late by 100 us before every
+    collective (torch.cuda._sleep in the graph). Each job writes its own folder with its own delay in its
+    meta; the launch exits 0 past the CUDA graphs (the probe leaves by os._exit there)."""
+    plan = json.loads((REPO / "benchmarks/results/plan_kimi_tp8_step_b1.json").read_text())
+    program = plan["steps"][0]["program"][:40]   # the embedding all-reduce and the first layers
+    plan["steps"] = [{"batch": 1, "program": program}]
+    plan["iters"], plan["warmup"], plan["communicator"] = 5, 2, "engine"
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    replay, late = tmp_path / "replay", tmp_path / "late"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+                    "decodescope.probes.step", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(replay),
+                    "--variants", "full", "--then", "--plan", str(tmp_path / "plan.json"), "--out-dir", str(late),
+                    "--variants", "", "--profile-steps", "3", "--skew-us", "100", "--skew-rank", "0"],
+                   check=True, timeout=300, env=env)
+    timed = json.loads((replay / "step_rank0.json").read_text())
+    profiled = json.loads((late / "step_rank0.json").read_text())
+    rows = {r["mode"]: r for r in timed["rows"]}
+    print({m: round(r["time_us"], 1) for m, r in rows.items()}, profiled["meta"]["skew_us"])
+    assert set(rows) == {"eager", "cuda_graph"} and all(r["status"] == "ok" for r in rows.values())
+    assert timed["meta"]["skew_us"] == 0.0 and profiled["meta"]["skew_us"] == 100.0 and profiled["rows"] == []
+    assert not list(replay.glob("*.pt.trace.json.gz"))
+    traces = list(late.glob("step_replay_b1_rank0.pt.trace.json.gz"))
+    assert len(traces) == 1
+    events = json.loads(gzip.open(traces[0]).read())["traceEvents"]
+    steps = [e for e in events if str(e.get("name", "")).startswith("execute_context_0(0)_generation_1(1)")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    sleeps = sorted({e["name"] for e in kernels if "sleep" in e["name"].lower() or "spin" in e["name"].lower()})
+    print(len(steps), "steps,", len(kernels), "kernels; sleep kernels:", sleeps[:3])
+    assert len(steps) >= 3 and kernels

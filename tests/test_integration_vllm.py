@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from decodescope.schema.params import load_params
+from decodescope.schema.records_probe import read_probe_output
 from decodescope.exec.runserver import start_for_params
 from decodescope.exec.server import ServerError, port_is_free
 from tests.browser import inspect_report
@@ -502,8 +503,15 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
 def test_the_run_checks_its_critical_path_against_a_known_skew(e2e, engine_allreduce):
     """03 replays the step with rank 1 late by each of microbench.skew_calibration_us (0 and 250 us) before every
     collective, through the engine's communicator, and reads each profile back through the critical path: at
-    250 us the path names rank 1 late and attributes the delay rank 1 ran; 05's methods section says so."""
+    250 us the path names rank 1 late and attributes the delay rank 1 ran; 05's methods section says so. The
+    replay and both settings ran as three jobs of one torchrun launch (one log), each with its own delay."""
     rec = json.loads((e2e["run_dir"] / "data" / "skew_calibration.json").read_text())
+    logs = e2e["run_dir"] / "logs"
+    assert (logs / "step_probe.log").is_file() and not list(logs.glob("skew_calibration*.log"))
+    delays = {d: read_probe_output(e2e["run_dir"] / d / "step_rank1.json", "step").meta["skew_us"]
+              for d in ("data/step_ranks", "traces/skew_calibration/d0", "traces/skew_calibration/d250")}
+    assert delays == {"data/step_ranks": 0.0, "traces/skew_calibration/d0": 0.0,
+                      "traces/skew_calibration/d250": 250.0}
     assert rec["ran"] and rec["world"] == 2
     assert [r["injected_us"] for r in rec["settings"]] == e2e["params"].microbench.skew_calibration_us == [0.0, 250.0]
     assert {r["communicator"] for r in rec["settings"]} == {engine_allreduce.communicator}

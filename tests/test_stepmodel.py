@@ -965,6 +965,33 @@ def test_a_step_plans_unknown_communicator_is_refused_by_name():
         step_communicator("nccl", torch.device("cpu"), 2, 0)
 
 
+def test_the_jobs_of_one_step_probe_launch_are_cut_at_then_and_must_share_their_ranks(tmp_path, capsys):
+    """probes.step runs several jobs in one launch (03: the replay, then each skew setting), their arguments
+    cut at --then; jobs that ask for other rank cores, another communicator or device, or a negative delay
+    are refused by job and plan before any rank starts work."""
+    from decodescope.probes import step
+
+    assert step.split_jobs(["--plan", "a", "--then", "--plan", "b", "--skew-us", "5"]) == [
+        ["--plan", "a"], ["--plan", "b", "--skew-us", "5"]]
+    plan = {"dtype": "bf16", "iters": 1, "warmup": 1, "communicator": "engine", "rank_cpus": ["0", "1"], "steps": []}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(plan))
+    b.write_text(json.dumps({**plan, "rank_cpus": ["0-1", "0-1"]}))
+    jobs = step.parse_jobs(["--plan", str(a), "--out-dir", "x", "--then", "--plan", str(a), "--out-dir", "y",
+                            "--variants", "", "--skew-us", "250"])
+    assert [(j.out_dir, j.variants, j.skew_us) for j, _ in jobs] == [("x", "full,gemm_only,comm_only", 0.0),
+                                                                     ("y", "", 250.0)]
+    refused = {
+        f"job 2: plan {b}: rank_cpus ['0-1', '0-1'] differs from job 1's ['0', '1']": ["--plan", str(b)],
+        "job 2: --device": ["--plan", str(a), "--device",
+                            "cuda" if step.arg_parser().get_default("device") == "cpu" else "cpu"],
+        "job 2: --skew-us -5: give a delay of 0 us or more": ["--plan", str(a), "--skew-us", "-5"]}
+    for message, second in refused.items():
+        with pytest.raises(SystemExit):
+            step.parse_jobs(["--plan", str(a), "--out-dir", "x", "--then", "--out-dir", "y"] + second)
+        assert message in capsys.readouterr().err
+
+
 def test_the_host_cost_after_a_gemm_is_the_pair_less_the_gemm_alone(monkeypatch):
     """probes.timing.host_issue_after_us on a clock that the calls themselves advance: a 'GEMM' costing
     16 us and a call costing 25 us alone but 35 us right after the GEMM read 35 us per call."""

@@ -261,21 +261,23 @@ def step_plan(params, dtype: str = "bf16") -> dict:
             "rank_cpus": engine_rank_cpus(params), "steps": [{"batch": b, "program": archmod.step_program(arch, tp, b, mb.expert_parallel)} for b in mb.batches]}
 
 
-def run_step_replay(params, run_dir: Path, device: Optional[str] = None) -> pd.DataFrame:
-    """The decode step's skeleton replayed on the tensor-parallel ranks (GEMMs and collectives in model
-    order, nothing else): per (batch, variant, mode) the slowest rank's median (replay_table)."""
+def step_replay_job(params, run_dir: Path, device: Optional[str] = None) -> tuple[list, Path, Path]:
+    """The replay's job of probes.step (GEMMs and collectives in model order, at every microbench batch):
+    its arguments, its plan's path (written here) and its output folder."""
     data = RunDir(run_dir).data
     plan_path = data / "step_plan.json"
     dtype = "bf16" if "bf16" in params.microbench.dtypes else params.microbench.dtypes[0]
     write_json_atomic(plan_path, step_plan(params, dtype))
     out_dir = data / "step_ranks"
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["--plan", plan_path, "--out-dir", out_dir] + (["--device", device] if device else [])
-    run_torchrun_probe(params, run_dir, "decodescope.probes.step", args, params.server.tensor_parallel,
-                       inputs=(plan_path,), outputs=(out_dir,), log_name="step_probe")
-    rows = read_probe_rows(sorted(out_dir.glob("step_rank*.json")), "step")
-    table = replay_table(rows)
-    write_parquet_atomic(data / STEP_REPLAY, table)
+    return ["--plan", plan_path, "--out-dir", out_dir] + (["--device", device] if device else []), plan_path, out_dir
+
+
+def save_step_replay(out_dir: Path, run_dir: Path) -> pd.DataFrame:
+    """The replay's rank files as per (batch, variant, mode) the slowest rank's median (replay_table);
+    data/step_replay.parquet written and returned."""
+    table = replay_table(read_probe_rows(sorted(Path(out_dir).glob("step_rank*.json")), "step"))
+    write_parquet_atomic(RunDir(run_dir).data / STEP_REPLAY, table)
     return table
 
 

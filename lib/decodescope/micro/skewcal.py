@@ -34,7 +34,8 @@ from decodescope.core.io import write_json_atomic
 from decodescope.core.rundir import TRACES
 from decodescope.exec.hostcore import LocalHost
 from decodescope.exec.server import log_tail
-from decodescope.micro.bench import PROBE_SHM_GLOBS, TORCHRUN_LOG_DIR, run_torchrun_probe, step_plan
+from decodescope.micro.bench import (PROBE_SHM_GLOBS, TORCHRUN_LOG_DIR, run_torchrun_probe, save_step_replay,
+                                     step_plan, step_replay_job)
 from decodescope.schema.records_critpath import SkewCalibration, SkewCalibrationRow
 from decodescope.schema.records_probe import read_probe_output
 from decodescope.schema.recordbase import write_record
@@ -229,32 +230,62 @@ def replay_path_name(meta: dict) -> str:
     return current_cpu_path()
 
 
-def calibrate_for_phase(params, run_dir: Path) -> SkewCalibration:
-    """03: the step replay once per microbench.skew_calibration_us delay, rank 1 late by it before every
-    collective, each profile read back through the critical path; data/skew_calibration.json rewritten
-    after every setting, so a run stopped midway keeps the settings that finished."""
+def calibration_record(params) -> SkewCalibration:
+    """03's calibration record before any setting ran: whether it runs, and why not where it does not."""
     mb = params.microbench
     world, delays = params.server.tensor_parallel, list(mb.skew_calibration_us)
+    return SkewCalibration(world=world, steps=mb.skew_calibration_steps, ran=bool(delays) and world > 1,
+                           why_not=("microbench.skew_calibration_us is []" if not delays else
+                                    "one rank: no collective waits for another" if world < 2 else ""))
+
+
+def calibration_job(plan_path: Path, out_dir: Path, delay_us: float, steps: int,
+                    device: Optional[str] = None) -> list:
+    """One delay setting's job of probes.step: the plan's steps profiled only, rank 1 late by delay_us."""
+    return (["--plan", plan_path, "--out-dir", out_dir, "--variants", "", "--profile-steps", str(steps),
+             "--skew-us", f"{delay_us:g}", "--skew-rank", "1"] + (["--device", device] if device else []))
+
+
+def calibrate_setting(out_dir: Path, delay_us: float) -> SkewSetting:
+    """One setting's traces read back through the critical path, as a row."""
+    split, meta = read_setting(out_dir)
+    row = calibrate(split, delay_us, 1, replay_path_name(meta), str(meta["communicator"]), meta["raw_skew_us"],
+                    meta["spin_us"], meta["raw_spread_us"])
+    log.info("skew calibration: %s", setting_line(row))
+    return row
+
+
+THEN = "--then"  # probes.step.THEN (that module imports torch): the next job's arguments follow
+
+
+def replay_and_calibrate_for_phase(params, run_dir: Path,
+                                   device: Optional[str] = None) -> tuple[pd.DataFrame, SkewCalibration]:
+    """03's step replay (micro.bench.step_replay_job) and its skew calibration, one job per
+    microbench.skew_calibration_us delay (rank 1 late by it before every collective, each profile read back
+    through the critical path), in one torchrun launch: torchrun, torch and vLLM's kernels start once, not
+    once a job (~10 s a launch on two cores). data/step_replay.parquet and data/skew_calibration.json are
+    written once the launch ends, the record again after every setting is read back; a launch stopped
+    midway leaves the jobs that finished in their folders (data/step_ranks, traces/skew_calibration)."""
     path = RunDir(run_dir).file(SKEW_CALIBRATION)
-    record = SkewCalibration(world=world, steps=mb.skew_calibration_steps, ran=bool(delays) and world > 1,
-                             why_not=("microbench.skew_calibration_us is []" if not delays else
-                                      "one rank: no collective waits for another" if world < 2 else ""))
+    record = calibration_record(params)
     write_record(path, record)
-    if not record.ran:
-        return record
-    plan_path = path.with_name("skew_calibration_plan.json")
-    write_json_atomic(plan_path, phase_plan(params))
-    for delay in delays:
-        out_dir = Path(run_dir) / TRACES / "skew_calibration" / f"d{delay:g}"  # its traces and probe rows
-        out_dir.mkdir(parents=True, exist_ok=True)
-        args = ["--plan", plan_path, "--out-dir", out_dir, "--variants", "", "--profile-steps",
-                str(mb.skew_calibration_steps), "--skew-us", f"{delay:g}", "--skew-rank", "1"]
-        run_torchrun_probe(params, run_dir, "decodescope.probes.step", args, world, inputs=(plan_path,),
-                           outputs=(out_dir,), log_name=f"skew_calibration_d{delay:g}")
-        split, meta = read_setting(out_dir)
-        row = calibrate(split, delay, 1, replay_path_name(meta), str(meta["communicator"]), meta["raw_skew_us"],
-                        meta["spin_us"], meta["raw_spread_us"])
-        log.info("skew calibration: %s", setting_line(row))
-        record.settings.append(row)
+    replay_args, replay_plan, replay_out = step_replay_job(params, run_dir, device)
+    jobs, inputs, outputs, settings = [replay_args], [replay_plan], [replay_out], []
+    if record.ran:
+        plan_path = path.with_name("skew_calibration_plan.json")
+        write_json_atomic(plan_path, phase_plan(params))
+        inputs.append(plan_path)
+        for delay in params.microbench.skew_calibration_us:
+            out_dir = Path(run_dir) / TRACES / "skew_calibration" / f"d{delay:g}"  # its traces and probe rows
+            out_dir.mkdir(parents=True, exist_ok=True)
+            jobs.append(calibration_job(plan_path, out_dir, delay, params.microbench.skew_calibration_steps, device))
+            outputs.append(out_dir)
+            settings.append((float(delay), out_dir))
+    args = [a for i, job in enumerate(jobs) for a in ([THEN] if i else []) + job]
+    run_torchrun_probe(params, run_dir, "decodescope.probes.step", args, params.server.tensor_parallel,
+                       inputs=tuple(inputs), outputs=tuple(outputs), log_name="step_probe")
+    replay = save_step_replay(replay_out, run_dir)
+    for delay, out_dir in settings:
+        record.settings.append(calibrate_setting(out_dir, delay))
         write_record(path, record)
-    return record
+    return replay, record

@@ -26,6 +26,11 @@ A barrier aligns the ranks before each timed step.
 `warmup` untimed steps run, then `iters` timed ones; the median and p10/p90 are reported.
 Each rank writes step_rank<r>.json atomically after each batch.
 
+`--then` starts another job's arguments (its own --plan, --out-dir, --variants, --profile-steps, --skew-us),
+run after the one before in the same ranks, process group and communicator: 03 runs its replay and each
+skew calibration setting in one launch, so torchrun, torch and vLLM's kernels start once, not once a job
+(~10 s a launch on two cores). The jobs must ask for the same device, rank cores and communicator.
+
 `--skew-us D --skew-rank R` makes rank R late by a known D us before every collective (timed and profiled
 steps alike; both recorded in the meta), to calibrate the critical path's arrival skew against
 (decodescope.micro.skewcal). On CPUs the rank spins (busy, as a slow rank is) inside a
@@ -222,8 +227,9 @@ def with_skew(items, skew_us: float, device) -> list:
     return [(kind, (lambda f=fn: (delay(), f())) if kind == "comm" else fn) for kind, fn in items]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="decode-step replay probe (run under torchrun)")
+def arg_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="decode-step replay probe (run under torchrun); `--then` starts "
+                                             "another job's arguments, run after it in the same ranks")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -234,22 +240,62 @@ def main(argv=None) -> int:
     ap.add_argument("--skew-us", type=float, default=0.0,
                     help="make --skew-rank late by this many us before every collective (a busy wait on CPUs)")
     ap.add_argument("--skew-rank", type=int, default=1, help="the rank --skew-us delays (default 1)")
-    args = ap.parse_args(argv)
-    if args.skew_us < 0:
-        ap.error(f"--skew-us {args.skew_us:g}: give a delay of 0 us or more")
-    plan = json.load(open(args.plan))
-    use_cuda, device, rank, world = init_ranks(args.device, plan.get("rank_cpus"))
+    return ap
+
+
+THEN = "--then"
+# what every job of one launch shares (its ranks, their cores, their communicator), so must ask alike
+SHARED_ARGS = ("device",)
+SHARED_PLAN_KEYS = ("rank_cpus", "communicator")
+
+
+def split_jobs(argv: list[str]) -> list[list[str]]:
+    """The command line cut at each --then: one job's arguments each."""
+    jobs: list[list[str]] = [[]]
+    for a in argv:
+        if a == THEN:
+            jobs.append([])
+        else:
+            jobs[-1].append(a)
+    return jobs
+
+
+def parse_jobs(argv: list[str]) -> list[tuple[argparse.Namespace, dict]]:
+    """Each job's arguments and plan, checked before any rank starts work: delays of 0 us or more, and the
+    same device, rank cores and communicator asked for by every job."""
+    ap = arg_parser()
+    jobs = []
+    for i, job_argv in enumerate(split_jobs(argv)):
+        args = ap.parse_args(job_argv)
+        if args.skew_us < 0:
+            ap.error(f"job {i + 1}: --skew-us {args.skew_us:g}: give a delay of 0 us or more")
+        with open(args.plan) as f:
+            jobs.append((args, json.load(f)))
+    first_args, first_plan = jobs[0]
+    for i, (args, plan) in enumerate(jobs[1:], start=2):
+        for k in SHARED_ARGS:
+            if getattr(args, k) != getattr(first_args, k):
+                ap.error(f"job {i}: --{k} {getattr(args, k)} differs from job 1's {getattr(first_args, k)}; "
+                         "the jobs of one launch share their ranks")
+        for k in SHARED_PLAN_KEYS:
+            if plan.get(k) != first_plan.get(k):
+                ap.error(f"job {i}: plan {args.plan}: {k} {plan.get(k)!r} differs from job 1's "
+                         f"{first_plan.get(k)!r}; the jobs of one launch share their ranks")
+    return jobs
+
+
+def run_job(args: argparse.Namespace, plan: dict, comm: Communicator, comm_note: str, use_cuda: bool, device,
+            rank: int, world: int) -> None:
+    """One job: its plan's batches timed (its --variants) and profiled (its --profile-steps), rank
+    --skew-rank late by --skew-us; step_rank<r>.json in its --out-dir rewritten after each batch."""
     timer = Timer(device)
     meta = {"rank": rank, "world_size": world, "backend": dist.get_backend(), "device": str(device),
             "torch": torch.__version__, "dtype": plan["dtype"], "iters": plan["iters"], "warmup": plan["warmup"],
             "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
             "gpu": torch.cuda.get_device_name(device) if use_cuda else None,
             "cpus": None if use_cuda else sorted(os.sched_getaffinity(0)),
-            "skew_us": args.skew_us, "skew_rank": args.skew_rank}
-    if args.skew_us and not 0 <= args.skew_rank < world:
-        raise SystemExit(f"--skew-rank {args.skew_rank}: expected a rank from 0 to {world - 1}")
-    comm, comm_note = step_communicator(plan.get("communicator", "torch"), device, world, rank)
-    meta.update(communicator=comm.name, communicator_note=comm_note)
+            "skew_us": args.skew_us, "skew_rank": args.skew_rank,
+            "communicator": comm.name, "communicator_note": comm_note}
     # made here, on the host the ranks run on: over ssh only the launcher's side has it
     os.makedirs(args.out_dir, exist_ok=True)
     out = os.path.join(args.out_dir, f"step_rank{rank}.json")
@@ -268,7 +314,20 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         write_probe_output(out, "step", rows, meta)
         if rank == 0:
-            log.info("batch %s: done", step["batch"])
+            log.info("%s batch %s: done", args.out_dir, step["batch"])
+    dist.barrier()  # the next job's first timed step starts on every rank together
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    jobs = parse_jobs(sys.argv[1:] if argv is None else argv)
+    first_args, first_plan = jobs[0]
+    use_cuda, device, rank, world = init_ranks(first_args.device, first_plan.get("rank_cpus"))
+    for args, _ in jobs:
+        if args.skew_us and not 0 <= args.skew_rank < world:
+            raise SystemExit(f"--skew-rank {args.skew_rank}: expected a rank from 0 to {world - 1}")
+    comm, comm_note = step_communicator(first_plan.get("communicator", "torch"), device, world, rank)
+    for args, plan in jobs:
+        run_job(args, plan, comm, comm_note, use_cuda, device, rank, world)
     if comm.cleanup:
         comm.cleanup()
     dist.barrier()

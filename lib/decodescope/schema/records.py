@@ -19,7 +19,7 @@ declared once, next to the model, as `*_COLUMNS = columns_of(Model)`.
 | data/profile_capture.json    | ProfileCaptures  | profiling.capture (04)                  |
 | data/profile/host_ops.json   | HostOps          | trace.hostops.host_op_costs (04; records_profile) |
 | data/profile/c<N>/critical_path.json | CriticalPathSummary | critpath.record (04; records_critpath) |
-| data/skew_calibration.json   | SkewCalibration  | micro.skewcal.calibrate_for_phase (03; records_critpath) |
+| data/skew_calibration.json   | SkewCalibration  | micro.skewcal.replay_and_calibrate_for_phase (03; records_critpath) |
 | data/server.json             | ServerInfo       | runserver.write_server_info (records_server) |
 | data/link.json               | LinkMeasure      | runserver.write_server_info (records_server) |
 | data/gemm_raw.json           | ProbeOutput      | probes.gemm (02; records_probe)     |

@@ -129,7 +129,7 @@ class SkewCalibrationRow(_Model):
 
 class SkewCalibration(Record):
     """data/skew_calibration.json (03_collectives): how far this host's critical path recovers a known
-    arrival skew (micro.skewcal.calibrate_for_phase); the report's methods section shows it."""
+    arrival skew (micro.skewcal.replay_and_calibrate_for_phase); the report's methods section shows it."""
 
     world: int = Field(description="the replay's ranks (the tensor-parallel size)")
     steps: int = Field(description="steps profiled per setting")
