@@ -263,9 +263,10 @@ def replay_and_calibrate_for_phase(params, run_dir: Path,
     """03's step replay (micro.bench.step_replay_job) and its skew calibration, one job per
     microbench.skew_calibration_us delay (rank 1 late by it before every collective, each profile read back
     through the critical path), in one torchrun launch: torchrun, torch and vLLM's kernels start once, not
-    once a job (~10 s a launch on two cores). data/step_replay.parquet and data/skew_calibration.json are
-    written once the launch ends, the record again after every setting is read back; a launch stopped
-    midway leaves the jobs that finished in their folders (data/step_ranks, traces/skew_calibration)."""
+    once a job (~17 s a launch on the 2-core AVX2 host, benchmarks/results/step_probe_launches.txt).
+    data/step_replay.parquet and data/skew_calibration.json are written once the launch ends, the record
+    again after every setting is read back; a launch stopped midway leaves the jobs that finished in their
+    folders (data/step_ranks, traces/skew_calibration)."""
     path = RunDir(run_dir).file(SKEW_CALIBRATION)
     record = calibration_record(params)
     write_record(path, record)

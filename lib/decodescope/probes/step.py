@@ -29,7 +29,8 @@ Each rank writes step_rank<r>.json atomically after each batch.
 `--then` starts another job's arguments (its own --plan, --out-dir, --variants, --profile-steps, --skew-us),
 run after the one before in the same ranks, process group and communicator: 03 runs its replay and each
 skew calibration setting in one launch, so torchrun, torch and vLLM's kernels start once, not once a job
-(~10 s a launch on two cores). The jobs must ask for the same device, rank cores and communicator.
+(~17 s a launch on the 2-core AVX2 host). The jobs must ask for the same device, rank cores and
+communicator.
 
 `--skew-us D --skew-rank R` makes rank R late by a known D us before every collective (timed and profiled
 steps alike; both recorded in the meta), to calibrate the critical path's arrival skew against
