@@ -411,6 +411,17 @@ req[["send_ns", "end_ns", "ok", "ttft_us", "tpot_us", "e2e_us", "itl_us"]].to_pa
 """
 
 
+# the fewest requests a side, with prefills apart, whose medians a round compares
+MIN_APART = 5
+
+
+def _prefill_overlaps(a: pd.DataFrame, b: pd.DataFrame) -> "pd.Series":
+    """Per request of `a`: whether its wait for its first token (send to first token) overlaps one of `b`'s."""
+    a0, a1 = a["send_ns"].to_numpy(), (a["send_ns"] + a["ttft_us"] * 1e3).to_numpy()
+    b0, b1 = b["send_ns"].to_numpy(), (b["send_ns"] + b["ttft_us"] * 1e3).to_numpy()
+    return pd.Series(((a0[:, None] < b1[None, :]) & (b0[None, :] < a1[:, None])).any(axis=1), index=a.index)
+
+
 def _in_window(df: pd.DataFrame, start_ns: float, end_ns: float) -> pd.DataFrame:
     return df[(df["send_ns"] >= start_ns) & (df["end_ns"] <= end_ns)]
 
@@ -486,10 +497,23 @@ def test_our_tpot_matches_vllm_bench_serve_side_by_side_on_the_same_server(repo,
                 print(f"round {r}: coalesced gaps {coalesced[0]:.0%} (ours) and {coalesced[1]:.0%} (vllm bench), "
                       "not compared")
                 continue
-            line = [f"round {r}: {len(ours_w)} and {len(theirs_w)} requests side by side; ttft_us p50 decodescope "
-                    f"{ours_w['ttft_us'].median() / 1e3:.2f} ms, vllm bench {theirs_w['ttft_us'].median() / 1e3:.2f} ms"]
+            # Where both clients' prompts wait for their first token together, the server takes them in turn
+            # and the one sent second waits a prefill step more in its TTFT, which the other client's TPOT pays
+            # instead. Ours resends faster than vllm bench, so ours went first: in one round 7 of 16 requests
+            # overlapped so, vllm bench's TTFT read 46.5 ms overlapped and 34.0 ms apart (ours 32.9 and 30.5),
+            # and a suite's rounds read TPOT ratios of 1.04, 1.14 and 1.12 with E2E within 6%. That is the
+            # server's order, not either client's timing: the requests compared are those whose prefill
+            # overlaps none of the other client's.
+            ours_a, theirs_a = ours_w[~_prefill_overlaps(ours_w, theirs_w)], theirs_w[~_prefill_overlaps(theirs_w, ours_w)]
+            if min(len(ours_a), len(theirs_a)) < MIN_APART:
+                print(f"round {r}: only {len(ours_a)} and {len(theirs_a)} requests whose prefills overlap none of "
+                      "the other's, not compared")
+                continue
+            line = [f"round {r}: {len(ours_w)} and {len(theirs_w)} requests side by side, {len(ours_a)} and "
+                    f"{len(theirs_a)} with prefills apart; ttft_us p50 decodescope "
+                    f"{ours_a['ttft_us'].median() / 1e3:.2f} ms, vllm bench {theirs_a['ttft_us'].median() / 1e3:.2f} ms"]
             for key in ratios:
-                o, t = ours_w[key].median(), theirs_w[key].median()
+                o, t = ours_a[key].median(), theirs_a[key].median()
                 ratios[key].append(o / t)
                 line.append(f"{key} p50 decodescope {o / 1e3:.3f} ms, vllm bench {t / 1e3:.3f} ms")
             print("; ".join(line))
