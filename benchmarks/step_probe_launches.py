@@ -11,9 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from decodescope.core.io import write_json_atomic
 from decodescope.micro import skewcal
-from decodescope.micro.bench import run_torchrun_probe, step_replay_job
+from decodescope.micro.bench import run_torchrun_probe
 from decodescope.schema.params import load_params
 
 ROUNDS = 2
@@ -21,23 +20,15 @@ MODULE = "decodescope.probes.step"
 
 
 def jobs(params, run_dir: Path) -> list[list]:
-    """03's jobs on run_dir: the replay, then one per delay (micro.skewcal.replay_and_calibrate_for_phase)."""
+    """03's jobs on run_dir, as 03 builds them (micro.skewcal.phase_jobs)."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    replay, _, _ = step_replay_job(params, run_dir)
-    plan = run_dir / "data" / "skew_calibration_plan.json"
-    write_json_atomic(plan, skewcal.phase_plan(params))
-    out = []
-    for delay in params.microbench.skew_calibration_us:
-        d = run_dir / "traces" / f"d{delay:g}"
-        d.mkdir(parents=True, exist_ok=True)
-        out.append(skewcal.calibration_job(plan, d, delay, params.microbench.skew_calibration_steps))
-    return [replay] + out
+    return skewcal.phase_jobs(params, run_dir, skewcal.calibration_record(params))[0]
 
 
 def launch(params, run_dir: Path, job_list: list[list]) -> float:
     t0 = time.monotonic()
-    args = [a for i, job in enumerate(job_list) for a in ([skewcal.THEN] if i else []) + job]
-    run_torchrun_probe(params, run_dir, MODULE, args, params.server.tensor_parallel, log_name="step_probe")
+    run_torchrun_probe(params, run_dir, MODULE, skewcal.one_launch(job_list), params.server.tensor_parallel,
+                       log_name="step_probe")
     return time.monotonic() - t0
 
 

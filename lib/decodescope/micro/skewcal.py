@@ -101,8 +101,8 @@ def run_skewed_replay(plan: dict, out_dir: Path, skew_us: float, skew_rank: int 
     plan_path = out_dir / "plan.json"
     write_json_atomic(plan_path, plan)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            f"--log-dir={out_dir / TORCHRUN_LOG_DIR}", "-m", "decodescope.probes.step", "--plan", str(plan_path), "--out-dir", str(out_dir), "--variants", "",
-            "--profile-steps", str(steps), "--skew-us", f"{skew_us:g}", "--skew-rank", str(skew_rank)]
+            f"--log-dir={out_dir / TORCHRUN_LOG_DIR}", "-m", "decodescope.probes.step"]
+    argv += [str(a) for a in calibration_job(plan_path, out_dir, skew_us, steps, skew_rank=skew_rank)]
     env = {"OMP_NUM_THREADS": "1", **cpu_path_env(cpu_path)}
     log_path = out_dir / "step_replay.log"
     rc = LocalHost().run_job(argv, log_path, timeout_s, env=env, shm_globs=PROBE_SHM_GLOBS)
@@ -197,8 +197,11 @@ def calibrate(split: pd.DataFrame, injected_us: float, skew_rank: int, cpu_path:
         transfer_us_median=float(split["transfer_us"].median()))
 
 
-def calibrate_dir(trace_dir: Path, cpu_path: str, kind: str = "decode") -> SkewSetting:
+def calibrate_dir(trace_dir: Path, cpu_path: Optional[str] = None, kind: str = "decode") -> SkewSetting:
+    """One setting's folder as a row, at the delay and late rank its meta records; cpu_path None: where the
+    replay ran (replay_path_name)."""
     split, meta = read_setting(trace_dir, kind)
+    cpu_path = replay_path_name(meta) if cpu_path is None else cpu_path
     return calibrate(split, float(meta["skew_us"]), int(meta["skew_rank"]), cpu_path, str(meta["communicator"]),
                      meta["raw_skew_us"], meta["spin_us"], meta["raw_spread_us"])
 
@@ -239,23 +242,37 @@ def calibration_record(params) -> SkewCalibration:
                                     "one rank: no collective waits for another" if world < 2 else ""))
 
 
-def calibration_job(plan_path: Path, out_dir: Path, delay_us: float, steps: int,
-                    device: Optional[str] = None) -> list:
-    """One delay setting's job of probes.step: the plan's steps profiled only, rank 1 late by delay_us."""
+def calibration_job(plan_path: Path, out_dir: Path, delay_us: float, steps: int, device: Optional[str] = None,
+                    skew_rank: int = 1) -> list:
+    """One delay setting's job of probes.step: the plan's steps profiled only, rank skew_rank late by delay_us."""
     return (["--plan", plan_path, "--out-dir", out_dir, "--variants", "", "--profile-steps", str(steps),
-             "--skew-us", f"{delay_us:g}", "--skew-rank", "1"] + (["--device", device] if device else []))
-
-
-def calibrate_setting(out_dir: Path, delay_us: float) -> SkewSetting:
-    """One setting's traces read back through the critical path, as a row."""
-    split, meta = read_setting(out_dir)
-    row = calibrate(split, delay_us, 1, replay_path_name(meta), str(meta["communicator"]), meta["raw_skew_us"],
-                    meta["spin_us"], meta["raw_spread_us"])
-    log.info("skew calibration: %s", setting_line(row))
-    return row
+             "--skew-us", f"{delay_us:g}", "--skew-rank", str(skew_rank)] + (["--device", device] if device else []))
 
 
 THEN = "--then"  # probes.step.THEN (that module imports torch): the next job's arguments follow
+
+
+def one_launch(jobs: list[list]) -> list:
+    """Jobs of probes.step as the arguments of one launch, each after --then."""
+    return [a for i, job in enumerate(jobs) for a in ([THEN] if i else []) + job]
+
+
+def phase_jobs(params, run_dir: Path, record: SkewCalibration, device: Optional[str] = None) -> tuple[list, list, list]:
+    """03's jobs of probes.step: the replay (micro.bench.step_replay_job), then one per
+    microbench.skew_calibration_us delay where the record runs; with the plans to push and the folders to
+    bring back (over ssh). The plans are written and the folders made here."""
+    replay_args, replay_plan, replay_out = step_replay_job(params, run_dir, device)
+    jobs, inputs, outputs = [replay_args], [replay_plan], [replay_out]
+    if record.ran:
+        plan_path = RunDir(run_dir).file(SKEW_CALIBRATION).with_name("skew_calibration_plan.json")
+        write_json_atomic(plan_path, phase_plan(params))
+        inputs.append(plan_path)
+        for delay in params.microbench.skew_calibration_us:
+            out_dir = Path(run_dir) / TRACES / "skew_calibration" / f"d{delay:g}"  # its traces and probe rows
+            out_dir.mkdir(parents=True, exist_ok=True)
+            jobs.append(calibration_job(plan_path, out_dir, delay, params.microbench.skew_calibration_steps, device))
+            outputs.append(out_dir)
+    return jobs, inputs, outputs
 
 
 def replay_and_calibrate_for_phase(params, run_dir: Path,
@@ -270,23 +287,13 @@ def replay_and_calibrate_for_phase(params, run_dir: Path,
     path = RunDir(run_dir).file(SKEW_CALIBRATION)
     record = calibration_record(params)
     write_record(path, record)
-    replay_args, replay_plan, replay_out = step_replay_job(params, run_dir, device)
-    jobs, inputs, outputs, settings = [replay_args], [replay_plan], [replay_out], []
-    if record.ran:
-        plan_path = path.with_name("skew_calibration_plan.json")
-        write_json_atomic(plan_path, phase_plan(params))
-        inputs.append(plan_path)
-        for delay in params.microbench.skew_calibration_us:
-            out_dir = Path(run_dir) / TRACES / "skew_calibration" / f"d{delay:g}"  # its traces and probe rows
-            out_dir.mkdir(parents=True, exist_ok=True)
-            jobs.append(calibration_job(plan_path, out_dir, delay, params.microbench.skew_calibration_steps, device))
-            outputs.append(out_dir)
-            settings.append((float(delay), out_dir))
-    args = [a for i, job in enumerate(jobs) for a in ([THEN] if i else []) + job]
-    run_torchrun_probe(params, run_dir, "decodescope.probes.step", args, params.server.tensor_parallel,
+    jobs, inputs, outputs = phase_jobs(params, run_dir, record, device)
+    run_torchrun_probe(params, run_dir, "decodescope.probes.step", one_launch(jobs), params.server.tensor_parallel,
                        inputs=tuple(inputs), outputs=tuple(outputs), log_name="step_probe")
-    replay = save_step_replay(replay_out, run_dir)
-    for delay, out_dir in settings:
-        record.settings.append(calibrate_setting(out_dir, delay))
+    replay = save_step_replay(outputs[0], run_dir)
+    for out_dir in outputs[1:]:
+        row = calibrate_dir(out_dir)
+        log.info("skew calibration: %s", setting_line(row))
+        record.settings.append(row)
         write_record(path, record)
     return replay, record
